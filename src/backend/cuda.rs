@@ -1,0 +1,480 @@
+//! The CUDA backend: CUDA's virtual memory management API through
+//! `cudarc::driver::sys`. The only module of vmmbuf that calls the driver.
+//!
+//! Before the first driver call, [`CudaBackend::new`] checks that the driver
+//! library can be loaded, that the device exists and that it supports VMM,
+//! and answers with a typed error otherwise: cudarc never gets the chance to
+//! panic for a missing library.
+
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use super::{Backend, Counters, LiveCounts, MapTable};
+use crate::error::{Error, Result};
+use crate::location::{Access, AccessDesc, Location};
+
+/// Names under which the driver library may be found.
+const DRIVER_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so", "nvcuda.dll"];
+
+/// Turns a driver result into vmmbuf's error, naming the call.
+fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result<()> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::OutOfMemory { call, requested_bytes }),
+        other => Err(Error::Driver { call, code: other as u32, name: format!("{other:?}") }),
+    }
+}
+
+/// `CUmemLocation` changed its source form (an anonymous union) at CUDA 13.2
+/// while keeping its layout: `{ type, int id }`. This mirror builds it the same
+/// way whichever bindings cudarc picked.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RawLocation {
+    type_: sys::CUmemLocationType,
+    id: std::ffi::c_int,
+}
+
+const _: () = assert!(std::mem::size_of::<RawLocation>() == std::mem::size_of::<sys::CUmemLocation>());
+const _: () = assert!(std::mem::align_of::<RawLocation>() == std::mem::align_of::<sys::CUmemLocation>());
+
+fn raw_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+    // SAFETY: same size and alignment (asserted above), same field order and
+    // types as the driver's `CUmemLocation` in every CUDA version; both are
+    // plain `Copy` data.
+    unsafe { std::mem::transmute::<RawLocation, sys::CUmemLocation>(RawLocation { type_, id }) }
+}
+
+fn access_flags(a: Access) -> sys::CUmemAccess_flags {
+    match a {
+        Access::None => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+        Access::Read => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+        Access::ReadWrite => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+/// CUDA VMM on one device's primary context.
+#[derive(Debug)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    device: u32,
+    device_count: u32,
+    granularity: usize,
+    /// The host NUMA node for host placement, where the device supports it.
+    host_numa: Option<i32>,
+    counters: Arc<Counters>,
+}
+
+impl CudaBackend {
+    /// A backend on GPU `ordinal`'s primary context.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] without a loadable driver or when
+    /// it fails to initialise, [`Error::InvalidDevice`] for an ordinal the
+    /// machine lacks, [`Error::VmmUnsupported`] where the device has no VMM.
+    pub fn new(ordinal: u32) -> Result<Arc<Self>> {
+        Self::check_driver()?;
+        let count = cudarc::driver::result::device::get_count()
+            .map_err(|e| Error::DriverUnavailable { reason: format!("cuDeviceGetCount: {e}") })?
+            as u32;
+        if ordinal >= count {
+            return Err(Error::InvalidDevice { device: ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal as usize)
+            .map_err(|e| Error::DriverUnavailable { reason: format!("context on gpu{ordinal}: {e}") })?;
+        Self::from_context(ctx)
+    }
+
+    /// A backend on an existing cudarc context (its device is the home).
+    pub fn from_context(ctx: Arc<CudaContext>) -> Result<Arc<Self>> {
+        let device = ctx.ordinal() as u32;
+        let attr = |a| ctx.attribute(a).map_err(|e| Error::Driver {
+            call: "cuDeviceGetAttribute",
+            code: e.0 as u32,
+            name: format!("{:?}", e.0),
+        });
+        use sys::CUdevice_attribute as A;
+        if attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? == 0 {
+            return Err(Error::VmmUnsupported { device });
+        }
+        let host_numa = if attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0 {
+            Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?.max(0))
+        } else {
+            None
+        };
+        let device_count = CudaContext::device_count().map_err(|e| Error::Driver {
+            call: "cuDeviceGetCount",
+            code: e.0 as u32,
+            name: format!("{:?}", e.0),
+        })? as u32;
+        let mut this = Self {
+            ctx,
+            device,
+            device_count,
+            granularity: 0,
+            host_numa,
+            counters: Arc::default(),
+        };
+        this.granularity = this.query_granularity(Location::Device(device))?;
+        Ok(Arc::new(this))
+    }
+
+    /// Returns `Ok` if the CUDA driver library can be loaded here.
+    pub fn check_driver() -> Result<()> {
+        for name in DRIVER_LIBRARIES {
+            // SAFETY: loading the system's CUDA driver library runs only its
+            // own initialisers, the same load cudarc itself performs.
+            if unsafe { libloading::Library::new(name) }.is_ok() {
+                return Ok(());
+            }
+        }
+        Err(Error::DriverUnavailable {
+            reason: format!("none of {DRIVER_LIBRARIES:?} could be loaded"),
+        })
+    }
+
+    /// The cudarc context this backend works in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The home device's ordinal.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// `(free, total)` bytes of the home device, from `cuMemGetInfo`.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two valid out-pointers; a context is current (bind).
+        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, 0)?;
+        Ok((free, total))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| Error::Driver {
+            call: "cuCtxSetCurrent",
+            code: e.0 as u32,
+            name: format!("{:?}", e.0),
+        })
+    }
+
+    fn check_location(&self, l: Location) -> Result<()> {
+        match l {
+            Location::Device(d) if d >= self.device_count => {
+                Err(Error::InvalidDevice { device: d, count: self.device_count })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The `CUmemLocation` of a placement.
+    fn placement(&self, l: Location) -> Result<sys::CUmemLocation> {
+        self.check_location(l)?;
+        use sys::CUmemLocationType as T;
+        Ok(match l {
+            Location::Device(d) => raw_location(T::CU_MEM_LOCATION_TYPE_DEVICE, d as i32),
+            Location::Host => match self.host_numa {
+                Some(node) => raw_location(T::CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
+                None => {
+                    return Err(Error::Unsupported {
+                        what: format!("host placement: gpu{} has no host-NUMA VMM support", self.device),
+                    })
+                }
+            },
+        })
+    }
+
+    fn prop(&self, placement: Location) -> Result<sys::CUmemAllocationProp> {
+        // SAFETY: `CUmemAllocationProp` is plain C data for which all-zero is
+        // the driver's documented default (no handle types, no flags).
+        let mut prop: sys::CUmemAllocationProp = unsafe { MaybeUninit::zeroed().assume_init() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location = self.placement(placement)?;
+        Ok(prop)
+    }
+
+    fn query_granularity(&self, placement: Location) -> Result<usize> {
+        let prop = self.prop(placement)?;
+        self.bind()?;
+        let mut g = 0usize;
+        // SAFETY: valid out-pointer and a fully initialised property struct.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }, 0)?;
+        if !g.is_power_of_two() {
+            return Err(Error::Unsupported { what: format!("granularity {g} is not a power of two") });
+        }
+        Ok(g)
+    }
+}
+
+/// A reserved range of the process's unified (GPU) address space.
+#[derive(Debug)]
+pub struct CudaReservation {
+    ptr: sys::CUdeviceptr,
+    table: MapTable,
+    ctx: Arc<CudaContext>,
+    counters: Arc<Counters>,
+}
+
+impl Drop for CudaReservation {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return; // freed through Backend::free
+        }
+        let _ = self.ctx.bind_to_thread();
+        // A token dropped with mappings left: wait for the GPU, then take them
+        // down before the range can be freed.
+        let mappings = self.table.mappings();
+        if !mappings.is_empty() {
+            let _ = self.ctx.synchronize();
+        }
+        for (off, bytes) in mappings {
+            // SAFETY: (ptr + off, bytes) is one live mapping of this token.
+            let r = unsafe { sys::cuMemUnmap(self.ptr + off as u64, bytes) };
+            if r == sys::CUresult::CUDA_SUCCESS {
+                self.counters.update(|c| c.mapped_bytes -= bytes);
+            } else {
+                tracing::error!(?r, "vmmbuf cuda: cuMemUnmap failed in drop");
+            }
+        }
+        // SAFETY: (ptr, bytes) is exactly this token's reservation.
+        let r = unsafe { sys::cuMemAddressFree(self.ptr, self.table.bytes) };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            let bytes = self.table.bytes;
+            self.counters.update(|c| {
+                c.reservations -= 1;
+                c.reserved_bytes -= bytes;
+            });
+        } else {
+            tracing::error!(?r, "vmmbuf cuda: cuMemAddressFree failed in drop; the range leaks");
+        }
+    }
+}
+
+/// A physical allocation handle from `cuMemCreate`.
+#[derive(Debug)]
+pub struct CudaChunk {
+    handle: sys::CUmemGenericAllocationHandle,
+    bytes: usize,
+    released: bool,
+    ctx: Arc<CudaContext>,
+    counters: Arc<Counters>,
+}
+
+impl CudaChunk {
+    fn release_now(&mut self) -> Result<()> {
+        // SAFETY: the handle came from cuMemCreate and has not been released
+        // (`released` is false); releasing while mapped is allowed.
+        check("cuMemRelease", unsafe { sys::cuMemRelease(self.handle) }, self.bytes)?;
+        self.released = true;
+        let bytes = self.bytes;
+        self.counters.update(|c| {
+            c.chunks -= 1;
+            c.chunk_bytes -= bytes;
+        });
+        Ok(())
+    }
+}
+
+impl Drop for CudaChunk {
+    fn drop(&mut self) {
+        if !self.released {
+            let _ = self.ctx.bind_to_thread();
+            if let Err(e) = self.release_now() {
+                tracing::error!(error = %e, "vmmbuf cuda: releasing a chunk in drop failed");
+            }
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Reservation = CudaReservation;
+    type Chunk = CudaChunk;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn home(&self) -> Location {
+        Location::Device(self.device)
+    }
+
+    fn granularity(&self, placement: Location) -> Result<usize> {
+        if placement == Location::Device(self.device) {
+            Ok(self.granularity)
+        } else {
+            self.query_granularity(placement)
+        }
+    }
+
+    fn reserve(&self, bytes: usize, align: usize) -> Result<CudaReservation> {
+        if bytes == 0 || bytes % self.granularity != 0 || !align.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "reserve {bytes} bytes aligned {align}: size must be a non-zero multiple of {}",
+                self.granularity
+            )));
+        }
+        self.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out-pointer; no address hint, no flags.
+        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) }, bytes)
+            .map_err(|e| match e {
+                Error::OutOfMemory { .. } => Error::ReservationExhausted { requested_bytes: bytes, reserved_bytes: 0 },
+                e => e,
+            })?;
+        self.counters.update(|c| {
+            c.reservations += 1;
+            c.reserved_bytes += bytes;
+        });
+        Ok(CudaReservation { ptr, table: MapTable::new(bytes), ctx: self.ctx.clone(), counters: self.counters.clone() })
+    }
+
+    fn base(&self, res: &CudaReservation) -> u64 {
+        res.ptr
+    }
+
+    fn free(&self, mut res: CudaReservation) -> Result<()> {
+        if !res.table.is_empty() {
+            return Err(Error::invalid("freeing a reservation that still has mappings (dropped instead)"));
+        }
+        self.bind()?;
+        // SAFETY: (ptr, bytes) is exactly this token's reservation, and nothing
+        // in it is mapped (checked above).
+        check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(res.ptr, res.table.bytes) }, 0)?;
+        let bytes = res.table.bytes;
+        self.counters.update(|c| {
+            c.reservations -= 1;
+            c.reserved_bytes -= bytes;
+        });
+        res.ptr = 0;
+        Ok(())
+    }
+
+    fn create(&self, bytes: usize, placement: Location) -> Result<CudaChunk> {
+        let granularity = self.granularity(placement)?;
+        if bytes == 0 || bytes % granularity != 0 {
+            return Err(Error::invalid(format!(
+                "chunk of {bytes} bytes is not a non-zero multiple of {granularity}"
+            )));
+        }
+        let prop = self.prop(placement)?;
+        self.bind()?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid out-pointer and a fully initialised property struct.
+        check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) }, bytes)?;
+        self.counters.update(|c| {
+            c.chunks += 1;
+            c.chunk_bytes += bytes;
+        });
+        Ok(CudaChunk { handle, bytes, released: false, ctx: self.ctx.clone(), counters: self.counters.clone() })
+    }
+
+    fn release(&self, mut chunk: CudaChunk) -> Result<()> {
+        self.bind()?;
+        chunk.release_now()
+    }
+
+    fn map(&self, res: &mut CudaReservation, offset: usize, chunk: &CudaChunk) -> Result<()> {
+        res.table.check_map(offset, chunk.bytes, self.granularity)?;
+        self.bind()?;
+        // SAFETY: the range lies inside this token's reservation and holds no
+        // mapping (checked above); the handle is live; offset 0, no flags.
+        check("cuMemMap", unsafe { sys::cuMemMap(res.ptr + offset as u64, chunk.bytes, 0, chunk.handle, 0) }, chunk.bytes)?;
+        res.table.insert(offset, chunk.bytes);
+        self.counters.update(|c| c.mapped_bytes += chunk.bytes);
+        Ok(())
+    }
+
+    fn unmap(&self, res: &mut CudaReservation, offset: usize, bytes: usize) -> Result<()> {
+        let keys = res.table.covering(offset, bytes, true, Access::None)?;
+        self.bind()?;
+        // SAFETY: the range is made of whole live mappings of this token
+        // (checked above). The caller has waited for GPU work using it.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(res.ptr + offset as u64, bytes) }, bytes)?;
+        res.table.remove(&keys);
+        self.counters.update(|c| c.mapped_bytes -= bytes);
+        Ok(())
+    }
+
+    fn set_access(
+        &self,
+        res: &mut CudaReservation,
+        offset: usize,
+        bytes: usize,
+        access: &[AccessDesc],
+    ) -> Result<()> {
+        if access.is_empty() {
+            return Err(Error::invalid("an empty access list"));
+        }
+        let keys = res.table.covering(offset, bytes, true, Access::None)?;
+        let mut descs = Vec::with_capacity(access.len());
+        let mut host = Access::None;
+        for d in access {
+            self.check_location(d.location)?;
+            let location = match d.location {
+                Location::Device(id) => raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id as i32),
+                Location::Host => {
+                    host = d.access;
+                    raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0)
+                }
+            };
+            descs.push(sys::CUmemAccessDesc { location, flags: access_flags(d.access) });
+        }
+        self.bind()?;
+        // SAFETY: the range is made of whole live mappings of this token
+        // (checked above); `descs` holds `descs.len()` initialised entries.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(res.ptr + offset as u64, bytes, descs.as_ptr(), descs.len())
+        }, bytes)?;
+        res.table.set_host_access(&keys, host);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.ctx.synchronize().map_err(|e| Error::Driver {
+            call: "cuCtxSynchronize",
+            code: e.0 as u32,
+            name: format!("{:?}", e.0),
+        })
+    }
+
+    fn read(&self, res: &CudaReservation, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        res.table.covering(offset, dst.len(), false, Access::None)?;
+        self.bind()?;
+        // SAFETY: the source is mapped in this token (checked above); `dst` is
+        // a live host buffer of `dst.len()` bytes. The copy is synchronous.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), res.ptr + offset as u64, dst.len())
+        }, dst.len())
+    }
+
+    fn write(&self, res: &mut CudaReservation, offset: usize, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        res.table.covering(offset, src.len(), false, Access::None)?;
+        self.bind()?;
+        // SAFETY: the destination is mapped in this token (checked above);
+        // `src` is a live host buffer of `src.len()` bytes. The copy is
+        // synchronous.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(res.ptr + offset as u64, src.as_ptr().cast(), src.len())
+        }, src.len())
+    }
+
+    fn live(&self) -> LiveCounts {
+        self.counters.get()
+    }
+}

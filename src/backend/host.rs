@@ -1,0 +1,363 @@
+//! The host backend: the operating system's own virtual memory (Linux).
+//!
+//! Real mappings, not a simulation: a reservation is `mmap(PROT_NONE)` of
+//! private anonymous memory with `MAP_NORESERVE`; a chunk is a `memfd`; mapping
+//! is `mmap(MAP_FIXED | MAP_SHARED)` of the memfd over the reservation; access
+//! flags are `mprotect`; unmapping puts a `PROT_NONE` placeholder back so the
+//! range stays reserved. Each token tracks what is mapped in it, so every call
+//! is checked against the token's own bookkeeping before it touches memory.
+
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+
+use super::{Backend, Counters, LiveCounts, MapTable};
+use crate::error::{Error, Result};
+use crate::location::{Access, AccessDesc, Location};
+use crate::GrowableBuffer;
+
+/// The host's virtual memory as a [`Backend`]. Places memory on [`Location::Host`]
+/// only; access lists name [`Location::Host`] only.
+#[derive(Debug)]
+pub struct HostBackend {
+    granularity: usize,
+    counters: Arc<Counters>,
+}
+
+impl HostBackend {
+    /// A backend with the system page size as granularity.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self { granularity: rustix::param::page_size(), counters: Arc::default() })
+    }
+
+    /// A backend with a coarser granularity, e.g. 2 MiB to behave like CUDA.
+    /// It must be a power of two and a multiple of the page size.
+    pub fn with_granularity(granularity: usize) -> Result<Arc<Self>> {
+        let page = rustix::param::page_size();
+        if !granularity.is_power_of_two() || granularity % page != 0 {
+            return Err(Error::invalid(format!(
+                "host granularity {granularity} is not a power-of-two multiple of the page size {page}"
+            )));
+        }
+        Ok(Arc::new(Self { granularity, counters: Arc::default() }))
+    }
+
+    fn check_host(&self, placement: Location) -> Result<()> {
+        match placement {
+            Location::Host => Ok(()),
+            Location::Device(d) => Err(Error::Unsupported {
+                what: format!("placement on gpu{d} with the host backend"),
+            }),
+        }
+    }
+}
+
+fn os(call: &'static str, e: rustix::io::Errno, requested_bytes: usize) -> Error {
+    if e == rustix::io::Errno::NOMEM || e == rustix::io::Errno::NOSPC || e == rustix::io::Errno::MFILE {
+        Error::OutOfMemory { call, requested_bytes }
+    } else {
+        Error::Os { call, source: e.into() }
+    }
+}
+
+fn prot(access: Access) -> ProtFlags {
+    match access {
+        Access::None => ProtFlags::empty(),
+        Access::Read => ProtFlags::READ,
+        Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+    }
+}
+
+/// A reserved range of the process's address space.
+#[derive(Debug)]
+pub struct HostReservation {
+    base: NonNull<u8>,
+    table: MapTable,
+    counters: Arc<Counters>,
+}
+
+// SAFETY: the token owns its address range exclusively; the raw pointer is only
+// an address, and every access through it happens in this module under `&mut`
+// for writes or `&` for reads, so moving or sharing the token between threads
+// is no different from moving or sharing a `Vec<u8>`.
+unsafe impl Send for HostReservation {}
+// SAFETY: see `Send`; `&HostReservation` only permits reads of the range.
+unsafe impl Sync for HostReservation {}
+
+impl HostReservation {
+    fn addr(&self, offset: usize) -> *mut std::ffi::c_void {
+        self.base.as_ptr().wrapping_add(offset).cast()
+    }
+}
+
+impl Drop for HostReservation {
+    fn drop(&mut self) {
+        // SAFETY: the token owns [base, base + bytes) exclusively and is going
+        // away; unmapping it whole also drops any chunk mappings left in it.
+        if let Err(e) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.table.bytes) } {
+            tracing::error!(error = %e, "vmmbuf host: munmap of a reservation failed in drop");
+        }
+        let mapped = self.table.mapped_bytes();
+        let bytes = self.table.bytes;
+        self.counters.update(|c| {
+            c.reservations -= 1;
+            c.reserved_bytes -= bytes;
+            c.mapped_bytes -= mapped;
+        });
+    }
+}
+
+/// A physical chunk of host memory: a memfd of the chunk's size.
+#[derive(Debug)]
+pub struct HostChunk {
+    fd: OwnedFd,
+    bytes: usize,
+    counters: Arc<Counters>,
+}
+
+impl Drop for HostChunk {
+    fn drop(&mut self) {
+        let bytes = self.bytes;
+        self.counters.update(|c| {
+            c.chunks -= 1;
+            c.chunk_bytes -= bytes;
+        });
+    }
+}
+
+impl Backend for HostBackend {
+    type Reservation = HostReservation;
+    type Chunk = HostChunk;
+
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn home(&self) -> Location {
+        Location::Host
+    }
+
+    fn granularity(&self, placement: Location) -> Result<usize> {
+        self.check_host(placement)?;
+        Ok(self.granularity)
+    }
+
+    fn reserve(&self, bytes: usize, align: usize) -> Result<HostReservation> {
+        if bytes == 0 || bytes % self.granularity != 0 || !align.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "reserve {bytes} bytes aligned {align}: size must be a non-zero multiple of {}",
+                self.granularity
+            )));
+        }
+        let page = rustix::param::page_size();
+        let slack = if align > page { align } else { 0 };
+        let total = bytes
+            .checked_add(slack)
+            .ok_or_else(|| Error::invalid(format!("reserving {bytes} bytes overflows")))?;
+        // SAFETY: a fresh private PROT_NONE mapping at an address the kernel
+        // picks cannot overlap anything the program uses.
+        let raw = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                total,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| os("mmap", e, total))?;
+        let start = raw as usize;
+        let aligned = start.next_multiple_of(align.max(page));
+        let (head, tail) = (aligned - start, total - bytes - (aligned - start));
+        // SAFETY: head and tail lie inside the mapping just made and outside the
+        // part kept; nothing refers to them.
+        unsafe {
+            if head > 0 {
+                let _ = rustix::mm::munmap(raw, head);
+            }
+            if tail > 0 {
+                let _ = rustix::mm::munmap((aligned + bytes) as *mut _, tail);
+            }
+        }
+        self.counters.update(|c| {
+            c.reservations += 1;
+            c.reserved_bytes += bytes;
+        });
+        Ok(HostReservation {
+            base: NonNull::new(aligned as *mut u8).expect("mmap returned null"),
+            table: MapTable::new(bytes),
+            counters: self.counters.clone(),
+        })
+    }
+
+    fn base(&self, res: &HostReservation) -> u64 {
+        res.base.as_ptr() as u64
+    }
+
+    fn free(&self, res: HostReservation) -> Result<()> {
+        if !res.table.is_empty() {
+            return Err(Error::invalid(
+                "freeing a reservation that still has mappings (dropped instead)",
+            ));
+        }
+        drop(res);
+        Ok(())
+    }
+
+    fn create(&self, bytes: usize, placement: Location) -> Result<HostChunk> {
+        self.check_host(placement)?;
+        if bytes == 0 || bytes % self.granularity != 0 {
+            return Err(Error::invalid(format!(
+                "chunk of {bytes} bytes is not a non-zero multiple of {}",
+                self.granularity
+            )));
+        }
+        let fd = rustix::fs::memfd_create("vmmbuf", rustix::fs::MemfdFlags::CLOEXEC)
+            .map_err(|e| os("memfd_create", e, bytes))?;
+        rustix::fs::ftruncate(&fd, bytes as u64).map_err(|e| os("ftruncate", e, bytes))?;
+        self.counters.update(|c| {
+            c.chunks += 1;
+            c.chunk_bytes += bytes;
+        });
+        Ok(HostChunk { fd, bytes, counters: self.counters.clone() })
+    }
+
+    fn release(&self, chunk: HostChunk) -> Result<()> {
+        drop(chunk);
+        Ok(())
+    }
+
+    fn map(&self, res: &mut HostReservation, offset: usize, chunk: &HostChunk) -> Result<()> {
+        res.table.check_map(offset, chunk.bytes, self.granularity)?;
+        // SAFETY: the range lies inside this token's reservation (checked
+        // above) and holds no mapping (checked above), so MAP_FIXED replaces
+        // only our own PROT_NONE placeholder. PROT_NONE: nobody can touch it
+        // until set_access, as with cuMemMap.
+        unsafe {
+            rustix::mm::mmap(
+                res.addr(offset),
+                chunk.bytes,
+                ProtFlags::empty(),
+                MapFlags::SHARED | MapFlags::FIXED,
+                &chunk.fd,
+                0,
+            )
+        }
+        .map_err(|e| os("mmap", e, chunk.bytes))?;
+        res.table.insert(offset, chunk.bytes);
+        self.counters.update(|c| c.mapped_bytes += chunk.bytes);
+        Ok(())
+    }
+
+    fn unmap(&self, res: &mut HostReservation, offset: usize, bytes: usize) -> Result<()> {
+        let keys = res.table.covering(offset, bytes, true, Access::None)?;
+        // SAFETY: the range is inside this token's reservation and made of
+        // whole mappings of ours (checked above); a fixed PROT_NONE private
+        // mapping puts the reservation's placeholder back over it. Callers
+        // that handed out references into it hold `&mut` to the token.
+        unsafe {
+            rustix::mm::mmap_anonymous(
+                res.addr(offset),
+                bytes,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| os("mmap", e, bytes))?;
+        res.table.remove(&keys);
+        self.counters.update(|c| c.mapped_bytes -= bytes);
+        Ok(())
+    }
+
+    fn set_access(
+        &self,
+        res: &mut HostReservation,
+        offset: usize,
+        bytes: usize,
+        access: &[AccessDesc],
+    ) -> Result<()> {
+        let mut host = Access::None;
+        for (i, d) in access.iter().enumerate() {
+            self.check_host(d.location)?;
+            if i > 0 {
+                return Err(Error::invalid("the host is listed twice in an access list"));
+            }
+            host = d.access;
+        }
+        let keys = res.table.covering(offset, bytes, true, Access::None)?;
+        let flags = MprotectFlags::from_bits_retain(prot(host).bits());
+        // SAFETY: the range is made of whole mappings inside this token's
+        // reservation (checked above); `&mut` to the token means no reference
+        // into it is alive that a narrower protection could invalidate.
+        unsafe { rustix::mm::mprotect(res.addr(offset), bytes, flags) }
+            .map_err(|e| os("mprotect", e, bytes))?;
+        res.table.set_host_access(&keys, host);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn read(&self, res: &HostReservation, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        res.table.covering(offset, dst.len(), false, Access::Read)?;
+        // SAFETY: the source range is mapped and readable (checked above), lies
+        // in memory this token owns, and `&HostReservation` excludes writers.
+        unsafe {
+            std::ptr::copy_nonoverlapping(res.addr(offset) as *const u8, dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    fn write(&self, res: &mut HostReservation, offset: usize, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        res.table.covering(offset, src.len(), false, Access::ReadWrite)?;
+        // SAFETY: the destination is mapped read-write (checked above), lies in
+        // memory this token owns, and `&mut` excludes every other reference.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), res.addr(offset) as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn live(&self) -> LiveCounts {
+        self.counters.get()
+    }
+}
+
+/// Byte views of host-backend buffers.
+///
+/// Sound because the buffer's base never moves and `[base, base + len)` is
+/// always mapped (length never exceeds capacity, and capacity is a contiguous
+/// prefix of whole chunks); growing through `&self` only maps new chunks past
+/// the capacity, never touching bytes a view covers; everything that unmaps,
+/// remaps or narrows access needs `&mut self`, which no view can outlive.
+/// Access is checked when the view is made.
+impl GrowableBuffer<HostBackend> {
+    /// The bytes in use, or an error if some chunk does not grant the host
+    /// read access.
+    pub fn as_slice(&self) -> Result<&[u8]> {
+        let (base, len) = self.host_view(Access::Read)?;
+        if len == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: see the impl block's doc: [base, base+len) is mapped and
+        // readable for as long as `&self` lives, and nobody holds `&mut`.
+        Ok(unsafe { std::slice::from_raw_parts(base as *const u8, len) })
+    }
+
+    /// The bytes in use, mutably, or an error if some chunk does not grant the
+    /// host read-write access.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        let (base, len) = self.host_view(Access::ReadWrite)?;
+        if len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `as_slice`; `&mut self` makes the view exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(base as *mut u8, len) })
+    }
+}

@@ -1,0 +1,469 @@
+//! [`GrowableBuffer`]: reserve once, map as it grows, never move.
+#![deny(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::location::{Access, AccessDesc, Location};
+use crate::plan::{round_up, GrowthPolicy};
+use crate::stats::{ChunkInfo, Report, Stats};
+
+/// How to create a [`GrowableBuffer`].
+///
+/// ```
+/// use vmmbuf::{BufferDesc, GrowthPolicy};
+/// let desc = BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact);
+/// assert_eq!(desc.max_bytes, 1 << 30);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BufferDesc {
+    /// Bytes of address space to reserve, rounded up to the granularity. The
+    /// buffer can never grow past it. Costs no physical memory.
+    pub max_bytes: usize,
+    /// Where new chunks are placed; `None` for the backend's home (its GPU,
+    /// or the host for the host backend).
+    pub placement: Option<Location>,
+    /// How chunk sizes follow the buffer's size.
+    pub growth: GrowthPolicy,
+    /// The access that the placement's device (and the host, for host-placed
+    /// chunks) gets to every new chunk.
+    pub access: Access,
+}
+
+impl BufferDesc {
+    /// A description reserving `max_bytes`, with the default growth policy,
+    /// home placement and read-write access.
+    pub fn new(max_bytes: usize) -> Self {
+        Self { max_bytes, placement: None, growth: GrowthPolicy::default(), access: Access::ReadWrite }
+    }
+
+    /// Sets the growth policy.
+    pub fn growth(mut self, growth: GrowthPolicy) -> Self {
+        self.growth = growth;
+        self
+    }
+
+    /// Sets the placement of new chunks.
+    pub fn placement(mut self, placement: Location) -> Self {
+        self.placement = Some(placement);
+        self
+    }
+
+    /// Sets the initial access to new chunks.
+    pub fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
+    }
+}
+
+struct Entry<C> {
+    chunk: C,
+    offset: usize,
+    bytes: usize,
+    placement: Location,
+    access: Arc<[AccessDesc]>,
+}
+
+struct Inner<B: Backend> {
+    /// `None` only while the buffer drops.
+    res: Option<B::Reservation>,
+    /// Mapped chunks in address order; they tile `[0, capacity)`.
+    chunks: Vec<Entry<B::Chunk>>,
+    len: usize,
+    capacity: usize,
+    stats: Stats,
+}
+
+impl<B: Backend> Inner<B> {
+    fn res(&mut self) -> &mut B::Reservation {
+        self.res.as_mut().expect("the reservation lives until drop")
+    }
+}
+
+/// A byte buffer in GPU (or host) memory that grows in place.
+///
+/// # Guarantees
+/// - **The base never moves.** [`base`](Self::base) returns the same address
+///   for the buffer's whole life. Growing maps new physical chunks after the
+///   existing ones in an address range reserved once at creation; no byte is
+///   ever copied, and every pointer into the buffer stays valid while the
+///   bytes it points to are in use.
+/// - **Growing is `&self`.** [`grow_to`](Self::grow_to) takes a shared
+///   reference (calls are serialised by a lock), so many threads can grow one
+///   buffer while others read `base()`/`len()` or use existing bytes: growth
+///   never touches mapped memory. Everything that unmaps or shrinks
+///   ([`truncate`](Self::truncate), [`shrink_to`](Self::shrink_to),
+///   [`trim`](Self::trim), drop) takes `&mut self`.
+/// - **Growth is all or nothing.** If any driver call fails (out of memory
+///   included), everything the call did is undone: the length, the data and
+///   the chunks are as before, and nothing leaks.
+/// - **Unmapping waits for the GPU.** `cuMemUnmap` does not wait for kernels,
+///   so trim and drop synchronise the device before unmapping.
+/// - Growing past the reservation is [`Error::ReservationExhausted`], never a
+///   silent move.
+///
+/// The length (bytes in use) is at most the capacity (bytes mapped), which is
+/// at most the reservation. New bytes are not zeroed by contract.
+pub struct GrowableBuffer<B: Backend> {
+    backend: Arc<B>,
+    base: u64,
+    reserved: usize,
+    granularity: usize,
+    policy: GrowthPolicy,
+    placement: Location,
+    access: Arc<[AccessDesc]>,
+    inner: Mutex<Inner<B>>,
+}
+
+impl<B: Backend> std::fmt::Debug for GrowableBuffer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrowableBuffer")
+            .field("backend", &self.backend.name())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl<B: Backend> GrowableBuffer<B> {
+    /// Reserves the address range described by `desc`. No physical memory is
+    /// mapped until the buffer grows.
+    pub fn new(backend: Arc<B>, desc: BufferDesc) -> Result<Self> {
+        if desc.max_bytes == 0 {
+            return Err(Error::invalid("max_bytes is 0"));
+        }
+        let placement = desc.placement.unwrap_or_else(|| backend.home());
+        let granularity = backend.granularity(placement)?;
+        let reserved = round_up(desc.max_bytes, granularity)
+            .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", desc.max_bytes)))?;
+        let policy = desc.growth.resolve(granularity)?;
+        let mut access = vec![AccessDesc::new(backend.home(), desc.access)];
+        if placement != backend.home() {
+            access.push(AccessDesc::new(placement, desc.access));
+        }
+        let res = backend.reserve(reserved, granularity).map_err(|e| match e {
+            Error::ReservationExhausted { .. } => {
+                Error::ReservationExhausted { requested_bytes: reserved, reserved_bytes: 0 }
+            }
+            e => e,
+        })?;
+        let base = backend.base(&res);
+        tracing::debug!(backend = backend.name(), base, reserved, granularity, "vmmbuf: reserved");
+        Ok(Self {
+            backend,
+            base,
+            reserved,
+            granularity,
+            policy,
+            placement,
+            access: access.into(),
+            inner: Mutex::new(Inner {
+                res: Some(res),
+                chunks: Vec::new(),
+                len: 0,
+                capacity: 0,
+                stats: Stats { reserved_bytes: reserved, ..Stats::default() },
+            }),
+        })
+    }
+
+    /// The first address of the buffer; the same for its whole life.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Bytes in use.
+    pub fn len(&self) -> usize {
+        self.inner.lock().len
+    }
+
+    /// True when no bytes are in use.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes mapped (at least [`len`](Self::len)).
+    pub fn capacity(&self) -> usize {
+        self.inner.lock().capacity
+    }
+
+    /// Bytes of address space reserved: the most the buffer can ever hold.
+    pub fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// The backend's mapping granularity for this buffer's placement.
+    pub fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    /// Number of chunks mapped.
+    pub fn chunks(&self) -> usize {
+        self.inner.lock().chunks.len()
+    }
+
+    /// The growth policy in force (a fixed size already rounded).
+    pub fn policy(&self) -> GrowthPolicy {
+        self.policy
+    }
+
+    /// Where new chunks are placed.
+    pub fn placement(&self) -> Location {
+        self.placement
+    }
+
+    /// The backend this buffer lives in.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The buffer's counters.
+    pub fn stats(&self) -> Stats {
+        let g = self.inner.lock();
+        Stats { in_use_bytes: g.len, mapped_bytes: g.capacity, chunks: g.chunks.len(), ..g.stats }
+    }
+
+    /// Every chunk with its placement and access, and the counters.
+    pub fn report(&self) -> Report {
+        let g = self.inner.lock();
+        Report {
+            base: self.base,
+            stats: Stats { in_use_bytes: g.len, mapped_bytes: g.capacity, chunks: g.chunks.len(), ..g.stats },
+            chunks: g
+                .chunks
+                .iter()
+                .map(|e| ChunkInfo {
+                    offset: e.offset,
+                    bytes: e.bytes,
+                    placement: e.placement,
+                    access: e.access.iter().map(|d| (d.location, d.access)).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Grows the length to `bytes`, mapping chunks as the policy says. Keeps
+    /// every byte in use, never moves the base. A `bytes` at or below the
+    /// length changes nothing (use [`truncate`](Self::truncate) to shrink).
+    ///
+    /// On error nothing has changed: [`Error::OutOfMemory`] is transient,
+    /// [`Error::ReservationExhausted`] is not.
+    pub fn grow_to(&self, bytes: usize) -> Result<()> {
+        if bytes > self.reserved {
+            return Err(Error::ReservationExhausted { requested_bytes: bytes, reserved_bytes: self.reserved });
+        }
+        self.grow_locked(&mut self.inner.lock(), bytes)
+    }
+
+    /// Grows the length by `additional` bytes in one step under the lock and
+    /// returns the offset where the new bytes start, so threads appending
+    /// concurrently each get their own range. See [`grow_to`](Self::grow_to).
+    pub fn grow_by(&self, additional: usize) -> Result<usize> {
+        let mut g = self.inner.lock();
+        let at = g.len;
+        let target = at.checked_add(additional).ok_or_else(|| {
+            Error::invalid(format!("growing {at} bytes by {additional} overflows"))
+        })?;
+        if target > self.reserved {
+            return Err(Error::ReservationExhausted { requested_bytes: target, reserved_bytes: self.reserved });
+        }
+        self.grow_locked(&mut g, target)?;
+        Ok(at)
+    }
+
+    fn grow_locked(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
+        if bytes <= g.len {
+            return Ok(());
+        }
+        if bytes <= g.capacity {
+            g.len = bytes;
+            return Ok(());
+        }
+        let start = Instant::now();
+        let span = tracing::debug_span!("vmmbuf.grow", from = g.len, to = bytes).entered();
+        let plan = self.policy.plan(self.granularity, g.capacity, bytes, self.reserved)?;
+        let added: usize = plan.iter().sum();
+        let at = g.capacity;
+        let backend = &*self.backend;
+
+        let mut created = Vec::with_capacity(plan.len());
+        let mut mapped = 0usize;
+        let attempt = (|| {
+            for &size in &plan {
+                created.push(backend.create(size, self.placement)?);
+            }
+            for (chunk, &size) in created.iter().zip(&plan) {
+                backend.map(g.res(), at + mapped, chunk)?;
+                mapped += size;
+            }
+            backend.set_access(g.res(), at, added, &self.access)
+        })();
+        if let Err(e) = attempt {
+            // Undo in reverse. Nothing can have used the new chunks: they never
+            // got access, so unmapping them needs no wait.
+            if mapped > 0 {
+                if let Err(u) = backend.unmap(g.res(), at, mapped) {
+                    tracing::error!(error = %u, "vmmbuf: undoing a failed grow: unmap failed");
+                }
+            }
+            for c in created {
+                if let Err(r) = backend.release(c) {
+                    tracing::error!(error = %r, "vmmbuf: undoing a failed grow: release failed");
+                }
+            }
+            tracing::debug!(error = %e, "vmmbuf: grow failed and was undone");
+            return Err(e);
+        }
+        let mut offset = at;
+        for (chunk, bytes) in created.into_iter().zip(plan.iter().copied()) {
+            g.chunks.push(Entry { chunk, offset, bytes, placement: self.placement, access: self.access.clone() });
+            offset += bytes;
+        }
+        g.capacity += added;
+        g.len = bytes;
+        g.stats.grows += 1;
+        g.stats.chunks_mapped_total += plan.len() as u64;
+        g.stats.peak_mapped_bytes = g.stats.peak_mapped_bytes.max(g.capacity);
+        tracing::debug!(
+            parent: &span,
+            chunks = plan.len(),
+            bytes = added,
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "vmmbuf: grew"
+        );
+        Ok(())
+    }
+
+    /// Reduces the length to `bytes`, keeping the chunks mapped for regrowth.
+    /// [`Error::InvalidArgument`] if `bytes` is above the length.
+    pub fn truncate(&mut self, bytes: usize) -> Result<()> {
+        let g = self.inner.get_mut();
+        if bytes > g.len {
+            return Err(Error::invalid(format!("cannot shrink {} bytes to {bytes}", g.len)));
+        }
+        if bytes < g.len {
+            g.len = bytes;
+            g.stats.shrinks += 1;
+        }
+        Ok(())
+    }
+
+    /// Sets the length to `bytes`: grows as [`grow_to`](Self::grow_to) or
+    /// shrinks as [`truncate`](Self::truncate).
+    pub fn resize(&mut self, bytes: usize) -> Result<()> {
+        if bytes > self.inner.get_mut().len {
+            self.grow_to(bytes)
+        } else {
+            self.truncate(bytes)
+        }
+    }
+
+    /// Reduces the length to `bytes` and gives back every chunk that lies
+    /// wholly past it: [`truncate`](Self::truncate), then [`trim`](Self::trim).
+    pub fn shrink_to(&mut self, bytes: usize) -> Result<()> {
+        self.truncate(bytes)?;
+        self.trim()
+    }
+
+    /// Unmaps and releases every chunk that lies wholly past the length,
+    /// after waiting for the GPU. A chunk that holds any byte in use stays.
+    ///
+    /// If the wait or the unmap fails, nothing has changed. If releasing a
+    /// chunk fails, the buffer is trimmed all the same and the error is
+    /// returned (the chunk's token retries and logs when it drops).
+    pub fn trim(&mut self) -> Result<()> {
+        let backend = self.backend.clone();
+        let g = self.inner.get_mut();
+        let keep = g.chunks.partition_point(|e| e.offset < g.len);
+        if keep == g.chunks.len() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let from = g.chunks[keep].offset;
+        let bytes = g.capacity - from;
+        let _span = tracing::debug_span!("vmmbuf.trim", len = g.len, from, bytes).entered();
+        backend.synchronize()?;
+        backend.unmap(g.res(), from, bytes)?;
+        let gone: Vec<_> = g.chunks.drain(keep..).collect();
+        let released = gone.len();
+        g.capacity = from;
+        g.stats.trims += 1;
+        g.stats.chunks_released_total += released as u64;
+        let mut first_err = None;
+        for e in gone {
+            if let Err(err) = backend.release(e.chunk) {
+                tracing::error!(error = %err, "vmmbuf: releasing a trimmed chunk failed");
+                first_err.get_or_insert(err);
+            }
+        }
+        tracing::debug!(chunks = released, bytes, elapsed_us = start.elapsed().as_micros() as u64, "vmmbuf: trimmed");
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn check_span(&self, len: usize, offset: usize, n: usize) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= len => Ok(()),
+            _ => Err(Error::invalid(format!("bytes {offset}+{n} are outside the {len} bytes in use"))),
+        }
+    }
+
+    /// Copies bytes in use, from `offset`, into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.check_span(g.len, offset, dst.len())?;
+        self.backend.read(g.res(), offset, dst)
+    }
+
+    /// Copies `src` into the bytes in use, from `offset`.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        let backend = self.backend.clone();
+        let len = self.inner.get_mut().len;
+        self.check_span(len, offset, src.len())?;
+        backend.write(self.inner.get_mut().res(), offset, src)
+    }
+
+    /// The base and length, if every chunk in use grants the host `need`.
+    pub(crate) fn host_view(&self, need: Access) -> Result<(u64, usize)> {
+        let g = self.inner.lock();
+        for e in g.chunks.iter().take_while(|e| e.offset < g.len) {
+            let host = e.access.iter().find(|d| d.location == Location::Host).map_or(Access::None, |d| d.access);
+            if host < need {
+                return Err(Error::invalid(format!(
+                    "the chunk at {:#x} grants the host {host:?} access, {need:?} is needed",
+                    e.offset
+                )));
+            }
+        }
+        Ok((self.base, g.len))
+    }
+}
+
+impl<B: Backend> Drop for GrowableBuffer<B> {
+    fn drop(&mut self) {
+        let backend = self.backend.clone();
+        let g = self.inner.get_mut();
+        let Some(mut res) = g.res.take() else { return };
+        if !g.chunks.is_empty() {
+            // Kernels may still use the memory: wait before unmapping.
+            if let Err(e) = backend.synchronize() {
+                tracing::error!(error = %e, "vmmbuf: synchronize before drop failed");
+            }
+            if let Err(e) = backend.unmap(&mut res, 0, g.capacity) {
+                tracing::error!(error = %e, "vmmbuf: unmap in drop failed");
+            }
+            for e in g.chunks.drain(..) {
+                if let Err(e) = backend.release(e.chunk) {
+                    tracing::error!(error = %e, "vmmbuf: release in drop failed");
+                }
+            }
+        }
+        if let Err(e) = backend.free(res) {
+            tracing::error!(error = %e, "vmmbuf: freeing the reservation in drop failed");
+        }
+    }
+}

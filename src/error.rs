@@ -1,0 +1,95 @@
+//! The error type of every fallible vmmbuf call.
+#![deny(unsafe_code)]
+
+/// `Result` with vmmbuf's [`Error`] as the default error type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in vmmbuf.
+///
+/// The variants separate what a caller can act on: [`Error::OutOfMemory`] is
+/// transient (free something and retry), [`Error::ReservationExhausted`] can
+/// never succeed for this buffer, [`Error::DriverUnavailable`] and
+/// [`Error::VmmUnsupported`] mean "use another backend".
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The CUDA driver library could not be loaded or initialised.
+    #[error("CUDA driver unavailable: {reason}")]
+    DriverUnavailable {
+        /// Why, in words.
+        reason: String,
+    },
+    /// The device exists but does not support virtual memory management.
+    #[error("device {device} does not support CUDA virtual memory management")]
+    VmmUnsupported {
+        /// The device's ordinal.
+        device: u32,
+    },
+    /// A feature this backend or device does not offer (for example host
+    /// placement on a GPU without host-NUMA VMM support).
+    #[error("unsupported: {what}")]
+    Unsupported {
+        /// What was asked for.
+        what: String,
+    },
+    /// The device ordinal does not name a device of this machine.
+    #[error("no device {device}: this machine has {count}")]
+    InvalidDevice {
+        /// The ordinal asked for.
+        device: u32,
+        /// How many devices there are.
+        count: u32,
+    },
+    /// Physical memory ran out. Transient: the buffer is unchanged, and the
+    /// same call may succeed after memory is freed elsewhere.
+    #[error("out of memory in {call} asking for {requested_bytes} bytes")]
+    OutOfMemory {
+        /// The driver or OS call that failed.
+        call: &'static str,
+        /// Bytes the failing step asked for.
+        requested_bytes: usize,
+    },
+    /// The request can never fit in this buffer's reserved address range.
+    /// Buffers never move; reserve more up front.
+    #[error("{requested_bytes} bytes do not fit in the {reserved_bytes}-byte reservation")]
+    ReservationExhausted {
+        /// Bytes asked for.
+        requested_bytes: usize,
+        /// Bytes reserved when the buffer was created.
+        reserved_bytes: usize,
+    },
+    /// An argument was out of range, zero where it may not be, misaligned or
+    /// overflowing.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// Any other CUDA driver failure, with the call and its result code.
+    #[error("{call} failed: {name} ({code})")]
+    Driver {
+        /// The driver entry point, e.g. `cuMemMap`.
+        call: &'static str,
+        /// The numeric `CUresult`.
+        code: u32,
+        /// The result code's name, e.g. `CUDA_ERROR_INVALID_VALUE`.
+        name: String,
+    },
+    /// An operating-system call of the host backend failed.
+    #[error("{call} failed: {source}")]
+    Os {
+        /// The system call, e.g. `mmap`.
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// True for failures that may succeed on retry once memory is freed.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::OutOfMemory { .. })
+    }
+
+    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+}

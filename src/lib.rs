@@ -1,0 +1,49 @@
+//! # vmmbuf
+//!
+//! Growable GPU buffers on CUDA's virtual memory management (VMM) API.
+//!
+//! A [`GrowableBuffer`] reserves a large virtual address range once, maps
+//! physical chunks into it as it grows, and never moves its base address.
+//! Growing keeps the data and costs no copy; shrinking gives memory back.
+//! It is made for tensors, KV caches and arenas that must grow without
+//! copying and without their address changing (captured CUDA graphs, pointers
+//! handed to kernels).
+//!
+//! Two real backends implement one [`Backend`] trait:
+//! [`CudaBackend`] (CUDA VMM through cudarc's driver bindings) and
+//! [`HostBackend`] (the host's own virtual memory: `mmap`, `memfd`,
+//! `mprotect`), so the same code runs, and is tested, on machines without a GPU.
+//!
+//! ```
+//! use vmmbuf::{BufferDesc, GrowableBuffer, HostBackend};
+//!
+//! let mut buf = GrowableBuffer::new(HostBackend::new(), BufferDesc::new(1 << 30))?;
+//! let base = buf.base();
+//! buf.grow_to(4096)?;
+//! buf.write(0, b"hello")?;
+//! buf.grow_to(10 << 20)?; // no copy, same address
+//! assert_eq!(buf.base(), base);
+//! assert_eq!(&buf.as_slice()?[..5], b"hello");
+//! buf.shrink_to(0)?; // memory goes back
+//! assert_eq!(buf.capacity(), 0);
+//! # Ok::<(), vmmbuf::Error>(())
+//! ```
+//!
+//! See [`GrowableBuffer`] for the guarantees, and [`GrowthPolicy`] for how
+//! chunk sizes follow the buffer: the cost of growing is per mapping, not per
+//! byte, so the default policy sizes chunks with the buffer.
+#![warn(missing_docs)]
+
+pub mod backend;
+mod buffer;
+mod error;
+mod location;
+mod plan;
+mod stats;
+
+pub use backend::{Backend, CudaBackend, HostBackend, LiveCounts};
+pub use buffer::{BufferDesc, GrowableBuffer};
+pub use error::{Error, Result};
+pub use location::{Access, AccessDesc, Location};
+pub use plan::GrowthPolicy;
+pub use stats::{Bytes, ChunkInfo, Report, Stats};
