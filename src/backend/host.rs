@@ -166,7 +166,11 @@ impl Backend for HostBackend {
                 MapFlags::PRIVATE | MapFlags::NORESERVE,
             )
         }
-        .map_err(|e| os("mmap", e, total))?;
+        .map_err(|e| match e {
+            // Address space, not memory, ran out: this can never fit.
+            rustix::io::Errno::NOMEM => Error::ReservationExhausted { requested_bytes: bytes, reserved_bytes: 0 },
+            e => os("mmap", e, total),
+        })?;
         let start = raw as usize;
         let aligned = start.next_multiple_of(align.max(page));
         let (head, tail) = (aligned - start, total - bytes - (aligned - start));

@@ -1,0 +1,224 @@
+//! GPU-only tests: data written by kernels, and the driver's own free-memory
+//! figure (cuMemGetInfo) as the leak check.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use rand::{Rng, SeedableRng};
+use vmmbuf::{Backend, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy};
+
+use crate::common::{gpu, serial};
+
+/// `fill(ptr, first, n, seed)` writes `pattern(first + i, seed)` to the u32 at
+/// `ptr[i]`; `check(ptr, first, n, seed, bad)` adds 1 to `*bad` per mismatch.
+/// Hand-written PTX: loading it needs the driver only, not NVRTC.
+const PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.func (.reg .b32 v) pattern(.reg .b64 idx, .reg .b32 seed)
+{
+    .reg .b32 %t;
+    cvt.u32.u64 v, idx;
+    mul.lo.u32 v, v, 0x9E3779B1;
+    xor.b32 v, v, seed;
+    shr.u32 %t, v, 15;
+    xor.b32 v, v, %t;
+    ret;
+}
+
+.visible .entry fill(.param .u64 p_ptr, .param .u64 p_first, .param .u64 p_n, .param .u32 p_seed)
+{
+    .reg .pred %p;
+    .reg .b32 %r<6>;
+    .reg .b64 %rd<8>;
+    ld.param.u64 %rd1, [p_ptr];
+    ld.param.u64 %rd2, [p_first];
+    ld.param.u64 %rd3, [p_n];
+    ld.param.u32 %r1, [p_seed];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mul.wide.u32 %rd4, %r2, %r3;
+    cvt.u64.u32 %rd5, %r4;
+    add.u64 %rd4, %rd4, %rd5;
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    add.u64 %rd5, %rd4, %rd2;
+    call (%r5), pattern, (%rd5, %r1);
+    shl.b64 %rd6, %rd4, 2;
+    add.u64 %rd7, %rd1, %rd6;
+    st.global.u32 [%rd7], %r5;
+DONE:
+    ret;
+}
+
+.visible .entry check(.param .u64 p_ptr, .param .u64 p_first, .param .u64 p_n, .param .u32 p_seed, .param .u64 p_bad)
+{
+    .reg .pred %p;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<9>;
+    ld.param.u64 %rd1, [p_ptr];
+    ld.param.u64 %rd2, [p_first];
+    ld.param.u64 %rd3, [p_n];
+    ld.param.u32 %r1, [p_seed];
+    ld.param.u64 %rd8, [p_bad];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mul.wide.u32 %rd4, %r2, %r3;
+    cvt.u64.u32 %rd5, %r4;
+    add.u64 %rd4, %rd4, %rd5;
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    add.u64 %rd5, %rd4, %rd2;
+    call (%r5), pattern, (%rd5, %r1);
+    shl.b64 %rd6, %rd4, 2;
+    add.u64 %rd7, %rd1, %rd6;
+    ld.global.u32 %r6, [%rd7];
+    setp.eq.u32 %p, %r6, %r5;
+    @%p bra DONE;
+    atom.global.add.u32 %r7, [%rd8], 1;
+DONE:
+    ret;
+}
+"#;
+
+fn pattern(idx: u64, seed: u32) -> u32 {
+    let v = (idx as u32).wrapping_mul(0x9E37_79B1) ^ seed;
+    v ^ (v >> 15)
+}
+
+struct Kernels {
+    stream: Arc<CudaStream>,
+    fill: CudaFunction,
+    check: CudaFunction,
+}
+
+impl Kernels {
+    fn load(b: &CudaBackend) -> Self {
+        let ctx = b.context();
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).expect("loading the PTX module");
+        Self {
+            stream: ctx.default_stream(),
+            fill: module.load_function("fill").unwrap(),
+            check: module.load_function("check").unwrap(),
+        }
+    }
+
+    fn cfg(n: u64) -> LaunchConfig {
+        LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// The device writes words `[first, first + n)` at `ptr`.
+    fn fill(&self, ptr: u64, first: u64, n: u64, seed: u32) {
+        let mut l = self.stream.launch_builder(&self.fill);
+        l.arg(&ptr).arg(&first).arg(&n).arg(&seed);
+        // SAFETY (test code): the kernel writes n u32s from ptr, which the
+        // caller has mapped read-write; argument types match the PTX.
+        unsafe { l.launch(Self::cfg(n)) }.expect("fill launch");
+    }
+
+    /// The device counts words of `[first, first + n)` at `ptr` that differ.
+    fn mismatches(&self, ptr: u64, first: u64, n: u64, seed: u32) -> u32 {
+        let mut bad = self.stream.alloc_zeros::<u32>(1).unwrap();
+        let mut l = self.stream.launch_builder(&self.check);
+        l.arg(&ptr).arg(&first).arg(&n).arg(&seed).arg(&mut bad);
+        // SAFETY (test code): reads n mapped u32s, adds to one counter.
+        unsafe { l.launch(Self::cfg(n)) }.expect("check launch");
+        self.stream.clone_dtoh(&bad).unwrap()[0]
+    }
+}
+
+#[test]
+fn a_thousand_grows_keep_the_base_and_every_device_written_byte() {
+    let _g = serial();
+    let Some(backend) = gpu() else { return };
+    let k = Kernels::load(&backend);
+    let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(16 << 30)).unwrap();
+    let base = buf.base();
+    let seed = 0x5eed_1234;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let mut words = 0u64;
+    for step in 0..1000 {
+        let add = rng.gen_range(1..=64 * 1024u64); // up to 256 KiB per step
+        buf.grow_to(((words + add) * 4) as usize).unwrap();
+        assert_eq!(buf.base(), base, "step {step}: the base moved");
+        k.fill(base + words * 4, words, add, seed);
+        words += add;
+        let bad = k.mismatches(base, 0, words, seed);
+        assert_eq!(bad, 0, "step {step}: {bad} words differ after growth");
+        if step % 250 == 249 {
+            // And once in a while, every byte through the host.
+            let mut host = vec![0u8; (words * 4) as usize];
+            buf.read(0, &mut host).unwrap();
+            for (i, w) in host.chunks_exact(4).enumerate() {
+                assert_eq!(u32::from_le_bytes(w.try_into().unwrap()), pattern(i as u64, seed), "word {i}");
+            }
+        }
+    }
+    let s = buf.stats();
+    eprintln!("1000 grows to {} in {} chunks ({} grows mapped)", vmmbuf::Bytes(s.in_use_bytes), s.chunks, s.grows);
+    assert!(s.chunks < 80, "mappings stay logarithmic: {}", buf.report());
+}
+
+#[test]
+fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
+    let _g = serial();
+    let Some(backend) = gpu() else { return };
+    let k = Kernels::load(&backend);
+    let start = backend.mem_info().unwrap().0;
+    let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(64 << 30)).unwrap();
+    for i in 1..=12 {
+        buf.grow_to(i << 27).unwrap(); // 128 MiB steps to 1.5 GiB
+    }
+    let base = buf.base();
+    let words = (buf.len() / 4) as u64;
+    k.fill(base, 0, words, 7);
+    let mapped = buf.capacity();
+    let (free_full, _) = backend.mem_info().unwrap();
+    assert!(start - free_full >= mapped, "the driver sees {} used for {mapped} mapped", start - free_full);
+
+    let keep = 300usize << 20;
+    buf.shrink_to(keep).unwrap();
+    let (free_shrunk, _) = backend.mem_info().unwrap();
+    let largest = buf.report().chunks.iter().map(|c| c.bytes).max().unwrap();
+    let held = start - free_shrunk;
+    eprintln!(
+        "start free {start}, after 1.5 GiB {free_full}, after shrink to 300 MiB {free_shrunk} \
+         (capacity {}, largest chunk {largest})",
+        buf.capacity()
+    );
+    assert!(held <= keep + largest, "after shrink the driver holds {held} bytes for {keep} in use");
+    assert_eq!(k.mismatches(base, 0, (keep / 4) as u64, 7), 0, "kept bytes intact");
+
+    buf.truncate(0).unwrap();
+    buf.trim().unwrap();
+    assert_eq!(buf.capacity(), 0);
+    let (free_trimmed, _) = backend.mem_info().unwrap();
+    assert_eq!(free_trimmed, start, "after trimming to zero, all memory is back");
+    buf.grow_to(1 << 20).unwrap();
+    drop(buf);
+    assert_eq!(backend.mem_info().unwrap().0, start, "after drop, free memory is back to the start");
+    assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
+}
+
+#[test]
+fn exact_and_fixed_policies_on_the_device() {
+    let _g = serial();
+    let Some(backend) = gpu() else { return };
+    let k = Kernels::load(&backend);
+    for policy in [GrowthPolicy::Exact, GrowthPolicy::Fixed { chunk_bytes: 6 << 20 }] {
+        let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(1 << 30).growth(policy)).unwrap();
+        let mut words = 0u64;
+        for add in [1u64, 1 << 18, 777_777, 3, 1 << 20] {
+            buf.grow_to(((words + add) * 4) as usize).unwrap();
+            k.fill(buf.base() + words * 4, words, add, 99);
+            words += add;
+            assert_eq!(k.mismatches(buf.base(), 0, words, 99), 0, "{policy:?}");
+        }
+        buf.shrink_to(1 << 20).unwrap();
+        assert_eq!(k.mismatches(buf.base(), 0, 1 << 18, 99), 0, "{policy:?} after shrink");
+    }
+}

@@ -1,0 +1,105 @@
+//! A test-only backend that wraps a real one and fails its k-th driver call.
+//! A failed call does nothing (as a driver call that errors out); a token
+//! handed to a failed `release` or `free` is dropped, whose own `Drop` then
+//! gives the resource back, as the `Backend` contract says.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use vmmbuf::{AccessDesc, Backend, Error, LiveCounts, Location, Result};
+
+pub struct FaultBackend<B> {
+    pub inner: Arc<B>,
+    calls: AtomicUsize,
+    fail_at: AtomicUsize,
+    failed: AtomicUsize,
+}
+
+impl<B: Backend> FaultBackend<B> {
+    pub fn new(inner: Arc<B>) -> Arc<Self> {
+        Arc::new(Self { inner, calls: AtomicUsize::new(0), fail_at: AtomicUsize::new(0), failed: AtomicUsize::new(0) })
+    }
+
+    /// Fail the `k`-th call from now (1-based); 0 disarms.
+    pub fn fail_nth(&self, k: usize) {
+        let now = self.calls.load(Ordering::SeqCst);
+        self.fail_at.store(if k == 0 { 0 } else { now + k }, Ordering::SeqCst);
+    }
+
+    /// Faults injected so far.
+    pub fn injected(&self) -> usize {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    fn step(&self, call: &'static str, bytes: usize) -> Result<()> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if n == self.fail_at.load(Ordering::SeqCst) {
+            self.failed.fetch_add(1, Ordering::SeqCst);
+            return Err(if call == "create" {
+                Error::OutOfMemory { call: "injected create", requested_bytes: bytes }
+            } else {
+                Error::Driver { call, code: 999, name: "INJECTED".into() }
+            });
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Backend for FaultBackend<B> {
+    type Reservation = B::Reservation;
+    type Chunk = B::Chunk;
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn home(&self) -> Location {
+        self.inner.home()
+    }
+    fn granularity(&self, placement: Location) -> Result<usize> {
+        self.inner.granularity(placement)
+    }
+    fn reserve(&self, bytes: usize, align: usize) -> Result<Self::Reservation> {
+        self.step("reserve", bytes)?;
+        self.inner.reserve(bytes, align)
+    }
+    fn base(&self, res: &Self::Reservation) -> u64 {
+        self.inner.base(res)
+    }
+    fn free(&self, res: Self::Reservation) -> Result<()> {
+        self.step("free", 0)?;
+        self.inner.free(res)
+    }
+    fn create(&self, bytes: usize, placement: Location) -> Result<Self::Chunk> {
+        self.step("create", bytes)?;
+        self.inner.create(bytes, placement)
+    }
+    fn release(&self, chunk: Self::Chunk) -> Result<()> {
+        self.step("release", 0)?;
+        self.inner.release(chunk)
+    }
+    fn map(&self, res: &mut Self::Reservation, offset: usize, chunk: &Self::Chunk) -> Result<()> {
+        self.step("map", 0)?;
+        self.inner.map(res, offset, chunk)
+    }
+    fn unmap(&self, res: &mut Self::Reservation, offset: usize, bytes: usize) -> Result<()> {
+        self.step("unmap", bytes)?;
+        self.inner.unmap(res, offset, bytes)
+    }
+    fn set_access(&self, res: &mut Self::Reservation, offset: usize, bytes: usize, access: &[AccessDesc]) -> Result<()> {
+        self.step("set_access", bytes)?;
+        self.inner.set_access(res, offset, bytes, access)
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.step("synchronize", 0)?;
+        self.inner.synchronize()
+    }
+    fn read(&self, res: &Self::Reservation, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.inner.read(res, offset, dst)
+    }
+    fn write(&self, res: &mut Self::Reservation, offset: usize, src: &[u8]) -> Result<()> {
+        self.inner.write(res, offset, src)
+    }
+    fn live(&self) -> LiveCounts {
+        self.inner.live()
+    }
+}

@@ -1,0 +1,119 @@
+//! Fault injection: fail the k-th driver call of grow, trim, shrink and drop,
+//! for every k; each time the buffer is unchanged (or, for trim, consistently
+//! trimmed), its data intact, and nothing leaks.
+
+use std::sync::Arc;
+
+use crate::common::{assert_consistent, contents, random_bytes};
+use crate::fault::FaultBackend;
+use vmmbuf::{Backend, BufferDesc, GrowableBuffer, GrowthPolicy};
+
+crate::for_each_backend!(faults:
+    every_failed_grow_call_is_undone,
+    every_failed_trim_call_keeps_the_buffer_consistent,
+    every_failed_drop_call_still_gives_everything_back,
+);
+
+/// The driver's free memory where the backend can tell (CUDA), for checks
+/// that memory really went back, not only the backend's counters.
+fn device_free<B: Backend>(b: &B) -> Option<usize> {
+    let any: &dyn std::any::Any = b;
+    any.downcast_ref::<vmmbuf::CudaBackend>().map(|c| c.mem_info().expect("cuMemGetInfo").0)
+}
+
+fn every_failed_grow_call_is_undone<B: Backend>(real: Arc<B>) {
+    let g = real.granularity(real.home()).unwrap();
+    for policy in [GrowthPolicy::Exact, GrowthPolicy::default()] {
+        let fb = FaultBackend::new(real.clone());
+        let baseline = fb.live();
+        let mut buf = GrowableBuffer::new(fb.clone(), BufferDesc::new(256 * g).growth(policy)).unwrap();
+        buf.grow_to(2 * g + 3).unwrap();
+        let data = random_bytes(11, 2 * g + 3);
+        buf.write(0, &data).unwrap();
+        let free_before = device_free(&*real);
+        let before = (buf.len(), buf.capacity(), buf.chunks(), fb.live(), buf.base());
+        let mut k = 1;
+        loop {
+            fb.fail_nth(k);
+            let r = buf.grow_to(9 * g + 1); // Exact: 3 granules mapped, 10 needed
+            fb.fail_nth(0);
+            if r.is_ok() {
+                break;
+            }
+            let e = r.unwrap_err();
+            assert!(e.to_string().contains("INJECTED") || e.is_transient(), "{e}");
+            assert_eq!(before, (buf.len(), buf.capacity(), buf.chunks(), fb.live(), buf.base()), "k={k}");
+            assert_eq!(device_free(&*real), free_before, "k={k}: device memory leaked");
+            assert!(contents(&buf) == data, "k={k}: data changed");
+            assert_consistent(&buf, baseline);
+            k += 1;
+        }
+        // Exact: 7 creates + 7 maps + 1 set_access; proportional: one chunk.
+        let expected_calls = if policy == GrowthPolicy::Exact { 7 + 7 + 1 } else { 3 };
+        assert_eq!(k, expected_calls + 1, "{policy:?}: every call of the grow was failed once");
+        assert_eq!(buf.len(), 9 * g + 1);
+        assert!(contents(&buf)[..data.len()] == data[..]);
+        assert_consistent(&buf, baseline);
+        drop(buf);
+        assert_eq!(fb.live(), baseline);
+    }
+}
+
+fn every_failed_trim_call_keeps_the_buffer_consistent<B: Backend>(real: Arc<B>) {
+    let g = real.granularity(real.home()).unwrap();
+    let mut k = 1;
+    loop {
+        let fb = FaultBackend::new(real.clone());
+        let baseline = fb.live();
+        let free_start = device_free(&*real);
+        let mut buf = GrowableBuffer::new(fb.clone(), BufferDesc::new(64 * g).growth(GrowthPolicy::Exact)).unwrap();
+        buf.grow_to(6 * g).unwrap();
+        let data = random_bytes(k as u64, 6 * g);
+        buf.write(0, &data).unwrap();
+        fb.fail_nth(k);
+        let r = buf.shrink_to(2 * g - 1); // sync, unmap, 4 releases
+        fb.fail_nth(0);
+        assert_eq!(buf.len(), 2 * g - 1, "truncate happens before any driver call");
+        assert!(contents(&buf)[..] == data[..2 * g - 1], "k={k}: kept data changed");
+        assert_consistent(&buf, baseline);
+        match k {
+            1 | 2 => {
+                assert!(r.is_err(), "k={k}");
+                assert_eq!(buf.capacity(), 6 * g, "k={k}: a failed wait or unmap changes nothing");
+                buf.trim().unwrap();
+            }
+            _ if r.is_err() => {}
+            _ => {
+                assert_eq!(k, 7, "sync + unmap + 4 releases");
+                assert_eq!(fb.injected(), 0);
+            }
+        }
+        // A release that failed gave the chunk back through its token.
+        assert_eq!(buf.capacity(), 2 * g, "k={k}");
+        assert_consistent(&buf, baseline);
+        drop(buf);
+        assert_eq!(fb.live(), baseline, "k={k}");
+        assert_eq!(device_free(&*real), free_start, "k={k}: device memory leaked");
+        if r.is_ok() {
+            break;
+        }
+        k += 1;
+    }
+}
+
+fn every_failed_drop_call_still_gives_everything_back<B: Backend>(real: Arc<B>) {
+    let g = real.granularity(real.home()).unwrap();
+    for k in 1..=6 {
+        // sync, unmap, 3 releases, free
+        let fb = FaultBackend::new(real.clone());
+        let baseline = fb.live();
+        let free_start = device_free(&*real);
+        let buf = GrowableBuffer::new(fb.clone(), BufferDesc::new(64 * g).growth(GrowthPolicy::Exact)).unwrap();
+        buf.grow_to(3 * g).unwrap();
+        fb.fail_nth(k);
+        drop(buf);
+        assert_eq!(fb.injected(), 1, "k={k}: the drop made at least k calls");
+        assert_eq!(fb.live(), baseline, "k={k}");
+        assert_eq!(device_free(&*real), free_start, "k={k}: device memory leaked");
+    }
+}
