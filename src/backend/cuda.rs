@@ -76,6 +76,8 @@ impl CudaBackend {
     /// machine lacks, [`Error::VmmUnsupported`] where the device has no VMM.
     pub fn new(ordinal: u32) -> Result<Arc<Self>> {
         Self::check_driver()?;
+        cudarc::driver::result::init()
+            .map_err(|e| Error::DriverUnavailable { reason: format!("cuInit: {e}") })?;
         let count = cudarc::driver::result::device::get_count()
             .map_err(|e| Error::DriverUnavailable { reason: format!("cuDeviceGetCount: {e}") })?
             as u32;
