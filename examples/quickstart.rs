@@ -13,7 +13,10 @@ use vmmbuf::{Backend, BufferDesc, Bytes, CudaBackend, GrowableBuffer, HostBacken
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     match CudaBackend::new(0) {
         Ok(cuda) => {
-            println!("backend: CUDA VMM on GPU 0 (granularity {})", Bytes(cuda.granularity(cuda.home())?));
+            println!(
+                "backend: CUDA VMM on GPU 0 (granularity {})",
+                Bytes(cuda.granularity(cuda.home())?)
+            );
             run(cuda)
         }
         Err(why) => {
@@ -25,7 +28,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Deterministic, varied bytes: never all zeros.
 fn pattern(offset: usize, len: usize) -> Vec<u8> {
-    (offset..offset + len).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect()
+    (offset..offset + len)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect()
 }
 
 fn run<B: Backend>(backend: Arc<B>) -> Result<(), Box<dyn std::error::Error>> {
@@ -62,7 +67,12 @@ fn run<B: Backend>(backend: Arc<B>) -> Result<(), Box<dyn std::error::Error>> {
     if head != pattern(0, 16 << 20) {
         return Err("data changed while shrinking".into());
     }
-    println!("shrank to {}: mapped {} in {} chunks, data checked", Bytes(buf.len()), Bytes(buf.capacity()), buf.chunks());
+    println!(
+        "shrank to {}: mapped {} in {} chunks, data checked",
+        Bytes(buf.len()),
+        Bytes(buf.capacity()),
+        buf.chunks()
+    );
     println!("stats: {}", buf.stats());
     print!("{}", buf.report());
     Ok(())

@@ -39,7 +39,12 @@ impl BufferDesc {
     /// A description reserving `max_bytes`, with the default growth policy,
     /// home placement and read-write access.
     pub fn new(max_bytes: usize) -> Self {
-        Self { max_bytes, placement: None, growth: GrowthPolicy::default(), access: Access::ReadWrite }
+        Self {
+            max_bytes,
+            placement: None,
+            growth: GrowthPolicy::default(),
+            access: Access::ReadWrite,
+        }
     }
 
     /// Sets the growth policy.
@@ -146,14 +151,23 @@ impl<B: Backend> GrowableBuffer<B> {
         if placement != backend.home() {
             access.push(AccessDesc::new(placement, desc.access));
         }
-        let res = backend.reserve(reserved, granularity).map_err(|e| match e {
-            Error::ReservationExhausted { .. } => {
-                Error::ReservationExhausted { requested_bytes: reserved, reserved_bytes: 0 }
-            }
-            e => e,
-        })?;
+        let res = backend
+            .reserve(reserved, granularity)
+            .map_err(|e| match e {
+                Error::ReservationExhausted { .. } => Error::ReservationExhausted {
+                    requested_bytes: reserved,
+                    reserved_bytes: 0,
+                },
+                e => e,
+            })?;
         let base = backend.base(&res);
-        tracing::debug!(backend = backend.name(), base, reserved, granularity, "vmmbuf: reserved");
+        tracing::debug!(
+            backend = backend.name(),
+            base,
+            reserved,
+            granularity,
+            "vmmbuf: reserved"
+        );
         Ok(Self {
             backend,
             base,
@@ -167,7 +181,10 @@ impl<B: Backend> GrowableBuffer<B> {
                 chunks: Vec::new(),
                 len: 0,
                 capacity: 0,
-                stats: Stats { reserved_bytes: reserved, ..Stats::default() },
+                stats: Stats {
+                    reserved_bytes: reserved,
+                    ..Stats::default()
+                },
             }),
         })
     }
@@ -225,7 +242,12 @@ impl<B: Backend> GrowableBuffer<B> {
     /// The buffer's counters.
     pub fn stats(&self) -> Stats {
         let g = self.inner.lock();
-        Stats { in_use_bytes: g.len, mapped_bytes: g.capacity, chunks: g.chunks.len(), ..g.stats }
+        Stats {
+            in_use_bytes: g.len,
+            mapped_bytes: g.capacity,
+            chunks: g.chunks.len(),
+            ..g.stats
+        }
     }
 
     /// Every chunk with its placement and access, and the counters.
@@ -233,7 +255,12 @@ impl<B: Backend> GrowableBuffer<B> {
         let g = self.inner.lock();
         Report {
             base: self.base,
-            stats: Stats { in_use_bytes: g.len, mapped_bytes: g.capacity, chunks: g.chunks.len(), ..g.stats },
+            stats: Stats {
+                in_use_bytes: g.len,
+                mapped_bytes: g.capacity,
+                chunks: g.chunks.len(),
+                ..g.stats
+            },
             chunks: g
                 .chunks
                 .iter()
@@ -255,7 +282,10 @@ impl<B: Backend> GrowableBuffer<B> {
     /// [`Error::ReservationExhausted`] is not.
     pub fn grow_to(&self, bytes: usize) -> Result<()> {
         if bytes > self.reserved {
-            return Err(Error::ReservationExhausted { requested_bytes: bytes, reserved_bytes: self.reserved });
+            return Err(Error::ReservationExhausted {
+                requested_bytes: bytes,
+                reserved_bytes: self.reserved,
+            });
         }
         self.grow_locked(&mut self.inner.lock(), bytes)
     }
@@ -270,7 +300,10 @@ impl<B: Backend> GrowableBuffer<B> {
             Error::invalid(format!("growing {at} bytes by {additional} overflows"))
         })?;
         if target > self.reserved {
-            return Err(Error::ReservationExhausted { requested_bytes: target, reserved_bytes: self.reserved });
+            return Err(Error::ReservationExhausted {
+                requested_bytes: target,
+                reserved_bytes: self.reserved,
+            });
         }
         self.grow_locked(&mut g, target)?;
         Ok(at)
@@ -286,7 +319,9 @@ impl<B: Backend> GrowableBuffer<B> {
         }
         let start = Instant::now();
         let span = tracing::debug_span!("vmmbuf.grow", from = g.len, to = bytes).entered();
-        let plan = self.policy.plan(self.granularity, g.capacity, bytes, self.reserved)?;
+        let plan = self
+            .policy
+            .plan(self.granularity, g.capacity, bytes, self.reserved)?;
         let added: usize = plan.iter().sum();
         let at = g.capacity;
         let backend = &*self.backend;
@@ -321,7 +356,13 @@ impl<B: Backend> GrowableBuffer<B> {
         }
         let mut offset = at;
         for (chunk, bytes) in created.into_iter().zip(plan.iter().copied()) {
-            g.chunks.push(Entry { chunk, offset, bytes, placement: self.placement, access: self.access.clone() });
+            g.chunks.push(Entry {
+                chunk,
+                offset,
+                bytes,
+                placement: self.placement,
+                access: self.access.clone(),
+            });
             offset += bytes;
         }
         g.capacity += added;
@@ -344,7 +385,10 @@ impl<B: Backend> GrowableBuffer<B> {
     pub fn truncate(&mut self, bytes: usize) -> Result<()> {
         let g = self.inner.get_mut();
         if bytes > g.len {
-            return Err(Error::invalid(format!("cannot shrink {} bytes to {bytes}", g.len)));
+            return Err(Error::invalid(format!(
+                "cannot shrink {} bytes to {bytes}",
+                g.len
+            )));
         }
         if bytes < g.len {
             g.len = bytes;
@@ -401,14 +445,21 @@ impl<B: Backend> GrowableBuffer<B> {
                 first_err.get_or_insert(err);
             }
         }
-        tracing::debug!(chunks = released, bytes, elapsed_us = start.elapsed().as_micros() as u64, "vmmbuf: trimmed");
+        tracing::debug!(
+            chunks = released,
+            bytes,
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "vmmbuf: trimmed"
+        );
         first_err.map_or(Ok(()), Err)
     }
 
     fn check_span(&self, len: usize, offset: usize, n: usize) -> Result<()> {
         match offset.checked_add(n) {
             Some(end) if end <= len => Ok(()),
-            _ => Err(Error::invalid(format!("bytes {offset}+{n} are outside the {len} bytes in use"))),
+            _ => Err(Error::invalid(format!(
+                "bytes {offset}+{n} are outside the {len} bytes in use"
+            ))),
         }
     }
 
@@ -431,7 +482,11 @@ impl<B: Backend> GrowableBuffer<B> {
     pub(crate) fn host_view(&self, need: Access) -> Result<(u64, usize)> {
         let g = self.inner.lock();
         for e in g.chunks.iter().take_while(|e| e.offset < g.len) {
-            let host = e.access.iter().find(|d| d.location == Location::Host).map_or(Access::None, |d| d.access);
+            let host = e
+                .access
+                .iter()
+                .find(|d| d.location == Location::Host)
+                .map_or(Access::None, |d| d.access);
             if host < need {
                 return Err(Error::invalid(format!(
                     "the chunk at {:#x} grants the host {host:?} access, {need:?} is needed",

@@ -69,9 +69,18 @@ impl GrowthPolicy {
     ///
     /// `self` must come from [`GrowthPolicy::resolve`] with the same
     /// granularity; `capacity` and `limit` are multiples of it.
-    pub fn plan(self, granularity: usize, capacity: usize, target: usize, limit: usize) -> Result<Vec<usize>> {
+    pub fn plan(
+        self,
+        granularity: usize,
+        capacity: usize,
+        target: usize,
+        limit: usize,
+    ) -> Result<Vec<usize>> {
         if target > limit {
-            return Err(Error::ReservationExhausted { requested_bytes: target, reserved_bytes: limit });
+            return Err(Error::ReservationExhausted {
+                requested_bytes: target,
+                reserved_bytes: limit,
+            });
         }
         if target <= capacity {
             return Ok(Vec::new());
@@ -139,7 +148,10 @@ mod tests {
             worst = worst.max((cap - target) as f64 / target as f64);
         }
         assert!(chunks < 64, "{chunks} mappings for 1024 steps");
-        assert!(worst <= 0.125 || cap - 1024 * G < G, "worst over-commit {worst}");
+        assert!(
+            worst <= 0.125 || cap - 1024 * G < G,
+            "worst over-commit {worst}"
+        );
     }
 
     #[test]
@@ -147,7 +159,11 @@ mod tests {
         let e = GrowthPolicy::Exact.resolve(G).unwrap();
         assert_eq!(e.plan(G, 0, 3 * G + 1, 8 * G).unwrap(), vec![G; 4]);
         assert_eq!(e.plan(G, 4 * G, 3 * G, 8 * G).unwrap(), Vec::<usize>::new());
-        let f = GrowthPolicy::Fixed { chunk_bytes: 3 * G - 5 }.resolve(G).unwrap();
+        let f = GrowthPolicy::Fixed {
+            chunk_bytes: 3 * G - 5,
+        }
+        .resolve(G)
+        .unwrap();
         assert_eq!(f, GrowthPolicy::Fixed { chunk_bytes: 3 * G });
         assert_eq!(f.plan(G, 3 * G, 7 * G, 16 * G).unwrap(), vec![3 * G; 2]);
     }
@@ -157,7 +173,9 @@ mod tests {
         for bad in [
             GrowthPolicy::Proportional { divisor: 0 },
             GrowthPolicy::Fixed { chunk_bytes: 0 },
-            GrowthPolicy::Fixed { chunk_bytes: usize::MAX },
+            GrowthPolicy::Fixed {
+                chunk_bytes: usize::MAX,
+            },
         ] {
             assert!(matches!(bad.resolve(G), Err(Error::InvalidArgument(_))));
         }
@@ -174,8 +192,13 @@ mod tests {
         let p = GrowthPolicy::default().resolve(G).unwrap();
         // 64 GiB wants an 8 GiB chunk; only 1 GiB of room is left.
         let cap = 64 << 30;
-        assert_eq!(p.plan(G, cap, cap + 1, cap + (1 << 30)).unwrap(), vec![1 << 30]);
-        let f = GrowthPolicy::Fixed { chunk_bytes: 4 * G }.resolve(G).unwrap();
+        assert_eq!(
+            p.plan(G, cap, cap + 1, cap + (1 << 30)).unwrap(),
+            vec![1 << 30]
+        );
+        let f = GrowthPolicy::Fixed { chunk_bytes: 4 * G }
+            .resolve(G)
+            .unwrap();
         assert_eq!(f.plan(G, 0, 5 * G, 6 * G).unwrap(), vec![4 * G, 2 * G]);
     }
 }

@@ -129,7 +129,12 @@ mod tests {
         assert_eq!(Bytes(3 << 20).to_string(), "3.0 MiB");
         let r = Report {
             base: 0x7000_0000,
-            stats: Stats { in_use_bytes: 5, mapped_bytes: 4096, chunks: 1, ..Stats::default() },
+            stats: Stats {
+                in_use_bytes: 5,
+                mapped_bytes: 4096,
+                chunks: 1,
+                ..Stats::default()
+            },
             chunks: vec![ChunkInfo {
                 offset: 0,
                 bytes: 4096,

@@ -23,8 +23,15 @@ const DRIVER_LIBRARIES: &[&str] = &["libcuda.so.1", "libcuda.so", "nvcuda.dll"];
 fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result<()> {
     match r {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
-        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::OutOfMemory { call, requested_bytes }),
-        other => Err(Error::Driver { call, code: other as u32, name: format!("{other:?}") }),
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::OutOfMemory {
+            call,
+            requested_bytes,
+        }),
+        other => Err(Error::Driver {
+            call,
+            code: other as u32,
+            name: format!("{other:?}"),
+        }),
     }
 }
 
@@ -38,8 +45,10 @@ struct RawLocation {
     id: std::ffi::c_int,
 }
 
-const _: () = assert!(std::mem::size_of::<RawLocation>() == std::mem::size_of::<sys::CUmemLocation>());
-const _: () = assert!(std::mem::align_of::<RawLocation>() == std::mem::align_of::<sys::CUmemLocation>());
+const _: () =
+    assert!(std::mem::size_of::<RawLocation>() == std::mem::size_of::<sys::CUmemLocation>());
+const _: () =
+    assert!(std::mem::align_of::<RawLocation>() == std::mem::align_of::<sys::CUmemLocation>());
 
 fn raw_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
     // SAFETY: same size and alignment (asserted above), same field order and
@@ -76,36 +85,45 @@ impl CudaBackend {
     /// machine lacks, [`Error::VmmUnsupported`] where the device has no VMM.
     pub fn new(ordinal: u32) -> Result<Arc<Self>> {
         Self::check_driver()?;
-        cudarc::driver::result::init()
-            .map_err(|e| Error::DriverUnavailable { reason: format!("cuInit: {e}") })?;
-        let count = cudarc::driver::result::device::get_count()
-            .map_err(|e| Error::DriverUnavailable { reason: format!("cuDeviceGetCount: {e}") })?
-            as u32;
+        cudarc::driver::result::init().map_err(|e| Error::DriverUnavailable {
+            reason: format!("cuInit: {e}"),
+        })?;
+        let count =
+            cudarc::driver::result::device::get_count().map_err(|e| Error::DriverUnavailable {
+                reason: format!("cuDeviceGetCount: {e}"),
+            })? as u32;
         if ordinal >= count {
-            return Err(Error::InvalidDevice { device: ordinal, count });
+            return Err(Error::InvalidDevice {
+                device: ordinal,
+                count,
+            });
         }
-        let ctx = CudaContext::new(ordinal as usize)
-            .map_err(|e| Error::DriverUnavailable { reason: format!("context on gpu{ordinal}: {e}") })?;
+        let ctx = CudaContext::new(ordinal as usize).map_err(|e| Error::DriverUnavailable {
+            reason: format!("context on gpu{ordinal}: {e}"),
+        })?;
         Self::from_context(ctx)
     }
 
     /// A backend on an existing cudarc context (its device is the home).
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Arc<Self>> {
         let device = ctx.ordinal() as u32;
-        let attr = |a| ctx.attribute(a).map_err(|e| Error::Driver {
-            call: "cuDeviceGetAttribute",
-            code: e.0 as u32,
-            name: format!("{:?}", e.0),
-        });
+        let attr = |a| {
+            ctx.attribute(a).map_err(|e| Error::Driver {
+                call: "cuDeviceGetAttribute",
+                code: e.0 as u32,
+                name: format!("{:?}", e.0),
+            })
+        };
         use sys::CUdevice_attribute as A;
         if attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? == 0 {
             return Err(Error::VmmUnsupported { device });
         }
-        let host_numa = if attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0 {
-            Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?.max(0))
-        } else {
-            None
-        };
+        let host_numa =
+            if attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0 {
+                Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?.max(0))
+            } else {
+                None
+            };
         let device_count = CudaContext::device_count().map_err(|e| Error::Driver {
             call: "cuDeviceGetCount",
             code: e.0 as u32,
@@ -152,7 +170,11 @@ impl CudaBackend {
         self.bind()?;
         let (mut free, mut total) = (0usize, 0usize);
         // SAFETY: two valid out-pointers; a context is current (bind).
-        check("cuMemGetInfo", unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }, 0)?;
+        check(
+            "cuMemGetInfo",
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+            0,
+        )?;
         Ok((free, total))
     }
 
@@ -166,9 +188,10 @@ impl CudaBackend {
 
     fn check_location(&self, l: Location) -> Result<()> {
         match l {
-            Location::Device(d) if d >= self.device_count => {
-                Err(Error::InvalidDevice { device: d, count: self.device_count })
-            }
+            Location::Device(d) if d >= self.device_count => Err(Error::InvalidDevice {
+                device: d,
+                count: self.device_count,
+            }),
             _ => Ok(()),
         }
     }
@@ -183,7 +206,10 @@ impl CudaBackend {
                 Some(node) => raw_location(T::CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
                 None => {
                     return Err(Error::Unsupported {
-                        what: format!("host placement: gpu{} has no host-NUMA VMM support", self.device),
+                        what: format!(
+                            "host placement: gpu{} has no host-NUMA VMM support",
+                            self.device
+                        ),
                     })
                 }
             },
@@ -204,15 +230,21 @@ impl CudaBackend {
         self.bind()?;
         let mut g = 0usize;
         // SAFETY: valid out-pointer and a fully initialised property struct.
-        check("cuMemGetAllocationGranularity", unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut g,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        }, 0)?;
+        check(
+            "cuMemGetAllocationGranularity",
+            unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut g,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            },
+            0,
+        )?;
         if !g.is_power_of_two() {
-            return Err(Error::Unsupported { what: format!("granularity {g} is not a power of two") });
+            return Err(Error::Unsupported {
+                what: format!("granularity {g} is not a power of two"),
+            });
         }
         Ok(g)
     }
@@ -257,7 +289,10 @@ impl Drop for CudaReservation {
                 c.reserved_bytes -= bytes;
             });
         } else {
-            tracing::error!(?r, "vmmbuf cuda: cuMemAddressFree failed in drop; the range leaks");
+            tracing::error!(
+                ?r,
+                "vmmbuf cuda: cuMemAddressFree failed in drop; the range leaks"
+            );
         }
     }
 }
@@ -276,7 +311,11 @@ impl CudaChunk {
     fn release_now(&mut self) -> Result<()> {
         // SAFETY: the handle came from cuMemCreate and has not been released
         // (`released` is false); releasing while mapped is allowed.
-        check("cuMemRelease", unsafe { sys::cuMemRelease(self.handle) }, self.bytes)?;
+        check(
+            "cuMemRelease",
+            unsafe { sys::cuMemRelease(self.handle) },
+            self.bytes,
+        )?;
         self.released = true;
         let bytes = self.bytes;
         self.counters.update(|c| {
@@ -328,16 +367,28 @@ impl Backend for CudaBackend {
         self.bind()?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: valid out-pointer; no address hint, no flags.
-        check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) }, bytes)
-            .map_err(|e| match e {
-                Error::OutOfMemory { .. } => Error::ReservationExhausted { requested_bytes: bytes, reserved_bytes: 0 },
-                e => e,
-            })?;
+        check(
+            "cuMemAddressReserve",
+            unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) },
+            bytes,
+        )
+        .map_err(|e| match e {
+            Error::OutOfMemory { .. } => Error::ReservationExhausted {
+                requested_bytes: bytes,
+                reserved_bytes: 0,
+            },
+            e => e,
+        })?;
         self.counters.update(|c| {
             c.reservations += 1;
             c.reserved_bytes += bytes;
         });
-        Ok(CudaReservation { ptr, table: MapTable::new(bytes), ctx: self.ctx.clone(), counters: self.counters.clone() })
+        Ok(CudaReservation {
+            ptr,
+            table: MapTable::new(bytes),
+            ctx: self.ctx.clone(),
+            counters: self.counters.clone(),
+        })
     }
 
     fn base(&self, res: &CudaReservation) -> u64 {
@@ -346,12 +397,18 @@ impl Backend for CudaBackend {
 
     fn free(&self, mut res: CudaReservation) -> Result<()> {
         if !res.table.is_empty() {
-            return Err(Error::invalid("freeing a reservation that still has mappings (dropped instead)"));
+            return Err(Error::invalid(
+                "freeing a reservation that still has mappings (dropped instead)",
+            ));
         }
         self.bind()?;
         // SAFETY: (ptr, bytes) is exactly this token's reservation, and nothing
         // in it is mapped (checked above).
-        check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(res.ptr, res.table.bytes) }, 0)?;
+        check(
+            "cuMemAddressFree",
+            unsafe { sys::cuMemAddressFree(res.ptr, res.table.bytes) },
+            0,
+        )?;
         let bytes = res.table.bytes;
         self.counters.update(|c| {
             c.reservations -= 1;
@@ -372,12 +429,22 @@ impl Backend for CudaBackend {
         self.bind()?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out-pointer and a fully initialised property struct.
-        check("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) }, bytes)?;
+        check(
+            "cuMemCreate",
+            unsafe { sys::cuMemCreate(&mut handle, bytes, &prop, 0) },
+            bytes,
+        )?;
         self.counters.update(|c| {
             c.chunks += 1;
             c.chunk_bytes += bytes;
         });
-        Ok(CudaChunk { handle, bytes, released: false, ctx: self.ctx.clone(), counters: self.counters.clone() })
+        Ok(CudaChunk {
+            handle,
+            bytes,
+            released: false,
+            ctx: self.ctx.clone(),
+            counters: self.counters.clone(),
+        })
     }
 
     fn release(&self, mut chunk: CudaChunk) -> Result<()> {
@@ -390,7 +457,11 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: the range lies inside this token's reservation and holds no
         // mapping (checked above); the handle is live; offset 0, no flags.
-        check("cuMemMap", unsafe { sys::cuMemMap(res.ptr + offset as u64, chunk.bytes, 0, chunk.handle, 0) }, chunk.bytes)?;
+        check(
+            "cuMemMap",
+            unsafe { sys::cuMemMap(res.ptr + offset as u64, chunk.bytes, 0, chunk.handle, 0) },
+            chunk.bytes,
+        )?;
         res.table.insert(offset, chunk.bytes);
         self.counters.update(|c| c.mapped_bytes += chunk.bytes);
         Ok(())
@@ -401,7 +472,11 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: the range is made of whole live mappings of this token
         // (checked above). The caller has waited for GPU work using it.
-        check("cuMemUnmap", unsafe { sys::cuMemUnmap(res.ptr + offset as u64, bytes) }, bytes)?;
+        check(
+            "cuMemUnmap",
+            unsafe { sys::cuMemUnmap(res.ptr + offset as u64, bytes) },
+            bytes,
+        )?;
         res.table.remove(&keys);
         self.counters.update(|c| c.mapped_bytes -= bytes);
         Ok(())
@@ -423,20 +498,30 @@ impl Backend for CudaBackend {
         for d in access {
             self.check_location(d.location)?;
             let location = match d.location {
-                Location::Device(id) => raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id as i32),
+                Location::Device(id) => raw_location(
+                    sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id as i32,
+                ),
                 Location::Host => {
                     host = d.access;
                     raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0)
                 }
             };
-            descs.push(sys::CUmemAccessDesc { location, flags: access_flags(d.access) });
+            descs.push(sys::CUmemAccessDesc {
+                location,
+                flags: access_flags(d.access),
+            });
         }
         self.bind()?;
         // SAFETY: the range is made of whole live mappings of this token
         // (checked above); `descs` holds `descs.len()` initialised entries.
-        check("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(res.ptr + offset as u64, bytes, descs.as_ptr(), descs.len())
-        }, bytes)?;
+        check(
+            "cuMemSetAccess",
+            unsafe {
+                sys::cuMemSetAccess(res.ptr + offset as u64, bytes, descs.as_ptr(), descs.len())
+            },
+            bytes,
+        )?;
         res.table.set_host_access(&keys, host);
         Ok(())
     }
@@ -457,9 +542,13 @@ impl Backend for CudaBackend {
         self.bind()?;
         // SAFETY: the source is mapped in this token (checked above); `dst` is
         // a live host buffer of `dst.len()` bytes. The copy is synchronous.
-        check("cuMemcpyDtoH", unsafe {
-            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), res.ptr + offset as u64, dst.len())
-        }, dst.len())
+        check(
+            "cuMemcpyDtoH",
+            unsafe {
+                sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), res.ptr + offset as u64, dst.len())
+            },
+            dst.len(),
+        )
     }
 
     fn write(&self, res: &mut CudaReservation, offset: usize, src: &[u8]) -> Result<()> {
@@ -471,9 +560,13 @@ impl Backend for CudaBackend {
         // SAFETY: the destination is mapped in this token (checked above);
         // `src` is a live host buffer of `src.len()` bytes. The copy is
         // synchronous.
-        check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(res.ptr + offset as u64, src.as_ptr().cast(), src.len())
-        }, src.len())
+        check(
+            "cuMemcpyHtoD",
+            unsafe {
+                sys::cuMemcpyHtoD_v2(res.ptr + offset as u64, src.as_ptr().cast(), src.len())
+            },
+            src.len(),
+        )
     }
 
     fn live(&self) -> LiveCounts {

@@ -29,7 +29,10 @@ pub struct HostBackend {
 impl HostBackend {
     /// A backend with the system page size as granularity.
     pub fn new() -> Arc<Self> {
-        Arc::new(Self { granularity: rustix::param::page_size(), counters: Arc::default() })
+        Arc::new(Self {
+            granularity: rustix::param::page_size(),
+            counters: Arc::default(),
+        })
     }
 
     /// A backend with a coarser granularity, e.g. 2 MiB to behave like CUDA.
@@ -41,7 +44,10 @@ impl HostBackend {
                 "host granularity {granularity} is not a power-of-two multiple of the page size {page}"
             )));
         }
-        Ok(Arc::new(Self { granularity, counters: Arc::default() }))
+        Ok(Arc::new(Self {
+            granularity,
+            counters: Arc::default(),
+        }))
     }
 
     fn check_host(&self, placement: Location) -> Result<()> {
@@ -55,10 +61,19 @@ impl HostBackend {
 }
 
 fn os(call: &'static str, e: rustix::io::Errno, requested_bytes: usize) -> Error {
-    if e == rustix::io::Errno::NOMEM || e == rustix::io::Errno::NOSPC || e == rustix::io::Errno::MFILE {
-        Error::OutOfMemory { call, requested_bytes }
+    if e == rustix::io::Errno::NOMEM
+        || e == rustix::io::Errno::NOSPC
+        || e == rustix::io::Errno::MFILE
+    {
+        Error::OutOfMemory {
+            call,
+            requested_bytes,
+        }
     } else {
-        Error::Os { call, source: e.into() }
+        Error::Os {
+            call,
+            source: e.into(),
+        }
     }
 }
 
@@ -168,7 +183,10 @@ impl Backend for HostBackend {
         }
         .map_err(|e| match e {
             // Address space, not memory, ran out: this can never fit.
-            rustix::io::Errno::NOMEM => Error::ReservationExhausted { requested_bytes: bytes, reserved_bytes: 0 },
+            rustix::io::Errno::NOMEM => Error::ReservationExhausted {
+                requested_bytes: bytes,
+                reserved_bytes: 0,
+            },
             e => os("mmap", e, total),
         })?;
         let start = raw as usize;
@@ -224,7 +242,11 @@ impl Backend for HostBackend {
             c.chunks += 1;
             c.chunk_bytes += bytes;
         });
-        Ok(HostChunk { fd, bytes, counters: self.counters.clone() })
+        Ok(HostChunk {
+            fd,
+            bytes,
+            counters: self.counters.clone(),
+        })
     }
 
     fn release(&self, chunk: HostChunk) -> Result<()> {
@@ -312,7 +334,11 @@ impl Backend for HostBackend {
         // SAFETY: the source range is mapped and readable (checked above), lies
         // in memory this token owns, and `&HostReservation` excludes writers.
         unsafe {
-            std::ptr::copy_nonoverlapping(res.addr(offset) as *const u8, dst.as_mut_ptr(), dst.len())
+            std::ptr::copy_nonoverlapping(
+                res.addr(offset) as *const u8,
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
         };
         Ok(())
     }
@@ -321,10 +347,13 @@ impl Backend for HostBackend {
         if src.is_empty() {
             return Ok(());
         }
-        res.table.covering(offset, src.len(), false, Access::ReadWrite)?;
+        res.table
+            .covering(offset, src.len(), false, Access::ReadWrite)?;
         // SAFETY: the destination is mapped read-write (checked above), lies in
         // memory this token owns, and `&mut` excludes every other reference.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), res.addr(offset) as *mut u8, src.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), res.addr(offset) as *mut u8, src.len())
+        };
         Ok(())
     }
 

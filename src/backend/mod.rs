@@ -133,7 +133,10 @@ pub(crate) struct MapTable {
 
 impl MapTable {
     pub(crate) fn new(bytes: usize) -> Self {
-        Self { bytes, mapped: Default::default() }
+        Self {
+            bytes,
+            mapped: Default::default(),
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -163,7 +166,9 @@ impl MapTable {
     pub(crate) fn check_map(&self, offset: usize, bytes: usize, granularity: usize) -> Result<()> {
         self.check_range(offset, bytes)?;
         if offset % granularity != 0 {
-            return Err(crate::Error::invalid(format!("map offset {offset:#x} is not granular")));
+            return Err(crate::Error::invalid(format!(
+                "map offset {offset:#x} is not granular"
+            )));
         }
         if let Some((&k, &(len, _))) = self.mapped.range(..offset + bytes).next_back() {
             if k + len > offset {
@@ -176,7 +181,8 @@ impl MapTable {
     }
 
     pub(crate) fn insert(&mut self, offset: usize, bytes: usize) {
-        self.mapped.insert(offset, (bytes, crate::location::Access::None));
+        self.mapped
+            .insert(offset, (bytes, crate::location::Access::None));
     }
 
     /// Offsets of the mappings that together cover `[offset, offset + bytes)`
@@ -211,7 +217,9 @@ impl MapTable {
             }
         }
         if exact && at != end {
-            return Err(crate::Error::invalid(format!("{end:#x} falls inside a mapping")));
+            return Err(crate::Error::invalid(format!(
+                "{end:#x} falls inside a mapping"
+            )));
         }
         Ok(keys)
     }
@@ -247,10 +255,16 @@ mod tests {
         assert!(t.check_map(60, 8, 4).is_err(), "past the end");
         assert!(t.check_map(25, 8, 8).is_err(), "not granular");
         assert_eq!(t.covering(0, 24, true, Access::None).unwrap(), vec![0, 16]);
-        assert!(t.covering(0, 20, true, Access::None).is_err(), "ends inside a mapping");
+        assert!(
+            t.covering(0, 20, true, Access::None).is_err(),
+            "ends inside a mapping"
+        );
         assert_eq!(t.covering(4, 16, false, Access::None).unwrap(), vec![0, 16]);
         assert!(t.covering(4, 30, false, Access::None).is_err(), "gap");
-        assert!(t.covering(0, 8, false, Access::Read).is_err(), "no access yet");
+        assert!(
+            t.covering(0, 8, false, Access::Read).is_err(),
+            "no access yet"
+        );
         t.set_host_access(&[0], Access::Read);
         assert!(t.covering(0, 8, false, Access::Read).is_ok());
         assert!(t.covering(0, 8, false, Access::ReadWrite).is_err());

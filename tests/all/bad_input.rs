@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use crate::common::{contents, random_bytes};
-use vmmbuf::{Backend, BufferDesc, CudaBackend, Error, GrowableBuffer, GrowthPolicy, HostBackend, Location};
+use vmmbuf::{
+    Backend, BufferDesc, CudaBackend, Error, GrowableBuffer, GrowthPolicy, HostBackend, Location,
+};
 
 crate::for_each_backend!(bad_input: every_bad_argument_is_a_typed_error);
 
@@ -15,17 +17,34 @@ fn every_bad_argument_is_a_typed_error<B: Backend>(backend: Arc<B>) {
     };
     invalid(new(BufferDesc::new(0)), "zero max_bytes");
     invalid(new(BufferDesc::new(usize::MAX)), "overflowing max_bytes");
-    invalid(new(BufferDesc::new(g).growth(GrowthPolicy::Fixed { chunk_bytes: 0 })), "zero chunk size");
-    invalid(new(BufferDesc::new(g).growth(GrowthPolicy::Fixed { chunk_bytes: usize::MAX })), "overflowing chunk");
-    invalid(new(BufferDesc::new(g).growth(GrowthPolicy::Proportional { divisor: 0 })), "zero divisor");
+    invalid(
+        new(BufferDesc::new(g).growth(GrowthPolicy::Fixed { chunk_bytes: 0 })),
+        "zero chunk size",
+    );
+    invalid(
+        new(BufferDesc::new(g).growth(GrowthPolicy::Fixed {
+            chunk_bytes: usize::MAX,
+        })),
+        "overflowing chunk",
+    );
+    invalid(
+        new(BufferDesc::new(g).growth(GrowthPolicy::Proportional { divisor: 0 })),
+        "zero divisor",
+    );
     let r = new(BufferDesc::new(g).placement(Location::Device(4242)));
     assert!(
-        matches!(r, Err(Error::InvalidDevice { device: 4242, .. }) | Err(Error::Unsupported { .. })),
+        matches!(
+            r,
+            Err(Error::InvalidDevice { device: 4242, .. }) | Err(Error::Unsupported { .. })
+        ),
         "a device that does not exist: {r:?}"
     );
     // Far more address space than any machine has: a typed error, not a panic.
     let r = new(BufferDesc::new(1 << 62));
-    assert!(matches!(r, Err(Error::ReservationExhausted { .. })), "2^62 bytes: {r:?}");
+    assert!(
+        matches!(r, Err(Error::ReservationExhausted { .. })),
+        "2^62 bytes: {r:?}"
+    );
 
     let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(8 * g)).unwrap();
     buf.grow_to(g + 1).unwrap();
@@ -33,17 +52,29 @@ fn every_bad_argument_is_a_typed_error<B: Backend>(backend: Arc<B>) {
     buf.write(0, &data).unwrap();
     let before = (buf.len(), buf.capacity(), buf.chunks(), backend.live());
 
-    assert!(matches!(buf.grow_to(8 * g + 1), Err(Error::ReservationExhausted { .. })));
-    assert!(matches!(buf.grow_by(usize::MAX), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        buf.grow_to(8 * g + 1),
+        Err(Error::ReservationExhausted { .. })
+    ));
+    assert!(matches!(
+        buf.grow_by(usize::MAX),
+        Err(Error::InvalidArgument(_))
+    ));
     invalid(buf.truncate(g + 2), "truncate above len");
     invalid(buf.shrink_to(usize::MAX), "shrink above len");
     let mut out = [0u8; 2];
     invalid(buf.read(g, &mut out), "read past len");
     invalid(buf.read(usize::MAX, &mut out), "read offset overflowing");
     invalid(buf.write(g, &[1, 2]), "write past len");
-    invalid(buf.write(usize::MAX - 1, &[1, 2, 3]), "write offset overflowing");
+    invalid(
+        buf.write(usize::MAX - 1, &[1, 2, 3]),
+        "write offset overflowing",
+    );
 
-    assert_eq!(before, (buf.len(), buf.capacity(), buf.chunks(), backend.live()));
+    assert_eq!(
+        before,
+        (buf.len(), buf.capacity(), buf.chunks(), backend.live())
+    );
     assert!(contents(&buf) == data, "bad calls changed the data");
     // Empty reads and writes at the end are fine.
     buf.read(g + 1, &mut []).unwrap();
@@ -52,26 +83,66 @@ fn every_bad_argument_is_a_typed_error<B: Backend>(backend: Arc<B>) {
 
 #[test]
 fn bad_backend_arguments_are_typed_errors() {
-    assert!(matches!(HostBackend::with_granularity(3), Err(Error::InvalidArgument(_))));
-    assert!(matches!(HostBackend::with_granularity(1024), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        HostBackend::with_granularity(3),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        HostBackend::with_granularity(1024),
+        Err(Error::InvalidArgument(_))
+    ));
     let host = HostBackend::new();
-    assert!(matches!(host.granularity(Location::Device(0)), Err(Error::Unsupported { .. })));
-    assert!(matches!(host.create(4096, Location::Device(0)), Err(Error::Unsupported { .. })));
-    assert!(matches!(host.create(0, Location::Host), Err(Error::InvalidArgument(_))));
-    assert!(matches!(host.reserve(100, 4096), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        host.granularity(Location::Device(0)),
+        Err(Error::Unsupported { .. })
+    ));
+    assert!(matches!(
+        host.create(4096, Location::Device(0)),
+        Err(Error::Unsupported { .. })
+    ));
+    assert!(matches!(
+        host.create(0, Location::Host),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        host.reserve(100, 4096),
+        Err(Error::InvalidArgument(_))
+    ));
     // Token checks: mapping outside, twice, or unmapping part of a mapping.
     let g = host.granularity(Location::Host).unwrap();
     let mut res = host.reserve(4 * g, g).unwrap();
     let c = host.create(2 * g, Location::Host).unwrap();
-    assert!(matches!(host.map(&mut res, 3 * g, &c), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        host.map(&mut res, 3 * g, &c),
+        Err(Error::InvalidArgument(_))
+    ));
     host.map(&mut res, 0, &c).unwrap();
-    assert!(matches!(host.map(&mut res, g, &c), Err(Error::InvalidArgument(_))));
-    assert!(matches!(host.unmap(&mut res, 0, g), Err(Error::InvalidArgument(_))));
-    assert!(matches!(host.read(&res, 0, &mut [0u8; 4]), Err(Error::InvalidArgument(_))), "no access yet");
-    assert!(matches!(host.free(host.reserve(g, g).map(|r| r).unwrap()), Ok(())));
-    assert!(matches!(host.free(res), Err(Error::InvalidArgument(_))), "free while mapped");
+    assert!(matches!(
+        host.map(&mut res, g, &c),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        host.unmap(&mut res, 0, g),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(
+        matches!(
+            host.read(&res, 0, &mut [0u8; 4]),
+            Err(Error::InvalidArgument(_))
+        ),
+        "no access yet"
+    );
+    assert!(matches!(host.free(host.reserve(g, g).unwrap()), Ok(())));
+    assert!(
+        matches!(host.free(res), Err(Error::InvalidArgument(_))),
+        "free while mapped"
+    );
     host.release(c).unwrap();
-    assert_eq!(host.live(), vmmbuf::LiveCounts::default(), "the dropped token cleaned up");
+    assert_eq!(
+        host.live(),
+        vmmbuf::LiveCounts::default(),
+        "the dropped token cleaned up"
+    );
 }
 
 #[test]
@@ -82,11 +153,17 @@ fn a_missing_device_or_driver_is_a_typed_error() {
             assert!(matches!(e, Error::DriverUnavailable { .. }));
             let r = CudaBackend::new(0);
             assert!(matches!(r, Err(Error::DriverUnavailable { .. })), "{r:?}");
-            eprintln!("no CUDA driver here: CudaBackend::new answered {}", r.unwrap_err());
+            eprintln!(
+                "no CUDA driver here: CudaBackend::new answered {}",
+                r.unwrap_err()
+            );
         }
         Ok(()) => {
             let r = CudaBackend::new(4242);
-            assert!(matches!(r, Err(Error::InvalidDevice { device: 4242, .. })), "{r:?}");
+            assert!(
+                matches!(r, Err(Error::InvalidDevice { device: 4242, .. })),
+                "{r:?}"
+            );
         }
     }
 }

@@ -24,7 +24,9 @@ pub fn host() -> Arc<HostBackend> {
 pub fn gpu() -> Option<Arc<CudaBackend>> {
     match CudaBackend::new(0) {
         Ok(b) => Some(b),
-        Err(e) if require_gpu() => panic!("VMMBUF_REQUIRE_GPU=1 but the CUDA backend is unusable: {e}"),
+        Err(e) if require_gpu() => {
+            panic!("VMMBUF_REQUIRE_GPU=1 but the CUDA backend is unusable: {e}")
+        }
         Err(e) => {
             // Once per run, past libtest's capture (which only takes the print
             // macros), so the reason shows in every CI log.
@@ -66,8 +68,16 @@ pub fn assert_consistent<B: Backend>(buf: &GrowableBuffer<B>, baseline: LiveCoun
     let live = buf.backend().live();
     let report = buf.report();
     assert_eq!(live.reservations, baseline.reservations + 1, "{live:?}");
-    assert_eq!(live.chunks, baseline.chunks + report.chunks.len(), "{live:?}\n{report}");
-    assert_eq!(live.mapped_bytes, baseline.mapped_bytes + buf.capacity(), "{live:?}\n{report}");
+    assert_eq!(
+        live.chunks,
+        baseline.chunks + report.chunks.len(),
+        "{live:?}\n{report}"
+    );
+    assert_eq!(
+        live.mapped_bytes,
+        baseline.mapped_bytes + buf.capacity(),
+        "{live:?}\n{report}"
+    );
     assert!(buf.len() <= buf.capacity() && buf.capacity() <= buf.reserved());
     let mut at = 0;
     for c in &report.chunks {

@@ -99,7 +99,9 @@ struct Kernels {
 impl Kernels {
     fn load(b: &CudaBackend) -> Self {
         let ctx = b.context();
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(PTX)).expect("loading the PTX module");
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(PTX))
+            .expect("loading the PTX module");
         Self {
             stream: ctx.default_stream(),
             fill: module.load_function("fill").unwrap(),
@@ -108,7 +110,11 @@ impl Kernels {
     }
 
     fn cfg(n: u64) -> LaunchConfig {
-        LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid_dim: (n.div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     /// The device writes words `[first, first + n)` at `ptr`.
@@ -154,12 +160,21 @@ fn a_thousand_grows_keep_the_base_and_every_device_written_byte() {
             let mut host = vec![0u8; (words * 4) as usize];
             buf.read(0, &mut host).unwrap();
             for (i, w) in host.chunks_exact(4).enumerate() {
-                assert_eq!(u32::from_le_bytes(w.try_into().unwrap()), pattern(i as u64, seed), "word {i}");
+                assert_eq!(
+                    u32::from_le_bytes(w.try_into().unwrap()),
+                    pattern(i as u64, seed),
+                    "word {i}"
+                );
             }
         }
     }
     let s = buf.stats();
-    eprintln!("1000 grows to {} in {} chunks ({} grows mapped)", vmmbuf::Bytes(s.in_use_bytes), s.chunks, s.grows);
+    eprintln!(
+        "1000 grows to {} in {} chunks ({} grows mapped)",
+        vmmbuf::Bytes(s.in_use_bytes),
+        s.chunks,
+        s.grows
+    );
     assert!(s.chunks < 80, "mappings stay logarithmic: {}", buf.report());
 }
 
@@ -178,7 +193,11 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
     k.fill(base, 0, words, 7);
     let mapped = buf.capacity();
     let (free_full, _) = backend.mem_info().unwrap();
-    assert!(start - free_full >= mapped, "the driver sees {} used for {mapped} mapped", start - free_full);
+    assert!(
+        start - free_full >= mapped,
+        "the driver sees {} used for {mapped} mapped",
+        start - free_full
+    );
 
     let keep = 300usize << 20;
     buf.shrink_to(keep).unwrap();
@@ -190,17 +209,31 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
          (capacity {}, largest chunk {largest})",
         buf.capacity()
     );
-    assert!(held <= keep + largest, "after shrink the driver holds {held} bytes for {keep} in use");
-    assert_eq!(k.mismatches(base, 0, (keep / 4) as u64, 7), 0, "kept bytes intact");
+    assert!(
+        held <= keep + largest,
+        "after shrink the driver holds {held} bytes for {keep} in use"
+    );
+    assert_eq!(
+        k.mismatches(base, 0, (keep / 4) as u64, 7),
+        0,
+        "kept bytes intact"
+    );
 
     buf.truncate(0).unwrap();
     buf.trim().unwrap();
     assert_eq!(buf.capacity(), 0);
     let (free_trimmed, _) = backend.mem_info().unwrap();
-    assert_eq!(free_trimmed, start, "after trimming to zero, all memory is back");
+    assert_eq!(
+        free_trimmed, start,
+        "after trimming to zero, all memory is back"
+    );
     buf.grow_to(1 << 20).unwrap();
     drop(buf);
-    assert_eq!(backend.mem_info().unwrap().0, start, "after drop, free memory is back to the start");
+    assert_eq!(
+        backend.mem_info().unwrap().0,
+        start,
+        "after drop, free memory is back to the start"
+    );
     assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
 }
 
@@ -209,8 +242,14 @@ fn exact_and_fixed_policies_on_the_device() {
     let _g = serial();
     let Some(backend) = gpu() else { return };
     let k = Kernels::load(&backend);
-    for policy in [GrowthPolicy::Exact, GrowthPolicy::Fixed { chunk_bytes: 6 << 20 }] {
-        let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(1 << 30).growth(policy)).unwrap();
+    for policy in [
+        GrowthPolicy::Exact,
+        GrowthPolicy::Fixed {
+            chunk_bytes: 6 << 20,
+        },
+    ] {
+        let mut buf =
+            GrowableBuffer::new(backend.clone(), BufferDesc::new(1 << 30).growth(policy)).unwrap();
         let mut words = 0u64;
         for add in [1u64, 1 << 18, 777_777, 3, 1 << 20] {
             buf.grow_to(((words + add) * 4) as usize).unwrap();
@@ -219,6 +258,10 @@ fn exact_and_fixed_policies_on_the_device() {
             assert_eq!(k.mismatches(buf.base(), 0, words, 99), 0, "{policy:?}");
         }
         buf.shrink_to(1 << 20).unwrap();
-        assert_eq!(k.mismatches(buf.base(), 0, 1 << 18, 99), 0, "{policy:?} after shrink");
+        assert_eq!(
+            k.mismatches(buf.base(), 0, 1 << 18, 99),
+            0,
+            "{policy:?} after shrink"
+        );
     }
 }

@@ -17,13 +17,19 @@ pub struct FaultBackend<B> {
 
 impl<B: Backend> FaultBackend<B> {
     pub fn new(inner: Arc<B>) -> Arc<Self> {
-        Arc::new(Self { inner, calls: AtomicUsize::new(0), fail_at: AtomicUsize::new(0), failed: AtomicUsize::new(0) })
+        Arc::new(Self {
+            inner,
+            calls: AtomicUsize::new(0),
+            fail_at: AtomicUsize::new(0),
+            failed: AtomicUsize::new(0),
+        })
     }
 
     /// Fail the `k`-th call from now (1-based); 0 disarms.
     pub fn fail_nth(&self, k: usize) {
         let now = self.calls.load(Ordering::SeqCst);
-        self.fail_at.store(if k == 0 { 0 } else { now + k }, Ordering::SeqCst);
+        self.fail_at
+            .store(if k == 0 { 0 } else { now + k }, Ordering::SeqCst);
     }
 
     /// Faults injected so far.
@@ -36,9 +42,16 @@ impl<B: Backend> FaultBackend<B> {
         if n == self.fail_at.load(Ordering::SeqCst) {
             self.failed.fetch_add(1, Ordering::SeqCst);
             return Err(if call == "create" {
-                Error::OutOfMemory { call: "injected create", requested_bytes: bytes }
+                Error::OutOfMemory {
+                    call: "injected create",
+                    requested_bytes: bytes,
+                }
             } else {
-                Error::Driver { call, code: 999, name: "INJECTED".into() }
+                Error::Driver {
+                    call,
+                    code: 999,
+                    name: "INJECTED".into(),
+                }
             });
         }
         Ok(())
@@ -85,7 +98,13 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.step("unmap", bytes)?;
         self.inner.unmap(res, offset, bytes)
     }
-    fn set_access(&self, res: &mut Self::Reservation, offset: usize, bytes: usize, access: &[AccessDesc]) -> Result<()> {
+    fn set_access(
+        &self,
+        res: &mut Self::Reservation,
+        offset: usize,
+        bytes: usize,
+        access: &[AccessDesc],
+    ) -> Result<()> {
         self.step("set_access", bytes)?;
         self.inner.set_access(res, offset, bytes, access)
     }

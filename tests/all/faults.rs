@@ -18,7 +18,8 @@ crate::for_each_backend!(faults:
 /// that memory really went back, not only the backend's counters.
 fn device_free<B: Backend>(b: &B) -> Option<usize> {
     let any: &dyn std::any::Any = b;
-    any.downcast_ref::<vmmbuf::CudaBackend>().map(|c| c.mem_info().expect("cuMemGetInfo").0)
+    any.downcast_ref::<vmmbuf::CudaBackend>()
+        .map(|c| c.mem_info().expect("cuMemGetInfo").0)
 }
 
 fn every_failed_grow_call_is_undone<B: Backend>(real: Arc<B>) {
@@ -26,12 +27,19 @@ fn every_failed_grow_call_is_undone<B: Backend>(real: Arc<B>) {
     for policy in [GrowthPolicy::Exact, GrowthPolicy::default()] {
         let fb = FaultBackend::new(real.clone());
         let baseline = fb.live();
-        let mut buf = GrowableBuffer::new(fb.clone(), BufferDesc::new(256 * g).growth(policy)).unwrap();
+        let mut buf =
+            GrowableBuffer::new(fb.clone(), BufferDesc::new(256 * g).growth(policy)).unwrap();
         buf.grow_to(2 * g + 3).unwrap();
         let data = random_bytes(11, 2 * g + 3);
         buf.write(0, &data).unwrap();
         let free_before = device_free(&*real);
-        let before = (buf.len(), buf.capacity(), buf.chunks(), fb.live(), buf.base());
+        let before = (
+            buf.len(),
+            buf.capacity(),
+            buf.chunks(),
+            fb.live(),
+            buf.base(),
+        );
         let mut k = 1;
         loop {
             fb.fail_nth(k);
@@ -41,16 +49,41 @@ fn every_failed_grow_call_is_undone<B: Backend>(real: Arc<B>) {
                 break;
             }
             let e = r.unwrap_err();
-            assert!(e.to_string().contains("INJECTED") || e.is_transient(), "{e}");
-            assert_eq!(before, (buf.len(), buf.capacity(), buf.chunks(), fb.live(), buf.base()), "k={k}");
-            assert_eq!(device_free(&*real), free_before, "k={k}: device memory leaked");
+            assert!(
+                e.to_string().contains("INJECTED") || e.is_transient(),
+                "{e}"
+            );
+            assert_eq!(
+                before,
+                (
+                    buf.len(),
+                    buf.capacity(),
+                    buf.chunks(),
+                    fb.live(),
+                    buf.base()
+                ),
+                "k={k}"
+            );
+            assert_eq!(
+                device_free(&*real),
+                free_before,
+                "k={k}: device memory leaked"
+            );
             assert!(contents(&buf) == data, "k={k}: data changed");
             assert_consistent(&buf, baseline);
             k += 1;
         }
         // Exact: 7 creates + 7 maps + 1 set_access; proportional: one chunk.
-        let expected_calls = if policy == GrowthPolicy::Exact { 7 + 7 + 1 } else { 3 };
-        assert_eq!(k, expected_calls + 1, "{policy:?}: every call of the grow was failed once");
+        let expected_calls = if policy == GrowthPolicy::Exact {
+            7 + 7 + 1
+        } else {
+            3
+        };
+        assert_eq!(
+            k,
+            expected_calls + 1,
+            "{policy:?}: every call of the grow was failed once"
+        );
         assert_eq!(buf.len(), 9 * g + 1);
         assert!(contents(&buf)[..data.len()] == data[..]);
         assert_consistent(&buf, baseline);
@@ -66,20 +99,35 @@ fn every_failed_trim_call_keeps_the_buffer_consistent<B: Backend>(real: Arc<B>) 
         let fb = FaultBackend::new(real.clone());
         let baseline = fb.live();
         let free_start = device_free(&*real);
-        let mut buf = GrowableBuffer::new(fb.clone(), BufferDesc::new(64 * g).growth(GrowthPolicy::Exact)).unwrap();
+        let mut buf = GrowableBuffer::new(
+            fb.clone(),
+            BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
+        )
+        .unwrap();
         buf.grow_to(6 * g).unwrap();
         let data = random_bytes(k as u64, 6 * g);
         buf.write(0, &data).unwrap();
         fb.fail_nth(k);
         let r = buf.shrink_to(2 * g - 1); // sync, unmap, 4 releases
         fb.fail_nth(0);
-        assert_eq!(buf.len(), 2 * g - 1, "truncate happens before any driver call");
-        assert!(contents(&buf)[..] == data[..2 * g - 1], "k={k}: kept data changed");
+        assert_eq!(
+            buf.len(),
+            2 * g - 1,
+            "truncate happens before any driver call"
+        );
+        assert!(
+            contents(&buf)[..] == data[..2 * g - 1],
+            "k={k}: kept data changed"
+        );
         assert_consistent(&buf, baseline);
         match k {
             1 | 2 => {
                 assert!(r.is_err(), "k={k}");
-                assert_eq!(buf.capacity(), 6 * g, "k={k}: a failed wait or unmap changes nothing");
+                assert_eq!(
+                    buf.capacity(),
+                    6 * g,
+                    "k={k}: a failed wait or unmap changes nothing"
+                );
                 buf.trim().unwrap();
             }
             _ if r.is_err() => {}
@@ -93,7 +141,11 @@ fn every_failed_trim_call_keeps_the_buffer_consistent<B: Backend>(real: Arc<B>) 
         assert_consistent(&buf, baseline);
         drop(buf);
         assert_eq!(fb.live(), baseline, "k={k}");
-        assert_eq!(device_free(&*real), free_start, "k={k}: device memory leaked");
+        assert_eq!(
+            device_free(&*real),
+            free_start,
+            "k={k}: device memory leaked"
+        );
         if r.is_ok() {
             break;
         }
@@ -108,12 +160,20 @@ fn every_failed_drop_call_still_gives_everything_back<B: Backend>(real: Arc<B>) 
         let fb = FaultBackend::new(real.clone());
         let baseline = fb.live();
         let free_start = device_free(&*real);
-        let buf = GrowableBuffer::new(fb.clone(), BufferDesc::new(64 * g).growth(GrowthPolicy::Exact)).unwrap();
+        let buf = GrowableBuffer::new(
+            fb.clone(),
+            BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
+        )
+        .unwrap();
         buf.grow_to(3 * g).unwrap();
         fb.fail_nth(k);
         drop(buf);
         assert_eq!(fb.injected(), 1, "k={k}: the drop made at least k calls");
         assert_eq!(fb.live(), baseline, "k={k}");
-        assert_eq!(device_free(&*real), free_start, "k={k}: device memory leaked");
+        assert_eq!(
+            device_free(&*real),
+            free_start,
+            "k={k}: device memory leaked"
+        );
     }
 }

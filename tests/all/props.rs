@@ -42,7 +42,8 @@ fn policy() -> impl Strategy<Value = GrowthPolicy> {
 fn run<B: Backend>(backend: Arc<B>, policy: GrowthPolicy, ops: &[Op]) {
     let baseline = backend.live();
     let g = backend.granularity(backend.home()).unwrap();
-    let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(4096 * g).growth(policy)).unwrap();
+    let mut buf =
+        GrowableBuffer::new(backend.clone(), BufferDesc::new(4096 * g).growth(policy)).unwrap();
     let base = buf.base();
     let mut model: Vec<u8> = Vec::new();
     for op in ops {
@@ -92,11 +93,17 @@ fn run<B: Backend>(backend: Arc<B>, policy: GrowthPolicy, ops: &[Op]) {
         assert!(buf.capacity() >= buf.len());
         if buf.stats().grows > grows {
             let bound = buf.policy().overcommit_bound(g, buf.len());
-            assert!(buf.capacity() - buf.len() < bound, "over-commit past the policy's bound after {op:?}");
+            assert!(
+                buf.capacity() - buf.len() < bound,
+                "over-commit past the policy's bound after {op:?}"
+            );
         }
         if matches!(op, Op::Trim | Op::ShrinkTo(_)) {
             let r = buf.report();
-            assert!(r.chunks.iter().all(|c| c.offset < buf.len()), "a chunk wholly past len survived a trim\n{r}");
+            assert!(
+                r.chunks.iter().all(|c| c.offset < buf.len()),
+                "a chunk wholly past len survived a trim\n{r}"
+            );
         }
         assert_consistent(&buf, baseline);
         assert!(contents(&buf) == model, "contents diverged after {op:?}");
@@ -106,7 +113,10 @@ fn run<B: Backend>(backend: Arc<B>, policy: GrowthPolicy, ops: &[Op]) {
 }
 
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48)
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48)
 }
 
 proptest! {

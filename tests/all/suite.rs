@@ -17,17 +17,28 @@ crate::for_each_backend!(suite:
 );
 
 fn policies() -> [GrowthPolicy; 3] {
-    [GrowthPolicy::default(), GrowthPolicy::Exact, GrowthPolicy::Fixed { chunk_bytes: 3 << 20 }]
+    [
+        GrowthPolicy::default(),
+        GrowthPolicy::Exact,
+        GrowthPolicy::Fixed {
+            chunk_bytes: 3 << 20,
+        },
+    ]
 }
 
 fn grow_keeps_data_and_base<B: Backend>(backend: Arc<B>) {
     for (p, policy) in policies().into_iter().enumerate() {
         let baseline = backend.live();
-        let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(256 << 20).growth(policy)).unwrap();
+        let mut buf =
+            GrowableBuffer::new(backend.clone(), BufferDesc::new(256 << 20).growth(policy))
+                .unwrap();
         let base = buf.base();
         let mut model = Vec::new();
         // Irregular step sizes, none a multiple of the granularity.
-        for (step, add) in [1usize, 4095, 70_001, 1 << 20, 3_333_333, 17, 9 << 20].into_iter().enumerate() {
+        for (step, add) in [1usize, 4095, 70_001, 1 << 20, 3_333_333, 17, 9 << 20]
+            .into_iter()
+            .enumerate()
+        {
             let at = buf.grow_by(add).unwrap();
             assert_eq!(at, model.len());
             let data = random_bytes((p * 100 + step) as u64, add);
@@ -35,7 +46,10 @@ fn grow_keeps_data_and_base<B: Backend>(backend: Arc<B>) {
             model.extend_from_slice(&data);
             assert_eq!(buf.base(), base, "the base moved");
             assert_eq!(buf.len(), model.len());
-            assert!(contents(&buf) == model, "{policy:?} step {step}: contents differ");
+            assert!(
+                contents(&buf) == model,
+                "{policy:?} step {step}: contents differ"
+            );
             assert_consistent(&buf, baseline);
         }
         drop(buf);
@@ -46,7 +60,11 @@ fn grow_keeps_data_and_base<B: Backend>(backend: Arc<B>) {
 fn truncate_keeps_trim_releases<B: Backend>(backend: Arc<B>) {
     let baseline = backend.live();
     let g = backend.granularity(backend.home()).unwrap();
-    let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(64 * g).growth(GrowthPolicy::Exact)).unwrap();
+    let mut buf = GrowableBuffer::new(
+        backend.clone(),
+        BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
     buf.grow_to(10 * g + 5).unwrap();
     let data = random_bytes(7, 10 * g + 5);
     buf.write(0, &data).unwrap();
@@ -56,10 +74,17 @@ fn truncate_keeps_trim_releases<B: Backend>(backend: Arc<B>) {
     assert_eq!(buf.capacity(), 11 * g, "truncate keeps the chunks");
     assert_eq!(backend.live().chunks, baseline.chunks + 11);
     buf.trim().unwrap();
-    assert_eq!(buf.capacity(), 4 * g, "trim keeps the chunk holding byte 3g");
+    assert_eq!(
+        buf.capacity(),
+        4 * g,
+        "trim keeps the chunk holding byte 3g"
+    );
     assert_eq!(backend.live().chunks, baseline.chunks + 4);
     assert_eq!(backend.live().mapped_bytes, baseline.mapped_bytes + 4 * g);
-    assert!(contents(&buf) == data[..3 * g + 1], "data below the cut survives");
+    assert!(
+        contents(&buf) == data[..3 * g + 1],
+        "data below the cut survives"
+    );
     assert_consistent(&buf, baseline);
 
     // Regrow over trimmed space: the kept bytes stay, the base stays.
@@ -88,21 +113,39 @@ fn policies_size_chunks_as_documented<B: Backend>(backend: Arc<B>) {
         buf.grow_to(step * g).unwrap();
         if buf.stats().grows > grows {
             let bound = buf.policy().overcommit_bound(g, buf.len());
-            assert!(buf.capacity() - buf.len() < bound, "step {step}: {}", buf.report());
+            assert!(
+                buf.capacity() - buf.len() < bound,
+                "step {step}: {}",
+                buf.report()
+            );
         }
     }
     let n = buf.chunks();
-    assert!(n <= 40, "{n} mappings for 256 granules: not logarithmic\n{}", buf.report());
-    assert!(buf.capacity() - buf.len() <= buf.len() / 8, "{}", buf.report());
+    assert!(
+        n <= 40,
+        "{n} mappings for 256 granules: not logarithmic\n{}",
+        buf.report()
+    );
+    assert!(
+        buf.capacity() - buf.len() <= buf.len() / 8,
+        "{}",
+        buf.report()
+    );
     drop(buf);
     // Exact: one granule per chunk.
-    let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(64 * g).growth(GrowthPolicy::Exact)).unwrap();
+    let buf = GrowableBuffer::new(
+        backend.clone(),
+        BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
     buf.grow_to(5 * g - 1).unwrap();
     assert!(buf.report().chunks.iter().all(|c| c.bytes == g));
     assert_eq!(buf.chunks(), 5);
     drop(buf);
     // Fixed: rounded up to the granularity.
-    let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Fixed { chunk_bytes: 2 * g + 1 });
+    let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Fixed {
+        chunk_bytes: 2 * g + 1,
+    });
     let buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
     assert_eq!(buf.policy(), GrowthPolicy::Fixed { chunk_bytes: 3 * g });
     buf.grow_to(7 * g).unwrap();
@@ -149,7 +192,10 @@ fn concurrent_growth_through_shared_ref<B: Backend>(backend: Arc<B>) {
     }
     let got = contents(&buf);
     for (i, &(off, n)) in all.iter().enumerate() {
-        assert!(got[off..off + n] == random_bytes(i as u64, n)[..], "claim {i}");
+        assert!(
+            got[off..off + n] == random_bytes(i as u64, n)[..],
+            "claim {i}"
+        );
     }
     assert_consistent(&buf, baseline);
 }
@@ -157,24 +203,41 @@ fn concurrent_growth_through_shared_ref<B: Backend>(backend: Arc<B>) {
 fn reservation_is_a_hard_limit<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
     let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(4 * g - 100)).unwrap();
-    assert_eq!(buf.reserved(), 4 * g, "the reservation rounds up to the granularity");
+    assert_eq!(
+        buf.reserved(),
+        4 * g,
+        "the reservation rounds up to the granularity"
+    );
     buf.grow_to(g).unwrap();
     let data = random_bytes(3, g);
     buf.write(0, &data).unwrap();
     let before = (buf.len(), buf.capacity(), buf.chunks(), backend.live());
     for bad in [4 * g + 1, usize::MAX] {
         match buf.grow_to(bad) {
-            Err(Error::ReservationExhausted { requested_bytes, reserved_bytes }) => {
+            Err(Error::ReservationExhausted {
+                requested_bytes,
+                reserved_bytes,
+            }) => {
                 assert_eq!((requested_bytes, reserved_bytes), (bad, 4 * g));
             }
             other => panic!("grow_to({bad}) gave {other:?}"),
         }
     }
-    assert!(matches!(buf.grow_by(3 * g + 1), Err(Error::ReservationExhausted { .. })));
-    assert_eq!(before, (buf.len(), buf.capacity(), buf.chunks(), backend.live()));
+    assert!(matches!(
+        buf.grow_by(3 * g + 1),
+        Err(Error::ReservationExhausted { .. })
+    ));
+    assert_eq!(
+        before,
+        (buf.len(), buf.capacity(), buf.chunks(), backend.live())
+    );
     assert!(contents(&buf) == data);
     buf.grow_to(4 * g).unwrap();
-    assert_eq!(buf.capacity(), 4 * g, "the last chunk is cut to the reservation");
+    assert_eq!(
+        buf.capacity(),
+        4 * g,
+        "the last chunk is cut to the reservation"
+    );
     buf.resize(g).unwrap();
     assert_eq!(buf.len(), g);
     assert!(contents(&buf) == data);
@@ -182,7 +245,11 @@ fn reservation_is_a_hard_limit<B: Backend>(backend: Arc<B>) {
 
 fn stats_and_report_follow_operations<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
-    let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(64 * g).growth(GrowthPolicy::Exact)).unwrap();
+    let mut buf = GrowableBuffer::new(
+        backend.clone(),
+        BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
     buf.grow_to(3 * g).unwrap();
     buf.grow_to(2 * g).unwrap(); // no-op
     buf.grow_to(5 * g).unwrap();
@@ -207,7 +274,7 @@ fn drop_gives_everything_back<B: Backend>(backend: Arc<B>) {
     let bufs: Vec<_> = (0..5)
         .map(|i| {
             let b = GrowableBuffer::new(backend.clone(), BufferDesc::new(1 << 30)).unwrap();
-            b.grow_to((i + 1) * 3 << 20).unwrap();
+            b.grow_to(((i + 1) * 3) << 20).unwrap();
             b
         })
         .collect();
