@@ -10,6 +10,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::plan::{round_up, GrowthPolicy};
+use crate::pool::ChunkPool;
 use crate::stats::{ChunkInfo, Report, Stats};
 
 /// How to create a [`GrowableBuffer`].
@@ -74,6 +75,13 @@ struct Entry<C> {
     access: Arc<[AccessDesc]>,
 }
 
+/// A deferred release: chunks wholly past `high_water` (the most bytes in
+/// use since the fence was given) may go once `fence` has passed.
+struct Pending<F> {
+    fence: F,
+    high_water: usize,
+}
+
 struct Inner<B: Backend> {
     /// `None` only while the buffer drops.
     res: Option<B::Reservation>,
@@ -82,6 +90,7 @@ struct Inner<B: Backend> {
     len: usize,
     capacity: usize,
     stats: Stats,
+    pending: Vec<Pending<B::Fence>>,
 }
 
 impl<B: Backend> Inner<B> {
@@ -122,6 +131,7 @@ pub struct GrowableBuffer<B: Backend> {
     policy: GrowthPolicy,
     placement: Location,
     access: Arc<[AccessDesc]>,
+    pool: Option<Arc<ChunkPool<B>>>,
     inner: Mutex<Inner<B>>,
 }
 
@@ -139,6 +149,17 @@ impl<B: Backend> GrowableBuffer<B> {
     /// Reserves the address range described by `desc`. No physical memory is
     /// mapped until the buffer grows.
     pub fn new(backend: Arc<B>, desc: BufferDesc) -> Result<Self> {
+        Self::build(backend, desc, None)
+    }
+
+    /// Like [`new`](Self::new), in `pool`'s backend: growth takes pooled
+    /// chunks before creating new ones, and trimmed chunks (and, at drop, all
+    /// of them) go to the pool instead of back to the driver.
+    pub fn with_pool(pool: &Arc<ChunkPool<B>>, desc: BufferDesc) -> Result<Self> {
+        Self::build(pool.backend().clone(), desc, Some(pool.clone()))
+    }
+
+    fn build(backend: Arc<B>, desc: BufferDesc, pool: Option<Arc<ChunkPool<B>>>) -> Result<Self> {
         if desc.max_bytes == 0 {
             return Err(Error::invalid("max_bytes is 0"));
         }
@@ -176,6 +197,7 @@ impl<B: Backend> GrowableBuffer<B> {
             policy,
             placement,
             access: access.into(),
+            pool,
             inner: Mutex::new(Inner {
                 res: Some(res),
                 chunks: Vec::new(),
@@ -185,6 +207,7 @@ impl<B: Backend> GrowableBuffer<B> {
                     reserved_bytes: reserved,
                     ..Stats::default()
                 },
+                pending: Vec::new(),
             }),
         })
     }
@@ -313,30 +336,78 @@ impl<B: Backend> GrowableBuffer<B> {
         if bytes <= g.len {
             return Ok(());
         }
-        if bytes <= g.capacity {
-            g.len = bytes;
-            return Ok(());
+        if bytes > g.capacity {
+            let first = self.map_more(g, bytes);
+            match first {
+                // Out of memory with chunks idle in the pool: give them back
+                // to the driver and try once more.
+                Err(e)
+                    if e.is_transient()
+                        && self.pool.as_ref().is_some_and(|p| p.drain_for_oom()) =>
+                {
+                    tracing::debug!(error = %e, "vmmbuf: grow out of memory; drained the pool, retrying");
+                    self.map_more(g, bytes)?
+                }
+                r => r?,
+            }
         }
+        g.len = bytes;
+        for p in &mut g.pending {
+            p.high_water = p.high_water.max(bytes);
+        }
+        if let Err(e) = self.reclaim_locked(g) {
+            tracing::warn!(error = %e, "vmmbuf: deferred release failed; retried at the next trim or drop");
+        }
+        Ok(())
+    }
+
+    /// Maps chunks until the capacity reaches `bytes` (pooled chunks first,
+    /// then new ones as the policy plans), all or nothing.
+    fn map_more(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
         let start = Instant::now();
         let span = tracing::debug_span!("vmmbuf.grow", from = g.len, to = bytes).entered();
-        let plan = self
-            .policy
-            .plan(self.granularity, g.capacity, bytes, self.reserved)?;
-        let added: usize = plan.iter().sum();
-        let at = g.capacity;
         let backend = &*self.backend;
-
-        let mut created = Vec::with_capacity(plan.len());
+        let at = g.capacity;
+        // (chunk, bytes, came from the pool)
+        let mut chunks: Vec<(B::Chunk, usize)> = Vec::new();
+        let mut end = at;
+        if let Some(pool) = &self.pool {
+            while end < bytes {
+                let room = self.reserved - end;
+                let need = round_up(bytes - end, self.granularity).map_or(room, |n| n.min(room));
+                // The biggest chunk that keeps over-commit within the policy's bound.
+                let fit = (bytes - end + self.policy.overcommit_bound(self.granularity, bytes) - 1)
+                    / self.granularity
+                    * self.granularity;
+                let exact = match self.policy {
+                    GrowthPolicy::Exact => Some(self.granularity),
+                    GrowthPolicy::Fixed { chunk_bytes } if chunk_bytes <= room => Some(chunk_bytes),
+                    GrowthPolicy::Fixed { .. } => break,
+                    _ => None,
+                };
+                let Some((chunk, size)) = pool.take(self.placement, exact, need, fit.min(room))
+                else {
+                    break;
+                };
+                chunks.push((chunk, size));
+                end += size;
+            }
+        }
+        let reused = chunks.len();
         let mut mapped = 0usize;
         let attempt = (|| {
-            for &size in &plan {
-                created.push(backend.create(size, self.placement)?);
+            for size in self
+                .policy
+                .plan(self.granularity, end, bytes, self.reserved)?
+            {
+                chunks.push((backend.create(size, self.placement)?, size));
+                end += size;
             }
-            for (chunk, &size) in created.iter().zip(&plan) {
+            for (chunk, size) in &chunks {
                 backend.map(g.res(), at + mapped, chunk)?;
                 mapped += size;
             }
-            backend.set_access(g.res(), at, added, &self.access)
+            backend.set_access(g.res(), at, end - at, &self.access)
         })();
         if let Err(e) = attempt {
             // Undo in reverse. Nothing can have used the new chunks: they never
@@ -346,16 +417,15 @@ impl<B: Backend> GrowableBuffer<B> {
                     tracing::error!(error = %u, "vmmbuf: undoing a failed grow: unmap failed");
                 }
             }
-            for c in created {
-                if let Err(r) = backend.release(c) {
-                    tracing::error!(error = %r, "vmmbuf: undoing a failed grow: release failed");
-                }
+            for (chunk, size) in chunks {
+                let _ = self.dispose(chunk, size); // logged inside
             }
             tracing::debug!(error = %e, "vmmbuf: grow failed and was undone");
             return Err(e);
         }
+        let n = chunks.len();
         let mut offset = at;
-        for (chunk, bytes) in created.into_iter().zip(plan.iter().copied()) {
+        for (chunk, bytes) in chunks {
             g.chunks.push(Entry {
                 chunk,
                 offset,
@@ -365,19 +435,92 @@ impl<B: Backend> GrowableBuffer<B> {
             });
             offset += bytes;
         }
-        g.capacity += added;
-        g.len = bytes;
+        g.capacity = end;
         g.stats.grows += 1;
-        g.stats.chunks_mapped_total += plan.len() as u64;
+        g.stats.chunks_mapped_total += n as u64;
         g.stats.peak_mapped_bytes = g.stats.peak_mapped_bytes.max(g.capacity);
         tracing::debug!(
             parent: &span,
-            chunks = plan.len(),
-            bytes = added,
+            chunks = n,
+            from_pool = reused,
+            bytes = end - at,
             elapsed_us = start.elapsed().as_micros() as u64,
             "vmmbuf: grew"
         );
         Ok(())
+    }
+
+    /// Gives an unmapped chunk to the pool, or back to the driver.
+    fn dispose(&self, chunk: B::Chunk, bytes: usize) -> Result<()> {
+        match &self.pool {
+            Some(pool) => {
+                pool.put(self.placement, bytes, chunk);
+                Ok(())
+            }
+            None => self.backend.release(chunk).inspect_err(|e| {
+                tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
+            }),
+        }
+    }
+
+    /// Unmaps chunks `keep..` and gives them to the pool or the driver; with
+    /// `wait`, synchronises the device first.
+    fn release_tail(&self, g: &mut Inner<B>, keep: usize, wait: bool) -> Result<()> {
+        if keep == g.chunks.len() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let from = g.chunks[keep].offset;
+        let bytes = g.capacity - from;
+        let _span = tracing::debug_span!("vmmbuf.trim", len = g.len, from, bytes, wait).entered();
+        if wait {
+            self.backend.synchronize()?;
+        }
+        self.backend.unmap(g.res(), from, bytes)?;
+        let gone: Vec<_> = g.chunks.drain(keep..).collect();
+        let released = gone.len();
+        g.capacity = from;
+        g.stats.trims += 1;
+        g.stats.chunks_released_total += released as u64;
+        let mut first_err = None;
+        for e in gone {
+            if let Err(err) = self.dispose(e.chunk, e.bytes) {
+                first_err.get_or_insert(err);
+            }
+        }
+        tracing::debug!(
+            chunks = released,
+            bytes,
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "vmmbuf: trimmed"
+        );
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Releases chunks past the length whose fences have passed.
+    fn reclaim_locked(&self, g: &mut Inner<B>) -> Result<()> {
+        if g.pending.is_empty() {
+            return Ok(());
+        }
+        let mut boundary: Option<usize> = None;
+        let mut err = None;
+        g.pending
+            .retain(|p| match self.backend.fence_done(&p.fence) {
+                Ok(true) => {
+                    boundary = Some(boundary.map_or(p.high_water, |b| b.min(p.high_water)));
+                    false
+                }
+                Ok(false) => true,
+                Err(e) => {
+                    err.get_or_insert(e);
+                    true
+                }
+            });
+        if let Some(b) = boundary {
+            let keep = g.chunks.partition_point(|e| e.offset < b);
+            self.release_tail(g, keep, false)?;
+        }
+        err.map_or(Ok(()), Err)
     }
 
     /// Reduces the length to `bytes`, keeping the chunks mapped for regrowth.
@@ -415,43 +558,49 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     /// Unmaps and releases every chunk that lies wholly past the length,
-    /// after waiting for the GPU. A chunk that holds any byte in use stays.
+    /// after waiting for the GPU (the whole device: see
+    /// [`shrink_to_after`](Self::shrink_to_after) for the version that waits
+    /// on a stream instead). A chunk that holds any byte in use stays. Chunks
+    /// go to the pool if the buffer has one.
     ///
     /// If the wait or the unmap fails, nothing has changed. If releasing a
     /// chunk fails, the buffer is trimmed all the same and the error is
     /// returned (the chunk's token retries and logs when it drops).
     pub fn trim(&mut self) -> Result<()> {
-        let backend = self.backend.clone();
-        let g = self.inner.get_mut();
+        let mut g = self.inner.lock();
         let keep = g.chunks.partition_point(|e| e.offset < g.len);
-        if keep == g.chunks.len() {
-            return Ok(());
+        self.release_tail(&mut g, keep, true)?;
+        g.pending.clear();
+        Ok(())
+    }
+
+    /// Reduces the length to `bytes` now and releases the chunks wholly past
+    /// it once `fence` has passed, without blocking the host: stream-ordered
+    /// release. The release happens in a later call that finds the fence done
+    /// ([`grow_to`](Self::grow_to), [`reclaim`](Self::reclaim), this one), or
+    /// at once in [`trim`](Self::trim) and drop, which wait.
+    ///
+    /// `fence` must come after all GPU work that uses bytes past `bytes` (for
+    /// CUDA: record it with [`CudaBackend::fence`](crate::CudaBackend::fence)
+    /// on the stream of that work, after joining any other streams into it).
+    /// Growing again before the fence passes simply reuses the chunks still
+    /// mapped; nothing that was in use since the fence is ever released.
+    pub fn shrink_to_after(&mut self, bytes: usize, fence: B::Fence) -> Result<()> {
+        self.truncate(bytes)?;
+        let mut g = self.inner.lock();
+        if g.chunks.last().is_some_and(|e| e.offset >= bytes) {
+            g.pending.push(Pending {
+                fence,
+                high_water: bytes,
+            });
         }
-        let start = Instant::now();
-        let from = g.chunks[keep].offset;
-        let bytes = g.capacity - from;
-        let _span = tracing::debug_span!("vmmbuf.trim", len = g.len, from, bytes).entered();
-        backend.synchronize()?;
-        backend.unmap(g.res(), from, bytes)?;
-        let gone: Vec<_> = g.chunks.drain(keep..).collect();
-        let released = gone.len();
-        g.capacity = from;
-        g.stats.trims += 1;
-        g.stats.chunks_released_total += released as u64;
-        let mut first_err = None;
-        for e in gone {
-            if let Err(err) = backend.release(e.chunk) {
-                tracing::error!(error = %err, "vmmbuf: releasing a trimmed chunk failed");
-                first_err.get_or_insert(err);
-            }
-        }
-        tracing::debug!(
-            chunks = released,
-            bytes,
-            elapsed_us = start.elapsed().as_micros() as u64,
-            "vmmbuf: trimmed"
-        );
-        first_err.map_or(Ok(()), Err)
+        self.reclaim_locked(&mut g)
+    }
+
+    /// Releases what earlier [`shrink_to_after`](Self::shrink_to_after) calls
+    /// deferred, where their fences have passed. Never blocks on the GPU.
+    pub fn reclaim(&self) -> Result<()> {
+        self.reclaim_locked(&mut self.inner.lock())
     }
 
     fn check_span(&self, len: usize, offset: usize, n: usize) -> Result<()> {
@@ -511,10 +660,9 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
             if let Err(e) = backend.unmap(&mut res, 0, g.capacity) {
                 tracing::error!(error = %e, "vmmbuf: unmap in drop failed");
             }
-            for e in g.chunks.drain(..) {
-                if let Err(e) = backend.release(e.chunk) {
-                    tracing::error!(error = %e, "vmmbuf: release in drop failed");
-                }
+            for e in std::mem::take(&mut g.chunks) {
+                // Logged inside.
+                let _ = self.dispose(e.chunk, e.bytes);
             }
         }
         if let Err(e) = backend.free(res) {

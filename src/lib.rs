@@ -39,11 +39,15 @@ mod buffer;
 mod error;
 mod location;
 mod plan;
+mod pool;
 mod stats;
 
+pub use backend::cuda::CudaFence;
+pub use backend::host::HostFence;
 pub use backend::{Backend, CudaBackend, HostBackend, LiveCounts};
 pub use buffer::{BufferDesc, GrowableBuffer};
 pub use error::{Error, Result};
 pub use location::{Access, AccessDesc, Location};
 pub use plan::GrowthPolicy;
+pub use pool::{ChunkPool, PoolDesc, PoolStats};
 pub use stats::{Bytes, ChunkInfo, Report, Stats};

@@ -10,7 +10,7 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use cudarc::driver::sys;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use super::{Backend, Counters, LiveCounts, MapTable};
 use crate::error::{Error, Result};
@@ -32,6 +32,15 @@ fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result
             code: other as u32,
             name: format!("{other:?}"),
         }),
+    }
+}
+
+/// Maps a cudarc safe-layer error to vmmbuf's, naming the call.
+fn driver_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Driver {
+        call,
+        code: e.0 as u32,
+        name: format!("{:?}", e.0),
     }
 }
 
@@ -107,13 +116,7 @@ impl CudaBackend {
     /// A backend on an existing cudarc context (its device is the home).
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Arc<Self>> {
         let device = ctx.ordinal() as u32;
-        let attr = |a| {
-            ctx.attribute(a).map_err(|e| Error::Driver {
-                call: "cuDeviceGetAttribute",
-                code: e.0 as u32,
-                name: format!("{:?}", e.0),
-            })
-        };
+        let attr = |a| ctx.attribute(a).map_err(driver_err("cuDeviceGetAttribute"));
         use sys::CUdevice_attribute as A;
         if attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? == 0 {
             return Err(Error::VmmUnsupported { device });
@@ -124,11 +127,8 @@ impl CudaBackend {
             } else {
                 None
             };
-        let device_count = CudaContext::device_count().map_err(|e| Error::Driver {
-            call: "cuDeviceGetCount",
-            code: e.0 as u32,
-            name: format!("{:?}", e.0),
-        })? as u32;
+        let device_count =
+            CudaContext::device_count().map_err(driver_err("cuDeviceGetCount"))? as u32;
         let mut this = Self {
             ctx,
             device,
@@ -178,12 +178,21 @@ impl CudaBackend {
         Ok((free, total))
     }
 
+    /// A fence after all work submitted to `stream` so far: an event recorded
+    /// on it. Give it to
+    /// [`GrowableBuffer::shrink_to_after`](crate::GrowableBuffer::shrink_to_after)
+    /// once the last work that uses the bytes being shrunk away is on `stream`.
+    pub fn fence(&self, stream: &CudaStream) -> Result<CudaFence> {
+        stream
+            .record_event(None)
+            .map(CudaFence)
+            .map_err(driver_err("cuEventRecord"))
+    }
+
     fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| Error::Driver {
-            call: "cuCtxSetCurrent",
-            code: e.0 as u32,
-            name: format!("{:?}", e.0),
-        })
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))
     }
 
     fn check_location(&self, l: Location) -> Result<()> {
@@ -247,6 +256,18 @@ impl CudaBackend {
             });
         }
         Ok(g)
+    }
+}
+
+/// A point in a CUDA stream (an event recorded on it), made by
+/// [`CudaBackend::fence`].
+#[derive(Debug)]
+pub struct CudaFence(CudaEvent);
+
+impl CudaFence {
+    /// The event behind the fence.
+    pub fn event(&self) -> &CudaEvent {
+        &self.0
     }
 }
 
@@ -340,6 +361,7 @@ impl Drop for CudaChunk {
 impl Backend for CudaBackend {
     type Reservation = CudaReservation;
     type Chunk = CudaChunk;
+    type Fence = CudaFence;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -527,11 +549,16 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.ctx.synchronize().map_err(|e| Error::Driver {
-            call: "cuCtxSynchronize",
-            code: e.0 as u32,
-            name: format!("{:?}", e.0),
-        })
+        self.ctx
+            .synchronize()
+            .map_err(driver_err("cuCtxSynchronize"))
+    }
+
+    fn fence_done(&self, fence: &CudaFence) -> Result<bool> {
+        fence
+            .0
+            .try_is_complete()
+            .map_err(driver_err("cuEventQuery"))
     }
 
     fn read(&self, res: &CudaReservation, offset: usize, dst: &mut [u8]) -> Result<()> {

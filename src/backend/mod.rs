@@ -43,6 +43,10 @@ pub trait Backend: Send + Sync + 'static {
     type Reservation: Send + Sync + 'static;
     /// An owned physical chunk, mappable whole into a reservation.
     type Chunk: Send + Sync + 'static;
+    /// A point in the device's work: everything submitted before it has
+    /// finished once [`Backend::fence_done`] says so. See
+    /// [`GrowableBuffer::shrink_to_after`](crate::GrowableBuffer::shrink_to_after).
+    type Fence: Send + Sync + 'static;
 
     /// A short name for messages: `"cuda"`, `"host"`.
     fn name(&self) -> &'static str;
@@ -94,6 +98,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Waits until no work the backend's device has been given is still
     /// running, so a range can be unmapped safely.
     fn synchronize(&self) -> Result<()>;
+
+    /// True once all work before `fence` has finished. Never blocks.
+    fn fence_done(&self, fence: &Self::Fence) -> Result<bool>;
 
     /// Copies `dst.len()` bytes from `res` at `offset` to host memory.
     fn read(&self, res: &Self::Reservation, offset: usize, dst: &mut [u8]) -> Result<()>;

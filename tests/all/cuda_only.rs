@@ -83,6 +83,43 @@ DONE:
 DONE:
     ret;
 }
+
+.visible .entry spin_check(.param .u64 p_ptr, .param .u64 p_first, .param .u64 p_n, .param .u32 p_seed, .param .u64 p_bad, .param .u64 p_ns)
+{
+    .reg .pred %p;
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<12>;
+    ld.param.u64 %rd9, [p_ns];
+    mov.u64 %rd10, %globaltimer;
+SPIN:
+    mov.u64 %rd11, %globaltimer;
+    sub.u64 %rd11, %rd11, %rd10;
+    setp.lt.u64 %p, %rd11, %rd9;
+    @%p bra SPIN;
+    ld.param.u64 %rd1, [p_ptr];
+    ld.param.u64 %rd2, [p_first];
+    ld.param.u64 %rd3, [p_n];
+    ld.param.u32 %r1, [p_seed];
+    ld.param.u64 %rd8, [p_bad];
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mul.wide.u32 %rd4, %r2, %r3;
+    cvt.u64.u32 %rd5, %r4;
+    add.u64 %rd4, %rd4, %rd5;
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    add.u64 %rd5, %rd4, %rd2;
+    call (%r5), pattern, (%rd5, %r1);
+    shl.b64 %rd6, %rd4, 2;
+    add.u64 %rd7, %rd1, %rd6;
+    ld.global.u32 %r6, [%rd7];
+    setp.eq.u32 %p, %r6, %r5;
+    @%p bra DONE;
+    atom.global.add.u32 %r7, [%rd8], 1;
+DONE:
+    ret;
+}
 "#;
 
 fn pattern(idx: u64, seed: u32) -> u32 {
@@ -94,6 +131,7 @@ struct Kernels {
     stream: Arc<CudaStream>,
     fill: CudaFunction,
     check: CudaFunction,
+    spin_check: CudaFunction,
 }
 
 impl Kernels {
@@ -106,6 +144,7 @@ impl Kernels {
             stream: ctx.default_stream(),
             fill: module.load_function("fill").unwrap(),
             check: module.load_function("check").unwrap(),
+            spin_check: module.load_function("spin_check").unwrap(),
         }
     }
 
@@ -134,6 +173,30 @@ impl Kernels {
         // SAFETY (test code): reads n mapped u32s, adds to one counter.
         unsafe { l.launch(Self::cfg(n)) }.expect("check launch");
         self.stream.clone_dtoh(&bad).unwrap()[0]
+    }
+
+    /// On `stream`: spin for `ns` nanoseconds, then count mismatches of words
+    /// `[first, first + n)` at `ptr` into the returned counter.
+    fn spin_then_check(
+        &self,
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        first: u64,
+        n: u64,
+        seed: u32,
+        ns: u64,
+    ) -> cudarc::driver::CudaSlice<u32> {
+        let mut bad = stream.alloc_zeros::<u32>(1).unwrap();
+        let mut l = stream.launch_builder(&self.spin_check);
+        l.arg(&ptr)
+            .arg(&first)
+            .arg(&n)
+            .arg(&seed)
+            .arg(&mut bad)
+            .arg(&ns);
+        // SAFETY (test code): reads n mapped u32s after spinning, adds to one counter.
+        unsafe { l.launch(Self::cfg(n)) }.expect("spin_check launch");
+        bad
     }
 }
 
@@ -264,4 +327,84 @@ fn exact_and_fixed_policies_on_the_device() {
             "{policy:?} after shrink"
         );
     }
+}
+
+#[test]
+fn release_waits_for_kernels_still_reading_the_tail() {
+    let _g = serial();
+    let Some(backend) = gpu() else { return };
+    let k = Kernels::load(&backend);
+    let side = backend.context().new_stream().unwrap();
+    let mut buf = GrowableBuffer::new(
+        backend.clone(),
+        BufferDesc::new(8 << 30).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
+    let (keep, end) = (16usize << 20, 256usize << 20);
+    for round in 0..5u32 {
+        buf.grow_to(end).unwrap();
+        let words = (end / 4) as u64;
+        k.fill(buf.base(), 0, words, round);
+        k.stream.synchronize().unwrap();
+        let tail = (keep / 4) as u64;
+
+        // Stream-ordered: the fence is recorded after a kernel that still
+        // reads the tail for ~300 ms; shrink_to_after must not unmap yet.
+        let bad = k.spin_then_check(
+            &side,
+            buf.base() + keep as u64,
+            tail,
+            words - tail,
+            round,
+            300_000_000,
+        );
+        let fence = backend.fence(&side).unwrap();
+        buf.shrink_to_after(keep, fence).unwrap();
+        assert_eq!(buf.len(), keep);
+        assert_eq!(
+            buf.capacity(),
+            end,
+            "round {round}: unmapped under a running kernel"
+        );
+        buf.reclaim().unwrap();
+        assert_eq!(
+            side.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: the kernel read wrong data"
+        );
+        buf.reclaim().unwrap();
+        assert_eq!(
+            buf.capacity(),
+            keep,
+            "round {round}: released once the fence passed"
+        );
+
+        // Blocking: trim under a running kernel waits for it.
+        buf.grow_to(end).unwrap();
+        k.fill(buf.base() + keep as u64, tail, words - tail, round);
+        k.stream.synchronize().unwrap();
+        let bad = k.spin_then_check(
+            &side,
+            buf.base() + keep as u64,
+            tail,
+            words - tail,
+            round,
+            200_000_000,
+        );
+        buf.shrink_to(keep).unwrap();
+        assert_eq!(
+            side.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: trim unmapped under a kernel"
+        );
+        assert_eq!(
+            k.mismatches(buf.base(), 0, tail, round),
+            0,
+            "the context is still usable"
+        );
+    }
+    drop(buf);
+    // (The counters, not cuMemGetInfo: cudarc's stream-ordered allocations on
+    // `side` come from a driver pool with its own retention.)
+    assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
 }

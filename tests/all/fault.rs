@@ -3,10 +3,21 @@
 //! handed to a failed `release` or `free` is dropped, whose own `Drop` then
 //! gives the resource back, as the `Backend` contract says.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use vmmbuf::{AccessDesc, Backend, Error, LiveCounts, Location, Result};
+
+/// A fence the test opens by hand, to drive stream-ordered release on any
+/// backend.
+#[derive(Clone, Default)]
+pub struct TestFence(pub Arc<AtomicBool>);
+
+impl TestFence {
+    pub fn pass(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
 
 pub struct FaultBackend<B> {
     pub inner: Arc<B>,
@@ -61,6 +72,7 @@ impl<B: Backend> FaultBackend<B> {
 impl<B: Backend> Backend for FaultBackend<B> {
     type Reservation = B::Reservation;
     type Chunk = B::Chunk;
+    type Fence = TestFence;
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -111,6 +123,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
     fn synchronize(&self) -> Result<()> {
         self.step("synchronize", 0)?;
         self.inner.synchronize()
+    }
+    fn fence_done(&self, fence: &TestFence) -> Result<bool> {
+        Ok(fence.0.load(Ordering::SeqCst))
     }
     fn read(&self, res: &Self::Reservation, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.inner.read(res, offset, dst)

@@ -9,5 +9,6 @@ mod cuda_only;
 mod fault;
 mod faults;
 mod host_only;
+mod pool;
 mod props;
 mod suite;

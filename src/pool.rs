@@ -1,0 +1,250 @@
+//! [`ChunkPool`]: released physical chunks kept for reuse, shareable between
+//! buffers, so regrowth skips `cuMemCreate` and shrinking skips `cuMemRelease`.
+#![deny(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::location::Location;
+use crate::stats::Bytes;
+
+/// How a [`ChunkPool`] bounds what it keeps.
+///
+/// When the pooled bytes rise above `high_water_bytes`, the pool gives chunks
+/// back to the driver (largest first) until it holds at most `low_water_bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolDesc {
+    /// What the pool shrinks to once it passes the high watermark.
+    pub low_water_bytes: usize,
+    /// The most the pool keeps before it gives memory back.
+    pub high_water_bytes: usize,
+}
+
+impl Default for PoolDesc {
+    /// Keep everything until [`ChunkPool::trim`] (or out of memory) says otherwise.
+    fn default() -> Self {
+        Self {
+            low_water_bytes: usize::MAX,
+            high_water_bytes: usize::MAX,
+        }
+    }
+}
+
+impl PoolDesc {
+    /// A pool that keeps up to `high` bytes and sheds down to `low` past it.
+    pub fn watermarks(low_water_bytes: usize, high_water_bytes: usize) -> Self {
+        Self {
+            low_water_bytes,
+            high_water_bytes,
+        }
+    }
+}
+
+/// A pool's counters, as plain data.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes held now.
+    pub pooled_bytes: usize,
+    /// Chunks held now.
+    pub pooled_chunks: usize,
+    /// Chunks handed out instead of creating new ones.
+    pub hits: u64,
+    /// Chunks given to the pool.
+    pub returns: u64,
+    /// Chunks the pool gave back to the driver.
+    pub released: u64,
+    /// Times the pool was emptied to retry a growth that ran out of memory.
+    pub oom_drains: u64,
+}
+
+impl fmt::Display for PoolStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "pool holds {} in {} chunks; {} hits, {} returns, {} released, {} out-of-memory drains",
+            Bytes(self.pooled_bytes),
+            self.pooled_chunks,
+            self.hits,
+            self.returns,
+            self.released,
+            self.oom_drains
+        )
+    }
+}
+
+struct PoolInner<C> {
+    /// (placement, bytes) -> chunks of exactly that size.
+    free: BTreeMap<(Location, usize), Vec<C>>,
+    stats: PoolStats,
+}
+
+/// Physical chunks kept for reuse, keyed by placement and size.
+///
+/// Share one pool between buffers of the same backend (`Arc`); create buffers
+/// in it with [`GrowableBuffer::with_pool`](crate::GrowableBuffer::with_pool).
+/// Chunks a pooled buffer trims go to the pool; its growth takes pooled
+/// chunks before it creates new ones; a growth that runs out of memory empties
+/// the pool and tries once more.
+pub struct ChunkPool<B: Backend> {
+    backend: Arc<B>,
+    desc: PoolDesc,
+    inner: Mutex<PoolInner<B::Chunk>>,
+}
+
+impl<B: Backend> fmt::Debug for ChunkPool<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChunkPool")
+            .field("desc", &self.desc)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl<B: Backend> ChunkPool<B> {
+    /// An empty pool over `backend`. [`Error::InvalidArgument`] if the low
+    /// watermark is above the high one.
+    pub fn new(backend: Arc<B>, desc: PoolDesc) -> Result<Arc<Self>> {
+        if desc.low_water_bytes > desc.high_water_bytes {
+            return Err(Error::invalid(format!(
+                "pool low watermark {} is above the high watermark {}",
+                desc.low_water_bytes, desc.high_water_bytes
+            )));
+        }
+        Ok(Arc::new(Self {
+            backend,
+            desc,
+            inner: Mutex::new(PoolInner {
+                free: BTreeMap::new(),
+                stats: PoolStats::default(),
+            }),
+        }))
+    }
+
+    /// The backend the pool's chunks belong to.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The pool's counters.
+    pub fn stats(&self) -> PoolStats {
+        self.inner.lock().stats
+    }
+
+    /// Gives every pooled chunk back to the driver. On error the remaining
+    /// chunks are still released through their tokens, and the first error is
+    /// returned.
+    pub fn trim(&self) -> Result<()> {
+        let all = {
+            let mut g = self.inner.lock();
+            g.stats.pooled_bytes = 0;
+            g.stats.pooled_chunks = 0;
+            std::mem::take(&mut g.free)
+        };
+        self.release_all(all.into_values().flatten())
+    }
+
+    fn release_all(&self, chunks: impl IntoIterator<Item = B::Chunk>) -> Result<()> {
+        let mut first = None;
+        let mut n = 0;
+        for c in chunks {
+            n += 1;
+            if let Err(e) = self.backend.release(c) {
+                tracing::error!(error = %e, "vmmbuf pool: release failed");
+                first.get_or_insert(e);
+            }
+        }
+        self.inner.lock().stats.released += n;
+        first.map_or(Ok(()), Err)
+    }
+
+    /// A pooled chunk at `placement`: of exactly `exact` bytes if given;
+    /// otherwise the smallest of `need..=max_bytes` bytes (best fit), or if
+    /// there is none, the largest below `need`. Returns it with its size.
+    pub(crate) fn take(
+        &self,
+        placement: Location,
+        exact: Option<usize>,
+        need: usize,
+        max_bytes: usize,
+    ) -> Option<(B::Chunk, usize)> {
+        let mut g = self.inner.lock();
+        let key = match exact {
+            Some(b) => (placement, b),
+            None => {
+                *g.free
+                    .range((placement, need)..=(placement, max_bytes.max(need)))
+                    .next()
+                    .or_else(|| g.free.range((placement, 0)..(placement, need)).next_back())?
+                    .0
+            }
+        };
+        let list = g.free.get_mut(&key)?;
+        let chunk = list.pop()?;
+        if list.is_empty() {
+            g.free.remove(&key);
+        }
+        g.stats.hits += 1;
+        g.stats.pooled_bytes -= key.1;
+        g.stats.pooled_chunks -= 1;
+        Some((chunk, key.1))
+    }
+
+    /// Keeps a chunk of `bytes` at `placement`; past the high watermark, gives
+    /// the largest chunks back until at most the low watermark is held.
+    pub(crate) fn put(&self, placement: Location, bytes: usize, chunk: B::Chunk) {
+        let shed = {
+            let mut g = self.inner.lock();
+            g.free.entry((placement, bytes)).or_default().push(chunk);
+            g.stats.returns += 1;
+            g.stats.pooled_bytes += bytes;
+            g.stats.pooled_chunks += 1;
+            let mut shed = Vec::new();
+            if g.stats.pooled_bytes > self.desc.high_water_bytes {
+                while g.stats.pooled_bytes > self.desc.low_water_bytes {
+                    let Some(key) = g.free.keys().max_by_key(|k| k.1).copied() else {
+                        break;
+                    };
+                    let size = key.1;
+                    let list = g.free.get_mut(&key).expect("the key was just found");
+                    let c = list.pop().expect("pool lists are never empty");
+                    if list.is_empty() {
+                        g.free.remove(&key);
+                    }
+                    g.stats.pooled_bytes -= size;
+                    g.stats.pooled_chunks -= 1;
+                    shed.push(c);
+                }
+            }
+            shed
+        };
+        if !shed.is_empty() {
+            let _ = self.release_all(shed); // logged inside
+        }
+    }
+
+    /// Empties the pool to make room after an out-of-memory error. True if
+    /// there was anything to give back.
+    pub(crate) fn drain_for_oom(&self) -> bool {
+        let had = {
+            let mut g = self.inner.lock();
+            g.stats.oom_drains += 1;
+            g.stats.pooled_chunks > 0
+        };
+        if had {
+            let _ = self.trim(); // logged inside
+        }
+        had
+    }
+}
+
+impl<B: Backend> Drop for ChunkPool<B> {
+    fn drop(&mut self) {
+        let _ = self.trim();
+    }
+}
