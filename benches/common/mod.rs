@@ -1,0 +1,175 @@
+//! Shared by the benches: the GPU gate, and the baselines a user would
+//! otherwise write (cuMemAlloc + copy, cuMemAllocAsync + copy) or the floor
+//! vmmbuf sits on (cuMemCreate + cuMemMap + cuMemSetAccess), as raw driver
+//! calls in the same process and run as vmmbuf. Every driver result is checked.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+use vmmbuf::CudaBackend;
+
+/// GPU 0, or `None` after printing why the benches skip. Under
+/// `VMMBUF_REQUIRE_GPU=1` (the GPU runner sets it) a missing GPU panics.
+pub fn gpu_or_skip(bench: &str) -> Option<Arc<CudaBackend>> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) if std::env::var("VMMBUF_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("{bench}: VMMBUF_REQUIRE_GPU=1 but no usable GPU: {e}")
+        }
+        Err(e) => {
+            println!("{bench}: skipped, no usable GPU: {e}");
+            None
+        }
+    }
+}
+
+pub const MIB: usize = 1 << 20;
+pub const GIB: usize = 1 << 30;
+
+#[track_caller]
+pub fn ok(call: &str, r: sys::CUresult) {
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call} failed");
+}
+
+/// Raw driver calls on the backend's context (bound to this thread).
+pub struct Raw {
+    pub backend: Arc<CudaBackend>,
+    pub stream: sys::CUstream,
+    _stream: Arc<cudarc::driver::CudaStream>,
+}
+
+impl Raw {
+    pub fn new(backend: Arc<CudaBackend>) -> Self {
+        backend.context().bind_to_thread().unwrap();
+        let s = backend.context().new_stream().unwrap();
+        Self {
+            backend,
+            stream: s.cu_stream(),
+            _stream: s,
+        }
+    }
+
+    pub fn sync(&self) {
+        // SAFETY: a context is bound to this thread.
+        ok("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+    }
+
+    pub fn alloc(&self, bytes: usize) -> u64 {
+        let mut p = 0;
+        // SAFETY: valid out-pointer; context bound.
+        ok("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) });
+        p
+    }
+
+    pub fn free(&self, p: u64) {
+        // SAFETY: p came from cuMemAlloc and is not used after this.
+        ok("cuMemFree", unsafe { sys::cuMemFree_v2(p) });
+    }
+
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize) {
+        // SAFETY: both ranges are live allocations of at least `bytes`.
+        ok("cuMemcpyDtoD", unsafe {
+            sys::cuMemcpyDtoD_v2(dst, src, bytes)
+        });
+    }
+
+    pub fn alloc_async(&self, bytes: usize) -> u64 {
+        let mut p = 0;
+        // SAFETY: valid out-pointer; the stream lives as long as self.
+        ok("cuMemAllocAsync", unsafe {
+            sys::cuMemAllocAsync(&mut p, bytes, self.stream)
+        });
+        p
+    }
+
+    pub fn free_async(&self, p: u64) {
+        // SAFETY: p came from cuMemAllocAsync; stream-ordered after its users.
+        ok("cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(p, self.stream)
+        });
+    }
+
+    pub fn copy_async(&self, dst: u64, src: u64, bytes: usize) {
+        // SAFETY: both ranges are live allocations of at least `bytes`.
+        ok("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream)
+        });
+    }
+
+    pub fn stream_sync(&self) {
+        // SAFETY: the stream lives as long as self.
+        ok("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(self.stream)
+        });
+    }
+
+    fn prop() -> sys::CUmemAllocationProp {
+        // SAFETY: plain C data; all-zero is the documented default. Device 0
+        // is location id 0, which the zeroing already wrote (the id field's
+        // source form differs between binding versions; its value does not).
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop
+    }
+
+    pub fn reserve(&self, bytes: usize) -> u64 {
+        let mut p = 0;
+        // SAFETY: valid out-pointer; no hint, no flags.
+        ok("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut p, bytes, 0, 0, 0)
+        });
+        p
+    }
+
+    pub fn address_free(&self, p: u64, bytes: usize) {
+        // SAFETY: (p, bytes) is one reservation with nothing mapped.
+        ok("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(p, bytes)
+        });
+    }
+
+    /// The VMM floor for one chunk: cuMemCreate + cuMemMap + cuMemSetAccess.
+    pub fn create_map_access(&self, va: u64, bytes: usize) -> sys::CUmemGenericAllocationHandle {
+        let prop = Self::prop();
+        let mut h = 0;
+        // SAFETY: valid out-pointer and properties.
+        ok("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, bytes, &prop, 0)
+        });
+        // SAFETY: va..va+bytes lies in a reservation of ours and is unmapped.
+        ok("cuMemMap", unsafe { sys::cuMemMap(va, bytes, 0, h, 0) });
+        // SAFETY: plain C data, then filled in.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range is exactly the mapping just made; one descriptor.
+        ok("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(va, bytes, &desc, 1)
+        });
+        h
+    }
+
+    /// Undoes `create_map_access`.
+    pub fn unmap_release(&self, va: u64, bytes: usize, h: sys::CUmemGenericAllocationHandle) {
+        self.sync();
+        // SAFETY: (va, bytes) is exactly one mapping of ours; nothing uses it.
+        ok("cuMemUnmap", unsafe { sys::cuMemUnmap(va, bytes) });
+        // SAFETY: h came from cuMemCreate and is released once.
+        ok("cuMemRelease", unsafe { sys::cuMemRelease(h) });
+    }
+}
+
+/// Times `timed` over `iters` runs, running `untimed` between them.
+pub fn time_each(iters: u64, mut timed: impl FnMut(), mut untimed: impl FnMut()) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let t = Instant::now();
+        timed();
+        total += t.elapsed();
+        untimed();
+    }
+    total
+}

@@ -1,0 +1,114 @@
+//! One growth step N -> 2N keeping the data, N in {64 MiB, 1 GiB, 8 GiB}:
+//! vmmbuf vs cuMemAlloc(2N)+copy+free vs cuMemAllocAsync(2N)+copy+free vs the
+//! raw VMM sequence (cuMemCreate + cuMemMap + cuMemSetAccess of N bytes).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{gpu_or_skip, Raw, GIB, MIB};
+use criterion::{BenchmarkId, Criterion};
+use vmmbuf::{BufferDesc, GrowableBuffer};
+
+fn label(n: usize) -> String {
+    if n >= GIB {
+        format!("{}GiB", n / GIB)
+    } else {
+        format!("{}MiB", n / MIB)
+    }
+}
+
+fn main() {
+    let Some(backend) = gpu_or_skip("grow_step") else {
+        return;
+    };
+    let raw = Raw::new(backend.clone());
+    let mut c = Criterion::default()
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    let mut g = c.benchmark_group("grow_step");
+    for n in [64 * MIB, GIB, 8 * GIB] {
+        let id = |who| BenchmarkId::new(who, label(n));
+        {
+            let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * n)).unwrap();
+            buf.grow_to(n).unwrap();
+            let base = buf.base();
+            g.bench_function(id("vmmbuf"), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        buf.grow_to(2 * n).unwrap();
+                        total += t.elapsed();
+                        buf.shrink_to(n).unwrap();
+                    }
+                    total
+                })
+            });
+            assert_eq!(buf.base(), base);
+        }
+        {
+            let va = raw.reserve(2 * n);
+            g.bench_function(id("raw_create_map_access"), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        let h = raw.create_map_access(va + n as u64, n);
+                        total += t.elapsed();
+                        raw.unmap_release(va + n as u64, n, h);
+                    }
+                    total
+                })
+            });
+            raw.address_free(va, 2 * n);
+        }
+        {
+            let mut old = raw.alloc(n);
+            g.bench_function(id("cuMemAlloc_copy_free"), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        let new = raw.alloc(2 * n);
+                        raw.copy(new, old, n);
+                        raw.sync();
+                        raw.free(old);
+                        total += t.elapsed();
+                        raw.free(new);
+                        old = raw.alloc(n);
+                    }
+                    total
+                })
+            });
+            raw.free(old);
+        }
+        {
+            let mut old = raw.alloc_async(n);
+            raw.stream_sync();
+            g.bench_function(id("cuMemAllocAsync_copy_free"), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        let new = raw.alloc_async(2 * n);
+                        raw.copy_async(new, old, n);
+                        raw.free_async(old);
+                        raw.stream_sync();
+                        total += t.elapsed();
+                        raw.free_async(new);
+                        old = raw.alloc_async(n);
+                        raw.stream_sync();
+                    }
+                    total
+                })
+            });
+            raw.free_async(old);
+            raw.stream_sync();
+        }
+    }
+    g.finish();
+    c.final_summary();
+}

@@ -1,0 +1,55 @@
+//! Shrink to zero, then grow back to 1 GiB in 64 MiB steps: with and without
+//! a chunk pool. Without one, every cycle releases and re-creates each chunk.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{gpu_or_skip, GIB, MIB};
+use criterion::Criterion;
+use vmmbuf::{BufferDesc, ChunkPool, CudaBackend, GrowableBuffer, PoolDesc};
+
+fn cycle(buf: &mut GrowableBuffer<CudaBackend>) {
+    buf.shrink_to(0).unwrap();
+    for len in (64 * MIB..=GIB).step_by(64 * MIB) {
+        buf.grow_to(len).unwrap();
+    }
+}
+
+fn main() {
+    let Some(backend) = gpu_or_skip("regrow") else {
+        return;
+    };
+    let mut c = Criterion::default()
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    let mut g = c.benchmark_group("regrow");
+    let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
+    for (name, mut buf) in [
+        (
+            "no_pool",
+            GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * GIB)).unwrap(),
+        ),
+        (
+            "pool",
+            GrowableBuffer::with_pool(&pool, BufferDesc::new(2 * GIB)).unwrap(),
+        ),
+    ] {
+        cycle(&mut buf);
+        println!("regrow/{name}: {} chunks per cycle", buf.chunks());
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    cycle(&mut buf);
+                }
+                t.elapsed()
+            })
+        });
+    }
+    println!("regrow: {}", pool.stats());
+    g.finish();
+    c.final_summary();
+}
