@@ -1,6 +1,13 @@
 //! One growth step N -> 2N keeping the data, N in {64 MiB, 1 GiB, 8 GiB}:
 //! vmmbuf vs cuMemAlloc(2N)+copy+free vs cuMemAllocAsync(2N)+copy+free vs the
-//! raw VMM sequence (cuMemCreate + cuMemMap + cuMemSetAccess of N bytes).
+//! raw VMM sequence (cuMemCreate + cuMemMap + cuMemSetAccess of N bytes), and
+//! vmmbuf with a chunk pool (the chunk of N comes back from the pool).
+//!
+//! A criterion loop releases and re-acquires physical memory thousands of
+//! times; the driver scrubs released memory before handing it out again, so
+//! in this steady state every variant pays that per byte it acquires (see
+//! BENCHMARKS.md and the `breakdown` diagnostic). The pooled variant acquires
+//! nothing from the driver.
 
 mod common;
 
@@ -8,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, Raw, GIB, MIB};
 use criterion::{BenchmarkId, Criterion};
-use vmmbuf::{BufferDesc, GrowableBuffer};
+use vmmbuf::{BufferDesc, ChunkPool, GrowableBuffer, PoolDesc};
 
 fn label(n: usize) -> String {
     if n >= GIB {
@@ -48,6 +55,24 @@ fn main() {
                 })
             });
             assert_eq!(buf.base(), base);
+        }
+        {
+            let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
+            let mut buf = GrowableBuffer::with_pool(&pool, BufferDesc::new(2 * n)).unwrap();
+            buf.grow_to(n).unwrap();
+            g.bench_function(id("vmmbuf_pooled"), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        buf.grow_to(2 * n).unwrap();
+                        total += t.elapsed();
+                        buf.shrink_to(n).unwrap();
+                    }
+                    total
+                })
+            });
+            assert!(pool.stats().hits > 0);
         }
         {
             let va = raw.reserve(2 * n);
