@@ -34,6 +34,9 @@ pub struct BufferDesc {
     /// The access that the placement's device (and the host, for host-placed
     /// chunks) gets to every new chunk.
     pub access: Access,
+    /// Alignment of the sub-ranges [`GrowableBuffer::claim`] hands out: a power
+    /// of two, 256 by default (what cuBLAS, cuDNN and vectorised kernels want).
+    pub alignment: usize,
 }
 
 impl BufferDesc {
@@ -45,7 +48,14 @@ impl BufferDesc {
             placement: None,
             growth: GrowthPolicy::default(),
             access: Access::ReadWrite,
+            alignment: 256,
         }
+    }
+
+    /// Sets the alignment of sub-ranges handed out by `claim`.
+    pub fn alignment(mut self, alignment: usize) -> Self {
+        self.alignment = alignment;
+        self
     }
 
     /// Sets the growth policy.
@@ -130,6 +140,7 @@ pub struct GrowableBuffer<B: Backend> {
     granularity: usize,
     policy: GrowthPolicy,
     placement: Location,
+    alignment: usize,
     access: Arc<[AccessDesc]>,
     pool: Option<Arc<ChunkPool<B>>>,
     inner: Mutex<Inner<B>>,
@@ -168,6 +179,12 @@ impl<B: Backend> GrowableBuffer<B> {
         let reserved = round_up(desc.max_bytes, granularity)
             .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", desc.max_bytes)))?;
         let policy = desc.growth.resolve(granularity)?;
+        if !desc.alignment.is_power_of_two() || desc.alignment > granularity {
+            return Err(Error::invalid(format!(
+                "alignment {} is not a power of two up to the granularity {granularity}",
+                desc.alignment
+            )));
+        }
         let mut access = vec![AccessDesc::new(backend.home(), desc.access)];
         if placement != backend.home() {
             access.push(AccessDesc::new(placement, desc.access));
@@ -196,6 +213,7 @@ impl<B: Backend> GrowableBuffer<B> {
             granularity,
             policy,
             placement,
+            alignment: desc.alignment,
             access: access.into(),
             pool,
             inner: Mutex::new(Inner {
@@ -322,6 +340,28 @@ impl<B: Backend> GrowableBuffer<B> {
         let target = at.checked_add(additional).ok_or_else(|| {
             Error::invalid(format!("growing {at} bytes by {additional} overflows"))
         })?;
+        if target > self.reserved {
+            return Err(Error::ReservationExhausted {
+                requested_bytes: target,
+                reserved_bytes: self.reserved,
+            });
+        }
+        self.grow_locked(&mut g, target)?;
+        Ok(at)
+    }
+
+    /// Hands out a sub-range of `bytes` at the buffer's alignment (256 bytes
+    /// unless [`BufferDesc::alignment`] says otherwise): pads the length up to
+    /// the alignment, grows by `bytes`, and returns the sub-range's offset.
+    /// One step under the lock, so concurrent claims never overlap. The
+    /// address is `base() + offset`, aligned since the base is.
+    pub fn claim(&self, bytes: usize) -> Result<usize> {
+        let mut g = self.inner.lock();
+        let at = round_up(g.len, self.alignment)
+            .ok_or_else(|| Error::invalid(format!("aligning {} bytes overflows", g.len)))?;
+        let target = at
+            .checked_add(bytes)
+            .ok_or_else(|| Error::invalid(format!("claiming {bytes} bytes at {at} overflows")))?;
         if target > self.reserved {
             return Err(Error::ReservationExhausted {
                 requested_bytes: target,
@@ -629,21 +669,41 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// The base and length, if every chunk in use grants the host `need`.
     pub(crate) fn host_view(&self, need: Access) -> Result<(u64, usize)> {
+        let len = self.len();
+        self.check_access(Location::Host, need, 0, len)?;
+        Ok((self.base, len))
+    }
+
+    /// Checks that `[offset, offset + bytes)` is in use and that every chunk
+    /// it touches grants `who` at least `need`.
+    pub(crate) fn check_access(
+        &self,
+        who: Location,
+        need: Access,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
         let g = self.inner.lock();
-        for e in g.chunks.iter().take_while(|e| e.offset < g.len) {
-            let host = e
+        self.check_span(g.len, offset, bytes)?;
+        let end = offset + bytes;
+        for e in g
+            .chunks
+            .iter()
+            .filter(|e| e.offset < end && e.offset + e.bytes > offset)
+        {
+            let has = e
                 .access
                 .iter()
-                .find(|d| d.location == Location::Host)
+                .find(|d| d.location == who)
                 .map_or(Access::None, |d| d.access);
-            if host < need {
+            if has < need {
                 return Err(Error::invalid(format!(
-                    "the chunk at {:#x} grants the host {host:?} access, {need:?} is needed",
+                    "the chunk at {:#x} grants {who} {has:?} access, {need:?} is needed",
                     e.offset
                 )));
             }
         }
-        Ok((self.base, g.len))
+        Ok(())
     }
 }
 

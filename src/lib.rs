@@ -43,6 +43,7 @@ mod pool;
 mod stats;
 
 pub use backend::cuda::CudaFence;
+pub use backend::cuda_interop::{Element, SliceMut, SliceRef, View, ViewMut};
 pub use backend::host::HostFence;
 pub use backend::{Backend, CudaBackend, HostBackend, LiveCounts};
 pub use buffer::{BufferDesc, GrowableBuffer};

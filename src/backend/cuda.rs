@@ -235,19 +235,24 @@ impl CudaBackend {
     }
 
     fn query_granularity(&self, placement: Location) -> Result<usize> {
+        self.query_granularity_flag(
+            placement,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+
+    fn query_granularity_flag(
+        &self,
+        placement: Location,
+        flag: sys::CUmemAllocationGranularity_flags,
+    ) -> Result<usize> {
         let prop = self.prop(placement)?;
         self.bind()?;
         let mut g = 0usize;
         // SAFETY: valid out-pointer and a fully initialised property struct.
         check(
             "cuMemGetAllocationGranularity",
-            unsafe {
-                sys::cuMemGetAllocationGranularity(
-                    &mut g,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-                )
-            },
+            unsafe { sys::cuMemGetAllocationGranularity(&mut g, &prop, flag) },
             0,
         )?;
         if !g.is_power_of_two() {
@@ -599,4 +604,179 @@ impl Backend for CudaBackend {
     fn live(&self) -> LiveCounts {
         self.counters.get()
     }
+}
+
+/// What one GPU supports, as plain data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceProbe {
+    /// Device ordinal.
+    pub ordinal: u32,
+    /// Marketing name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total memory in bytes.
+    pub total_bytes: usize,
+    /// Virtual memory management supported.
+    pub vmm: bool,
+    /// Host (NUMA) placement of VMM chunks supported, and the node to use.
+    pub host_numa_node: Option<i32>,
+    /// Minimum and recommended mapping granularity for device chunks (0 without VMM).
+    pub granularity: (usize, usize),
+    /// Chunks exportable as POSIX file descriptors (IPC).
+    pub posix_fd_handles: bool,
+    /// Chunks exportable as fabric handles (multi-node).
+    pub fabric_handles: bool,
+    /// GPUDirect RDMA on VMM memory.
+    pub rdma_with_vmm: bool,
+}
+
+/// What the machine's CUDA driver and GPUs support; see [`probe`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Probe {
+    /// Driver API version, e.g. 13000 for CUDA 13.0.
+    pub driver_version: i32,
+    /// One entry per GPU.
+    pub devices: Vec<DeviceProbe>,
+    /// `peer_access[a][b]`: device `a` can map memory of device `b`.
+    pub peer_access: Vec<Vec<bool>>,
+}
+
+impl std::fmt::Display for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = self.driver_version;
+        writeln!(
+            f,
+            "CUDA driver {}.{} ({} GPU(s))",
+            v / 1000,
+            v % 1000 / 10,
+            self.devices.len()
+        )?;
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        for d in &self.devices {
+            writeln!(
+                f,
+                "gpu{}: {} (sm_{}{}), {}\n  VMM: {}; granularity {} min / {} recommended\n  \
+                 host placement: {}; IPC by POSIX fd: {}; fabric handles: {}; RDMA on VMM: {}",
+                d.ordinal,
+                d.name,
+                d.compute_capability.0,
+                d.compute_capability.1,
+                crate::Bytes(d.total_bytes),
+                yes(d.vmm),
+                crate::Bytes(d.granularity.0),
+                crate::Bytes(d.granularity.1),
+                d.host_numa_node
+                    .map_or("no".to_string(), |n| format!("yes (NUMA node {n})")),
+                yes(d.posix_fd_handles),
+                yes(d.fabric_handles),
+                yes(d.rdma_with_vmm),
+            )?;
+        }
+        if self.devices.len() > 1 {
+            writeln!(f, "peer access (row maps column's memory):")?;
+            for (a, row) in self.peer_access.iter().enumerate() {
+                let cells: Vec<&str> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(b, &p)| if a == b { "-" } else { yes(p) })
+                    .collect();
+                writeln!(f, "  gpu{a}: {}", cells.join(" "))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads what the driver and every GPU support, without allocating memory.
+/// [`Error::DriverUnavailable`] where there is no usable driver.
+pub fn probe() -> Result<Probe> {
+    use cudarc::driver::result;
+    use sys::CUdevice_attribute as A;
+    CudaBackend::check_driver()?;
+    result::init().map_err(|e| Error::DriverUnavailable {
+        reason: format!("cuInit: {e}"),
+    })?;
+    let mut driver_version = 0;
+    // SAFETY: valid out-pointer; the driver is initialised.
+    check(
+        "cuDriverGetVersion",
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) },
+        0,
+    )?;
+    let count = result::device::get_count().map_err(driver_err("cuDeviceGetCount"))?;
+    let handles: Vec<sys::CUdevice> = (0..count)
+        .map(|i| result::device::get(i).map_err(driver_err("cuDeviceGet")))
+        .collect::<Result<_>>()?;
+    let mut devices = Vec::new();
+    for (i, &dev) in handles.iter().enumerate() {
+        // SAFETY: `dev` is a valid device handle from cuDeviceGet.
+        let attr = |a| {
+            unsafe { result::device::get_attribute(dev, a) }
+                .map_err(driver_err("cuDeviceGetAttribute"))
+        };
+        let vmm = attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0;
+        let granularity = if vmm {
+            let b = CudaBackend::new(i as u32)?;
+            let place = Location::Device(i as u32);
+            (
+                b.granularity,
+                b.query_granularity_flag(
+                    place,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                )?,
+            )
+        } else {
+            (0, 0)
+        };
+        devices.push(DeviceProbe {
+            ordinal: i as u32,
+            name: result::device::get_name(dev).map_err(driver_err("cuDeviceGetName"))?,
+            compute_capability: (
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            // SAFETY: valid device handle.
+            total_bytes: unsafe { result::device::total_mem(dev) }
+                .map_err(driver_err("cuDeviceTotalMem"))?,
+            vmm,
+            host_numa_node: if attr(
+                A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )? != 0
+            {
+                Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?)
+            } else {
+                None
+            },
+            granularity,
+            posix_fd_handles: attr(
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )? != 0,
+            fabric_handles: attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)? != 0,
+            rdma_with_vmm: attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)?
+                != 0,
+        });
+    }
+    let mut peer_access = vec![vec![false; handles.len()]; handles.len()];
+    for (a, &da) in handles.iter().enumerate() {
+        for (b, &db) in handles.iter().enumerate() {
+            if a != b {
+                let mut can = 0;
+                // SAFETY: valid out-pointer and device handles.
+                check(
+                    "cuDeviceCanAccessPeer",
+                    unsafe { sys::cuDeviceCanAccessPeer(&mut can, da, db) },
+                    0,
+                )?;
+                peer_access[a][b] = can != 0;
+            }
+        }
+    }
+    Ok(Probe {
+        driver_version,
+        devices,
+        peer_access,
+    })
 }

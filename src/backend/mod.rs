@@ -16,6 +16,7 @@ use crate::error::Result;
 use crate::location::{AccessDesc, Location};
 
 pub mod cuda;
+pub mod cuda_interop;
 pub mod host;
 
 pub use cuda::CudaBackend;

@@ -130,20 +130,20 @@ DONE:
 }
 "#;
 
-fn pattern(idx: u64, seed: u32) -> u32 {
+pub(crate) fn pattern(idx: u64, seed: u32) -> u32 {
     let v = (idx as u32).wrapping_mul(0x9E37_79B1) ^ seed;
     v ^ (v >> 15)
 }
 
-struct Kernels {
-    stream: Arc<CudaStream>,
-    fill: CudaFunction,
-    check: CudaFunction,
+pub(crate) struct Kernels {
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) fill: CudaFunction,
+    pub(crate) check: CudaFunction,
     spin_check: CudaFunction,
 }
 
 impl Kernels {
-    fn load(b: &CudaBackend) -> Self {
+    pub(crate) fn load(b: &CudaBackend) -> Self {
         let ctx = b.context();
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(PTX))
@@ -156,7 +156,7 @@ impl Kernels {
         }
     }
 
-    fn cfg(n: u64) -> LaunchConfig {
+    pub(crate) fn cfg(n: u64) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (n.div_ceil(256) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -174,7 +174,7 @@ impl Kernels {
     }
 
     /// The device counts words of `[first, first + n)` at `ptr` that differ.
-    fn mismatches(&self, ptr: u64, first: u64, n: u64, seed: u32) -> u32 {
+    pub(crate) fn mismatches(&self, ptr: u64, first: u64, n: u64, seed: u32) -> u32 {
         let mut bad = self.stream.alloc_zeros::<u32>(1).unwrap();
         let mut l = self.stream.launch_builder(&self.check);
         l.arg(&ptr).arg(&first).arg(&n).arg(&seed).arg(&mut bad);

@@ -9,6 +9,7 @@ mod cuda_only;
 mod fault;
 mod faults;
 mod host_only;
+mod interop;
 mod pool;
 mod props;
 mod suite;

@@ -14,6 +14,7 @@ crate::for_each_backend!(suite:
     reservation_is_a_hard_limit,
     stats_and_report_follow_operations,
     drop_gives_everything_back,
+    claims_are_aligned_and_disjoint,
 );
 
 fn policies() -> [GrowthPolicy; 3] {
@@ -281,4 +282,55 @@ fn drop_gives_everything_back<B: Backend>(backend: Arc<B>) {
     assert_eq!(backend.live().reservations, baseline.reservations + 5);
     drop(bufs);
     assert_eq!(backend.live(), baseline);
+}
+
+fn claims_are_aligned_and_disjoint<B: Backend>(backend: Arc<B>) {
+    let g = backend.granularity(backend.home()).unwrap();
+    for align in [256usize, 4096] {
+        let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(1024 * g).alignment(align))
+            .unwrap();
+        buf.grow_to(3).unwrap(); // an odd length before the first claim
+        let claims: Vec<(usize, usize)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|t| {
+                    let buf = &buf;
+                    s.spawn(move || {
+                        (0..40)
+                            .map(|i| {
+                                let n = 1 + (t * 31 + i * 977) % 5000;
+                                (buf.claim(n).unwrap(), n)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        let mut sorted = claims.clone();
+        sorted.sort();
+        assert!(
+            sorted[0].0 >= 3,
+            "the first claim starts past the existing length"
+        );
+        for w in sorted.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "claims overlap: {w:?}");
+        }
+        for &(at, _) in &claims {
+            assert_eq!(at % align, 0);
+            assert_eq!(
+                (buf.base() + at as u64) % align as u64,
+                0,
+                "addresses are aligned too"
+            );
+        }
+        let last = sorted.last().unwrap();
+        assert_eq!(buf.len(), last.0 + last.1);
+    }
+    for bad in [0usize, 3, 2 * g] {
+        let r = GrowableBuffer::new(backend.clone(), BufferDesc::new(g).alignment(bad));
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(_))),
+            "alignment {bad}"
+        );
+    }
 }
