@@ -77,12 +77,12 @@ impl BufferDesc {
     }
 }
 
-struct Entry<C> {
-    chunk: C,
-    offset: usize,
-    bytes: usize,
-    placement: Location,
-    access: Arc<[AccessDesc]>,
+pub(crate) struct Entry<C> {
+    pub(crate) chunk: C,
+    pub(crate) offset: usize,
+    pub(crate) bytes: usize,
+    pub(crate) placement: Location,
+    pub(crate) access: Arc<[AccessDesc]>,
 }
 
 /// A deferred release: chunks wholly past `high_water` (the most bytes in
@@ -92,19 +92,19 @@ struct Pending<F> {
     high_water: usize,
 }
 
-struct Inner<B: Backend> {
+pub(crate) struct Inner<B: Backend> {
     /// `None` only while the buffer drops.
-    res: Option<B::Reservation>,
+    pub(crate) res: Option<B::Reservation>,
     /// Mapped chunks in address order; they tile `[0, capacity)`.
-    chunks: Vec<Entry<B::Chunk>>,
-    len: usize,
-    capacity: usize,
-    stats: Stats,
+    pub(crate) chunks: Vec<Entry<B::Chunk>>,
+    pub(crate) len: usize,
+    pub(crate) capacity: usize,
+    pub(crate) stats: Stats,
     pending: Vec<Pending<B::Fence>>,
 }
 
 impl<B: Backend> Inner<B> {
-    fn res(&mut self) -> &mut B::Reservation {
+    pub(crate) fn res(&mut self) -> &mut B::Reservation {
         self.res.as_mut().expect("the reservation lives until drop")
     }
 }
@@ -139,11 +139,16 @@ pub struct GrowableBuffer<B: Backend> {
     reserved: usize,
     granularity: usize,
     policy: GrowthPolicy,
-    placement: Location,
+    /// Where new chunks go unless a range policy says otherwise.
+    pub(crate) placement: Location,
+    /// Placements for new chunks starting in these ranges (later entries win).
+    pub(crate) range_placements: Vec<(std::ops::Range<usize>, Location)>,
     alignment: usize,
-    access: Arc<[AccessDesc]>,
+    /// Who gets which access to new chunks; a host entry applies to
+    /// host-placed chunks only (the driver refuses it on device chunks).
+    pub(crate) grants: Vec<AccessDesc>,
     pool: Option<Arc<ChunkPool<B>>>,
-    inner: Mutex<Inner<B>>,
+    pub(crate) inner: Mutex<Inner<B>>,
 }
 
 impl<B: Backend> std::fmt::Debug for GrowableBuffer<B> {
@@ -185,9 +190,9 @@ impl<B: Backend> GrowableBuffer<B> {
                 desc.alignment
             )));
         }
-        let mut access = vec![AccessDesc::new(backend.home(), desc.access)];
-        if placement != backend.home() {
-            access.push(AccessDesc::new(placement, desc.access));
+        let mut grants = vec![AccessDesc::new(backend.home(), desc.access)];
+        if backend.home() != Location::Host {
+            grants.push(AccessDesc::new(Location::Host, desc.access));
         }
         let res = backend
             .reserve(reserved, granularity)
@@ -213,8 +218,9 @@ impl<B: Backend> GrowableBuffer<B> {
             granularity,
             policy,
             placement,
+            range_placements: Vec::new(),
             alignment: desc.alignment,
-            access: access.into(),
+            grants,
             pool,
             inner: Mutex::new(Inner {
                 res: Some(res),
@@ -270,7 +276,7 @@ impl<B: Backend> GrowableBuffer<B> {
         self.policy
     }
 
-    /// Where new chunks are placed.
+    /// Where new chunks are placed (unless a range policy says otherwise).
     pub fn placement(&self) -> Location {
         self.placement
     }
@@ -282,11 +288,17 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// The buffer's counters.
     pub fn stats(&self) -> Stats {
-        let g = self.inner.lock();
+        Self::stats_of(&self.inner.lock())
+    }
+
+    fn stats_of(g: &Inner<B>) -> Stats {
+        let host_bytes = g.chunks.iter().filter(|e| e.placement == Location::Host).map(|e| e.bytes).sum();
         Stats {
             in_use_bytes: g.len,
             mapped_bytes: g.capacity,
             chunks: g.chunks.len(),
+            host_bytes,
+            device_bytes: g.capacity - host_bytes,
             ..g.stats
         }
     }
@@ -296,12 +308,7 @@ impl<B: Backend> GrowableBuffer<B> {
         let g = self.inner.lock();
         Report {
             base: self.base,
-            stats: Stats {
-                in_use_bytes: g.len,
-                mapped_bytes: g.capacity,
-                chunks: g.chunks.len(),
-                ..g.stats
-            },
+            stats: Self::stats_of(&g),
             chunks: g
                 .chunks
                 .iter()
@@ -408,8 +415,8 @@ impl<B: Backend> GrowableBuffer<B> {
         let span = tracing::debug_span!("vmmbuf.grow", from = g.len, to = bytes).entered();
         let backend = &*self.backend;
         let at = g.capacity;
-        // (chunk, bytes, came from the pool)
-        let mut chunks: Vec<(B::Chunk, usize)> = Vec::new();
+        // (chunk, bytes, placement)
+        let mut chunks: Vec<(B::Chunk, usize, Location)> = Vec::new();
         let mut end = at;
         if let Some(pool) = &self.pool {
             while end < bytes {
@@ -425,29 +432,34 @@ impl<B: Backend> GrowableBuffer<B> {
                     GrowthPolicy::Fixed { .. } => break,
                     _ => None,
                 };
-                let Some((chunk, size)) = pool.take(self.placement, exact, need, fit.min(room))
-                else {
+                let place = self.placement_at(end);
+                let Some((chunk, size)) = pool.take(place, exact, need, fit.min(room)) else {
                     break;
                 };
-                chunks.push((chunk, size));
+                chunks.push((chunk, size, place));
                 end += size;
             }
         }
         let reused = chunks.len();
         let mut mapped = 0usize;
         let attempt = (|| {
-            for size in self
-                .policy
-                .plan(self.granularity, end, bytes, self.reserved)?
-            {
-                chunks.push((backend.create(size, self.placement)?, size));
+            for size in self.policy.plan(self.granularity, end, bytes, self.reserved)? {
+                let place = self.placement_at(end);
+                chunks.push((backend.create(size, place)?, size, place));
                 end += size;
             }
-            for (chunk, size) in &chunks {
+            for (chunk, size, _) in &chunks {
                 backend.map(g.res(), at + mapped, chunk)?;
                 mapped += size;
             }
-            backend.set_access(g.res(), at, end - at, &self.access)
+            // One access call per run of chunks with the same placement.
+            let mut run_at = at;
+            for run in chunks.chunk_by(|a, b| a.2 == b.2) {
+                let run_bytes: usize = run.iter().map(|c| c.1).sum();
+                backend.set_access(g.res(), run_at, run_bytes, &self.access_for(run[0].2))?;
+                run_at += run_bytes;
+            }
+            Ok(())
         })();
         if let Err(e) = attempt {
             // Undo in reverse. Nothing can have used the new chunks: they never
@@ -457,22 +469,16 @@ impl<B: Backend> GrowableBuffer<B> {
                     tracing::error!(error = %u, "vmmbuf: undoing a failed grow: unmap failed");
                 }
             }
-            for (chunk, size) in chunks {
-                let _ = self.dispose(chunk, size); // logged inside
+            for (chunk, size, place) in chunks {
+                let _ = self.dispose(chunk, size, place); // logged inside
             }
             tracing::debug!(error = %e, "vmmbuf: grow failed and was undone");
             return Err(e);
         }
         let n = chunks.len();
         let mut offset = at;
-        for (chunk, bytes) in chunks {
-            g.chunks.push(Entry {
-                chunk,
-                offset,
-                bytes,
-                placement: self.placement,
-                access: self.access.clone(),
-            });
+        for (chunk, bytes, placement) in chunks {
+            g.chunks.push(Entry { chunk, offset, bytes, placement, access: self.access_for(placement) });
             offset += bytes;
         }
         g.capacity = end;
@@ -490,11 +496,29 @@ impl<B: Backend> GrowableBuffer<B> {
         Ok(())
     }
 
+    /// Where a new chunk starting at `offset` goes.
+    pub(crate) fn placement_at(&self, offset: usize) -> Location {
+        self.range_placements
+            .iter()
+            .rev()
+            .find(|(r, _)| r.contains(&offset))
+            .map_or(self.placement, |&(_, l)| l)
+    }
+
+    /// The access list of a chunk placed at `placement`.
+    pub(crate) fn access_for(&self, placement: Location) -> Arc<[AccessDesc]> {
+        self.grants
+            .iter()
+            .filter(|d| d.location != Location::Host || placement == Location::Host)
+            .copied()
+            .collect()
+    }
+
     /// Gives an unmapped chunk to the pool, or back to the driver.
-    fn dispose(&self, chunk: B::Chunk, bytes: usize) -> Result<()> {
+    pub(crate) fn dispose(&self, chunk: B::Chunk, bytes: usize, placement: Location) -> Result<()> {
         match &self.pool {
             Some(pool) => {
-                pool.put(self.placement, bytes, chunk);
+                pool.put(placement, bytes, chunk);
                 Ok(())
             }
             None => self.backend.release(chunk).inspect_err(|e| {
@@ -524,7 +548,7 @@ impl<B: Backend> GrowableBuffer<B> {
         g.stats.chunks_released_total += released as u64;
         let mut first_err = None;
         for e in gone {
-            if let Err(err) = self.dispose(e.chunk, e.bytes) {
+            if let Err(err) = self.dispose(e.chunk, e.bytes, e.placement) {
                 first_err.get_or_insert(err);
             }
         }
@@ -722,7 +746,7 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
             }
             for e in std::mem::take(&mut g.chunks) {
                 // Logged inside.
-                let _ = self.dispose(e.chunk, e.bytes);
+                let _ = self.dispose(e.chunk, e.bytes, e.placement);
             }
         }
         if let Err(e) = backend.free(res) {

@@ -16,6 +16,10 @@ pub struct Stats {
     pub in_use_bytes: usize,
     /// Chunks mapped now.
     pub chunks: usize,
+    /// Mapped bytes placed in host memory.
+    pub host_bytes: usize,
+    /// Mapped bytes placed on GPUs.
+    pub device_bytes: usize,
     /// Growing calls that mapped at least one chunk.
     pub grows: u64,
     /// Calls that reduced the length (truncate, shrink, resize down).
@@ -26,6 +30,8 @@ pub struct Stats {
     pub chunks_mapped_total: u64,
     /// Chunks released over the buffer's life.
     pub chunks_released_total: u64,
+    /// Chunks moved to another placement over the buffer's life.
+    pub chunks_migrated_total: u64,
     /// The most bytes ever mapped at once.
     pub peak_mapped_bytes: usize,
 }
@@ -34,12 +40,14 @@ impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "in use {} / mapped {} / reserved {} in {} chunks (peak mapped {}); \
+            "in use {} / mapped {} / reserved {} in {} chunks ({} on GPUs, {} on the host; peak mapped {}); \
              {} grows, {} shrinks, {} trims; {} chunks mapped, {} released",
             Bytes(self.in_use_bytes),
             Bytes(self.mapped_bytes),
             Bytes(self.reserved_bytes),
             self.chunks,
+            Bytes(self.device_bytes),
+            Bytes(self.host_bytes),
             Bytes(self.peak_mapped_bytes),
             self.grows,
             self.shrinks,

@@ -83,6 +83,8 @@ pub struct CudaBackend {
     granularity: usize,
     /// The host NUMA node for host placement, where the device supports it.
     host_numa: Option<i32>,
+    /// Where the backend's own copies (migration) are ordered.
+    stream: Arc<CudaStream>,
     counters: Arc<Counters>,
 }
 
@@ -129,7 +131,9 @@ impl CudaBackend {
             };
         let device_count =
             CudaContext::device_count().map_err(driver_err("cuDeviceGetCount"))? as u32;
+        let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
         let mut this = Self {
+            stream,
             ctx,
             device,
             device_count,
@@ -531,7 +535,9 @@ impl Backend for CudaBackend {
                 ),
                 Location::Host => {
                     host = d.access;
-                    raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0)
+                    // HOST_NUMA, whose id the driver ignores for access, is what it
+                    // takes for host-NUMA allocations (the only host chunks we make).
+                    raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, self.host_numa.unwrap_or(0))
                 }
             };
             descs.push(sys::CUmemAccessDesc {
@@ -557,6 +563,52 @@ impl Backend for CudaBackend {
         self.ctx
             .synchronize()
             .map_err(driver_err("cuCtxSynchronize"))
+    }
+
+    fn copy(
+        &self,
+        dst: &mut CudaReservation,
+        dst_offset: usize,
+        src: &CudaReservation,
+        src_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        src.table.covering(src_offset, bytes, false, Access::None)?;
+        dst.table.covering(dst_offset, bytes, false, Access::None)?;
+        self.bind()?;
+        // SAFETY: both ranges are mapped in their tokens (checked above); the
+        // copy is ordered on our own stream, which outlives it (synchronize
+        // waits for the whole context before anything is unmapped).
+        check(
+            "cuMemcpyDtoDAsync",
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(
+                    dst.ptr + dst_offset as u64,
+                    src.ptr + src_offset as u64,
+                    bytes,
+                    self.stream.cu_stream(),
+                )
+            },
+            bytes,
+        )
+    }
+
+    fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool> {
+        for d in [device, peer] {
+            self.check_location(Location::Device(d))?;
+        }
+        if device == peer {
+            return Ok(true);
+        }
+        let get = |o: u32| cudarc::driver::result::device::get(o as i32).map_err(driver_err("cuDeviceGet"));
+        let (a, b) = (get(device)?, get(peer)?);
+        let mut can = 0;
+        // SAFETY: valid out-pointer and device handles.
+        check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) }, 0)?;
+        Ok(can != 0)
     }
 
     fn fence_done(&self, fence: &CudaFence) -> Result<bool> {

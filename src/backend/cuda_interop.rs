@@ -23,7 +23,7 @@ use cudarc::driver::{
     PushKernelArg, SyncOnDrop,
 };
 
-use super::CudaBackend;
+use super::{Backend, CudaBackend};
 use crate::error::{Error, Result};
 use crate::location::{Access, Location};
 use crate::GrowableBuffer;
@@ -242,6 +242,38 @@ impl GrowableBuffer<CudaBackend> {
             stream: stream.clone(),
             _buf: PhantomData,
         })
+    }
+
+    /// The CPU's view of bytes in host-placed chunks (see
+    /// [`MigrationPolicy::PreferHost`](crate::MigrationPolicy) and
+    /// [`offload`](GrowableBuffer::offload)), after waiting for the GPU.
+    ///
+    /// Sound because: every chunk in the range is host memory that grants the
+    /// host read access (checked); it stays mapped and readable while `&self`
+    /// lives (migration, access changes and shrinking take `&mut self`); the
+    /// wait means no work submitted before is still writing it, and no safe
+    /// API can write it while `&self` is borrowed (writes need `&mut self`).
+    /// Kernels launched meanwhile (an `unsafe` act) must not write it.
+    pub fn host_slice(&self, offset: usize, bytes: usize) -> Result<&[u8]> {
+        self.check_access(Location::Host, Access::Read, offset, bytes)?;
+        self.backend().synchronize()?;
+        if bytes == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: see the doc comment above.
+        Ok(unsafe { std::slice::from_raw_parts((self.base() + offset as u64) as *const u8, bytes) })
+    }
+
+    /// The CPU's mutable view of bytes in host-placed chunks; see
+    /// [`host_slice`](Self::host_slice). Needs read-write host access.
+    pub fn host_slice_mut(&mut self, offset: usize, bytes: usize) -> Result<&mut [u8]> {
+        self.check_access(Location::Host, Access::ReadWrite, offset, bytes)?;
+        self.backend().synchronize()?;
+        if bytes == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `host_slice`; `&mut self` makes the view exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut((self.base() + offset as u64) as *mut u8, bytes) })
     }
 
     /// A non-owning cudarc `CudaSlice<T>` over the range; see [`SliceRef`].

@@ -100,6 +100,22 @@ pub trait Backend: Send + Sync + 'static {
     /// running, so a range can be unmapped safely.
     fn synchronize(&self) -> Result<()>;
 
+    /// Copies `bytes` from `src` at `src_offset` to `dst` at `dst_offset`,
+    /// ordered on the backend's own stream: complete once
+    /// [`Backend::synchronize`] returns. Both ranges must be mapped; the
+    /// backend's device needs access to both.
+    fn copy(
+        &self,
+        dst: &mut Self::Reservation,
+        dst_offset: usize,
+        src: &Self::Reservation,
+        src_offset: usize,
+        bytes: usize,
+    ) -> Result<()>;
+
+    /// Whether `device` can be given access to memory placed on `peer`.
+    fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool>;
+
     /// True once all work before `fence` has finished. Never blocks.
     fn fence_done(&self, fence: &Self::Fence) -> Result<bool>;
 

@@ -124,6 +124,20 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.step("synchronize", 0)?;
         self.inner.synchronize()
     }
+    fn copy(
+        &self,
+        dst: &mut Self::Reservation,
+        dst_offset: usize,
+        src: &Self::Reservation,
+        src_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.step("copy", bytes)?;
+        self.inner.copy(dst, dst_offset, src, src_offset, bytes)
+    }
+    fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool> {
+        self.inner.can_access_peer(device, peer)
+    }
     fn fence_done(&self, fence: &TestFence) -> Result<bool> {
         Ok(fence.0.load(Ordering::SeqCst))
     }

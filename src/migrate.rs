@@ -1,0 +1,425 @@
+//! Placement, migration and access control of existing chunks.
+//!
+//! On VMM memory `cuMemAdvise` and `cuMemPrefetchAsync` do not work (they
+//! answer INVALID_VALUE): where a chunk lives is fixed when it is created. So
+//! vmmbuf migrates by itself: create the chunk at the new place, copy the data
+//! through a temporary mapping (stream-ordered), wait for users of the old
+//! chunk, remap the new one at the same address, set access, release the old
+//! one. Every address stays valid throughout.
+#![deny(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use crate::backend::Backend;
+use crate::buffer::GrowableBuffer;
+use crate::error::{Error, Result};
+use crate::location::{Access, AccessDesc, Location};
+
+/// Where chunks should live, in VMM terms (the counterpart of unified
+/// memory's advice, which VMM memory does not take).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MigrationPolicy {
+    /// On the buffer's own device (the backend's home).
+    Default,
+    /// On GPU `d`.
+    PreferDevice(u32),
+    /// In pinned host memory, reachable by kernels at the same address.
+    PreferHost,
+    /// Read-only for every location that has access, once written: applied to
+    /// a range it seals those chunks (writes then fail: a kernel write faults,
+    /// a copy into them is an error) until [`GrowableBuffer::make_writable`].
+    /// New chunks are created writable on the buffer's device.
+    ReadMostly,
+}
+
+/// Several moves, executed together: all copies are issued on one stream and
+/// waited for once. The VMM counterpart of a prefetch plan.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MigrationPlan {
+    moves: Vec<(Range<usize>, Location)>,
+}
+
+impl MigrationPlan {
+    /// An empty plan.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a move of the chunks touching `range` (bytes) to `to`. Later moves
+    /// of the same chunk win.
+    pub fn add(&mut self, range: Range<usize>, to: Location) -> &mut Self {
+        self.moves.push((range, to));
+        self
+    }
+
+    /// The recorded moves.
+    pub fn moves(&self) -> &[(Range<usize>, Location)] {
+        &self.moves
+    }
+
+    /// True without moves.
+    pub fn is_empty(&self) -> bool {
+        self.moves.is_empty()
+    }
+}
+
+/// What a migration did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// Chunks that changed placement.
+    pub chunks_moved: usize,
+    /// Bytes copied.
+    pub bytes_moved: usize,
+}
+
+fn check_range(range: &Range<usize>) -> Result<()> {
+    if range.start >= range.end {
+        return Err(Error::invalid(format!("empty or reversed range {range:?}")));
+    }
+    Ok(())
+}
+
+impl<B: Backend> GrowableBuffer<B> {
+    fn placement_of(&self, policy: MigrationPolicy) -> Location {
+        match policy {
+            MigrationPolicy::Default | MigrationPolicy::ReadMostly => self.backend().home(),
+            MigrationPolicy::PreferDevice(d) => Location::Device(d),
+            MigrationPolicy::PreferHost => Location::Host,
+        }
+    }
+
+    /// Checks that chunks of this buffer can be placed at `to`.
+    fn check_placement(&self, to: Location) -> Result<()> {
+        let g = self.backend().granularity(to)?;
+        if self.granularity() % g != 0 {
+            return Err(Error::Unsupported {
+                what: format!("placement {to}: its granularity {g} does not divide {}", self.granularity()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sets the policy for chunks created from now on, everywhere in the buffer.
+    pub fn set_policy(&mut self, policy: MigrationPolicy) -> Result<()> {
+        let to = self.placement_of(policy);
+        self.check_placement(to)?;
+        self.placement = to;
+        self.range_placements.clear();
+        Ok(())
+    }
+
+    /// Applies `policy` to the chunks touching `range` (rounded out to whole
+    /// chunks: a chunk is the unit of placement and access) and to chunks
+    /// created there later: migrates them, or for
+    /// [`MigrationPolicy::ReadMostly`], seals them read-only.
+    pub fn apply_policy(&mut self, range: Range<usize>, policy: MigrationPolicy) -> Result<MigrationReport> {
+        check_range(&range)?;
+        let to = self.placement_of(policy);
+        self.check_placement(to)?;
+        if range.end > self.capacity() {
+            self.range_placements.push((range.start.max(self.capacity())..range.end, to));
+        }
+        if policy == MigrationPolicy::ReadMostly {
+            self.restrict(range, |a| a.min(Access::Read))?;
+            return Ok(MigrationReport::default());
+        }
+        self.migrate(range, to)
+    }
+
+    /// Moves the chunks touching `range` (rounded out to whole chunks) to
+    /// `to`, keeping their data and their addresses. See [`execute`](Self::execute).
+    pub fn migrate(&mut self, range: Range<usize>, to: Location) -> Result<MigrationReport> {
+        let mut plan = MigrationPlan::new();
+        plan.add(range, to);
+        self.execute(&plan)
+    }
+
+    /// Moves every chunk to host memory: the device memory is given back
+    /// (to the pool, if the buffer has one) while the data and every address
+    /// stay. The job of an inference server's sleep mode.
+    pub fn offload(&mut self) -> Result<MigrationReport> {
+        self.migrate_all(Location::Host)
+    }
+
+    /// Moves every chunk back to the buffer's device.
+    pub fn restore(&mut self) -> Result<MigrationReport> {
+        let home = self.backend().home();
+        self.migrate_all(home)
+    }
+
+    fn migrate_all(&mut self, to: Location) -> Result<MigrationReport> {
+        let cap = self.capacity();
+        if cap == 0 {
+            return Ok(MigrationReport::default());
+        }
+        self.migrate(0..cap, to)
+    }
+
+    /// Executes a plan. Chunks already in place are skipped.
+    ///
+    /// First every moving chunk gets its new chunk, mapped at a temporary
+    /// address, and its data is copied there on the backend's stream; one wait
+    /// covers the copies and all GPU work that used the old chunks. Then each
+    /// chunk is swapped at its own address (unmap the old, map the new, set
+    /// access); the old chunks are released only once every swap succeeded.
+    ///
+    /// All or nothing: if any driver call fails, every chunk is swapped back
+    /// and the buffer's placement, access and data are as before (barring a
+    /// second failure while undoing, which is logged).
+    ///
+    /// Do not run GPU work on the moving range concurrently with this call.
+    pub fn execute(&mut self, plan: &MigrationPlan) -> Result<MigrationReport> {
+        let backend = self.backend().clone();
+        let home = backend.home();
+        let mut targets: BTreeMap<usize, Location> = BTreeMap::new();
+        {
+            let g = self.inner.lock();
+            for (range, to) in plan.moves() {
+                check_range(range)?;
+                self.check_placement(*to)?;
+                for (i, e) in g.chunks.iter().enumerate() {
+                    if e.offset < range.end && e.offset + e.bytes > range.start {
+                        targets.insert(i, *to);
+                    }
+                }
+            }
+            targets.retain(|&i, to| g.chunks[i].placement != *to);
+        }
+        if targets.is_empty() {
+            return Ok(MigrationReport::default());
+        }
+        let _span = tracing::debug_span!("vmmbuf.migrate", chunks = targets.len()).entered();
+        let mut guard = self.inner.lock();
+        let g = &mut *guard;
+        let total: usize = targets.keys().map(|&i| g.chunks[i].bytes).sum();
+
+        // Phase A: new chunks at a temporary address, data copied there.
+        let mut tmp = backend.reserve(total, self.granularity())?;
+        let mut staged: Vec<(usize, B::Chunk, Location)> = Vec::with_capacity(targets.len());
+        let mut tmp_mapped = 0usize;
+        let staging = (|| {
+            for (&i, &to) in &targets {
+                let (offset, bytes) = (g.chunks[i].offset, g.chunks[i].bytes);
+                let chunk = backend.create(bytes, to)?;
+                backend.map(&mut tmp, tmp_mapped, &chunk)?;
+                staged.push((i, chunk, to));
+                let at = tmp_mapped;
+                tmp_mapped += bytes;
+                backend.set_access(&mut tmp, at, bytes, &[AccessDesc::new(home, Access::ReadWrite)])?;
+                backend.copy(&mut tmp, at, g.res(), offset, bytes)?;
+            }
+            // The copies, and every kernel still using the old chunks.
+            backend.synchronize()?;
+            backend.unmap(&mut tmp, 0, tmp_mapped)?;
+            tmp_mapped = 0;
+            Ok(())
+        })();
+        if let Err(e) = staging {
+            if tmp_mapped > 0 {
+                // Copies may still be in flight into the temporary mapping.
+                let _ = backend.synchronize();
+                let _ = backend.unmap(&mut tmp, 0, tmp_mapped);
+            }
+            let _ = backend.free(tmp);
+            for (_, chunk, _) in staged {
+                let _ = backend.release(chunk);
+            }
+            tracing::debug!(error = %e, "vmmbuf: migration staging failed; nothing moved");
+            return Err(e);
+        }
+        if let Err(e) = backend.free(tmp) {
+            tracing::warn!(error = %e, "vmmbuf: freeing the temporary reservation failed");
+        }
+
+        // Phase B: swap each chunk at its own address. The old chunks are
+        // kept until every swap has succeeded, so a failure can swap back.
+        let mut report = MigrationReport::default();
+        let mut done: Vec<(usize, B::Chunk, Location, std::sync::Arc<[AccessDesc]>)> = Vec::new();
+        let mut staged = staged.into_iter();
+        while let Some((i, new, to)) = staged.next() {
+            let (offset, bytes) = (g.chunks[i].offset, g.chunks[i].bytes);
+            let access = self.access_for(to);
+            let swapped = Self::swap_in(&*backend, g.res(), offset, bytes, &new, &access);
+            if let Err((e, stage)) = swapped {
+                // This chunk: put the old one back.
+                let res = g.res.as_mut().expect("the reservation lives until drop");
+                Self::undo_swap(&*backend, res, offset, bytes, &g.chunks[i].chunk, &g.chunks[i].access, stage);
+                let _ = backend.release(new);
+                for (_, c, _) in staged {
+                    let _ = backend.release(c);
+                }
+                // The chunks already swapped: back to their old chunks.
+                for (j, old, old_place, old_access) in done.into_iter().rev() {
+                    let (offset, bytes) = (g.chunks[j].offset, g.chunks[j].bytes);
+                    let res = g.res.as_mut().expect("the reservation lives until drop");
+                    Self::undo_swap(&*backend, res, offset, bytes, &old, &old_access, 2);
+                    let e = &mut g.chunks[j];
+                    let new = std::mem::replace(&mut e.chunk, old);
+                    e.placement = old_place;
+                    e.access = old_access;
+                    let _ = backend.release(new);
+                }
+                tracing::debug!(error = %e, "vmmbuf: migration failed and was undone");
+                return Err(e);
+            }
+            let e = &mut g.chunks[i];
+            let old = std::mem::replace(&mut e.chunk, new);
+            let old_place = std::mem::replace(&mut e.placement, to);
+            let old_access = std::mem::replace(&mut e.access, access);
+            done.push((i, old, old_place, old_access));
+            report.chunks_moved += 1;
+            report.bytes_moved += bytes;
+        }
+        // Every swap succeeded: the old chunks go (to the pool, if any).
+        for (i, old, old_place, _) in done {
+            let _ = self.dispose(old, g.chunks[i].bytes, old_place); // logged inside
+        }
+        g.stats.chunks_migrated_total += report.chunks_moved as u64;
+        tracing::debug!(chunks = report.chunks_moved, bytes = report.bytes_moved, "vmmbuf: migrated");
+        Ok(report)
+    }
+
+    /// Unmaps the chunk at `offset` and maps `new` there with `access`. On
+    /// error, also says how far it got: 0 = old still mapped, 1 = nothing
+    /// mapped, 2 = new mapped.
+    fn swap_in(
+        backend: &B,
+        res: &mut B::Reservation,
+        offset: usize,
+        bytes: usize,
+        new: &B::Chunk,
+        access: &[AccessDesc],
+    ) -> std::result::Result<(), (Error, u8)> {
+        backend.unmap(res, offset, bytes).map_err(|e| (e, 0))?;
+        backend.map(res, offset, new).map_err(|e| (e, 1))?;
+        backend.set_access(res, offset, bytes, access).map_err(|e| (e, 2))
+    }
+
+    /// Puts `old` back at `offset` after a swap that got to `stage`.
+    fn undo_swap(
+        backend: &B,
+        res: &mut B::Reservation,
+        offset: usize,
+        bytes: usize,
+        old: &B::Chunk,
+        old_access: &[AccessDesc],
+        stage: u8,
+    ) {
+        if stage == 2 {
+            if let Err(u) = backend.unmap(res, offset, bytes) {
+                tracing::error!(error = %u, offset, "vmmbuf: undoing a swap: unmap failed");
+            }
+        }
+        if stage >= 1 {
+            if let Err(r) = backend.map(res, offset, old).and_then(|_| backend.set_access(res, offset, bytes, old_access)) {
+                tracing::error!(error = %r, offset, "vmmbuf: could not put a chunk back after a failed migration");
+            }
+        }
+    }
+
+    /// Sets `location`'s access to the chunks touching `range` (rounded out
+    /// to whole chunks), leaving other locations' access as it is. Waits for
+    /// the GPU first, since narrowing access under a running kernel faults it.
+    ///
+    /// [`Error::Unsupported`] for host access to GPU-placed chunks (the driver
+    /// refuses it). On error, the chunks before the failing one have the new
+    /// access and the rest the old.
+    pub fn set_access(&mut self, range: Range<usize>, location: Location, access: Access) -> Result<()> {
+        check_range(&range)?;
+        {
+            let g = self.inner.lock();
+            for e in g.chunks.iter().filter(|e| e.offset < range.end && e.offset + e.bytes > range.start) {
+                if location == Location::Host && e.placement != Location::Host && access != Access::None {
+                    return Err(Error::Unsupported {
+                        what: format!("host access to the chunk at {:#x}, placed on {}", e.offset, e.placement),
+                    });
+                }
+            }
+        }
+        self.update_access(range, |list| {
+            let mut v: Vec<AccessDesc> = list.iter().filter(|d| d.location != location).copied().collect();
+            if access != Access::None || location != Location::Host {
+                v.push(AccessDesc::new(location, access));
+            }
+            v
+        })
+    }
+
+    /// Undoes [`MigrationPolicy::ReadMostly`] on the chunks touching `range`:
+    /// every location gets back the access the buffer grants.
+    pub fn make_writable(&mut self, range: Range<usize>) -> Result<()> {
+        check_range(&range)?;
+        let grants = self.grants.clone();
+        self.update_access(range, |list| {
+            list.iter()
+                .map(|d| grants.iter().find(|g| g.location == d.location).copied().unwrap_or(*d))
+                .collect()
+        })
+    }
+
+    fn restrict(&mut self, range: Range<usize>, f: impl Fn(Access) -> Access) -> Result<()> {
+        self.update_access(range, |list| list.iter().map(|d| AccessDesc::new(d.location, f(d.access))).collect())
+    }
+
+    /// Gives GPU `device` read-write access to every chunk, now and for new
+    /// chunks, after checking that it can reach this buffer's device.
+    pub fn add_peer(&mut self, device: u32) -> Result<()> {
+        let backend = self.backend().clone();
+        let Location::Device(home) = backend.home() else {
+            return backend.can_access_peer(device, device).map(|_| ());
+        };
+        if !backend.can_access_peer(device, home)? {
+            return Err(Error::Unsupported { what: format!("gpu{device} cannot access gpu{home}'s memory") });
+        }
+        if self.grants.iter().any(|d| d.location == Location::Device(device)) {
+            return Ok(());
+        }
+        self.grants.push(AccessDesc::new(Location::Device(device), Access::ReadWrite));
+        let cap = self.capacity();
+        if cap == 0 {
+            return Ok(());
+        }
+        let r = self.update_access(0..cap, |list| {
+            let mut v: Vec<AccessDesc> = list.iter().filter(|d| d.location != Location::Device(device)).copied().collect();
+            v.push(AccessDesc::new(Location::Device(device), Access::ReadWrite));
+            v
+        });
+        if r.is_err() {
+            self.grants.pop();
+        }
+        r
+    }
+
+    /// Rewrites the access list of every chunk touching `range` with `f`, one
+    /// driver call per run of chunks with equal new lists.
+    fn update_access(&mut self, range: Range<usize>, f: impl Fn(&[AccessDesc]) -> Vec<AccessDesc>) -> Result<()> {
+        let backend = self.backend().clone();
+        let mut guard = self.inner.lock();
+        let g = &mut *guard;
+        let idx: Vec<usize> = (0..g.chunks.len())
+            .filter(|&i| g.chunks[i].offset < range.end && g.chunks[i].offset + g.chunks[i].bytes > range.start)
+            .collect();
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let lists: Vec<std::sync::Arc<[AccessDesc]>> = idx.iter().map(|&i| f(&g.chunks[i].access).into()).collect();
+        backend.synchronize()?;
+        let mut k = 0;
+        while k < idx.len() {
+            let mut end = k + 1;
+            while end < idx.len() && lists[end] == lists[k] {
+                end += 1;
+            }
+            let offset = g.chunks[idx[k]].offset;
+            let bytes: usize = idx[k..end].iter().map(|&i| g.chunks[i].bytes).sum();
+            backend.set_access(g.res(), offset, bytes, &lists[k])?;
+            for j in k..end {
+                g.chunks[idx[j]].access = lists[j].clone();
+            }
+            k = end;
+        }
+        Ok(())
+    }
+}
