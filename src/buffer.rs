@@ -292,7 +292,12 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     fn stats_of(g: &Inner<B>) -> Stats {
-        let host_bytes = g.chunks.iter().filter(|e| e.placement == Location::Host).map(|e| e.bytes).sum();
+        let host_bytes = g
+            .chunks
+            .iter()
+            .filter(|e| e.placement == Location::Host)
+            .map(|e| e.bytes)
+            .sum();
         Stats {
             in_use_bytes: g.len,
             mapped_bytes: g.capacity,
@@ -443,7 +448,10 @@ impl<B: Backend> GrowableBuffer<B> {
         let reused = chunks.len();
         let mut mapped = 0usize;
         let attempt = (|| {
-            for size in self.policy.plan(self.granularity, end, bytes, self.reserved)? {
+            for size in self
+                .policy
+                .plan(self.granularity, end, bytes, self.reserved)?
+            {
                 let place = self.placement_at(end);
                 chunks.push((backend.create(size, place)?, size, place));
                 end += size;
@@ -478,7 +486,13 @@ impl<B: Backend> GrowableBuffer<B> {
         let n = chunks.len();
         let mut offset = at;
         for (chunk, bytes, placement) in chunks {
-            g.chunks.push(Entry { chunk, offset, bytes, placement, access: self.access_for(placement) });
+            g.chunks.push(Entry {
+                chunk,
+                offset,
+                bytes,
+                placement,
+                access: self.access_for(placement),
+            });
             offset += bytes;
         }
         g.capacity = end;

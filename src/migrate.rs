@@ -74,6 +74,10 @@ pub struct MigrationReport {
     pub bytes_moved: usize,
 }
 
+/// A chunk swapped during a migration: its index, and the old chunk with its
+/// old placement and access, kept until the whole plan has succeeded.
+type Swapped<C> = (usize, C, Location, std::sync::Arc<[AccessDesc]>);
+
 fn check_range(range: &Range<usize>) -> Result<()> {
     if range.start >= range.end {
         return Err(Error::invalid(format!("empty or reversed range {range:?}")));
@@ -95,7 +99,10 @@ impl<B: Backend> GrowableBuffer<B> {
         let g = self.backend().granularity(to)?;
         if self.granularity() % g != 0 {
             return Err(Error::Unsupported {
-                what: format!("placement {to}: its granularity {g} does not divide {}", self.granularity()),
+                what: format!(
+                    "placement {to}: its granularity {g} does not divide {}",
+                    self.granularity()
+                ),
             });
         }
         Ok(())
@@ -114,12 +121,17 @@ impl<B: Backend> GrowableBuffer<B> {
     /// chunks: a chunk is the unit of placement and access) and to chunks
     /// created there later: migrates them, or for
     /// [`MigrationPolicy::ReadMostly`], seals them read-only.
-    pub fn apply_policy(&mut self, range: Range<usize>, policy: MigrationPolicy) -> Result<MigrationReport> {
+    pub fn apply_policy(
+        &mut self,
+        range: Range<usize>,
+        policy: MigrationPolicy,
+    ) -> Result<MigrationReport> {
         check_range(&range)?;
         let to = self.placement_of(policy);
         self.check_placement(to)?;
         if range.end > self.capacity() {
-            self.range_placements.push((range.start.max(self.capacity())..range.end, to));
+            self.range_placements
+                .push((range.start.max(self.capacity())..range.end, to));
         }
         if policy == MigrationPolicy::ReadMostly {
             self.restrict(range, |a| a.min(Access::Read))?;
@@ -207,7 +219,12 @@ impl<B: Backend> GrowableBuffer<B> {
                 staged.push((i, chunk, to));
                 let at = tmp_mapped;
                 tmp_mapped += bytes;
-                backend.set_access(&mut tmp, at, bytes, &[AccessDesc::new(home, Access::ReadWrite)])?;
+                backend.set_access(
+                    &mut tmp,
+                    at,
+                    bytes,
+                    &[AccessDesc::new(home, Access::ReadWrite)],
+                )?;
                 backend.copy(&mut tmp, at, g.res(), offset, bytes)?;
             }
             // The copies, and every kernel still using the old chunks.
@@ -236,7 +253,7 @@ impl<B: Backend> GrowableBuffer<B> {
         // Phase B: swap each chunk at its own address. The old chunks are
         // kept until every swap has succeeded, so a failure can swap back.
         let mut report = MigrationReport::default();
-        let mut done: Vec<(usize, B::Chunk, Location, std::sync::Arc<[AccessDesc]>)> = Vec::new();
+        let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
         let mut staged = staged.into_iter();
         while let Some((i, new, to)) = staged.next() {
             let (offset, bytes) = (g.chunks[i].offset, g.chunks[i].bytes);
@@ -245,7 +262,15 @@ impl<B: Backend> GrowableBuffer<B> {
             if let Err((e, stage)) = swapped {
                 // This chunk: put the old one back.
                 let res = g.res.as_mut().expect("the reservation lives until drop");
-                Self::undo_swap(&*backend, res, offset, bytes, &g.chunks[i].chunk, &g.chunks[i].access, stage);
+                Self::undo_swap(
+                    &*backend,
+                    res,
+                    offset,
+                    bytes,
+                    &g.chunks[i].chunk,
+                    &g.chunks[i].access,
+                    stage,
+                );
                 let _ = backend.release(new);
                 for (_, c, _) in staged {
                     let _ = backend.release(c);
@@ -277,7 +302,11 @@ impl<B: Backend> GrowableBuffer<B> {
             let _ = self.dispose(old, g.chunks[i].bytes, old_place); // logged inside
         }
         g.stats.chunks_migrated_total += report.chunks_moved as u64;
-        tracing::debug!(chunks = report.chunks_moved, bytes = report.bytes_moved, "vmmbuf: migrated");
+        tracing::debug!(
+            chunks = report.chunks_moved,
+            bytes = report.bytes_moved,
+            "vmmbuf: migrated"
+        );
         Ok(report)
     }
 
@@ -294,7 +323,9 @@ impl<B: Backend> GrowableBuffer<B> {
     ) -> std::result::Result<(), (Error, u8)> {
         backend.unmap(res, offset, bytes).map_err(|e| (e, 0))?;
         backend.map(res, offset, new).map_err(|e| (e, 1))?;
-        backend.set_access(res, offset, bytes, access).map_err(|e| (e, 2))
+        backend
+            .set_access(res, offset, bytes, access)
+            .map_err(|e| (e, 2))
     }
 
     /// Puts `old` back at `offset` after a swap that got to `stage`.
@@ -313,7 +344,10 @@ impl<B: Backend> GrowableBuffer<B> {
             }
         }
         if stage >= 1 {
-            if let Err(r) = backend.map(res, offset, old).and_then(|_| backend.set_access(res, offset, bytes, old_access)) {
+            if let Err(r) = backend
+                .map(res, offset, old)
+                .and_then(|_| backend.set_access(res, offset, bytes, old_access))
+            {
                 tracing::error!(error = %r, offset, "vmmbuf: could not put a chunk back after a failed migration");
             }
         }
@@ -326,20 +360,39 @@ impl<B: Backend> GrowableBuffer<B> {
     /// [`Error::Unsupported`] for host access to GPU-placed chunks (the driver
     /// refuses it). On error, the chunks before the failing one have the new
     /// access and the rest the old.
-    pub fn set_access(&mut self, range: Range<usize>, location: Location, access: Access) -> Result<()> {
+    pub fn set_access(
+        &mut self,
+        range: Range<usize>,
+        location: Location,
+        access: Access,
+    ) -> Result<()> {
         check_range(&range)?;
         {
             let g = self.inner.lock();
-            for e in g.chunks.iter().filter(|e| e.offset < range.end && e.offset + e.bytes > range.start) {
-                if location == Location::Host && e.placement != Location::Host && access != Access::None {
+            for e in g
+                .chunks
+                .iter()
+                .filter(|e| e.offset < range.end && e.offset + e.bytes > range.start)
+            {
+                if location == Location::Host
+                    && e.placement != Location::Host
+                    && access != Access::None
+                {
                     return Err(Error::Unsupported {
-                        what: format!("host access to the chunk at {:#x}, placed on {}", e.offset, e.placement),
+                        what: format!(
+                            "host access to the chunk at {:#x}, placed on {}",
+                            e.offset, e.placement
+                        ),
                     });
                 }
             }
         }
         self.update_access(range, |list| {
-            let mut v: Vec<AccessDesc> = list.iter().filter(|d| d.location != location).copied().collect();
+            let mut v: Vec<AccessDesc> = list
+                .iter()
+                .filter(|d| d.location != location)
+                .copied()
+                .collect();
             if access != Access::None || location != Location::Host {
                 v.push(AccessDesc::new(location, access));
             }
@@ -354,13 +407,23 @@ impl<B: Backend> GrowableBuffer<B> {
         let grants = self.grants.clone();
         self.update_access(range, |list| {
             list.iter()
-                .map(|d| grants.iter().find(|g| g.location == d.location).copied().unwrap_or(*d))
+                .map(|d| {
+                    grants
+                        .iter()
+                        .find(|g| g.location == d.location)
+                        .copied()
+                        .unwrap_or(*d)
+                })
                 .collect()
         })
     }
 
     fn restrict(&mut self, range: Range<usize>, f: impl Fn(Access) -> Access) -> Result<()> {
-        self.update_access(range, |list| list.iter().map(|d| AccessDesc::new(d.location, f(d.access))).collect())
+        self.update_access(range, |list| {
+            list.iter()
+                .map(|d| AccessDesc::new(d.location, f(d.access)))
+                .collect()
+        })
     }
 
     /// Gives GPU `device` read-write access to every chunk, now and for new
@@ -371,18 +434,29 @@ impl<B: Backend> GrowableBuffer<B> {
             return backend.can_access_peer(device, device).map(|_| ());
         };
         if !backend.can_access_peer(device, home)? {
-            return Err(Error::Unsupported { what: format!("gpu{device} cannot access gpu{home}'s memory") });
+            return Err(Error::Unsupported {
+                what: format!("gpu{device} cannot access gpu{home}'s memory"),
+            });
         }
-        if self.grants.iter().any(|d| d.location == Location::Device(device)) {
+        if self
+            .grants
+            .iter()
+            .any(|d| d.location == Location::Device(device))
+        {
             return Ok(());
         }
-        self.grants.push(AccessDesc::new(Location::Device(device), Access::ReadWrite));
+        self.grants
+            .push(AccessDesc::new(Location::Device(device), Access::ReadWrite));
         let cap = self.capacity();
         if cap == 0 {
             return Ok(());
         }
         let r = self.update_access(0..cap, |list| {
-            let mut v: Vec<AccessDesc> = list.iter().filter(|d| d.location != Location::Device(device)).copied().collect();
+            let mut v: Vec<AccessDesc> = list
+                .iter()
+                .filter(|d| d.location != Location::Device(device))
+                .copied()
+                .collect();
             v.push(AccessDesc::new(Location::Device(device), Access::ReadWrite));
             v
         });
@@ -394,17 +468,25 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Rewrites the access list of every chunk touching `range` with `f`, one
     /// driver call per run of chunks with equal new lists.
-    fn update_access(&mut self, range: Range<usize>, f: impl Fn(&[AccessDesc]) -> Vec<AccessDesc>) -> Result<()> {
+    fn update_access(
+        &mut self,
+        range: Range<usize>,
+        f: impl Fn(&[AccessDesc]) -> Vec<AccessDesc>,
+    ) -> Result<()> {
         let backend = self.backend().clone();
         let mut guard = self.inner.lock();
         let g = &mut *guard;
         let idx: Vec<usize> = (0..g.chunks.len())
-            .filter(|&i| g.chunks[i].offset < range.end && g.chunks[i].offset + g.chunks[i].bytes > range.start)
+            .filter(|&i| {
+                g.chunks[i].offset < range.end
+                    && g.chunks[i].offset + g.chunks[i].bytes > range.start
+            })
             .collect();
         if idx.is_empty() {
             return Ok(());
         }
-        let lists: Vec<std::sync::Arc<[AccessDesc]>> = idx.iter().map(|&i| f(&g.chunks[i].access).into()).collect();
+        let lists: Vec<std::sync::Arc<[AccessDesc]>> =
+            idx.iter().map(|&i| f(&g.chunks[i].access).into()).collect();
         backend.synchronize()?;
         let mut k = 0;
         while k < idx.len() {

@@ -537,7 +537,10 @@ impl Backend for CudaBackend {
                     host = d.access;
                     // HOST_NUMA, whose id the driver ignores for access, is what it
                     // takes for host-NUMA allocations (the only host chunks we make).
-                    raw_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, self.host_numa.unwrap_or(0))
+                    raw_location(
+                        sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA,
+                        self.host_numa.unwrap_or(0),
+                    )
                 }
             };
             descs.push(sys::CUmemAccessDesc {
@@ -603,11 +606,17 @@ impl Backend for CudaBackend {
         if device == peer {
             return Ok(true);
         }
-        let get = |o: u32| cudarc::driver::result::device::get(o as i32).map_err(driver_err("cuDeviceGet"));
+        let get = |o: u32| {
+            cudarc::driver::result::device::get(o as i32).map_err(driver_err("cuDeviceGet"))
+        };
         let (a, b) = (get(device)?, get(peer)?);
         let mut can = 0;
         // SAFETY: valid out-pointer and device handles.
-        check("cuDeviceCanAccessPeer", unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) }, 0)?;
+        check(
+            "cuDeviceCanAccessPeer",
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, a, b) },
+            0,
+        )?;
         Ok(can != 0)
     }
 

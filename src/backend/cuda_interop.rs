@@ -261,7 +261,11 @@ impl GrowableBuffer<CudaBackend> {
             return Ok(&[]);
         }
         // SAFETY: see the doc comment above.
-        Ok(unsafe { std::slice::from_raw_parts((self.base() + offset as u64) as *const u8, bytes) })
+        Ok(
+            unsafe {
+                std::slice::from_raw_parts((self.base() + offset as u64) as *const u8, bytes)
+            },
+        )
     }
 
     /// The CPU's mutable view of bytes in host-placed chunks; see
@@ -273,7 +277,9 @@ impl GrowableBuffer<CudaBackend> {
             return Ok(&mut []);
         }
         // SAFETY: as in `host_slice`; `&mut self` makes the view exclusive.
-        Ok(unsafe { std::slice::from_raw_parts_mut((self.base() + offset as u64) as *mut u8, bytes) })
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut((self.base() + offset as u64) as *mut u8, bytes)
+        })
     }
 
     /// A non-owning cudarc `CudaSlice<T>` over the range; see [`SliceRef`].

@@ -343,18 +343,25 @@ impl Backend for HostBackend {
             return Ok(());
         }
         src.table.covering(src_offset, bytes, false, Access::Read)?;
-        dst.table.covering(dst_offset, bytes, false, Access::ReadWrite)?;
+        dst.table
+            .covering(dst_offset, bytes, false, Access::ReadWrite)?;
         // SAFETY: both ranges are mapped with the access needed (checked
         // above) in two distinct tokens (`&mut` and `&` cannot alias), so they
         // do not overlap; `&mut dst` excludes every other reference into it.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.addr(src_offset) as *const u8, dst.addr(dst_offset) as *mut u8, bytes)
+            std::ptr::copy_nonoverlapping(
+                src.addr(src_offset) as *const u8,
+                dst.addr(dst_offset) as *mut u8,
+                bytes,
+            )
         };
         Ok(())
     }
 
     fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool> {
-        Err(Error::Unsupported { what: format!("peer access gpu{device} -> gpu{peer} with the host backend") })
+        Err(Error::Unsupported {
+            what: format!("peer access gpu{device} -> gpu{peer} with the host backend"),
+        })
     }
 
     fn fence_done(&self, _fence: &HostFence) -> Result<bool> {

@@ -165,7 +165,7 @@ impl Kernels {
     }
 
     /// The device writes words `[first, first + n)` at `ptr`.
-    fn fill(&self, ptr: u64, first: u64, n: u64, seed: u32) {
+    pub(crate) fn fill(&self, ptr: u64, first: u64, n: u64, seed: u32) {
         let mut l = self.stream.launch_builder(&self.fill);
         l.arg(&ptr).arg(&first).arg(&n).arg(&seed);
         // SAFETY (test code): the kernel writes n u32s from ptr, which the

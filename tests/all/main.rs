@@ -10,6 +10,8 @@ mod fault;
 mod faults;
 mod host_only;
 mod interop;
+mod peer;
+mod placement;
 mod pool;
 mod props;
 mod suite;

@@ -1,0 +1,145 @@
+//! Peer access between two GPUs (run on the 2-GPU machine with
+//! `VMMBUF_REQUIRE_PEERS=1`; elsewhere it skips with a printed reason).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::PushKernelArg;
+use vmmbuf::{Access, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy, Location};
+
+use crate::cuda_only::Kernels;
+
+fn two_gpus() -> Option<(Arc<CudaBackend>, Arc<CudaBackend>)> {
+    match CudaBackend::new(0).and_then(|a| Ok((a, CudaBackend::new(1)?))) {
+        Ok(p) => Some(p),
+        Err(e) if std::env::var("VMMBUF_REQUIRE_PEERS").as_deref() == Ok("1") => {
+            panic!("VMMBUF_REQUIRE_PEERS=1 but two GPUs are not usable: {e}")
+        }
+        Err(e) => {
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "vmmbuf tests: skipping the peer test, it needs two GPUs: {e}"
+            );
+            None
+        }
+    }
+}
+
+const WORDS: u64 = (4 << 20) / 4; // two 2 MiB chunks
+
+#[test]
+fn a_peer_reads_and_writes_once_granted_and_is_refused_before() {
+    let _g = crate::common::serial();
+    let Some((b0, b1)) = two_gpus() else { return };
+
+    // Without access, GPU 1's read must fail (not hang, not succeed). The
+    // fault poisons GPU 1's context, so it happens in a child process.
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "peer::child_peer_read_without_access",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("VMMBUF_PEER_CHILD", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("a peer read without access hung");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("REFUSED"),
+        "child said: {text}"
+    );
+    eprintln!(
+        "{}",
+        text.lines().find(|l| l.contains("REFUSED")).unwrap_or("")
+    );
+
+    let (k0, k1) = (Kernels::load(&b0), Kernels::load(&b1));
+    let mut buf = GrowableBuffer::new(
+        b0.clone(),
+        BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
+    buf.grow_to(WORDS as usize * 4).unwrap();
+    let base = buf.base();
+    k0.fill(base, 0, WORDS, 3);
+    k0.stream.synchronize().unwrap();
+    buf.add_peer(1).unwrap();
+    assert!(buf
+        .report()
+        .chunks
+        .iter()
+        .all(|c| c.access.contains(&(Location::Device(1), Access::ReadWrite))));
+    assert_eq!(
+        k1.mismatches(base, 0, WORDS, 3),
+        0,
+        "GPU 1 reads GPU 0's chunks through the buffer's address"
+    );
+    k1.fill(base, 0, WORDS, 4);
+    k1.stream.synchronize().unwrap();
+    assert_eq!(
+        k0.mismatches(base, 0, WORDS, 4),
+        0,
+        "GPU 0 sees what GPU 1 wrote"
+    );
+    // New chunks inherit the peer.
+    buf.grow_to(WORDS as usize * 8).unwrap();
+    assert!(buf.report().chunks[2]
+        .access
+        .contains(&(Location::Device(1), Access::ReadWrite)));
+    k1.fill(base + WORDS * 4, WORDS, WORDS, 5);
+    k1.stream.synchronize().unwrap();
+    assert_eq!(k0.mismatches(base + WORDS * 4, WORDS, WORDS, 5), 0);
+    // Revoking is per chunk and per device.
+    buf.set_access(0..WORDS as usize * 4, Location::Device(1), Access::None)
+        .unwrap();
+    assert!(buf.report().chunks[0]
+        .access
+        .contains(&(Location::Device(1), Access::None)));
+    assert_eq!(
+        k0.mismatches(base, 0, WORDS, 4),
+        0,
+        "GPU 0 keeps its access"
+    );
+}
+
+#[test]
+#[ignore = "helper: run in a child process by a_peer_reads_and_writes_once_granted_and_is_refused_before"]
+fn child_peer_read_without_access() {
+    assert_eq!(
+        std::env::var("VMMBUF_PEER_CHILD").as_deref(),
+        Ok("1"),
+        "run only as the peer test's child"
+    );
+    let (b0, b1) = two_gpus().expect("the parent saw two GPUs");
+    let (k0, k1) = (Kernels::load(&b0), Kernels::load(&b1));
+    let buf = GrowableBuffer::new(b0.clone(), BufferDesc::new(1 << 30)).unwrap();
+    buf.grow_to(WORDS as usize * 4).unwrap();
+    k0.fill(buf.base(), 0, WORDS, 3);
+    k0.stream.synchronize().unwrap();
+    let mut bad = k1.stream.alloc_zeros::<u32>(1).unwrap();
+    let base = buf.base();
+    let mut l = k1.stream.launch_builder(&k1.check);
+    l.arg(&base).arg(&0u64).arg(&WORDS).arg(&3u32).arg(&mut bad);
+    // SAFETY (test code): the point is an access GPU 1 was not granted.
+    let launched = unsafe { l.launch(Kernels::cfg(WORDS)) };
+    let result = launched.and_then(|_| k1.stream.synchronize());
+    match result {
+        Err(e) => println!("REFUSED: GPU 1 reading GPU 0's chunk without access failed with {e:?}"),
+        Ok(()) => panic!("GPU 1 read GPU 0's chunk without being granted access"),
+    }
+    std::mem::forget(bad); // its context is poisoned; do not free through it
+    std::mem::forget(buf);
+}
