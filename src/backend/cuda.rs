@@ -332,6 +332,7 @@ impl Drop for CudaReservation {
 pub struct CudaChunk {
     handle: sys::CUmemGenericAllocationHandle,
     bytes: usize,
+    placement: Location,
     released: bool,
     ctx: Arc<CudaContext>,
     counters: Arc<Counters>,
@@ -472,6 +473,7 @@ impl Backend for CudaBackend {
         Ok(CudaChunk {
             handle,
             bytes,
+            placement,
             released: false,
             ctx: self.ctx.clone(),
             counters: self.counters.clone(),
@@ -493,7 +495,7 @@ impl Backend for CudaBackend {
             unsafe { sys::cuMemMap(res.ptr + offset as u64, chunk.bytes, 0, chunk.handle, 0) },
             chunk.bytes,
         )?;
-        res.table.insert(offset, chunk.bytes);
+        res.table.insert(offset, chunk.bytes, chunk.placement);
         self.counters.update(|c| c.mapped_bytes += chunk.bytes);
         Ok(())
     }
@@ -633,15 +635,20 @@ impl Backend for CudaBackend {
         }
         res.table.covering(offset, dst.len(), false, Access::None)?;
         self.bind()?;
-        // SAFETY: the source is mapped in this token (checked above); `dst` is
-        // a live host buffer of `dst.len()` bytes. The copy is synchronous.
-        check(
-            "cuMemcpyDtoH",
-            unsafe {
-                sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), res.ptr + offset as u64, dst.len())
-            },
-            dst.len(),
-        )
+        // One copy per run of equal placement: a synchronous cuMemcpyDtoH whose
+        // source spans a GPU chunk and host-NUMA chunks segfaults inside the
+        // driver (seen on 580.159.04, H200); each run on its own is fine.
+        for (at, n) in res.table.placement_runs(offset, dst.len()) {
+            let d = &mut dst[at - offset..at - offset + n];
+            // SAFETY: the source run is mapped in this token (checked above);
+            // `d` is a live host buffer of `n` bytes. The copy is synchronous.
+            check(
+                "cuMemcpyDtoH",
+                unsafe { sys::cuMemcpyDtoH_v2(d.as_mut_ptr().cast(), res.ptr + at as u64, n) },
+                n,
+            )?;
+        }
+        Ok(())
     }
 
     fn write(&self, res: &mut CudaReservation, offset: usize, src: &[u8]) -> Result<()> {
@@ -650,16 +657,18 @@ impl Backend for CudaBackend {
         }
         res.table.covering(offset, src.len(), false, Access::None)?;
         self.bind()?;
-        // SAFETY: the destination is mapped in this token (checked above);
-        // `src` is a live host buffer of `src.len()` bytes. The copy is
-        // synchronous.
-        check(
-            "cuMemcpyHtoD",
-            unsafe {
-                sys::cuMemcpyHtoD_v2(res.ptr + offset as u64, src.as_ptr().cast(), src.len())
-            },
-            src.len(),
-        )
+        // One copy per run of equal placement, as in `read`.
+        for (at, n) in res.table.placement_runs(offset, src.len()) {
+            let s = &src[at - offset..at - offset + n];
+            // SAFETY: the destination run is mapped in this token (checked
+            // above); `s` is a live host buffer of `n` bytes. Synchronous.
+            check(
+                "cuMemcpyHtoD",
+                unsafe { sys::cuMemcpyHtoD_v2(res.ptr + at as u64, s.as_ptr().cast(), n) },
+                n,
+            )?;
+        }
+        Ok(())
     }
 
     fn live(&self) -> LiveCounts {

@@ -276,7 +276,7 @@ impl Backend for HostBackend {
             )
         }
         .map_err(|e| os("mmap", e, chunk.bytes))?;
-        res.table.insert(offset, chunk.bytes);
+        res.table.insert(offset, chunk.bytes, Location::Host);
         self.counters.update(|c| c.mapped_bytes += chunk.bytes);
         Ok(())
     }

@@ -151,8 +151,11 @@ impl Counters {
 pub(crate) struct MapTable {
     /// Bytes in the reservation.
     pub(crate) bytes: usize,
-    /// offset -> (bytes, host access) of each live mapping.
-    mapped: std::collections::BTreeMap<usize, (usize, crate::location::Access)>,
+    /// offset -> (bytes, host access, placement) of each live mapping.
+    mapped: std::collections::BTreeMap<
+        usize,
+        (usize, crate::location::Access, crate::location::Location),
+    >,
 }
 
 impl MapTable {
@@ -173,7 +176,7 @@ impl MapTable {
 
     /// Every live mapping as (offset, bytes).
     pub(crate) fn mappings(&self) -> Vec<(usize, usize)> {
-        self.mapped.iter().map(|(&k, &(b, _))| (k, b)).collect()
+        self.mapped.iter().map(|(&k, &(b, _, _))| (k, b)).collect()
     }
 
     fn check_range(&self, offset: usize, bytes: usize) -> Result<()> {
@@ -194,7 +197,7 @@ impl MapTable {
                 "map offset {offset:#x} is not granular"
             )));
         }
-        if let Some((&k, &(len, _))) = self.mapped.range(..offset + bytes).next_back() {
+        if let Some((&k, &(len, _, _))) = self.mapped.range(..offset + bytes).next_back() {
             if k + len > offset {
                 return Err(crate::Error::invalid(format!(
                     "{offset:#x} overlaps the mapping at {k:#x}"
@@ -204,9 +207,34 @@ impl MapTable {
         Ok(())
     }
 
-    pub(crate) fn insert(&mut self, offset: usize, bytes: usize) {
+    pub(crate) fn insert(
+        &mut self,
+        offset: usize,
+        bytes: usize,
+        placement: crate::location::Location,
+    ) {
         self.mapped
-            .insert(offset, (bytes, crate::location::Access::None));
+            .insert(offset, (bytes, crate::location::Access::None, placement));
+    }
+
+    /// Splits `[offset, offset + bytes)` (which `covering` has checked) into
+    /// runs of mappings with the same placement: (offset, bytes) each.
+    pub(crate) fn placement_runs(&self, offset: usize, bytes: usize) -> Vec<(usize, usize)> {
+        let end = offset + bytes;
+        let mut runs: Vec<(usize, usize, crate::location::Location)> = Vec::new();
+        let start = self
+            .mapped
+            .range(..=offset)
+            .next_back()
+            .map_or(offset, |(&k, _)| k);
+        for (&k, &(len, _, place)) in self.mapped.range(start..end) {
+            let (a, b) = (k.max(offset), (k + len).min(end));
+            match runs.last_mut() {
+                Some(r) if r.2 == place && r.0 + r.1 == a => r.1 += b - a,
+                _ => runs.push((a, b - a, place)),
+            }
+        }
+        runs.into_iter().map(|(a, n, _)| (a, n)).collect()
     }
 
     /// Offsets of the mappings that together cover `[offset, offset + bytes)`
@@ -222,13 +250,13 @@ impl MapTable {
         self.check_range(offset, bytes)?;
         let end = offset + bytes;
         let mut at = match self.mapped.range(..=offset).next_back() {
-            Some((&k, &(len, _))) if k + len > offset && (!exact || k == offset) => k,
+            Some((&k, &(len, _, _))) if k + len > offset && (!exact || k == offset) => k,
             _ => return Err(crate::Error::invalid(format!("{offset:#x} is not mapped"))),
         };
         let mut keys = Vec::new();
         while at < end {
             match self.mapped.get(&at) {
-                Some(&(len, access)) if access >= need => {
+                Some(&(len, access, _)) if access >= need => {
                     keys.push(at);
                     at += len;
                 }
@@ -266,14 +294,14 @@ impl MapTable {
 #[cfg(test)]
 mod tests {
     use super::MapTable;
-    use crate::location::Access;
+    use crate::location::{Access, Location};
 
     #[test]
     fn map_table_checks_overlap_coverage_and_bounds() {
         let mut t = MapTable::new(64);
         t.check_map(0, 16, 8).unwrap();
-        t.insert(0, 16);
-        t.insert(16, 8);
+        t.insert(0, 16, Location::Device(0));
+        t.insert(16, 8, Location::Host);
         assert!(t.check_map(8, 8, 8).is_err(), "overlap");
         assert!(t.check_map(20, 8, 4).is_err(), "overlap inside");
         assert!(t.check_map(60, 8, 4).is_err(), "past the end");
@@ -293,6 +321,18 @@ mod tests {
         assert!(t.covering(0, 8, false, Access::Read).is_ok());
         assert!(t.covering(0, 8, false, Access::ReadWrite).is_err());
         assert_eq!(t.mapped_bytes(), 24);
+        assert_eq!(
+            t.placement_runs(4, 18),
+            vec![(4, 12), (16, 6)],
+            "split where the placement changes"
+        );
+        t.insert(24, 8, Location::Host);
+        assert_eq!(
+            t.placement_runs(16, 16),
+            vec![(16, 16)],
+            "equal placements merge"
+        );
+        t.remove(&[24]);
         t.remove(&[0, 16]);
         assert!(t.is_empty());
         assert!(t.check_range(0, 0).is_err() && t.check_range(usize::MAX, 2).is_err());
