@@ -185,7 +185,7 @@ impl Kernels {
 
     /// On `stream`: its last block spins for `ns` nanoseconds; all count mismatches of words
     /// `[first, first + n)` at `ptr` into the returned counter.
-    fn spin_then_check(
+    pub(crate) fn spin_then_check(
         &self,
         stream: &Arc<CudaStream>,
         ptr: u64,
@@ -415,4 +415,122 @@ fn release_waits_for_kernels_still_reading_the_tail() {
     // (The counters, not cuMemGetInfo: cudarc's stream-ordered allocations on
     // `side` come from a driver pool with its own retention.)
     assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
+}
+
+#[test]
+fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {
+    let _g = serial();
+    let Some(backend) = gpu() else { return };
+    let k = Kernels::load(&backend);
+    let side = backend.context().new_stream().unwrap();
+    let g = 2usize << 20;
+    let (keep, end) = (4 * g, 16 * g);
+    let (tail, words) = ((keep / 4) as u64, (end / 4) as u64);
+    for round in 0..100u32 {
+        let mut buf = GrowableBuffer::new(
+            backend.clone(),
+            BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
+        )
+        .unwrap();
+        buf.grow_to(end).unwrap();
+        k.fill(buf.base(), 0, words, round);
+        k.stream.synchronize().unwrap();
+        // A kernel that spins ~20 ms, then reads the tail.
+        let bad = k.spin_then_check(
+            &side,
+            buf.base() + keep as u64,
+            tail,
+            words - tail,
+            round,
+            20_000_000,
+        );
+        match round % 4 {
+            0 => buf.shrink_to(keep).unwrap(),
+            1 => {
+                buf.truncate(keep).unwrap();
+                buf.trim().unwrap();
+            }
+            2 => {
+                buf.migrate(keep..end, vmmbuf::Location::Host).unwrap();
+            }
+            _ => drop(buf),
+        }
+        assert_eq!(
+            side.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: the kernel read wrong data"
+        );
+    }
+    // The context is still usable.
+    let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(g)).unwrap();
+    buf.grow_to(g).unwrap();
+    k.fill(buf.base(), 0, (g / 4) as u64, 1);
+    assert_eq!(k.mismatches(buf.base(), 0, (g / 4) as u64, 1), 0);
+}
+
+#[test]
+fn sixteen_threads_grow_and_write_their_own_ranges_with_kernels() {
+    let _g = serial();
+    let Some(backend) = gpu() else { return };
+    let k = Kernels::load(&backend);
+    let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(8 << 30)).unwrap();
+    let base = buf.base();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let claims: Vec<(usize, u64, u32)> = std::thread::scope(|s| {
+        let readers: Vec<_> = (0..4)
+            .map(|_| {
+                let (buf, done) = (&buf, &done);
+                s.spawn(move || {
+                    let (mut last, mut reads) = (0usize, 0u64);
+                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        assert_eq!(buf.base(), base, "the base moved under a reader");
+                        let len = buf.len();
+                        assert!(len >= last, "len went backwards: {last} -> {len}");
+                        last = len;
+                        reads += 1;
+                    }
+                    reads
+                })
+            })
+            .collect();
+        let growers: Vec<_> = (0..12u32)
+            .map(|t| {
+                let (buf, k) = (&buf, &k);
+                s.spawn(move || {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(t as u64);
+                    (0..40)
+                        .map(|_| {
+                            let n = rng.gen_range(1..=200_000u64);
+                            let at = buf.claim(n as usize * 4).unwrap();
+                            k.fill(base + at as u64, at as u64 / 4, n, t);
+                            (at, n, t)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let claims = growers
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        for r in readers {
+            assert!(r.join().unwrap() > 0);
+        }
+        claims
+    });
+    k.stream.synchronize().unwrap();
+    let mut sorted = claims.clone();
+    sorted.sort();
+    for w in sorted.windows(2) {
+        assert!(w[0].0 + w[0].1 as usize * 4 <= w[1].0, "claims overlap");
+    }
+    for &(at, n, t) in &claims {
+        assert_eq!(
+            k.mismatches(base + at as u64, at as u64 / 4, n, t),
+            0,
+            "thread {t}'s range at {at}"
+        );
+    }
+    assert_eq!(claims.len(), 12 * 40, "no growth lost");
 }

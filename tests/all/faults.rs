@@ -6,12 +6,13 @@ use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, random_bytes};
 use crate::fault::FaultBackend;
-use vmmbuf::{Backend, BufferDesc, GrowableBuffer, GrowthPolicy};
+use vmmbuf::{Backend, BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, PoolDesc};
 
 crate::for_each_backend!(faults:
     every_failed_grow_call_is_undone,
     every_failed_trim_call_keeps_the_buffer_consistent,
     every_failed_drop_call_still_gives_everything_back,
+    every_failed_call_of_a_pooled_buffer_is_undone,
 );
 
 /// The driver's free memory where the backend can tell (CUDA), for checks
@@ -176,4 +177,89 @@ fn every_failed_drop_call_still_gives_everything_back<B: Backend>(real: Arc<B>) 
             "k={k}: device memory leaked"
         );
     }
+}
+
+fn every_failed_call_of_a_pooled_buffer_is_undone<B: Backend>(real: Arc<B>) {
+    let g = real.granularity(real.home()).unwrap();
+    let fb = FaultBackend::new(real.clone());
+    let baseline = fb.live();
+    let pool = ChunkPool::new(fb.clone(), PoolDesc::watermarks(g, 3 * g)).unwrap();
+    let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Exact);
+    let mut buf = GrowableBuffer::with_pool(&pool, desc).unwrap();
+    buf.grow_to(g).unwrap();
+    let data = random_bytes(3, g);
+    buf.write(0, &data).unwrap();
+    let with_pool = |pool: &ChunkPool<FaultBackend<B>>| {
+        let mut b = baseline;
+        b.chunks += pool.stats().pooled_chunks;
+        b
+    };
+    let refill = |pool: &Arc<ChunkPool<FaultBackend<B>>>| {
+        // Two chunks idle in the pool.
+        while pool.stats().pooled_chunks < 2 {
+            let other =
+                GrowableBuffer::with_pool(pool, BufferDesc::new(8 * g).growth(GrowthPolicy::Exact))
+                    .unwrap();
+            other.grow_to(2 * g).unwrap();
+        }
+    };
+    // A growth needing four chunks, two of them from the pool.
+    let mut k = 1;
+    loop {
+        refill(&pool);
+        let (injected, drains, returns) =
+            (fb.injected(), pool.stats().oom_drains, pool.stats().returns);
+        fb.fail_nth(k);
+        let r = buf.grow_to(5 * g);
+        fb.fail_nth(0);
+        if fb.injected() == injected {
+            r.unwrap();
+            break;
+        }
+        match r {
+            Err(_) => {
+                assert_eq!((buf.len(), buf.capacity()), (g, g), "k={k}");
+                // Every chunk the attempt held (2 taken, up to 2 created) went
+                // back to the pool, which may then shed past its watermark.
+                assert!(
+                    pool.stats().returns >= returns + 2,
+                    "k={k}: held chunks went back to the pool"
+                );
+            }
+            Ok(()) => {
+                // An out-of-memory create: the pool was drained and the grow retried.
+                assert_eq!(
+                    pool.stats().oom_drains,
+                    drains + 1,
+                    "k={k}: succeeded without a retry"
+                );
+                assert_eq!(buf.len(), 5 * g);
+                buf.shrink_to(g).unwrap();
+            }
+        }
+        assert!(contents(&buf)[..g] == data[..], "k={k}");
+        assert_consistent(&buf, with_pool(&pool));
+        k += 1;
+    }
+    assert!(k > 4, "the grow made several calls ({k})");
+    // Trim into the pool (which sheds past its high watermark), every call failed once.
+    let mut k = 1;
+    loop {
+        buf.grow_to(5 * g).unwrap();
+        let injected = fb.injected();
+        fb.fail_nth(k);
+        let r = buf.shrink_to(g);
+        fb.fail_nth(0);
+        if fb.injected() == injected {
+            r.unwrap();
+            break;
+        }
+        assert!(contents(&buf)[..] == data[..], "trim k={k}");
+        assert_consistent(&buf, with_pool(&pool));
+        k += 1;
+    }
+    assert!(k > 2, "the trim made several calls ({k})");
+    drop(buf);
+    pool.trim().unwrap();
+    assert_eq!(fb.live(), baseline);
 }

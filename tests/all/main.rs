@@ -14,4 +14,5 @@ mod peer;
 mod placement;
 mod pool;
 mod props;
+mod soak;
 mod suite;
