@@ -387,13 +387,15 @@ impl<B: Backend> GrowableBuffer<B> {
                 }
             }
         }
-        self.update_access(range, |list| {
+        self.update_access(range, |list, placement| {
             let mut v: Vec<AccessDesc> = list
                 .iter()
                 .filter(|d| d.location != location)
                 .copied()
                 .collect();
-            if access != Access::None || location != Location::Host {
+            // The driver refuses host descriptors on GPU chunks; there, no
+            // entry already means no access.
+            if location != Location::Host || placement == Location::Host {
                 v.push(AccessDesc::new(location, access));
             }
             v
@@ -405,21 +407,24 @@ impl<B: Backend> GrowableBuffer<B> {
     pub fn make_writable(&mut self, range: Range<usize>) -> Result<()> {
         check_range(&range)?;
         let grants = self.grants.clone();
-        self.update_access(range, |list| {
-            list.iter()
-                .map(|d| {
-                    grants
-                        .iter()
-                        .find(|g| g.location == d.location)
-                        .copied()
-                        .unwrap_or(*d)
-                })
-                .collect()
+        self.update_access(range, |list, placement| {
+            // What the buffer grants for this placement, plus any location
+            // given access beyond the grants (kept as it is).
+            let mut v: Vec<AccessDesc> = grants
+                .iter()
+                .filter(|d| d.location != Location::Host || placement == Location::Host)
+                .copied()
+                .collect();
+            v.extend(
+                list.iter()
+                    .filter(|d| !grants.iter().any(|g| g.location == d.location)),
+            );
+            v
         })
     }
 
     fn restrict(&mut self, range: Range<usize>, f: impl Fn(Access) -> Access) -> Result<()> {
-        self.update_access(range, |list| {
+        self.update_access(range, |list, _| {
             list.iter()
                 .map(|d| AccessDesc::new(d.location, f(d.access)))
                 .collect()
@@ -451,7 +456,7 @@ impl<B: Backend> GrowableBuffer<B> {
         if cap == 0 {
             return Ok(());
         }
-        let r = self.update_access(0..cap, |list| {
+        let r = self.update_access(0..cap, |list, _| {
             let mut v: Vec<AccessDesc> = list
                 .iter()
                 .filter(|d| d.location != Location::Device(device))
@@ -471,7 +476,7 @@ impl<B: Backend> GrowableBuffer<B> {
     fn update_access(
         &mut self,
         range: Range<usize>,
-        f: impl Fn(&[AccessDesc]) -> Vec<AccessDesc>,
+        f: impl Fn(&[AccessDesc], Location) -> Vec<AccessDesc>,
     ) -> Result<()> {
         let backend = self.backend().clone();
         let mut guard = self.inner.lock();
@@ -485,8 +490,10 @@ impl<B: Backend> GrowableBuffer<B> {
         if idx.is_empty() {
             return Ok(());
         }
-        let lists: Vec<std::sync::Arc<[AccessDesc]>> =
-            idx.iter().map(|&i| f(&g.chunks[i].access).into()).collect();
+        let lists: Vec<std::sync::Arc<[AccessDesc]>> = idx
+            .iter()
+            .map(|&i| f(&g.chunks[i].access, g.chunks[i].placement).into())
+            .collect();
         backend.synchronize()?;
         let mut k = 0;
         while k < idx.len() {

@@ -8,6 +8,7 @@ mod common;
 mod cuda_only;
 mod fault;
 mod faults;
+mod fuzz;
 mod host_only;
 mod interop;
 mod peer;

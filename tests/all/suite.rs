@@ -159,9 +159,28 @@ fn concurrent_growth_through_shared_ref<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
     let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(4096 * g)).unwrap();
     let base = buf.base();
-    const THREADS: usize = 8;
+    const THREADS: usize = 12; // growers; 4 more threads only read
     const EACH: usize = 50;
+    let done = std::sync::atomic::AtomicBool::new(false);
     let claims: Vec<Vec<(usize, usize)>> = std::thread::scope(|s| {
+        let readers: Vec<_> = (0..4)
+            .map(|_| {
+                let (buf, done) = (&buf, &done);
+                s.spawn(move || {
+                    let mut last = 0;
+                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        assert_eq!(buf.base(), base, "the base moved under a reader");
+                        let (len, cap) = (buf.len(), buf.capacity());
+                        assert!(len >= last, "len went backwards: {last} -> {len}");
+                        assert!(
+                            cap >= len || buf.len() > len,
+                            "capacity below a length seen before it"
+                        );
+                        last = len;
+                    }
+                })
+            })
+            .collect();
         let handles: Vec<_> = (0..THREADS)
             .map(|t| {
                 let buf = &buf;
@@ -176,7 +195,12 @@ fn concurrent_growth_through_shared_ref<B: Backend>(backend: Arc<B>) {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        for r in readers {
+            r.join().unwrap();
+        }
+        out
     });
     let mut all: Vec<(usize, usize)> = claims.into_iter().flatten().collect();
     all.sort();
