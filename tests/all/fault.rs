@@ -151,3 +151,29 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.inner.live()
     }
 }
+
+/// Runs `op` on `state` once for each k = 1, 2, … with the k-th driver call
+/// of that run failed, until a run ends without reaching a k-th call (which
+/// must then succeed). After each run that had its fault, `check(state, k,
+/// result)` inspects it and may set the state up for the next k. Returns the
+/// number of runs that had a fault: the number of calls `op` makes.
+pub fn fail_each_call<B: Backend, S, T: std::fmt::Debug>(
+    fb: &FaultBackend<B>,
+    state: &mut S,
+    mut op: impl FnMut(&mut S) -> Result<T>,
+    mut check: impl FnMut(&mut S, usize, Result<T>),
+) -> usize {
+    let mut k = 1;
+    loop {
+        let injected = fb.injected();
+        fb.fail_nth(k);
+        let r = op(state);
+        fb.fail_nth(0);
+        if fb.injected() == injected {
+            r.expect("a run without a fault succeeds");
+            return k - 1;
+        }
+        check(state, k, r);
+        k += 1;
+    }
+}

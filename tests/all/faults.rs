@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, random_bytes};
-use crate::fault::FaultBackend;
+use crate::fault::{fail_each_call, FaultBackend};
 use vmmbuf::{Backend, BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, PoolDesc};
 
 crate::for_each_backend!(faults:
@@ -41,39 +41,36 @@ fn every_failed_grow_call_is_undone<B: Backend>(real: Arc<B>) {
             fb.live(),
             buf.base(),
         );
-        let mut k = 1;
-        loop {
-            fb.fail_nth(k);
-            let r = buf.grow_to(9 * g + 1); // Exact: 3 granules mapped, 10 needed
-            fb.fail_nth(0);
-            if r.is_ok() {
-                break;
-            }
-            let e = r.unwrap_err();
-            assert!(
-                e.to_string().contains("INJECTED") || e.is_transient(),
-                "{e}"
-            );
-            assert_eq!(
-                before,
-                (
-                    buf.len(),
-                    buf.capacity(),
-                    buf.chunks(),
-                    fb.live(),
-                    buf.base()
-                ),
-                "k={k}"
-            );
-            assert_eq!(
-                device_free(&*real),
-                free_before,
-                "k={k}: device memory leaked"
-            );
-            assert!(contents(&buf) == data, "k={k}: data changed");
-            assert_consistent(&buf, baseline);
-            k += 1;
-        }
+        let calls = fail_each_call(
+            &fb,
+            &mut buf,
+            |buf| buf.grow_to(9 * g + 1), // Exact: 3 granules mapped, 10 needed
+            |buf, k, r| {
+                let e = r.unwrap_err();
+                assert!(
+                    e.to_string().contains("INJECTED") || e.is_transient(),
+                    "{e}"
+                );
+                assert_eq!(
+                    before,
+                    (
+                        buf.len(),
+                        buf.capacity(),
+                        buf.chunks(),
+                        fb.live(),
+                        buf.base()
+                    ),
+                    "k={k}"
+                );
+                assert_eq!(
+                    device_free(&*real),
+                    free_before,
+                    "k={k}: device memory leaked"
+                );
+                assert!(contents(buf) == data, "k={k}: data changed");
+                assert_consistent(buf, baseline);
+            },
+        );
         // Exact: 7 creates + 7 maps + 1 set_access; proportional: one chunk.
         let expected_calls = if policy == GrowthPolicy::Exact {
             7 + 7 + 1
@@ -81,8 +78,7 @@ fn every_failed_grow_call_is_undone<B: Backend>(real: Arc<B>) {
             3
         };
         assert_eq!(
-            k,
-            expected_calls + 1,
+            calls, expected_calls,
             "{policy:?}: every call of the grow was failed once"
         );
         assert_eq!(buf.len(), 9 * g + 1);
@@ -204,61 +200,56 @@ fn every_failed_call_of_a_pooled_buffer_is_undone<B: Backend>(real: Arc<B>) {
         }
     };
     // A growth needing four chunks, two of them from the pool.
-    let mut k = 1;
-    loop {
-        refill(&pool);
-        let (injected, drains, returns) =
-            (fb.injected(), pool.stats().oom_drains, pool.stats().returns);
-        fb.fail_nth(k);
-        let r = buf.grow_to(5 * g);
-        fb.fail_nth(0);
-        if fb.injected() == injected {
-            r.unwrap();
-            break;
-        }
-        match r {
-            Err(_) => {
-                assert_eq!((buf.len(), buf.capacity()), (g, g), "k={k}");
-                // Every chunk the attempt held (2 taken, up to 2 created) went
-                // back to the pool, which may then shed past its watermark.
-                assert!(
-                    pool.stats().returns >= returns + 2,
-                    "k={k}: held chunks went back to the pool"
-                );
+    refill(&pool);
+    let drains = std::cell::Cell::new(pool.stats().oom_drains);
+    let returns = std::cell::Cell::new(pool.stats().returns);
+    let calls = fail_each_call(
+        &fb,
+        &mut buf,
+        |buf| buf.grow_to(5 * g),
+        |buf, k, r| {
+            match r {
+                Err(_) => {
+                    assert_eq!((buf.len(), buf.capacity()), (g, g), "k={k}");
+                    // Every chunk the attempt held (2 taken, up to 2 created) went
+                    // back to the pool, which may then shed past its watermark.
+                    assert!(
+                        pool.stats().returns >= returns.get() + 2,
+                        "k={k}: held chunks went back to the pool"
+                    );
+                }
+                Ok(()) => {
+                    // An out-of-memory create: the pool was drained and the grow retried.
+                    assert_eq!(
+                        pool.stats().oom_drains,
+                        drains.get() + 1,
+                        "k={k}: succeeded without a retry"
+                    );
+                    assert_eq!(buf.len(), 5 * g);
+                    buf.shrink_to(g).unwrap();
+                }
             }
-            Ok(()) => {
-                // An out-of-memory create: the pool was drained and the grow retried.
-                assert_eq!(
-                    pool.stats().oom_drains,
-                    drains + 1,
-                    "k={k}: succeeded without a retry"
-                );
-                assert_eq!(buf.len(), 5 * g);
-                buf.shrink_to(g).unwrap();
-            }
-        }
-        assert!(contents(&buf)[..g] == data[..], "k={k}");
-        assert_consistent(&buf, with_pool(&pool));
-        k += 1;
-    }
-    assert!(k > 4, "the grow made several calls ({k})");
+            assert!(contents(buf)[..g] == data[..], "k={k}");
+            assert_consistent(buf, with_pool(&pool));
+            refill(&pool);
+            drains.set(pool.stats().oom_drains);
+            returns.set(pool.stats().returns);
+        },
+    );
+    assert!(calls > 3, "the grow made several calls ({calls})");
     // Trim into the pool (which sheds past its high watermark), every call failed once.
-    let mut k = 1;
-    loop {
-        buf.grow_to(5 * g).unwrap();
-        let injected = fb.injected();
-        fb.fail_nth(k);
-        let r = buf.shrink_to(g);
-        fb.fail_nth(0);
-        if fb.injected() == injected {
-            r.unwrap();
-            break;
-        }
-        assert!(contents(&buf)[..] == data[..], "trim k={k}");
-        assert_consistent(&buf, with_pool(&pool));
-        k += 1;
-    }
-    assert!(k > 2, "the trim made several calls ({k})");
+    buf.grow_to(5 * g).unwrap();
+    let calls = fail_each_call(
+        &fb,
+        &mut buf,
+        |buf| buf.shrink_to(g),
+        |buf, k, _| {
+            assert!(contents(buf)[..] == data[..], "trim k={k}");
+            assert_consistent(buf, with_pool(&pool));
+            buf.grow_to(5 * g).unwrap();
+        },
+    );
+    assert!(calls > 1, "the trim made several calls ({calls})");
     drop(buf);
     pool.trim().unwrap();
     assert_eq!(fb.live(), baseline);

@@ -122,12 +122,13 @@ fn a_kernel_writes_through_a_view_and_reads_through_a_cuda_slice() {
             .enumerate()
             .all(|(i, &w)| w == pattern(i as u64, 5)));
         let mut bad = stream.alloc_zeros::<u32>(1).unwrap();
-        let mut l = stream.launch_builder(&k.check);
+        let mut l = stream.launch_builder(&k.spin_check);
         l.arg(&*slice)
             .arg(&0u64)
             .arg(&words)
             .arg(&5u32)
-            .arg(&mut bad);
+            .arg(&mut bad)
+            .arg(&0u64);
         // SAFETY (test code): check reads `words` u32s from the slice.
         unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
         assert_eq!(stream.clone_dtoh(&bad).unwrap()[0], 0);

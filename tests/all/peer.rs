@@ -131,8 +131,13 @@ fn child_peer_read_without_access() {
     k0.stream.synchronize().unwrap();
     let mut bad = k1.stream.alloc_zeros::<u32>(1).unwrap();
     let base = buf.base();
-    let mut l = k1.stream.launch_builder(&k1.check);
-    l.arg(&base).arg(&0u64).arg(&WORDS).arg(&3u32).arg(&mut bad);
+    let mut l = k1.stream.launch_builder(&k1.spin_check);
+    l.arg(&base)
+        .arg(&0u64)
+        .arg(&WORDS)
+        .arg(&3u32)
+        .arg(&mut bad)
+        .arg(&0u64);
     // SAFETY (test code): the point is an access GPU 1 was not granted.
     let launched = unsafe { l.launch(Kernels::cfg(WORDS)) };
     let result = launched.and_then(|_| k1.stream.synchronize());

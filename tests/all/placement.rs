@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, gpu, random_bytes, serial};
 use crate::cuda_only::Kernels;
-use crate::fault::FaultBackend;
+use crate::fault::{fail_each_call, FaultBackend};
 use vmmbuf::{
     Access, Backend, BufferDesc, CudaBackend, Error, GrowableBuffer, GrowthPolicy, Location,
     MigrationPlan, MigrationPolicy,
@@ -293,41 +293,72 @@ fn a_failed_migration_leaves_data_and_placement_as_they_were() {
     };
     let before = placements(&buf);
     let free_before = free(&real);
-    let mut k = 1;
-    loop {
-        let injected = fb.injected();
-        fb.fail_nth(k);
-        let r = buf.migrate(0..buf.capacity(), Location::Host);
-        fb.fail_nth(0);
-        if fb.injected() == injected {
-            r.unwrap();
-            break;
-        }
-        match r {
+    let calls = fail_each_call(
+        &fb,
+        &mut buf,
+        |buf| buf.migrate(0..buf.capacity(), Location::Host),
+        |buf, k, r| match r {
             Err(_) => {
-                assert_eq!(placements(&buf), before, "k={k}: placement changed");
-                assert!(contents(&buf) == data, "k={k}: data changed");
-                assert_consistent(&buf, baseline);
+                assert_eq!(placements(buf), before, "k={k}: placement changed");
+                assert!(contents(buf) == data, "k={k}: data changed");
+                assert_consistent(buf, baseline);
                 assert_eq!(free(&real), free_before, "k={k}: device memory leaked");
             }
             Ok(_) => {
                 // A failure the migration may ride over (freeing the temporary
-                // range): it completed; check it, then move back for the next k.
+                // range, releasing an old chunk): it completed; check it, then
+                // move back for the next k.
                 assert!(
-                    placements(&buf).iter().all(|&p| p == Location::Host),
+                    placements(buf).iter().all(|&p| p == Location::Host),
                     "k={k}"
                 );
-                assert!(contents(&buf) == data, "k={k}");
+                assert!(contents(buf) == data, "k={k}");
                 buf.restore().unwrap();
             }
-        }
-        k += 1;
-    }
+        },
+    );
     assert!(
-        k > 20,
-        "every call of a 3-chunk migration was failed once ({k})"
+        calls > 20,
+        "every call of a 3-chunk migration was failed once ({calls})"
     );
     assert!(placements(&buf).iter().all(|&p| p == Location::Host));
     assert!(contents(&buf) == data);
     assert_consistent(&buf, baseline);
+
+    // And the way back: restore(), every call failed once.
+    let offloaded = placements(&buf);
+    let free_offloaded = free(&real);
+    let calls = fail_each_call(
+        &fb,
+        &mut buf,
+        |buf| buf.restore(),
+        |buf, k, r| match r {
+            Err(_) => {
+                assert_eq!(
+                    placements(buf),
+                    offloaded,
+                    "restore k={k}: placement changed"
+                );
+                assert!(contents(buf) == data, "restore k={k}: data changed");
+                assert_consistent(buf, baseline);
+                assert_eq!(
+                    free(&real),
+                    free_offloaded,
+                    "restore k={k}: device memory leaked"
+                );
+            }
+            Ok(_) => {
+                assert!(contents(buf) == data, "restore k={k}");
+                buf.offload().unwrap();
+            }
+        },
+    );
+    assert!(
+        calls > 20,
+        "every call of a 3-chunk restore was failed once ({calls})"
+    );
+    assert_eq!(placements(&buf), before);
+    assert!(contents(&buf) == data);
+    assert_consistent(&buf, baseline);
+    assert_eq!(free(&real), free_before, "device memory as at the start");
 }
