@@ -3,7 +3,7 @@
 //! 1 GiB and 8 GiB, in two regimes: "recycled" (create right after releasing
 //! a chunk of the same size, as a benchmark loop does) and "fresh" (several
 //! creates in a row, each taking memory the process has not used), and the
-//! same for cuMemAlloc. Also runs the 2 MiB overhead pair in both orders.
+//! same for cuMemAlloc.
 
 mod common;
 
@@ -11,7 +11,6 @@ use std::time::Instant;
 
 use common::{gpu_or_skip, ok, Raw, GIB, MIB};
 use cudarc::driver::sys;
-use vmmbuf::{BufferDesc, GrowableBuffer, GrowthPolicy};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -110,44 +109,6 @@ fn main() {
             2.0 * size as f64 / copy / 1e6
         );
     }
-
-    // The 2 MiB overhead pair, interleaved, in both orders.
-    let chunk = 2 * MIB;
-    let mut buf = GrowableBuffer::new(
-        backend.clone(),
-        BufferDesc::new(64 * MIB).growth(GrowthPolicy::Exact),
-    )
-    .unwrap();
-    buf.grow_to(chunk).unwrap();
-    let va = raw.reserve(64 * MIB);
-    let (mut v, mut r) = (vec![], vec![]);
-    for i in 0..400 {
-        let mut run_v = |v: &mut Vec<f64>| {
-            let t = Instant::now();
-            buf.grow_to(2 * chunk).unwrap();
-            v.push(us(t));
-            buf.shrink_to(chunk).unwrap();
-        };
-        let run_r = |r: &mut Vec<f64>| {
-            let t = Instant::now();
-            let h = raw.create_map_access(va + chunk as u64, chunk);
-            r.push(us(t));
-            raw.unmap_release(va + chunk as u64, chunk, h);
-        };
-        if i % 2 == 0 {
-            run_v(&mut v);
-            run_r(&mut r);
-        } else {
-            run_r(&mut r);
-            run_v(&mut v);
-        }
-    }
-    raw.address_free(va, 64 * MIB);
-    println!(
-        "breakdown/overhead_2MiB interleaved: vmmbuf {:.1} us, raw {:.1} us (medians of 400)",
-        median(v),
-        median(r)
-    );
 }
 
 /// cuMemCreate, cuMemMap, cuMemSetAccess timed one by one.

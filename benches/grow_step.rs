@@ -14,7 +14,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, Raw, GIB, MIB};
-use criterion::{BenchmarkId, Criterion};
+use criterion::BenchmarkId;
 use vmmbuf::{BufferDesc, ChunkPool, GrowableBuffer, PoolDesc};
 
 fn label(n: usize) -> String {
@@ -25,55 +25,45 @@ fn label(n: usize) -> String {
     }
 }
 
+/// One growth N -> 2N of `buf` (holding N), timed; back to N untimed.
+fn bench_vmmbuf(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    id: BenchmarkId,
+    mut buf: GrowableBuffer<vmmbuf::CudaBackend>,
+    n: usize,
+) {
+    buf.grow_to(n).unwrap();
+    let base = buf.base();
+    g.bench_function(id, |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                buf.grow_to(2 * n).unwrap();
+                total += t.elapsed();
+                buf.shrink_to(n).unwrap();
+            }
+            total
+        })
+    });
+    assert_eq!(buf.base(), base);
+}
+
 fn main() {
     let Some(backend) = gpu_or_skip("grow_step") else {
         return;
     };
     let raw = Raw::new(backend.clone());
-    let mut c = Criterion::default()
-        .sample_size(20)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(3))
-        .configure_from_args();
+    let mut c = common::criterion(20, 3);
     let mut g = c.benchmark_group("grow_step");
     for n in [64 * MIB, GIB, 8 * GIB] {
         let id = |who| BenchmarkId::new(who, label(n));
-        {
-            let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * n)).unwrap();
-            buf.grow_to(n).unwrap();
-            let base = buf.base();
-            g.bench_function(id("vmmbuf"), |b| {
-                b.iter_custom(|iters| {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iters {
-                        let t = Instant::now();
-                        buf.grow_to(2 * n).unwrap();
-                        total += t.elapsed();
-                        buf.shrink_to(n).unwrap();
-                    }
-                    total
-                })
-            });
-            assert_eq!(buf.base(), base);
-        }
-        {
-            let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
-            let mut buf = GrowableBuffer::with_pool(&pool, BufferDesc::new(2 * n)).unwrap();
-            buf.grow_to(n).unwrap();
-            g.bench_function(id("vmmbuf_pooled"), |b| {
-                b.iter_custom(|iters| {
-                    let mut total = Duration::ZERO;
-                    for _ in 0..iters {
-                        let t = Instant::now();
-                        buf.grow_to(2 * n).unwrap();
-                        total += t.elapsed();
-                        buf.shrink_to(n).unwrap();
-                    }
-                    total
-                })
-            });
-            assert!(pool.stats().hits > 0);
-        }
+        let plain = GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * n)).unwrap();
+        bench_vmmbuf(&mut g, id("vmmbuf"), plain, n);
+        let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
+        let pooled = GrowableBuffer::with_pool(&pool, BufferDesc::new(2 * n)).unwrap();
+        bench_vmmbuf(&mut g, id("vmmbuf_pooled"), pooled, n);
+        assert!(pool.stats().hits > 0);
         {
             let va = raw.reserve(2 * n);
             g.bench_function(id("raw_create_map_access"), |b| {

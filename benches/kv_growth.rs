@@ -8,7 +8,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, Raw, GIB, MIB};
-use criterion::Criterion;
 use vmmbuf::{BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy};
 
 const STEP: usize = 2 * MIB;
@@ -108,11 +107,7 @@ fn main() {
     );
     report("cuMemAlloc_doubling", &doubling_run(&raw));
 
-    let mut c = Criterion::default()
-        .sample_size(10)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(4))
-        .configure_from_args();
+    let mut c = common::criterion(10, 4);
     let mut g = c.benchmark_group("kv_growth");
     let sum =
         |f: &mut dyn FnMut() -> Run, iters: u64| (0..iters).map(|_| f().total).sum::<Duration>();

@@ -6,7 +6,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, Raw, MIB};
-use criterion::Criterion;
 use vmmbuf::{BufferDesc, GrowableBuffer, GrowthPolicy};
 
 fn main() {
@@ -14,11 +13,7 @@ fn main() {
         return;
     };
     let raw = Raw::new(backend.clone());
-    let mut c = Criterion::default()
-        .sample_size(50)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(3))
-        .configure_from_args();
+    let mut c = common::criterion(50, 3);
     let mut g = c.benchmark_group("overhead");
     let chunk = 2 * MIB;
     // Each iteration of either function runs both sequences and times only its

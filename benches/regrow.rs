@@ -3,10 +3,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use common::{gpu_or_skip, GIB, MIB};
-use criterion::Criterion;
 use vmmbuf::{BufferDesc, ChunkPool, CudaBackend, GrowableBuffer, PoolDesc};
 
 fn cycle(buf: &mut GrowableBuffer<CudaBackend>) {
@@ -20,11 +19,7 @@ fn main() {
     let Some(backend) = gpu_or_skip("regrow") else {
         return;
     };
-    let mut c = Criterion::default()
-        .sample_size(20)
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(3))
-        .configure_from_args();
+    let mut c = common::criterion(20, 3);
     let mut g = c.benchmark_group("regrow");
     let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
     for (name, mut buf) in [

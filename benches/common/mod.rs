@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::sys;
 use vmmbuf::CudaBackend;
@@ -162,14 +162,12 @@ impl Raw {
     }
 }
 
-/// Times `timed` over `iters` runs, running `untimed` between them.
-pub fn time_each(iters: u64, mut timed: impl FnMut(), mut untimed: impl FnMut()) -> Duration {
-    let mut total = Duration::ZERO;
-    for _ in 0..iters {
-        let t = Instant::now();
-        timed();
-        total += t.elapsed();
-        untimed();
-    }
-    total
+/// Criterion as every bench here uses it: `samples` samples over
+/// `measure_secs` seconds after a short warm-up, then the command line.
+pub fn criterion(samples: usize, measure_secs: u64) -> criterion::Criterion {
+    criterion::Criterion::default()
+        .sample_size(samples)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(measure_secs))
+        .configure_from_args()
 }
