@@ -349,17 +349,7 @@ impl<B: Backend> GrowableBuffer<B> {
     pub fn grow_by(&self, additional: usize) -> Result<usize> {
         let mut g = self.inner.lock();
         let at = g.len;
-        let target = at.checked_add(additional).ok_or_else(|| {
-            Error::invalid(format!("growing {at} bytes by {additional} overflows"))
-        })?;
-        if target > self.reserved {
-            return Err(Error::ReservationExhausted {
-                requested_bytes: target,
-                reserved_bytes: self.reserved,
-            });
-        }
-        self.grow_locked(&mut g, target)?;
-        Ok(at)
+        self.grow_at_locked(&mut g, at, additional)
     }
 
     /// Hands out a sub-range of `bytes` at the buffer's alignment (256 bytes
@@ -371,16 +361,22 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut g = self.inner.lock();
         let at = round_up(g.len, self.alignment)
             .ok_or_else(|| Error::invalid(format!("aligning {} bytes overflows", g.len)))?;
+        self.grow_at_locked(&mut g, at, bytes)
+    }
+
+    /// Grows the length to `at + bytes` (`at` at or past the length) and
+    /// returns `at`.
+    fn grow_at_locked(&self, g: &mut Inner<B>, at: usize, bytes: usize) -> Result<usize> {
         let target = at
             .checked_add(bytes)
-            .ok_or_else(|| Error::invalid(format!("claiming {bytes} bytes at {at} overflows")))?;
+            .ok_or_else(|| Error::invalid(format!("growing to {at} + {bytes} bytes overflows")))?;
         if target > self.reserved {
             return Err(Error::ReservationExhausted {
                 requested_bytes: target,
                 reserved_bytes: self.reserved,
             });
         }
-        self.grow_locked(&mut g, target)?;
+        self.grow_locked(g, target)?;
         Ok(at)
     }
 

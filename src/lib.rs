@@ -32,6 +32,19 @@
 //! See [`GrowableBuffer`] for the guarantees, and [`GrowthPolicy`] for how
 //! chunk sizes follow the buffer: the cost of growing is per mapping, not per
 //! byte, so the default policy sizes chunks with the buffer.
+//!
+//! Beyond growing:
+//! - **Placement and access** ([`Location`], [`Access`], [`MigrationPolicy`],
+//!   [`MigrationPlan`]): chunks live on a GPU or in pinned host memory and move
+//!   between them without changing address (`migrate`, `offload`, `restore`);
+//!   access is set per chunk and per device (`set_access`, `add_peer`).
+//! - **Reuse** ([`ChunkPool`]): released chunks kept for regrowth across
+//!   buffers; [`GrowableBuffer::shrink_to_after`] releases in stream order
+//!   instead of blocking on the whole device.
+//! - **cudarc interop** ([`View`], [`ViewMut`], [`SliceRef`], [`SliceMut`]):
+//!   typed views that cudarc's copies and kernel launches accept, and a
+//!   non-owning `CudaSlice` for APIs that take nothing else.
+//! - **What the machine supports**: [`backend::cuda::probe`].
 #![warn(missing_docs)]
 
 pub mod backend;
