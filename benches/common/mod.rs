@@ -75,6 +75,36 @@ impl Raw {
         });
     }
 
+    /// Pinned (page-locked) host memory from cuMemAllocHost.
+    pub fn alloc_pinned(&self, bytes: usize) -> *mut u8 {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; context bound.
+        ok("cuMemAllocHost", unsafe {
+            sys::cuMemAllocHost_v2(&mut p, bytes)
+        });
+        p.cast()
+    }
+
+    pub fn free_pinned(&self, p: *mut u8) {
+        // SAFETY: p came from cuMemAllocHost and is not used after this.
+        ok("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p.cast()) });
+    }
+
+    pub fn dtoh(&self, dst: *mut u8, src: u64, bytes: usize) {
+        // SAFETY: `dst` is pinned host memory and `src` device memory, both of
+        // at least `bytes`.
+        ok("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.cast(), src, bytes)
+        });
+    }
+
+    pub fn htod(&self, dst: u64, src: *const u8, bytes: usize) {
+        // SAFETY: as in `dtoh`, the other way.
+        ok("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(dst, src.cast(), bytes)
+        });
+    }
+
     pub fn alloc_async(&self, bytes: usize) -> u64 {
         let mut p = 0;
         // SAFETY: valid out-pointer; the stream lives as long as self.

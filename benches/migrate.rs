@@ -1,0 +1,77 @@
+//! Migration throughput: a 1 GiB buffer (16 chunks of 64 MiB) moved to pinned
+//! host memory and back with vmmbuf (new chunks, copy, remap, release, all at
+//! the same addresses), against a plain cuMemcpy between cuMemAlloc'd memory
+//! and pinned host memory of the same size, in the same run. Criterion
+//! reports the throughput (bytes per second).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{gpu_or_skip, Raw, GIB, MIB};
+use criterion::Throughput;
+use vmmbuf::{BufferDesc, GrowableBuffer, GrowthPolicy, Location};
+
+fn main() {
+    let Some(backend) = gpu_or_skip("migrate") else {
+        return;
+    };
+    let raw = Raw::new(backend.clone());
+    let mut c = common::criterion(10, 3);
+    let n = GIB;
+    let mut g = c.benchmark_group("migrate");
+    g.throughput(Throughput::Bytes(n as u64));
+
+    let desc = BufferDesc::new(2 * n).growth(GrowthPolicy::Fixed {
+        chunk_bytes: 64 * MIB,
+    });
+    let mut buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
+    buf.grow_to(n).unwrap();
+    let home = Location::Device(0);
+    for (name, to, back) in [
+        ("vmmbuf_to_host", Location::Host, home),
+        ("vmmbuf_to_device", home, Location::Host),
+    ] {
+        if buf.report().chunks[0].placement != back {
+            buf.migrate(0..n, back).unwrap();
+        }
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let r = buf.migrate(0..n, to).unwrap();
+                    total += t.elapsed();
+                    assert_eq!(r.bytes_moved, n);
+                    buf.migrate(0..n, back).unwrap();
+                }
+                total
+            })
+        });
+    }
+    drop(buf);
+
+    let (dev, host) = (raw.alloc(n), raw.alloc_pinned(n));
+    g.bench_function("cuMemcpy_device_to_pinned", |b| {
+        b.iter_custom(|iters| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                raw.dtoh(host, dev, n);
+            }
+            t.elapsed()
+        })
+    });
+    g.bench_function("cuMemcpy_pinned_to_device", |b| {
+        b.iter_custom(|iters| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                raw.htod(dev, host, n);
+            }
+            t.elapsed()
+        })
+    });
+    raw.free(dev);
+    raw.free_pinned(host);
+    g.finish();
+    c.final_summary();
+}
