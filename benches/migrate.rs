@@ -2,7 +2,9 @@
 //! host memory and back with vmmbuf (new chunks, copy, remap, release, all at
 //! the same addresses), against a plain cuMemcpy between cuMemAlloc'd memory
 //! and pinned host memory of the same size, in the same run. Criterion
-//! reports the throughput (bytes per second).
+//! reports the throughput (bytes per second). The pooled variant takes its new
+//! chunks from a pool (after the first round trip), so it measures copy and
+//! remap without acquiring memory from the driver.
 
 mod common;
 
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, Raw, GIB, MIB};
 use criterion::Throughput;
-use vmmbuf::{BufferDesc, GrowableBuffer, GrowthPolicy, Location};
+use vmmbuf::{BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, Location, PoolDesc};
 
 fn main() {
     let Some(backend) = gpu_or_skip("migrate") else {
@@ -25,31 +27,34 @@ fn main() {
     let desc = BufferDesc::new(2 * n).growth(GrowthPolicy::Fixed {
         chunk_bytes: 64 * MIB,
     });
-    let mut buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
-    buf.grow_to(n).unwrap();
     let home = Location::Device(0);
-    for (name, to, back) in [
-        ("vmmbuf_to_host", Location::Host, home),
-        ("vmmbuf_to_device", home, Location::Host),
-    ] {
-        if buf.report().chunks[0].placement != back {
-            buf.migrate(0..n, back).unwrap();
+    let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
+    let plain = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();
+    let pooled = GrowableBuffer::with_pool(&pool, desc).unwrap();
+    for (prefix, mut buf) in [("vmmbuf", plain), ("vmmbuf_pooled", pooled)] {
+        buf.grow_to(n).unwrap();
+        for (dir, to, back) in [
+            ("to_host", Location::Host, home),
+            ("to_device", home, Location::Host),
+        ] {
+            if buf.report().chunks[0].placement != back {
+                buf.migrate(0..n, back).unwrap();
+            }
+            g.bench_function(format!("{prefix}_{dir}"), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        let r = buf.migrate(0..n, to).unwrap();
+                        total += t.elapsed();
+                        assert_eq!(r.bytes_moved, n);
+                        buf.migrate(0..n, back).unwrap();
+                    }
+                    total
+                })
+            });
         }
-        g.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let t = Instant::now();
-                    let r = buf.migrate(0..n, to).unwrap();
-                    total += t.elapsed();
-                    assert_eq!(r.bytes_moved, n);
-                    buf.migrate(0..n, back).unwrap();
-                }
-                total
-            })
-        });
     }
-    drop(buf);
 
     let (dev, host) = (raw.alloc(n), raw.alloc_pinned(n));
     g.bench_function("cuMemcpy_device_to_pinned", |b| {

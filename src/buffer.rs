@@ -506,6 +506,11 @@ impl<B: Backend> GrowableBuffer<B> {
         Ok(())
     }
 
+    /// The pool this buffer takes chunks from and gives them to, if any.
+    pub(crate) fn pool(&self) -> Option<&Arc<ChunkPool<B>>> {
+        self.pool.as_ref()
+    }
+
     /// Where a new chunk starting at `offset` goes.
     pub(crate) fn placement_at(&self, offset: usize) -> Location {
         self.range_placements

@@ -214,7 +214,14 @@ impl<B: Backend> GrowableBuffer<B> {
         let staging = (|| {
             for (&i, &to) in &targets {
                 let (offset, bytes) = (g.chunks[i].offset, g.chunks[i].bytes);
-                let chunk = backend.create(bytes, to)?;
+                // A pooled chunk of the size, at the target, if there is one.
+                let pooled = self
+                    .pool()
+                    .and_then(|p| p.take(to, Some(bytes), bytes, bytes));
+                let chunk = match pooled {
+                    Some((c, _)) => c,
+                    None => backend.create(bytes, to)?,
+                };
                 backend.map(&mut tmp, tmp_mapped, &chunk)?;
                 staged.push((i, chunk, to));
                 let at = tmp_mapped;
@@ -240,8 +247,8 @@ impl<B: Backend> GrowableBuffer<B> {
                 let _ = backend.unmap(&mut tmp, 0, tmp_mapped);
             }
             let _ = backend.free(tmp);
-            for (_, chunk, _) in staged {
-                let _ = backend.release(chunk);
+            for (i, chunk, to) in staged {
+                let _ = self.dispose(chunk, g.chunks[i].bytes, to); // logged inside
             }
             tracing::debug!(error = %e, "vmmbuf: migration staging failed; nothing moved");
             return Err(e);
@@ -271,9 +278,9 @@ impl<B: Backend> GrowableBuffer<B> {
                     &g.chunks[i].access,
                     stage,
                 );
-                let _ = backend.release(new);
-                for (_, c, _) in staged {
-                    let _ = backend.release(c);
+                let _ = self.dispose(new, bytes, to);
+                for (j, c, t) in staged {
+                    let _ = self.dispose(c, g.chunks[j].bytes, t);
                 }
                 // The chunks already swapped: back to their old chunks.
                 for (j, old, old_place, old_access) in done.into_iter().rev() {
@@ -282,9 +289,9 @@ impl<B: Backend> GrowableBuffer<B> {
                     Self::undo_swap(&*backend, res, offset, bytes, &old, &old_access, 2);
                     let e = &mut g.chunks[j];
                     let new = std::mem::replace(&mut e.chunk, old);
-                    e.placement = old_place;
+                    let new_place = std::mem::replace(&mut e.placement, old_place);
                     e.access = old_access;
-                    let _ = backend.release(new);
+                    let _ = self.dispose(new, bytes, new_place);
                 }
                 tracing::debug!(error = %e, "vmmbuf: migration failed and was undone");
                 return Err(e);

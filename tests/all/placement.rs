@@ -362,3 +362,40 @@ fn a_failed_migration_leaves_data_and_placement_as_they_were() {
     assert_consistent(&buf, baseline);
     assert_eq!(free(&real), free_before, "device memory as at the start");
 }
+
+#[test]
+fn offload_and_restore_reuse_pooled_chunks() {
+    let _g = serial();
+    let Some(b) = gpu() else { return };
+    let k = Kernels::load(&b);
+    let pool = vmmbuf::ChunkPool::new(b.clone(), vmmbuf::PoolDesc::default()).unwrap();
+    let desc = BufferDesc::new(1 << 30).growth(GrowthPolicy::Fixed {
+        chunk_bytes: 8 << 20,
+    });
+    let mut buf = GrowableBuffer::with_pool(&pool, desc).unwrap();
+    buf.grow_to(64 << 20).unwrap();
+    let words = (buf.len() / 4) as u64;
+    k.fill(buf.base(), 0, words, 12);
+    buf.offload().unwrap();
+    buf.restore().unwrap();
+    let (live, hits) = (b.live(), pool.stats().hits);
+    for _ in 0..3 {
+        buf.offload().unwrap();
+        buf.restore().unwrap();
+    }
+    assert_eq!(
+        b.live().chunks,
+        live.chunks,
+        "later cycles created no chunks"
+    );
+    assert_eq!(
+        pool.stats().hits,
+        hits + 3 * 2 * 8,
+        "every chunk of every later move came from the pool"
+    );
+    assert_eq!(
+        k.mismatches(buf.base(), 0, words, 12),
+        0,
+        "data intact after four round trips"
+    );
+}
