@@ -41,7 +41,8 @@ fn bench_vmmbuf(
                 let t = Instant::now();
                 buf.grow_to(2 * n).unwrap();
                 total += t.elapsed();
-                buf.shrink_to(n).unwrap();
+                buf.truncate(n);
+                buf.shrink_to_fit().unwrap();
             }
             total
         })

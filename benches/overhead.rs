@@ -41,7 +41,8 @@ fn main() {
                     let t = Instant::now();
                     buf.grow_to(2 * chunk).unwrap();
                     let v = t.elapsed();
-                    buf.shrink_to(chunk).unwrap();
+                    buf.truncate(chunk);
+                    buf.shrink_to_fit().unwrap();
                     let t = Instant::now();
                     let h = raw.create_map_access(raw_at, chunk);
                     let r = t.elapsed();

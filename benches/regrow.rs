@@ -9,7 +9,8 @@ use common::{gpu_or_skip, GIB, MIB};
 use vmmbuf::{BufferDesc, ChunkPool, CudaBackend, GrowableBuffer, PoolDesc};
 
 fn cycle(buf: &mut GrowableBuffer<CudaBackend>) {
-    buf.shrink_to(0).unwrap();
+    buf.truncate(0);
+    buf.shrink_to_fit().unwrap();
     for len in (64 * MIB..=GIB).step_by(64 * MIB) {
         buf.grow_to(len).unwrap();
     }
@@ -33,7 +34,7 @@ fn main() {
         ),
     ] {
         cycle(&mut buf);
-        println!("regrow/{name}: {} chunks per cycle", buf.chunks());
+        println!("regrow/{name}: {} chunks per cycle", buf.chunk_count());
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 let t = Instant::now();

@@ -134,7 +134,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 step + 1,
                 rows,
                 Bytes(cache.len()).to_string(),
-                cache.chunks()
+                cache.chunk_count()
             );
         }
     }

@@ -93,7 +93,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if got != expected {
         return Err(format!("sum {got}, expected {expected}").into());
     }
-    let host = cache.host_slice(0, 16)?;
+    let host = cache.host_slice(0..16)?;
     println!(
         "the CPU reads offloaded block 0 directly: first words {:?}",
         bytemuck_words(host)

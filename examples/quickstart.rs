@@ -56,12 +56,14 @@ fn run<B: Backend>(backend: Arc<B>) -> Result<(), Box<dyn std::error::Error>> {
             Bytes(step_mib << 20).to_string(),
             Bytes(buf.len()).to_string(),
             Bytes(buf.capacity()).to_string(),
-            buf.chunks(),
+            buf.chunk_count(),
             buf.base()
         );
     }
 
-    buf.shrink_to(16 << 20)?;
+    buf.truncate(16 << 20);
+
+    buf.shrink_to_fit()?;
     let mut head = vec![0u8; 16 << 20];
     buf.read(0, &mut head)?;
     if head != pattern(0, 16 << 20) {
@@ -71,7 +73,7 @@ fn run<B: Backend>(backend: Arc<B>) -> Result<(), Box<dyn std::error::Error>> {
         "shrank to {}: mapped {} in {} chunks, data checked",
         Bytes(buf.len()),
         Bytes(buf.capacity()),
-        buf.chunks()
+        buf.chunk_count()
     );
     println!("stats: {}", buf.stats());
     print!("{}", buf.report());

@@ -1,5 +1,4 @@
 //! The error type of every fallible vmmbuf call.
-#![deny(unsafe_code)]
 
 /// `Result` with vmmbuf's [`Error`] as the default error type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -62,15 +61,15 @@ pub enum Error {
     /// overflowing.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// Any other CUDA driver failure, with the call and its result code.
-    #[error("{call} failed: {name} ({code})")]
+    /// Any other CUDA driver failure: the call, and cudarc's error (its
+    /// `CUresult`) as the source.
+    #[error("{call} failed: {:?}", .source.0)]
     Driver {
         /// The driver entry point, e.g. `cuMemMap`.
         call: &'static str,
-        /// The numeric `CUresult`.
-        code: u32,
-        /// The result code's name, e.g. `CUDA_ERROR_INVALID_VALUE`.
-        name: String,
+        /// The driver's result code, as cudarc reports it.
+        #[source]
+        source: cudarc::driver::DriverError,
     },
     /// An operating-system call of the host backend failed.
     #[error("{call} failed: {source}")]

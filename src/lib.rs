@@ -23,8 +23,10 @@
 //! buf.write(0, b"hello")?;
 //! buf.grow_to(10 << 20)?; // no copy, same address
 //! assert_eq!(buf.base(), base);
-//! assert_eq!(&buf.as_slice()?[..5], b"hello");
-//! buf.shrink_to(0)?; // memory goes back
+//! assert_eq!(&buf.host_slice(..5)?, b"hello");
+//! buf.truncate(0); // keeps the memory for regrowth, as Vec does
+//! buf.shrink_to_fit()?; // gives it back
+//! # #[cfg(target_os = "linux")]
 //! assert_eq!(buf.capacity(), 0);
 //! # Ok::<(), vmmbuf::Error>(())
 //! ```
@@ -39,31 +41,41 @@
 //!   between them without changing address (`migrate`, `offload`, `restore`);
 //!   access is set per chunk and per device (`set_access`, `add_peer`).
 //! - **Reuse** ([`ChunkPool`]): released chunks kept for regrowth across
-//!   buffers; [`GrowableBuffer::shrink_to_after`] releases in stream order
-//!   instead of blocking on the whole device.
+//!   buffers; [`GrowableBuffer::shrink_to_fit_after`] releases in stream
+//!   order instead of blocking on the whole device.
 //! - **cudarc interop** ([`View`], [`ViewMut`], [`SliceRef`], [`SliceMut`]):
 //!   typed views that cudarc's copies and kernel launches accept, and a
 //!   non-owning `CudaSlice` for APIs that take nothing else.
-//! - **What the machine supports**: [`backend::cuda::probe`].
+//! - **What the machine supports**: [`probe`].
+//!
+//! # Where things live
+//! `unsafe` is denied crate-wide and allowed only where memory meets the
+//! driver or becomes a Rust slice: the two backends (`backend/cuda/`,
+//! `backend/host.rs`) and the buffer's two view files (`buffer/host_view.rs`,
+//! `buffer/cuda_view.rs`). The chunk table, the growth plan, the pool and the
+//! statistics are safe code, tested without a GPU.
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
 
-pub mod backend;
+mod backend;
 mod buffer;
 mod error;
 mod location;
-mod migrate;
 mod plan;
 mod pool;
 mod stats;
+mod table;
 
-pub use backend::cuda::CudaFence;
-pub use backend::cuda_interop::{Element, SliceMut, SliceRef, View, ViewMut};
-pub use backend::host::HostFence;
-pub use backend::{Backend, CudaBackend, HostBackend, LiveCounts};
-pub use buffer::{BufferDesc, GrowableBuffer};
+pub use backend::cuda::interop::{Element, SliceMut, SliceRef, View, ViewMut};
+pub use backend::cuda::probe::{probe, DeviceProbe, Probe};
+pub use backend::cuda::{CudaBackend, CudaChunk, CudaFence, CudaReservation};
+#[cfg(target_os = "linux")]
+pub use backend::host::{HostBackend, HostChunk, HostFence, HostReservation};
+pub use backend::{Backend, HostMapped, LiveCounts};
+pub use buffer::{BufferDesc, GrowableBuffer, MigrationPlan, MigrationPolicy, MigrationReport};
 pub use error::{Error, Result};
 pub use location::{Access, AccessDesc, Location};
-pub use migrate::{MigrationPlan, MigrationPolicy, MigrationReport};
 pub use plan::GrowthPolicy;
 pub use pool::{ChunkPool, PoolDesc, PoolStats};
 pub use stats::{Bytes, ChunkInfo, Report, Stats};

@@ -1,5 +1,4 @@
 //! Where memory lives and who may touch it.
-#![deny(unsafe_code)]
 
 use std::fmt;
 

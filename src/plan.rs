@@ -1,8 +1,11 @@
-//! Growth policies and the pure arithmetic that turns "grow to N bytes" into a
-//! list of chunk sizes. No driver calls here: this is tested anywhere.
-#![deny(unsafe_code)]
+//! Growth policies and the one growth plan: the pure arithmetic that turns
+//! "grow to N bytes" (with what a pool offers) into the chunks to map. No
+//! driver calls here: this is tested anywhere.
+
+use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
+use crate::location::Location;
 
 /// How a buffer sizes the physical chunks it maps as it grows.
 ///
@@ -40,7 +43,7 @@ impl Default for GrowthPolicy {
 impl GrowthPolicy {
     /// Checks the policy's parameters and resolves them against `granularity`
     /// (a `Fixed` size is rounded up to a whole number of granules).
-    pub fn resolve(self, granularity: usize) -> Result<Self> {
+    pub(crate) fn resolve(self, granularity: usize) -> Result<Self> {
         if granularity == 0 || !granularity.is_power_of_two() {
             return Err(Error::invalid(format!(
                 "granularity {granularity} is not a power of two"
@@ -62,59 +65,161 @@ impl GrowthPolicy {
         }
     }
 
-    /// The sizes of the chunks to map so that `capacity` reaches at least
-    /// `target` bytes without passing `limit` (the reservation), in mapping
-    /// order. Empty when `target <= capacity`. Where the policy would pass
-    /// `limit`, the last chunk is cut to fit.
-    ///
-    /// `self` must come from [`GrowthPolicy::resolve`] with the same
-    /// granularity; `capacity` and `limit` are multiples of it.
-    pub fn plan(
-        self,
-        granularity: usize,
-        capacity: usize,
-        target: usize,
-        limit: usize,
-    ) -> Result<Vec<usize>> {
-        if target > limit {
-            return Err(Error::ReservationExhausted {
-                requested_bytes: target,
-                reserved_bytes: limit,
-            });
-        }
-        if target <= capacity {
-            return Ok(Vec::new());
-        }
-        let need = round_up(target - capacity, granularity)
-            .ok_or_else(|| Error::invalid(format!("growing to {target} bytes overflows")))?;
-        let mut plan = match self {
-            GrowthPolicy::Exact => vec![granularity; need / granularity],
-            GrowthPolicy::Fixed { chunk_bytes } => {
-                vec![chunk_bytes; (target - capacity).div_ceil(chunk_bytes)]
-            }
-            GrowthPolicy::Proportional { divisor } => {
-                let proportional = target / divisor / granularity * granularity;
-                vec![need.max(proportional)]
-            }
-        };
-        let mut room = limit - capacity;
-        plan.retain_mut(|c| {
-            *c = (*c).min(room);
-            room -= *c;
-            *c > 0
-        });
-        Ok(plan)
-    }
-
     /// The policy's bound on over-commit: right after a growth to `len` bytes
     /// that mapped new chunks, `capacity - len` is strictly below this.
-    pub fn overcommit_bound(self, granularity: usize, len: usize) -> usize {
+    pub(crate) fn overcommit_bound(self, granularity: usize, len: usize) -> usize {
         match self {
             GrowthPolicy::Exact => granularity,
             GrowthPolicy::Fixed { chunk_bytes } => chunk_bytes,
-            GrowthPolicy::Proportional { divisor } => granularity.max(len / divisor),
+            GrowthPolicy::Proportional { divisor } => granularity.max(len / divisor.max(1)),
         }
     }
+}
+
+/// The most mappings one growth may plan. Around 2^19 live mappings a process
+/// hits the driver's ceiling (`../shared/vmm-facts.md`), so a plan past it can
+/// never be carried out; refusing it up front costs no memory and no call.
+pub(crate) const MAX_PLANNED_CHUNKS: usize = 1 << 19;
+
+/// Chunks a pool holds, by (placement, bytes): how many of each.
+pub(crate) type PoolOffer = BTreeMap<(Location, usize), usize>;
+
+/// Everything a growth depends on.
+pub(crate) struct GrowthRequest<'a> {
+    /// A policy from [`GrowthPolicy::resolve`] with this granularity.
+    pub(crate) policy: GrowthPolicy,
+    pub(crate) granularity: usize,
+    /// Where the new chunks start: the end of what is mapped now.
+    pub(crate) at: usize,
+    /// The capacity to reach (the new length).
+    pub(crate) target: usize,
+    /// The reservation's size: nothing may be mapped past it.
+    pub(crate) limit: usize,
+    /// Where a chunk starting at an offset is placed.
+    pub(crate) placement_at: &'a dyn Fn(usize) -> Location,
+    /// What a pool holds, taken first where it fits the policy.
+    pub(crate) pool: Option<&'a PoolOffer>,
+}
+
+/// One chunk a growth maps, in address order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Planned {
+    pub(crate) offset: usize,
+    pub(crate) bytes: usize,
+    pub(crate) placement: Location,
+    /// Take it from the pool (one of this size and placement was offered).
+    pub(crate) pooled: bool,
+}
+
+/// The one growth plan: the chunks to map so that the capacity reaches
+/// `target` from `at` without passing `limit`. Pooled chunks come first, as
+/// long as they keep the policy's over-commit bound (exact sizes for `Exact`
+/// and `Fixed`); the rest follows the policy, the last chunk cut to fit the
+/// reservation. Empty when `target <= at`.
+///
+/// Pure arithmetic, every step checked: bad or huge inputs are errors, never
+/// a panic or a wrap, and the plan's memory is bounded by
+/// [`MAX_PLANNED_CHUNKS`].
+pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
+    let GrowthRequest {
+        policy,
+        granularity: g,
+        at,
+        target,
+        limit,
+        ..
+    } = *req;
+    if target > limit {
+        return Err(Error::ReservationExhausted {
+            requested_bytes: target,
+            reserved_bytes: limit,
+        });
+    }
+    if !g.is_power_of_two() || at % g != 0 || limit % g != 0 || at > limit {
+        return Err(Error::invalid(format!(
+            "growth from {at:#x} within {limit:#x} at granularity {g:#x}"
+        )));
+    }
+    let mut plan = Vec::new();
+    if target <= at {
+        return Ok(plan);
+    }
+    let overflow = || Error::invalid(format!("growing to {target} bytes overflows"));
+    // Exact and Fixed map a known number of chunks whatever the pool holds:
+    // refuse a plan the driver could never carry out before building it.
+    let count = match policy {
+        GrowthPolicy::Exact => round_up(target - at, g).ok_or_else(overflow)? / g,
+        GrowthPolicy::Fixed { chunk_bytes } => (target - at).div_ceil(chunk_bytes),
+        GrowthPolicy::Proportional { .. } => 1,
+    };
+    if count > MAX_PLANNED_CHUNKS {
+        return Err(Error::invalid(format!(
+            "growing to {target} bytes with {policy:?} needs {count} mappings, more than \
+             the {MAX_PLANNED_CHUNKS} a process can hold; choose larger chunks"
+        )));
+    }
+    let mut offer = req.pool.cloned();
+    // The biggest pooled chunk that keeps over-commit within the bound.
+    let bound = policy.overcommit_bound(g, target);
+    let mut end = at;
+    while end < target {
+        let room = limit - end;
+        let need = round_up(target - end, g).ok_or_else(overflow)?.min(room);
+        let place = (req.placement_at)(end);
+        let pooled = offer.as_mut().and_then(|offer| {
+            let fit = ((target - end).saturating_add(bound - 1) / g * g).min(room);
+            let size = match policy {
+                GrowthPolicy::Exact => Some(g),
+                GrowthPolicy::Fixed { chunk_bytes } => Some(chunk_bytes).filter(|s| *s <= room),
+                GrowthPolicy::Proportional { .. } => offer
+                    .range((place, need)..=(place, fit.max(need)))
+                    .next()
+                    .or_else(|| offer.range((place, 1)..(place, need)).next_back())
+                    .map(|(k, _)| k.1),
+            }?;
+            let n = offer.get_mut(&(place, size))?;
+            *n -= 1;
+            if *n == 0 {
+                offer.remove(&(place, size));
+            }
+            Some(size)
+        });
+        let (bytes, from_pool) = match pooled {
+            Some(size) => (size, true),
+            None => match policy {
+                GrowthPolicy::Exact => (g, false),
+                GrowthPolicy::Fixed { chunk_bytes } => (chunk_bytes.min(room), false),
+                GrowthPolicy::Proportional { divisor } => {
+                    let proportional = target / divisor.max(1) / g * g;
+                    (need.max(proportional).min(room), false)
+                }
+            },
+        };
+        push(&mut plan, end, bytes, place, from_pool)?;
+        end += bytes;
+    }
+    Ok(plan)
+}
+
+fn push(
+    plan: &mut Vec<Planned>,
+    offset: usize,
+    bytes: usize,
+    placement: Location,
+    pooled: bool,
+) -> Result<()> {
+    if plan.len() >= MAX_PLANNED_CHUNKS {
+        return Err(Error::invalid(format!(
+            "a growth of more than {MAX_PLANNED_CHUNKS} mappings"
+        )));
+    }
+    plan.push(Planned {
+        offset,
+        bytes,
+        placement,
+        pooled,
+    });
+    Ok(())
 }
 
 /// `x` rounded up to a multiple of `align` (a power of two), or `None` on overflow.
@@ -127,16 +232,38 @@ pub(crate) fn round_up(x: usize, align: usize) -> Option<usize> {
 mod tests {
     use super::*;
     const G: usize = 2 << 20;
+    const GPU: Location = Location::Device(0);
+
+    /// The sizes a plan maps, with no pool and one placement.
+    fn sizes(p: GrowthPolicy, at: usize, target: usize, limit: usize) -> Result<Vec<usize>> {
+        let req = GrowthRequest {
+            policy: p.resolve(G)?,
+            granularity: G,
+            at,
+            target,
+            limit,
+            placement_at: &|_| GPU,
+            pool: None,
+        };
+        let plan = plan_growth(&req)?;
+        let mut end = at;
+        for c in &plan {
+            assert_eq!(c.offset, end, "chunks follow each other");
+            assert!(!c.pooled);
+            end += c.bytes;
+        }
+        Ok(plan.iter().map(|c| c.bytes).collect())
+    }
 
     #[test]
     fn proportional_keeps_mappings_logarithmic_and_overcommit_bounded() {
-        let p = GrowthPolicy::default().resolve(G).unwrap();
+        let p = GrowthPolicy::default();
         let (mut cap, mut chunks) = (0usize, 0usize);
         let mut worst = 0.0f64;
         // A KV cache filling up: 2 MiB at a time to 2 GiB.
         for step in 1..=1024usize {
             let target = step * G;
-            let plan = p.plan(G, cap, target, usize::MAX / 2).unwrap();
+            let plan = sizes(p, cap, target, usize::MAX / 2 / G * G).unwrap();
             assert!(plan.len() <= 1);
             if let Some(&c) = plan.first() {
                 assert_eq!(c % G, 0);
@@ -156,16 +283,17 @@ mod tests {
 
     #[test]
     fn exact_maps_granules_and_fixed_maps_fixed() {
-        let e = GrowthPolicy::Exact.resolve(G).unwrap();
-        assert_eq!(e.plan(G, 0, 3 * G + 1, 8 * G).unwrap(), vec![G; 4]);
-        assert_eq!(e.plan(G, 4 * G, 3 * G, 8 * G).unwrap(), Vec::<usize>::new());
+        let e = GrowthPolicy::Exact;
+        assert_eq!(sizes(e, 0, 3 * G + 1, 8 * G).unwrap(), vec![G; 4]);
+        assert_eq!(sizes(e, 4 * G, 3 * G, 8 * G).unwrap(), Vec::<usize>::new());
         let f = GrowthPolicy::Fixed {
             chunk_bytes: 3 * G - 5,
-        }
-        .resolve(G)
-        .unwrap();
-        assert_eq!(f, GrowthPolicy::Fixed { chunk_bytes: 3 * G });
-        assert_eq!(f.plan(G, 3 * G, 7 * G, 16 * G).unwrap(), vec![3 * G; 2]);
+        };
+        assert_eq!(
+            f.resolve(G).unwrap(),
+            GrowthPolicy::Fixed { chunk_bytes: 3 * G }
+        );
+        assert_eq!(sizes(f, 2 * G, 7 * G, 16 * G).unwrap(), vec![3 * G; 2]);
     }
 
     #[test]
@@ -181,24 +309,122 @@ mod tests {
         }
         assert!(GrowthPolicy::Exact.resolve(3).is_err());
         assert!(matches!(
-            GrowthPolicy::Exact.plan(G, 0, 9 * G, 8 * G),
+            sizes(GrowthPolicy::Exact, 0, 9 * G, 8 * G),
             Err(Error::ReservationExhausted { requested_bytes, reserved_bytes })
                 if requested_bytes == 9 * G && reserved_bytes == 8 * G
         ));
+        assert!(
+            sizes(GrowthPolicy::Exact, G / 2, 2 * G, 8 * G).is_err(),
+            "not granular"
+        );
+    }
+
+    #[test]
+    fn huge_growths_fail_cleanly_without_building_the_plan() {
+        let limit = usize::MAX / G * G;
+        // 16 TiB in 2 MiB granules: 8M mappings, past what a process can hold.
+        let r = sizes(GrowthPolicy::Exact, 0, 16 << 40, limit);
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("mappings")),
+            "{r:?}"
+        );
+        let r = sizes(GrowthPolicy::Fixed { chunk_bytes: G }, 0, limit, limit);
+        assert!(r.is_err());
+        // A huge fixed chunk and a huge proportional one are one mapping each.
+        let huge = GrowthPolicy::Fixed {
+            chunk_bytes: 1 << 62,
+        };
+        assert_eq!(sizes(huge, 0, 1, 64 * G).unwrap(), vec![64 * G]);
+        assert_eq!(
+            sizes(GrowthPolicy::default(), 0, limit, limit).unwrap(),
+            vec![limit]
+        );
     }
 
     #[test]
     fn plans_are_cut_to_the_reservation() {
-        let p = GrowthPolicy::default().resolve(G).unwrap();
+        let p = GrowthPolicy::default();
         // 64 GiB wants an 8 GiB chunk; only 1 GiB of room is left.
         let cap = 64 << 30;
         assert_eq!(
-            p.plan(G, cap, cap + 1, cap + (1 << 30)).unwrap(),
+            sizes(p, cap, cap + 1, cap + (1 << 30)).unwrap(),
             vec![1 << 30]
         );
-        let f = GrowthPolicy::Fixed { chunk_bytes: 4 * G }
-            .resolve(G)
-            .unwrap();
-        assert_eq!(f.plan(G, 0, 5 * G, 6 * G).unwrap(), vec![4 * G, 2 * G]);
+        let f = GrowthPolicy::Fixed { chunk_bytes: 4 * G };
+        assert_eq!(sizes(f, 0, 5 * G, 6 * G).unwrap(), vec![4 * G, 2 * G]);
+    }
+
+    #[test]
+    fn pooled_chunks_come_first_within_the_bound_and_placement() {
+        let mut offer = PoolOffer::new();
+        offer.insert((GPU, 4 * G), 1);
+        offer.insert((GPU, 64 * G), 1); // too big for the bound at this size
+        offer.insert((Location::Host, 2 * G), 3); // other placement
+        let req = GrowthRequest {
+            policy: GrowthPolicy::default(),
+            granularity: G,
+            at: 0,
+            target: 6 * G,
+            limit: 1024 * G,
+            placement_at: &|_| GPU,
+            pool: Some(&offer),
+        };
+        let plan = plan_growth(&req).unwrap();
+        assert_eq!(
+            plan,
+            vec![
+                Planned {
+                    offset: 0,
+                    bytes: 4 * G,
+                    placement: GPU,
+                    pooled: true
+                },
+                Planned {
+                    offset: 4 * G,
+                    bytes: 2 * G,
+                    placement: GPU,
+                    pooled: false
+                },
+            ]
+        );
+        // Placement follows the offset: the host range takes host chunks.
+        let split = |o: usize| if o >= 4 * G { Location::Host } else { GPU };
+        let req = GrowthRequest {
+            placement_at: &split,
+            policy: GrowthPolicy::Exact,
+            ..req
+        };
+        let plan = plan_growth(&req).unwrap();
+        let got: Vec<(usize, Location, bool)> = plan
+            .iter()
+            .map(|c| (c.bytes, c.placement, c.pooled))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (G, GPU, false),
+                (G, GPU, false),
+                (G, GPU, false),
+                (G, GPU, false),
+                (G, Location::Host, false),
+                (G, Location::Host, false),
+            ],
+            "Exact takes only granule-sized pooled chunks, and the pool has none on the GPU"
+        );
+        let mut offer2 = PoolOffer::new();
+        offer2.insert((Location::Host, G), 5);
+        let req = GrowthRequest {
+            pool: Some(&offer2),
+            ..req
+        };
+        let pooled = plan_growth(&req)
+            .unwrap()
+            .iter()
+            .filter(|c| c.pooled)
+            .count();
+        assert_eq!(
+            pooled, 2,
+            "two host granules from the pool, no more than the range needs"
+        );
     }
 }

@@ -1,6 +1,5 @@
 //! [`ChunkPool`]: released physical chunks kept for reuse, shareable between
 //! buffers, so regrowth skips `cuMemCreate` and shrinking skips `cuMemRelease`.
-#![deny(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -11,6 +10,7 @@ use parking_lot::Mutex;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
+use crate::plan::PoolOffer;
 use crate::stats::Bytes;
 
 /// How a [`ChunkPool`] bounds what it keeps.
@@ -48,6 +48,7 @@ impl PoolDesc {
 
 /// A pool's counters, as plain data.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Bytes held now.
     pub pooled_bytes: usize,
@@ -163,36 +164,26 @@ impl<B: Backend> ChunkPool<B> {
         first.map_or(Ok(()), Err)
     }
 
-    /// A pooled chunk at `placement`: of exactly `exact` bytes if given;
-    /// otherwise the smallest of `need..=max_bytes` bytes (best fit), or if
-    /// there is none, the largest below `need`. Returns it with its size.
-    pub(crate) fn take(
-        &self,
-        placement: Location,
-        exact: Option<usize>,
-        need: usize,
-        max_bytes: usize,
-    ) -> Option<(B::Chunk, usize)> {
+    /// What the pool holds now: how many chunks of each (placement, size),
+    /// for the growth plan.
+    pub(crate) fn offer(&self) -> PoolOffer {
+        let g = self.inner.lock();
+        g.free.iter().map(|(&k, v)| (k, v.len())).collect()
+    }
+
+    /// A pooled chunk of exactly `bytes` at `placement`, if there is one.
+    pub(crate) fn take_exact(&self, placement: Location, bytes: usize) -> Option<B::Chunk> {
         let mut g = self.inner.lock();
-        let key = match exact {
-            Some(b) => (placement, b),
-            None => {
-                *g.free
-                    .range((placement, need)..=(placement, max_bytes.max(need)))
-                    .next()
-                    .or_else(|| g.free.range((placement, 0)..(placement, need)).next_back())?
-                    .0
-            }
-        };
+        let key = (placement, bytes);
         let list = g.free.get_mut(&key)?;
         let chunk = list.pop()?;
         if list.is_empty() {
             g.free.remove(&key);
         }
         g.stats.hits += 1;
-        g.stats.pooled_bytes -= key.1;
+        g.stats.pooled_bytes -= bytes;
         g.stats.pooled_chunks -= 1;
-        Some((chunk, key.1))
+        Some(chunk)
     }
 
     /// Keeps a chunk of `bytes` at `placement`; past the high watermark, gives

@@ -1,5 +1,4 @@
 //! Plain-data statistics and the per-chunk report.
-#![deny(unsafe_code)]
 
 use std::fmt;
 
@@ -7,6 +6,7 @@ use crate::location::{Access, Location};
 
 /// Counters of one buffer, as plain data.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Stats {
     /// Bytes of address space reserved (fixed for the buffer's life).
     pub reserved_bytes: usize,
@@ -22,9 +22,10 @@ pub struct Stats {
     pub device_bytes: usize,
     /// Growing calls that mapped at least one chunk.
     pub grows: u64,
-    /// Calls that reduced the length (truncate, shrink, resize down).
+    /// Calls that reduced the length (truncate, clear, resize down).
     pub shrinks: u64,
-    /// Calls that released at least one chunk.
+    /// Calls that gave back at least one chunk (shrink_to_fit, shrink_to,
+    /// deferred releases).
     pub trims: u64,
     /// Chunks mapped over the buffer's life.
     pub chunks_mapped_total: u64,
@@ -60,6 +61,7 @@ impl fmt::Display for Stats {
 
 /// One mapped chunk, as plain data.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ChunkInfo {
     /// Offset of the chunk from the buffer's base.
     pub offset: usize,
@@ -73,6 +75,7 @@ pub struct ChunkInfo {
 
 /// A buffer's chunks and counters at one moment; `Display` prints a table.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Report {
     /// The buffer's base address.
     pub base: u64,

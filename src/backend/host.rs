@@ -6,6 +6,7 @@
 //! flags are `mprotect`; unmapping puts a `PROT_NONE` placeholder back so the
 //! range stays reserved. Each token tracks what is mapped in it, so every call
 //! is checked against the token's own bookkeeping before it touches memory.
+#![allow(unsafe_code)]
 
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
@@ -13,10 +14,10 @@ use std::sync::Arc;
 
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
-use super::{Backend, Counters, LiveCounts, MapTable};
+use super::{Backend, Counters, LiveCounts};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
-use crate::GrowableBuffer;
+use crate::table::{ChunkTable, Entry};
 
 /// The host's virtual memory as a [`Backend`]. Places memory on [`Location::Host`]
 /// only; access lists name [`Location::Host`] only.
@@ -77,6 +78,13 @@ fn os(call: &'static str, e: rustix::io::Errno, requested_bytes: usize) -> Error
     }
 }
 
+/// Checks that `[offset, offset + bytes)` is mapped without a gap and that
+/// the host may do `need` there.
+fn host_range(table: &ChunkTable<()>, offset: usize, bytes: usize, need: Access) -> Result<()> {
+    table.covering(offset, bytes, false)?;
+    table.check_access(offset, bytes, Location::Host, need)
+}
+
 fn prot(access: Access) -> ProtFlags {
     match access {
         Access::None => ProtFlags::empty(),
@@ -89,7 +97,7 @@ fn prot(access: Access) -> ProtFlags {
 #[derive(Debug)]
 pub struct HostReservation {
     base: NonNull<u8>,
-    table: MapTable,
+    table: ChunkTable<()>,
     counters: Arc<Counters>,
 }
 
@@ -111,11 +119,13 @@ impl Drop for HostReservation {
     fn drop(&mut self) {
         // SAFETY: the token owns [base, base + bytes) exclusively and is going
         // away; unmapping it whole also drops any chunk mappings left in it.
-        if let Err(e) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.table.bytes) } {
+        if let Err(e) =
+            unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.table.reserved()) }
+        {
             tracing::error!(error = %e, "vmmbuf host: munmap of a reservation failed in drop");
         }
         let mapped = self.table.mapped_bytes();
-        let bytes = self.table.bytes;
+        let bytes = self.table.reserved();
         self.counters.update(|c| {
             c.reservations -= 1;
             c.reserved_bytes -= bytes;
@@ -171,6 +181,7 @@ impl Backend for HostBackend {
                 self.granularity
             )));
         }
+        let table = ChunkTable::new(bytes, self.granularity)?;
         let page = rustix::param::page_size();
         let slack = if align > page { align } else { 0 };
         let total = bytes
@@ -213,7 +224,7 @@ impl Backend for HostBackend {
         });
         Ok(HostReservation {
             base: NonNull::new(aligned as *mut u8).expect("mmap returned null"),
-            table: MapTable::new(bytes),
+            table,
             counters: self.counters.clone(),
         })
     }
@@ -260,7 +271,7 @@ impl Backend for HostBackend {
     }
 
     fn map(&self, res: &mut HostReservation, offset: usize, chunk: &HostChunk) -> Result<()> {
-        res.table.check_map(offset, chunk.bytes, self.granularity)?;
+        res.table.check_insert(offset, chunk.bytes)?;
         // SAFETY: the range lies inside this token's reservation (checked
         // above) and holds no mapping (checked above), so MAP_FIXED replaces
         // only our own PROT_NONE placeholder. PROT_NONE: nobody can touch it
@@ -276,13 +287,14 @@ impl Backend for HostBackend {
             )
         }
         .map_err(|e| os("mmap", e, chunk.bytes))?;
-        res.table.insert(offset, chunk.bytes, Location::Host);
+        res.table
+            .insert(offset, Entry::new((), chunk.bytes, Location::Host))?;
         self.counters.update(|c| c.mapped_bytes += chunk.bytes);
         Ok(())
     }
 
     fn unmap(&self, res: &mut HostReservation, offset: usize, bytes: usize) -> Result<()> {
-        let keys = res.table.covering(offset, bytes, true, Access::None)?;
+        let keys = res.table.covering(offset, bytes, true)?;
         // SAFETY: the range is inside this token's reservation and made of
         // whole mappings of ours (checked above); a fixed PROT_NONE private
         // mapping puts the reservation's placeholder back over it. Callers
@@ -296,7 +308,9 @@ impl Backend for HostBackend {
             )
         }
         .map_err(|e| os("mmap", e, bytes))?;
-        res.table.remove(&keys);
+        for k in keys {
+            res.table.remove(k);
+        }
         self.counters.update(|c| c.mapped_bytes -= bytes);
         Ok(())
     }
@@ -316,14 +330,19 @@ impl Backend for HostBackend {
             }
             host = d.access;
         }
-        let keys = res.table.covering(offset, bytes, true, Access::None)?;
+        let keys = res.table.covering(offset, bytes, true)?;
         let flags = MprotectFlags::from_bits_retain(prot(host).bits());
         // SAFETY: the range is made of whole mappings inside this token's
         // reservation (checked above); `&mut` to the token means no reference
         // into it is alive that a narrower protection could invalidate.
         unsafe { rustix::mm::mprotect(res.addr(offset), bytes, flags) }
             .map_err(|e| os("mprotect", e, bytes))?;
-        res.table.set_host_access(&keys, host);
+        let list: Arc<[AccessDesc]> = access.into();
+        for k in keys {
+            if let Some(e) = res.table.get_mut(k) {
+                e.access = list.clone();
+            }
+        }
         Ok(())
     }
 
@@ -342,9 +361,8 @@ impl Backend for HostBackend {
         if bytes == 0 {
             return Ok(());
         }
-        src.table.covering(src_offset, bytes, false, Access::Read)?;
-        dst.table
-            .covering(dst_offset, bytes, false, Access::ReadWrite)?;
+        host_range(&src.table, src_offset, bytes, Access::Read)?;
+        host_range(&dst.table, dst_offset, bytes, Access::ReadWrite)?;
         // SAFETY: both ranges are mapped with the access needed (checked
         // above) in two distinct tokens (`&mut` and `&` cannot alias), so they
         // do not overlap; `&mut dst` excludes every other reference into it.
@@ -372,7 +390,7 @@ impl Backend for HostBackend {
         if dst.is_empty() {
             return Ok(());
         }
-        res.table.covering(offset, dst.len(), false, Access::Read)?;
+        host_range(&res.table, offset, dst.len(), Access::Read)?;
         // SAFETY: the source range is mapped and readable (checked above), lies
         // in memory this token owns, and `&HostReservation` excludes writers.
         unsafe {
@@ -389,8 +407,7 @@ impl Backend for HostBackend {
         if src.is_empty() {
             return Ok(());
         }
-        res.table
-            .covering(offset, src.len(), false, Access::ReadWrite)?;
+        host_range(&res.table, offset, src.len(), Access::ReadWrite)?;
         // SAFETY: the destination is mapped read-write (checked above), lies in
         // memory this token owns, and `&mut` excludes every other reference.
         unsafe {
@@ -401,38 +418,5 @@ impl Backend for HostBackend {
 
     fn live(&self) -> LiveCounts {
         self.counters.get()
-    }
-}
-
-/// Byte views of host-backend buffers.
-///
-/// Sound because the buffer's base never moves and `[base, base + len)` is
-/// always mapped (length never exceeds capacity, and capacity is a contiguous
-/// prefix of whole chunks); growing through `&self` only maps new chunks past
-/// the capacity, never touching bytes a view covers; everything that unmaps,
-/// remaps or narrows access needs `&mut self`, which no view can outlive.
-/// Access is checked when the view is made.
-impl GrowableBuffer<HostBackend> {
-    /// The bytes in use, or an error if some chunk does not grant the host
-    /// read access.
-    pub fn as_slice(&self) -> Result<&[u8]> {
-        let (base, len) = self.host_view(Access::Read)?;
-        if len == 0 {
-            return Ok(&[]);
-        }
-        // SAFETY: see the impl block's doc: [base, base+len) is mapped and
-        // readable for as long as `&self` lives, and nobody holds `&mut`.
-        Ok(unsafe { std::slice::from_raw_parts(base as *const u8, len) })
-    }
-
-    /// The bytes in use, mutably, or an error if some chunk does not grant the
-    /// host read-write access.
-    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
-        let (base, len) = self.host_view(Access::ReadWrite)?;
-        if len == 0 {
-            return Ok(&mut []);
-        }
-        // SAFETY: as in `as_slice`; `&mut self` makes the view exclusive.
-        Ok(unsafe { std::slice::from_raw_parts_mut(base as *mut u8, len) })
     }
 }

@@ -1,6 +1,6 @@
 //! The few driver operations a buffer needs, behind one trait, and its two
-//! real implementations: [`CudaBackend`] (CUDA VMM) and [`HostBackend`] (the
-//! host's own virtual memory).
+//! real implementations: [`CudaBackend`](crate::CudaBackend) (CUDA VMM) and
+//! [`HostBackend`](crate::HostBackend) (the host's own virtual memory, Linux).
 //!
 //! The trait is safe: a backend hands out owned tokens for what it creates
 //! (an address reservation, a physical chunk), and every call names the token
@@ -15,15 +15,13 @@
 use crate::error::Result;
 use crate::location::{AccessDesc, Location};
 
-pub mod cuda;
-pub mod cuda_interop;
-pub mod host;
-
-pub use cuda::CudaBackend;
-pub use host::HostBackend;
+pub(crate) mod cuda;
+#[cfg(target_os = "linux")]
+pub(crate) mod host;
 
 /// Counts of what a backend has live now, for leak checks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LiveCounts {
     /// Address reservations not yet freed.
     pub reservations: usize,
@@ -46,7 +44,7 @@ pub trait Backend: Send + Sync + 'static {
     type Chunk: Send + Sync + 'static;
     /// A point in the device's work: everything submitted before it has
     /// finished once [`Backend::fence_done`] says so. See
-    /// [`GrowableBuffer::shrink_to_after`](crate::GrowableBuffer::shrink_to_after).
+    /// [`GrowableBuffer::shrink_to_fit_after`](crate::GrowableBuffer::shrink_to_fit_after).
     type Fence: Send + Sync + 'static;
 
     /// A short name for messages: `"cuda"`, `"host"`.
@@ -129,6 +127,23 @@ pub trait Backend: Send + Sync + 'static {
     fn live(&self) -> LiveCounts;
 }
 
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for crate::CudaBackend {}
+    #[cfg(target_os = "linux")]
+    impl Sealed for crate::HostBackend {}
+}
+
+/// A backend whose mappings live in this process's address space, so that
+/// chunks granting the host access can be read by the CPU at the buffer's own
+/// addresses: what [`GrowableBuffer::host_slice`](crate::GrowableBuffer::host_slice)
+/// needs. Sealed: implemented by the crate's two backends, whose tokens keep
+/// the promise.
+pub trait HostMapped: Backend + sealed::Sealed {}
+impl HostMapped for crate::CudaBackend {}
+#[cfg(target_os = "linux")]
+impl HostMapped for crate::HostBackend {}
+
 /// Live counters shared by the real backends.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
@@ -141,200 +156,5 @@ impl Counters {
     }
     pub(crate) fn update(&self, f: impl FnOnce(&mut LiveCounts)) {
         f(&mut self.inner.lock())
-    }
-}
-
-/// What is mapped in one reservation: the bookkeeping each backend's
-/// reservation token keeps so that every call is checked before it reaches
-/// the OS or the driver. Pure code.
-#[derive(Debug, Default)]
-pub(crate) struct MapTable {
-    /// Bytes in the reservation.
-    pub(crate) bytes: usize,
-    /// offset -> (bytes, host access, placement) of each live mapping.
-    mapped: std::collections::BTreeMap<
-        usize,
-        (usize, crate::location::Access, crate::location::Location),
-    >,
-}
-
-impl MapTable {
-    pub(crate) fn new(bytes: usize) -> Self {
-        Self {
-            bytes,
-            mapped: Default::default(),
-        }
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.mapped.is_empty()
-    }
-
-    pub(crate) fn mapped_bytes(&self) -> usize {
-        self.mapped.values().map(|m| m.0).sum()
-    }
-
-    /// Every live mapping as (offset, bytes).
-    pub(crate) fn mappings(&self) -> Vec<(usize, usize)> {
-        self.mapped.iter().map(|(&k, &(b, _, _))| (k, b)).collect()
-    }
-
-    fn check_range(&self, offset: usize, bytes: usize) -> Result<()> {
-        match offset.checked_add(bytes) {
-            Some(end) if bytes > 0 && end <= self.bytes => Ok(()),
-            _ => Err(crate::Error::invalid(format!(
-                "range {offset:#x}+{bytes:#x} is empty or outside the {:#x}-byte reservation",
-                self.bytes
-            ))),
-        }
-    }
-
-    /// Checks that a chunk of `bytes` can be mapped at `offset`.
-    pub(crate) fn check_map(&self, offset: usize, bytes: usize, granularity: usize) -> Result<()> {
-        self.check_range(offset, bytes)?;
-        if offset % granularity != 0 {
-            return Err(crate::Error::invalid(format!(
-                "map offset {offset:#x} is not granular"
-            )));
-        }
-        if let Some((&k, &(len, _, _))) = self.mapped.range(..offset + bytes).next_back() {
-            if k + len > offset {
-                return Err(crate::Error::invalid(format!(
-                    "{offset:#x} overlaps the mapping at {k:#x}"
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    pub(crate) fn insert(
-        &mut self,
-        offset: usize,
-        bytes: usize,
-        placement: crate::location::Location,
-    ) {
-        self.mapped
-            .insert(offset, (bytes, crate::location::Access::None, placement));
-    }
-
-    /// Splits `[offset, offset + bytes)` (which `covering` has checked) into
-    /// runs of mappings with the same placement: (offset, bytes) each.
-    pub(crate) fn placement_runs(&self, offset: usize, bytes: usize) -> Vec<(usize, usize)> {
-        let end = offset + bytes;
-        let mut runs: Vec<(usize, usize, crate::location::Location)> = Vec::new();
-        let start = self
-            .mapped
-            .range(..=offset)
-            .next_back()
-            .map_or(offset, |(&k, _)| k);
-        for (&k, &(len, _, place)) in self.mapped.range(start..end) {
-            let (a, b) = (k.max(offset), (k + len).min(end));
-            match runs.last_mut() {
-                Some(r) if r.2 == place && r.0 + r.1 == a => r.1 += b - a,
-                _ => runs.push((a, b - a, place)),
-            }
-        }
-        runs.into_iter().map(|(a, n, _)| (a, n)).collect()
-    }
-
-    /// Offsets of the mappings that together cover `[offset, offset + bytes)`
-    /// without a gap, each granting the host at least `need`; with `exact`,
-    /// the range must start and end on mapping boundaries.
-    pub(crate) fn covering(
-        &self,
-        offset: usize,
-        bytes: usize,
-        exact: bool,
-        need: crate::location::Access,
-    ) -> Result<Vec<usize>> {
-        self.check_range(offset, bytes)?;
-        let end = offset + bytes;
-        let mut at = match self.mapped.range(..=offset).next_back() {
-            Some((&k, &(len, _, _))) if k + len > offset && (!exact || k == offset) => k,
-            _ => return Err(crate::Error::invalid(format!("{offset:#x} is not mapped"))),
-        };
-        let mut keys = Vec::new();
-        while at < end {
-            match self.mapped.get(&at) {
-                Some(&(len, access, _)) if access >= need => {
-                    keys.push(at);
-                    at += len;
-                }
-                Some(_) => {
-                    return Err(crate::Error::invalid(format!(
-                        "the mapping at {at:#x} does not grant the host {need:?} access"
-                    )))
-                }
-                None => return Err(crate::Error::invalid(format!("{at:#x} is not mapped"))),
-            }
-        }
-        if exact && at != end {
-            return Err(crate::Error::invalid(format!(
-                "{end:#x} falls inside a mapping"
-            )));
-        }
-        Ok(keys)
-    }
-
-    pub(crate) fn remove(&mut self, keys: &[usize]) {
-        for k in keys {
-            self.mapped.remove(k);
-        }
-    }
-
-    pub(crate) fn set_host_access(&mut self, keys: &[usize], access: crate::location::Access) {
-        for k in keys {
-            if let Some(m) = self.mapped.get_mut(k) {
-                m.1 = access;
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::MapTable;
-    use crate::location::{Access, Location};
-
-    #[test]
-    fn map_table_checks_overlap_coverage_and_bounds() {
-        let mut t = MapTable::new(64);
-        t.check_map(0, 16, 8).unwrap();
-        t.insert(0, 16, Location::Device(0));
-        t.insert(16, 8, Location::Host);
-        assert!(t.check_map(8, 8, 8).is_err(), "overlap");
-        assert!(t.check_map(20, 8, 4).is_err(), "overlap inside");
-        assert!(t.check_map(60, 8, 4).is_err(), "past the end");
-        assert!(t.check_map(25, 8, 8).is_err(), "not granular");
-        assert_eq!(t.covering(0, 24, true, Access::None).unwrap(), vec![0, 16]);
-        assert!(
-            t.covering(0, 20, true, Access::None).is_err(),
-            "ends inside a mapping"
-        );
-        assert_eq!(t.covering(4, 16, false, Access::None).unwrap(), vec![0, 16]);
-        assert!(t.covering(4, 30, false, Access::None).is_err(), "gap");
-        assert!(
-            t.covering(0, 8, false, Access::Read).is_err(),
-            "no access yet"
-        );
-        t.set_host_access(&[0], Access::Read);
-        assert!(t.covering(0, 8, false, Access::Read).is_ok());
-        assert!(t.covering(0, 8, false, Access::ReadWrite).is_err());
-        assert_eq!(t.mapped_bytes(), 24);
-        assert_eq!(
-            t.placement_runs(4, 18),
-            vec![(4, 12), (16, 6)],
-            "split where the placement changes"
-        );
-        t.insert(24, 8, Location::Host);
-        assert_eq!(
-            t.placement_runs(16, 16),
-            vec![(16, 16)],
-            "equal placements merge"
-        );
-        t.remove(&[24]);
-        t.remove(&[0, 16]);
-        assert!(t.is_empty());
-        assert!(t.check_range(0, 0).is_err() && t.check_range(usize::MAX, 2).is_err());
     }
 }

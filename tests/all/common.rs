@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use libtest_mimic::Trial;
 use rand::{Rng, SeedableRng};
 use vmmbuf::{Backend, CudaBackend, GrowableBuffer, HostBackend, LiveCounts};
 
@@ -19,32 +20,66 @@ pub fn host() -> Arc<HostBackend> {
     HostBackend::with_granularity(64 << 10).expect("64 KiB is a valid host granularity")
 }
 
-/// The CUDA backend on GPU 0, or `None` with a printed reason. With
-/// `VMMBUF_REQUIRE_GPU=1` a missing GPU fails the test instead.
-pub fn gpu() -> Option<Arc<CudaBackend>> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) if require_gpu() => {
-            panic!("VMMBUF_REQUIRE_GPU=1 but the CUDA backend is unusable: {e}")
-        }
-        Err(e) => {
-            // Once per run, past libtest's capture (which only takes the print
-            // macros), so the reason shows in every CI log.
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| {
-                use std::io::Write;
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "vmmbuf tests: skipping GPU tests: {e} (set VMMBUF_REQUIRE_GPU=1 to fail instead)"
-                );
-            });
-            None
-        }
+/// What a test needs to run. Tests whose needs this machine does not meet are
+/// reported as *ignored* (never as passed), with the reason printed once;
+/// `VMMBUF_REQUIRE_GPU=1` (and `VMMBUF_REQUIRE_PEERS=1` for two GPUs) runs
+/// them anyway, so they fail instead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Needs {
+    Nothing,
+    Gpu,
+    TwoGpus,
+    /// Run only by another test, in a child process (`--ignored --exact`).
+    Parent,
+}
+
+/// Why GPU 0 cannot be used here, or `None` if it can. Asked once.
+pub fn gpu_unavailable() -> Option<&'static str> {
+    static WHY: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    WHY.get_or_init(|| CudaBackend::new(0).err().map(|e| e.to_string()))
+        .as_deref()
+}
+
+/// Why two GPUs cannot be used here, or `None` if they can.
+pub fn two_gpus_unavailable() -> Option<String> {
+    if let Some(why) = gpu_unavailable() {
+        return Some(why.to_string());
     }
+    CudaBackend::new(1)
+        .err()
+        .map(|e| format!("a second GPU: {e}"))
 }
 
 pub fn require_gpu() -> bool {
     std::env::var("VMMBUF_REQUIRE_GPU").as_deref() == Ok("1")
+}
+
+pub fn require_peers() -> bool {
+    std::env::var("VMMBUF_REQUIRE_PEERS").as_deref() == Ok("1")
+}
+
+/// One registered test: run under the serial lock; ignored where its needs
+/// are not met here (and not required).
+pub fn trial(module: &str, name: &str, needs: Needs, f: impl FnOnce() + Send + 'static) -> Trial {
+    let module = module.trim_start_matches("all::");
+    let ignored = match needs {
+        Needs::Nothing => false,
+        Needs::Gpu => gpu_unavailable().is_some() && !require_gpu(),
+        Needs::TwoGpus => two_gpus_unavailable().is_some() && !require_peers(),
+        Needs::Parent => true,
+    };
+    Trial::test(format!("{module}::{name}"), move || {
+        let _g = serial();
+        f();
+        Ok(())
+    })
+    .with_ignored_flag(ignored)
+}
+
+/// The CUDA backend on GPU 0. Only GPU tests call it: they run where there
+/// is a GPU, or under `VMMBUF_REQUIRE_GPU=1`, where a missing GPU fails them.
+pub fn gpu() -> Arc<CudaBackend> {
+    CudaBackend::new(0).unwrap_or_else(|e| panic!("this GPU test cannot run: {e}"))
 }
 
 /// `len` bytes of seeded random data (never all zeros).
@@ -88,30 +123,46 @@ pub fn assert_consistent<B: Backend>(buf: &GrowableBuffer<B>, baseline: LiveCoun
     assert_eq!(at, buf.capacity());
 }
 
-/// Generates one `#[test]` per backend for each named generic test function
-/// in `$module`: `host::name` on the host backend, `cuda::name` on GPU 0.
+/// Registers a module's tests: `generic` functions run once per backend
+/// (`module::host::name` on the host backend, `module::cuda::name` on GPU 0),
+/// the others as named, each with what it needs. Expands to `pub fn trials()`.
 #[macro_export]
-macro_rules! for_each_backend {
-    ($module:ident: $($name:ident),* $(,)?) => {
-        mod host {
-            $(
-                #[test]
-                fn $name() {
-                    let _g = $crate::common::serial();
-                    super::$name($crate::common::host());
-                }
-            )*
-        }
-        mod cuda {
-            $(
-                #[test]
-                fn $name() {
-                    let _g = $crate::common::serial();
-                    if let Some(b) = $crate::common::gpu() {
-                        super::$name(b);
-                    }
-                }
-            )*
+macro_rules! register {
+    (
+        $(generic: [$($g:ident),* $(,)?],)?
+        $(host: [$($h:ident),* $(,)?],)?
+        $(gpu: [$($c:ident),* $(,)?],)?
+        $(two_gpus: [$($p:ident),* $(,)?],)?
+        $(child: [$($k:ident),* $(,)?],)?
+    ) => {
+        pub fn trials() -> Vec<libtest_mimic::Trial> {
+            use $crate::common::{trial, Needs};
+            let m = module_path!();
+            vec![
+                $($(
+                    trial(m, concat!("host::", stringify!($g)), Needs::Nothing, || {
+                        $g($crate::common::host())
+                    }),
+                    trial(m, concat!("cuda::", stringify!($g)), Needs::Gpu, || {
+                        $g($crate::common::gpu())
+                    }),
+                )*)?
+                $($(trial(m, stringify!($h), Needs::Nothing, $h),)*)?
+                $($(trial(m, stringify!($c), Needs::Gpu, $c),)*)?
+                $($(trial(m, stringify!($p), Needs::TwoGpus, $p),)*)?
+                $($(trial(m, stringify!($k), Needs::Parent, $k),)*)?
+            ]
         }
     };
+}
+
+/// The over-commit bound each growth policy documents: right after a growth
+/// to `len` that mapped chunks, `capacity - len` stays below it.
+pub fn overcommit_bound(policy: vmmbuf::GrowthPolicy, granularity: usize, len: usize) -> usize {
+    match policy {
+        vmmbuf::GrowthPolicy::Exact => granularity,
+        vmmbuf::GrowthPolicy::Fixed { chunk_bytes } => chunk_bytes,
+        vmmbuf::GrowthPolicy::Proportional { divisor } => granularity.max(len / divisor),
+        other => panic!("no documented bound for {other:?}"),
+    }
 }

@@ -7,7 +7,11 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use rand::{Rng, SeedableRng};
 use vmmbuf::{Backend, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy};
 
-use crate::common::{gpu, serial};
+use crate::common::gpu;
+
+crate::register! {
+    gpu: [a_thousand_grows_keep_the_base_and_every_device_written_byte, shrink_trim_and_drop_give_memory_back_to_the_driver, exact_and_fixed_policies_on_the_device, release_waits_for_kernels_still_reading_the_tail, kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times, sixteen_threads_grow_and_write_their_own_ranges_with_kernels],
+}
 
 /// `fill(ptr, first, n, seed)` writes `pattern(first + i, seed)` to the u32 at
 /// `ptr[i]`; `spin_check(ptr, first, n, seed, bad, ns)` lets its last block
@@ -173,10 +177,8 @@ impl Kernels {
     }
 }
 
-#[test]
 fn a_thousand_grows_keep_the_base_and_every_device_written_byte() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let k = Kernels::load(&backend);
     let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(16 << 30)).unwrap();
     let base = buf.base();
@@ -214,10 +216,8 @@ fn a_thousand_grows_keep_the_base_and_every_device_written_byte() {
     assert!(s.chunks < 80, "mappings stay logarithmic: {}", buf.report());
 }
 
-#[test]
 fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let k = Kernels::load(&backend);
     let start = backend.mem_info().unwrap().0;
     let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(64 << 30)).unwrap();
@@ -236,7 +236,8 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
     );
 
     let keep = 300usize << 20;
-    buf.shrink_to(keep).unwrap();
+    buf.truncate(keep);
+    buf.shrink_to_fit().unwrap();
     let (free_shrunk, _) = backend.mem_info().unwrap();
     let largest = buf.report().chunks.iter().map(|c| c.bytes).max().unwrap();
     let held = start - free_shrunk;
@@ -255,8 +256,8 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
         "kept bytes intact"
     );
 
-    buf.truncate(0).unwrap();
-    buf.trim().unwrap();
+    buf.truncate(0);
+    buf.shrink_to_fit().unwrap();
     assert_eq!(buf.capacity(), 0);
     let (free_trimmed, _) = backend.mem_info().unwrap();
     assert_eq!(
@@ -273,10 +274,8 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
     assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
 }
 
-#[test]
 fn exact_and_fixed_policies_on_the_device() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let k = Kernels::load(&backend);
     for policy in [
         GrowthPolicy::Exact,
@@ -293,7 +292,8 @@ fn exact_and_fixed_policies_on_the_device() {
             words += add;
             assert_eq!(k.mismatches(buf.base(), 0, words, 99), 0, "{policy:?}");
         }
-        buf.shrink_to(1 << 20).unwrap();
+        buf.truncate(1 << 20);
+        buf.shrink_to_fit().unwrap();
         assert_eq!(
             k.mismatches(buf.base(), 0, 1 << 18, 99),
             0,
@@ -302,10 +302,8 @@ fn exact_and_fixed_policies_on_the_device() {
     }
 }
 
-#[test]
 fn release_waits_for_kernels_still_reading_the_tail() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let k = Kernels::load(&backend);
     let side = backend.context().new_stream().unwrap();
     let mut buf = GrowableBuffer::new(
@@ -332,7 +330,8 @@ fn release_waits_for_kernels_still_reading_the_tail() {
             300_000_000,
         );
         let fence = backend.fence(&side).unwrap();
-        buf.shrink_to_after(keep, fence).unwrap();
+        buf.truncate(keep);
+        buf.shrink_to_fit_after(fence).unwrap();
         assert_eq!(buf.len(), keep);
         assert_eq!(
             buf.capacity(),
@@ -364,7 +363,8 @@ fn release_waits_for_kernels_still_reading_the_tail() {
             round,
             200_000_000,
         );
-        buf.shrink_to(keep).unwrap();
+        buf.truncate(keep);
+        buf.shrink_to_fit().unwrap();
         assert_eq!(
             side.clone_dtoh(&bad).unwrap()[0],
             0,
@@ -382,10 +382,8 @@ fn release_waits_for_kernels_still_reading_the_tail() {
     assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
 }
 
-#[test]
 fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let k = Kernels::load(&backend);
     let side = backend.context().new_stream().unwrap();
     let g = 2usize << 20;
@@ -410,10 +408,13 @@ fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {
             20_000_000,
         );
         match round % 4 {
-            0 => buf.shrink_to(keep).unwrap(),
+            0 => {
+                buf.truncate(keep);
+                buf.shrink_to_fit().unwrap()
+            }
             1 => {
-                buf.truncate(keep).unwrap();
-                buf.trim().unwrap();
+                buf.truncate(keep);
+                buf.shrink_to_fit().unwrap();
             }
             2 => {
                 buf.migrate(keep..end, vmmbuf::Location::Host).unwrap();
@@ -433,10 +434,8 @@ fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {
     assert_eq!(k.mismatches(buf.base(), 0, (g / 4) as u64, 1), 0);
 }
 
-#[test]
 fn sixteen_threads_grow_and_write_their_own_ranges_with_kernels() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let k = Kernels::load(&backend);
     let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(8 << 30)).unwrap();
     let base = buf.base();

@@ -58,10 +58,12 @@ impl<B: Backend> FaultBackend<B> {
                     requested_bytes: bytes,
                 }
             } else {
+                // A code no real call of these returns: plainly injected.
                 Error::Driver {
                     call,
-                    code: 999,
-                    name: "INJECTED".into(),
+                    source: cudarc::driver::DriverError(
+                        cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_PERMITTED,
+                    ),
                 }
             });
         }
@@ -149,6 +151,17 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn live(&self) -> LiveCounts {
         self.inner.live()
+    }
+}
+
+/// True for the errors a [`FaultBackend`] injects (and nothing else).
+pub fn injected(e: &Error) -> bool {
+    match e {
+        Error::Driver { source, .. } => {
+            source.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_PERMITTED
+        }
+        Error::OutOfMemory { call, .. } => *call == "injected create",
+        _ => false,
     }
 }
 

@@ -1,8 +1,12 @@
 //! Host-backend specifics: byte views, and checks against what the kernel
 //! itself reports (/proc/self/maps, /proc/self/fd), not only our counters.
 
-use crate::common::{host, random_bytes, serial};
+use crate::common::{host, random_bytes};
 use vmmbuf::{Access, BufferDesc, GrowableBuffer, GrowthPolicy, HostBackend};
+
+crate::register! {
+    host: [the_kernel_sees_real_mappings_and_gets_them_back, byte_views_see_what_was_written_and_survive_growth, read_only_access_is_enforced_by_the_kernel, buffers_are_send_and_sync],
+}
 
 /// The lines of /proc/self/maps inside `[start, end)`: (from, to, perms, path).
 fn maps_in(start: u64, end: u64) -> Vec<(u64, u64, String, String)> {
@@ -31,9 +35,7 @@ fn open_memfds() -> usize {
         .count()
 }
 
-#[test]
 fn the_kernel_sees_real_mappings_and_gets_them_back() {
-    let _g = serial();
     let fds = open_memfds();
     let mut buf = GrowableBuffer::new(
         host(),
@@ -56,7 +58,9 @@ fn the_kernel_sees_real_mappings_and_gets_them_back() {
     assert_eq!(bytes, 5 * buf.granularity() as u64, "{mapped:?}");
     assert!(mapped.iter().all(|m| m.2 == "rw-s"), "{mapped:?}");
 
-    buf.shrink_to(buf.granularity()).unwrap();
+    buf.truncate(buf.granularity());
+
+    buf.shrink_to_fit().unwrap();
     assert_eq!(open_memfds(), fds + 1, "trimmed chunks' memfds are closed");
     let mapped: u64 = maps_in(start, end)
         .iter()
@@ -73,32 +77,28 @@ fn the_kernel_sees_real_mappings_and_gets_them_back() {
     );
 }
 
-#[test]
 fn byte_views_see_what_was_written_and_survive_growth() {
-    let _g = serial();
     let mut buf = GrowableBuffer::new(host(), BufferDesc::new(64 << 20)).unwrap();
-    assert_eq!(buf.as_slice().unwrap(), &[] as &[u8]);
+    assert_eq!(buf.host_slice(..).unwrap(), &[] as &[u8]);
     buf.grow_to(100_000).unwrap();
     let data = random_bytes(1, 100_000);
-    buf.as_mut_slice().unwrap().copy_from_slice(&data);
-    let ptr = buf.as_slice().unwrap().as_ptr();
+    buf.host_slice_mut(..).unwrap().copy_from_slice(&data);
+    let ptr = buf.host_slice(..).unwrap().as_ptr();
     // Growing through &self while a view is alive: the view stays valid.
-    let view = buf.as_slice().unwrap();
+    let view = buf.host_slice(..).unwrap();
     buf.grow_to(5 << 20).unwrap();
     assert!(
         view == &data[..],
         "a view taken before growth still reads the data"
     );
-    assert_eq!(buf.as_slice().unwrap().as_ptr(), ptr, "same address");
-    assert_eq!(buf.as_slice().unwrap().len(), 5 << 20);
+    assert_eq!(buf.host_slice(..).unwrap().as_ptr(), ptr, "same address");
+    assert_eq!(buf.host_slice(..).unwrap().len(), 5 << 20);
     let mut back = vec![0u8; 100_000];
     buf.read(0, &mut back).unwrap();
     assert!(back == data);
 }
 
-#[test]
 fn read_only_access_is_enforced_by_the_kernel() {
-    let _g = serial();
     let mut buf = GrowableBuffer::new(
         HostBackend::new(),
         BufferDesc::new(1 << 20).access(Access::Read),
@@ -111,9 +111,12 @@ fn read_only_access_is_enforced_by_the_kernel() {
         !perms.is_empty() && perms.iter().all(|p| p == "r--s"),
         "{perms:?}"
     );
-    assert!(buf.as_slice().unwrap().len() == 8192, "reading is allowed");
+    assert!(
+        buf.host_slice(..).unwrap().len() == 8192,
+        "reading is allowed"
+    );
     assert!(matches!(
-        buf.as_mut_slice(),
+        buf.host_slice_mut(..),
         Err(vmmbuf::Error::InvalidArgument(_))
     ));
     assert!(matches!(
@@ -132,11 +135,12 @@ fn read_only_access_is_enforced_by_the_kernel() {
         .collect();
     assert_eq!(perms, ["---s"]);
     assert!(
-        none.as_slice().is_err() && none.read(0, &mut [0]).is_err() && none.as_mut_slice().is_err()
+        none.host_slice(..).is_err()
+            && none.read(0, &mut [0]).is_err()
+            && none.host_slice_mut(..).is_err()
     );
 }
 
-#[test]
 fn buffers_are_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<GrowableBuffer<HostBackend>>();

@@ -4,13 +4,15 @@
 use cudarc::driver::PushKernelArg;
 use vmmbuf::{Backend, BufferDesc, Error, GrowableBuffer};
 
-use crate::common::{gpu, random_bytes, serial};
+use crate::common::{gpu, random_bytes};
 use crate::cuda_only::{pattern, Kernels};
 
-#[test]
+crate::register! {
+    gpu: [views_round_trip_through_cudarc_copies, a_kernel_writes_through_a_view_and_reads_through_a_cuda_slice],
+}
+
 fn views_round_trip_through_cudarc_copies() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let stream = backend.context().new_stream().unwrap();
     let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(1 << 30)).unwrap();
     buf.grow_to(9 << 20).unwrap();
@@ -86,10 +88,8 @@ fn bytemuck_bytes(v: &[u32]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
 
-#[test]
 fn a_kernel_writes_through_a_view_and_reads_through_a_cuda_slice() {
-    let _g = serial();
-    let Some(backend) = gpu() else { return };
+    let backend = gpu();
     let k = Kernels::load(&backend);
     let stream = k.stream.clone();
     let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(1 << 30)).unwrap();
@@ -152,5 +152,6 @@ fn a_kernel_writes_through_a_view_and_reads_through_a_cuda_slice() {
         0,
         "the rest intact"
     );
-    buf.shrink_to(0).unwrap();
+    buf.truncate(0);
+    buf.shrink_to_fit().unwrap();
 }

@@ -1,7 +1,8 @@
-//! vmmbuf's integration tests: one binary, one link step. Generic tests run
-//! against the host backend everywhere and against CUDA where there is a GPU
-//! (skipping with a printed reason otherwise, failing under
-//! `VMMBUF_REQUIRE_GPU=1`).
+//! vmmbuf's integration tests: one binary, one link step, run by
+//! libtest-mimic so that a test this machine cannot run (no GPU, one GPU) is
+//! reported as *ignored*, never as passed. Generic tests run against the host
+//! backend everywhere and against CUDA where there is a GPU;
+//! `VMMBUF_REQUIRE_GPU=1` makes GPU tests run (and fail) without one.
 
 mod bad_input;
 mod common;
@@ -17,3 +18,33 @@ mod pool;
 mod props;
 mod soak;
 mod suite;
+
+fn main() {
+    let args = libtest_mimic::Arguments::from_args();
+    if let Some(why) = common::gpu_unavailable() {
+        if !common::require_gpu() {
+            eprintln!(
+                "vmmbuf tests: GPU tests are ignored here: {why} \
+                 (VMMBUF_REQUIRE_GPU=1 runs them, and they fail)"
+            );
+        }
+    }
+    let trials = [
+        bad_input::trials(),
+        cuda_only::trials(),
+        faults::trials(),
+        fuzz::trials(),
+        host_only::trials(),
+        interop::trials(),
+        peer::trials(),
+        placement::trials(),
+        pool::trials(),
+        props::trials(),
+        soak::trials(),
+        suite::trials(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    libtest_mimic::run(&args, trials).exit();
+}

@@ -1,5 +1,5 @@
 //! Peer access between two GPUs (run on the 2-GPU machine with
-//! `VMMBUF_REQUIRE_PEERS=1`; elsewhere it skips with a printed reason).
+//! `VMMBUF_REQUIRE_PEERS=1`; elsewhere it is ignored).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,29 +9,24 @@ use vmmbuf::{Access, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy, Loca
 
 use crate::cuda_only::Kernels;
 
-fn two_gpus() -> Option<(Arc<CudaBackend>, Arc<CudaBackend>)> {
+crate::register! {
+    two_gpus: [a_peer_reads_and_writes_once_granted_and_is_refused_before],
+    child: [child_peer_read_without_access],
+}
+
+/// GPUs 0 and 1. The peer test runs where two GPUs are usable (or under
+/// `VMMBUF_REQUIRE_PEERS=1`, where their absence fails it).
+fn two_gpus() -> (Arc<CudaBackend>, Arc<CudaBackend>) {
     match CudaBackend::new(0).and_then(|a| Ok((a, CudaBackend::new(1)?))) {
-        Ok(p) => Some(p),
-        Err(e) if std::env::var("VMMBUF_REQUIRE_PEERS").as_deref() == Ok("1") => {
-            panic!("VMMBUF_REQUIRE_PEERS=1 but two GPUs are not usable: {e}")
-        }
-        Err(e) => {
-            use std::io::Write;
-            let _ = writeln!(
-                std::io::stderr(),
-                "vmmbuf tests: skipping the peer test, it needs two GPUs: {e}"
-            );
-            None
-        }
+        Ok(p) => p,
+        Err(e) => panic!("the peer test needs two GPUs: {e}"),
     }
 }
 
 const WORDS: u64 = (4 << 20) / 4; // two 2 MiB chunks
 
-#[test]
 fn a_peer_reads_and_writes_once_granted_and_is_refused_before() {
-    let _g = crate::common::serial();
-    let Some((b0, b1)) = two_gpus() else { return };
+    let (b0, b1) = two_gpus();
 
     // Without access, GPU 1's read must fail (not hang, not succeed). The
     // fault poisons GPU 1's context, so it happens in a child process.
@@ -115,15 +110,13 @@ fn a_peer_reads_and_writes_once_granted_and_is_refused_before() {
     );
 }
 
-#[test]
-#[ignore = "helper: run in a child process by a_peer_reads_and_writes_once_granted_and_is_refused_before"]
 fn child_peer_read_without_access() {
     assert_eq!(
         std::env::var("VMMBUF_PEER_CHILD").as_deref(),
         Ok("1"),
         "run only as the peer test's child"
     );
-    let (b0, b1) = two_gpus().expect("the parent saw two GPUs");
+    let (b0, b1) = two_gpus();
     let (k0, k1) = (Kernels::load(&b0), Kernels::load(&b1));
     let buf = GrowableBuffer::new(b0.clone(), BufferDesc::new(1 << 30)).unwrap();
     buf.grow_to(WORDS as usize * 4).unwrap();

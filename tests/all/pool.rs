@@ -6,14 +6,9 @@ use crate::common::{assert_consistent, contents, random_bytes};
 use crate::fault::{FaultBackend, TestFence};
 use vmmbuf::{Backend, BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, PoolDesc};
 
-crate::for_each_backend!(pool:
-    pooled_chunks_are_reused_across_buffers,
-    regrowth_after_shrink_takes_pooled_chunks,
-    the_pool_sheds_past_its_high_watermark,
-    out_of_memory_drains_the_pool_and_retries_once,
-    deferred_release_waits_for_its_fence,
-    deferred_release_never_frees_what_was_regrown,
-);
+crate::register! {
+    generic: [pooled_chunks_are_reused_across_buffers, regrowth_after_shrink_takes_pooled_chunks, the_pool_sheds_past_its_high_watermark, out_of_memory_drains_the_pool_and_retries_once, deferred_release_waits_for_its_fence, deferred_release_never_frees_what_was_regrown],
+}
 
 fn pooled_chunks_are_reused_across_buffers<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
@@ -46,7 +41,8 @@ fn pooled_chunks_are_reused_across_buffers<B: Backend>(backend: Arc<B>) {
     let data = random_bytes(1, 10 * g);
     b.write(0, &data).unwrap();
     assert!(contents(&b) == data);
-    b.shrink_to(0).unwrap();
+    b.truncate(0);
+    b.shrink_to_fit().unwrap();
     assert_eq!(pool.stats().pooled_chunks, 10);
     pool.trim().unwrap();
     assert_eq!(pool.stats().pooled_bytes, 0);
@@ -69,15 +65,16 @@ fn regrowth_after_shrink_takes_pooled_chunks<B: Backend>(backend: Arc<B>) {
     for &s in &steps {
         buf.grow_to(s).unwrap();
     }
-    let chunks = buf.chunks();
+    let chunks = buf.chunk_count();
     let created = backend.live().chunks - baseline.chunks;
-    buf.shrink_to(0).unwrap();
+    buf.truncate(0);
+    buf.shrink_to_fit().unwrap();
     assert_eq!(pool.stats().pooled_chunks, chunks);
     for &s in &steps {
         let grows = buf.stats().grows;
         buf.grow_to(s).unwrap();
         if buf.stats().grows > grows {
-            let bound = buf.policy().overcommit_bound(g, s);
+            let bound = crate::common::overcommit_bound(buf.growth_policy(), g, s);
             assert!(
                 buf.capacity() - s < bound,
                 "pooled chunks kept over-commit in bound\n{}",
@@ -112,7 +109,8 @@ fn the_pool_sheds_past_its_high_watermark<B: Backend>(backend: Arc<B>) {
         GrowableBuffer::with_pool(&pool, BufferDesc::new(64 * g).growth(GrowthPolicy::Exact))
             .unwrap();
     buf.grow_to(6 * g).unwrap();
-    buf.shrink_to(0).unwrap();
+    buf.truncate(0);
+    buf.shrink_to_fit().unwrap();
     // The 5th chunk back takes the pool to 5g > 4g: it sheds to 2g (3
     // released); the 6th takes it to 3g, under the high mark.
     let s = pool.stats();
@@ -145,13 +143,13 @@ fn out_of_memory_drains_the_pool_and_retries_once<B: Backend>(real: Arc<B>) {
         (1, 0, 2),
         "{s}"
     );
-    assert_eq!(buf.chunks(), 3);
+    assert_eq!(buf.chunk_count(), 3);
     assert_consistent(&buf, baseline);
     // Out of memory with an empty pool is returned as it is.
     fb.fail_nth(1);
     let e = buf.grow_to(4 * g).unwrap_err();
     assert!(e.is_transient(), "{e}");
-    assert_eq!(buf.chunks(), 3);
+    assert_eq!(buf.chunk_count(), 3);
     assert_consistent(&buf, baseline);
 }
 
@@ -169,7 +167,8 @@ fn deferred_release_waits_for_its_fence<B: Backend>(real: Arc<B>) {
     buf.write(0, &data).unwrap();
     let fence = TestFence::default();
     let calls = fb.injected();
-    buf.shrink_to_after(3 * g, fence.clone()).unwrap();
+    buf.truncate(3 * g);
+    buf.shrink_to_fit_after(fence.clone()).unwrap();
     assert_eq!(buf.len(), 3 * g);
     assert_eq!(
         buf.capacity(),
@@ -189,7 +188,8 @@ fn deferred_release_waits_for_its_fence<B: Backend>(real: Arc<B>) {
     // A fence that has already passed releases at once.
     let done = TestFence::default();
     done.pass();
-    buf.shrink_to_after(g, done).unwrap();
+    buf.truncate(g);
+    buf.shrink_to_fit_after(done).unwrap();
     assert_eq!(buf.capacity(), g);
     assert_consistent(&buf, baseline);
 }
@@ -205,13 +205,15 @@ fn deferred_release_never_frees_what_was_regrown<B: Backend>(real: Arc<B>) {
     .unwrap();
     buf.grow_to(8 * g).unwrap();
     let f1 = TestFence::default();
-    buf.shrink_to_after(2 * g, f1.clone()).unwrap();
+    buf.truncate(2 * g);
+    buf.shrink_to_fit_after(f1.clone()).unwrap();
     // Regrow into the still-mapped tail before the fence passes: work after
     // the fence may now use bytes up to 6g.
     buf.grow_to(6 * g).unwrap();
     assert_eq!(buf.capacity(), 8 * g, "regrowth reused the mapped tail");
     let f2 = TestFence::default();
-    buf.shrink_to_after(g, f2.clone()).unwrap();
+    buf.truncate(g);
+    buf.shrink_to_fit_after(f2.clone()).unwrap();
     f1.pass();
     buf.reclaim().unwrap();
     assert_eq!(
@@ -224,9 +226,10 @@ fn deferred_release_never_frees_what_was_regrown<B: Backend>(real: Arc<B>) {
     assert_eq!(buf.capacity(), g);
     assert_consistent(&buf, baseline);
     // trim() forces what is still pending.
-    buf.shrink_to_after(0, TestFence::default()).unwrap();
+    buf.truncate(0);
+    buf.shrink_to_fit_after(TestFence::default()).unwrap();
     assert_eq!(buf.capacity(), g);
-    buf.trim().unwrap();
+    buf.shrink_to_fit().unwrap();
     assert_eq!(buf.capacity(), 0);
     drop(buf);
     assert_eq!(fb.live(), baseline);

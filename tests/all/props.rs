@@ -8,6 +8,11 @@ use proptest::prelude::*;
 use crate::common::{assert_consistent, contents, random_bytes};
 use vmmbuf::{Backend, BufferDesc, GrowableBuffer, GrowthPolicy};
 
+crate::register! {
+    host: [host_matches_a_vec_model],
+    gpu: [cuda_matches_a_vec_model],
+}
+
 #[derive(Clone, Debug)]
 enum Op {
     Grow(usize),
@@ -61,15 +66,16 @@ fn run<B: Backend>(backend: Arc<B>, policy: GrowthPolicy, ops: &[Op]) {
             }
             Op::Truncate(f) => {
                 let to = (model.len() as f64 * f) as usize;
-                buf.truncate(to).unwrap();
+                buf.truncate(to);
                 model.truncate(to);
             }
             Op::ShrinkTo(f) => {
                 let to = (model.len() as f64 * f) as usize;
-                buf.shrink_to(to).unwrap();
+                buf.truncate(to);
+                buf.shrink_to_fit().unwrap();
                 model.truncate(to);
             }
-            Op::Trim => buf.trim().unwrap(),
+            Op::Trim => buf.shrink_to_fit().unwrap(),
             Op::Write { at, len, seed } => {
                 if model.is_empty() {
                     continue;
@@ -92,7 +98,7 @@ fn run<B: Backend>(backend: Arc<B>, policy: GrowthPolicy, ops: &[Op]) {
         assert_eq!(buf.len(), model.len());
         assert!(buf.capacity() >= buf.len());
         if buf.stats().grows > grows {
-            let bound = buf.policy().overcommit_bound(g, buf.len());
+            let bound = crate::common::overcommit_bound(buf.growth_policy(), g, buf.len());
             assert!(
                 buf.capacity() - buf.len() < bound,
                 "over-commit past the policy's bound after {op:?}"
@@ -122,9 +128,7 @@ fn cases() -> u32 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
-    #[test]
     fn host_matches_a_vec_model(policy in policy(), ops in prop::collection::vec(op(), 1..40)) {
-        let _g = crate::common::serial();
         run(crate::common::host(), policy, &ops);
     }
 }
@@ -132,10 +136,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases().min(24), ..ProptestConfig::default() })]
 
-    #[test]
     fn cuda_matches_a_vec_model(policy in policy(), ops in prop::collection::vec(op(), 1..40)) {
-        let _g = crate::common::serial();
-        if let Some(b) = crate::common::gpu() {
+        { let b = crate::common::gpu();
             run(b, policy, &ops);
         }
     }

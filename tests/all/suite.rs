@@ -6,16 +6,9 @@ use std::sync::Arc;
 use crate::common::{assert_consistent, contents, random_bytes};
 use vmmbuf::{Backend, BufferDesc, Error, GrowableBuffer, GrowthPolicy, LiveCounts};
 
-crate::for_each_backend!(suite:
-    grow_keeps_data_and_base,
-    truncate_keeps_trim_releases,
-    policies_size_chunks_as_documented,
-    concurrent_growth_through_shared_ref,
-    reservation_is_a_hard_limit,
-    stats_and_report_follow_operations,
-    drop_gives_everything_back,
-    claims_are_aligned_and_disjoint,
-);
+crate::register! {
+    generic: [grow_keeps_data_and_base, truncate_keeps_trim_releases, policies_size_chunks_as_documented, concurrent_growth_through_shared_ref, reservation_is_a_hard_limit, stats_and_report_follow_operations, drop_gives_everything_back, claims_are_aligned_and_disjoint],
+}
 
 fn policies() -> [GrowthPolicy; 3] {
     [
@@ -69,12 +62,12 @@ fn truncate_keeps_trim_releases<B: Backend>(backend: Arc<B>) {
     buf.grow_to(10 * g + 5).unwrap();
     let data = random_bytes(7, 10 * g + 5);
     buf.write(0, &data).unwrap();
-    assert_eq!(buf.chunks(), 11);
+    assert_eq!(buf.chunk_count(), 11);
 
-    buf.truncate(3 * g + 1).unwrap();
+    buf.truncate(3 * g + 1);
     assert_eq!(buf.capacity(), 11 * g, "truncate keeps the chunks");
     assert_eq!(backend.live().chunks, baseline.chunks + 11);
-    buf.trim().unwrap();
+    buf.shrink_to_fit().unwrap();
     assert_eq!(
         buf.capacity(),
         4 * g,
@@ -96,11 +89,13 @@ fn truncate_keeps_trim_releases<B: Backend>(backend: Arc<B>) {
     buf.read(0, &mut head).unwrap();
     assert!(head == data[..3 * g + 1]);
 
-    buf.shrink_to(0).unwrap();
-    assert_eq!((buf.len(), buf.capacity(), buf.chunks()), (0, 0, 0));
+    buf.truncate(0);
+
+    buf.shrink_to_fit().unwrap();
+    assert_eq!((buf.len(), buf.capacity(), buf.chunk_count()), (0, 0, 0));
     assert_eq!(backend.live().chunks, baseline.chunks);
     assert_eq!(backend.live().mapped_bytes, baseline.mapped_bytes);
-    buf.trim().unwrap(); // nothing left to do
+    buf.shrink_to_fit().unwrap(); // nothing left to do
     drop(buf);
     assert_eq!(backend.live(), baseline);
 }
@@ -113,7 +108,7 @@ fn policies_size_chunks_as_documented<B: Backend>(backend: Arc<B>) {
         let grows = buf.stats().grows;
         buf.grow_to(step * g).unwrap();
         if buf.stats().grows > grows {
-            let bound = buf.policy().overcommit_bound(g, buf.len());
+            let bound = crate::common::overcommit_bound(buf.growth_policy(), g, buf.len());
             assert!(
                 buf.capacity() - buf.len() < bound,
                 "step {step}: {}",
@@ -121,7 +116,7 @@ fn policies_size_chunks_as_documented<B: Backend>(backend: Arc<B>) {
             );
         }
     }
-    let n = buf.chunks();
+    let n = buf.chunk_count();
     assert!(
         n <= 40,
         "{n} mappings for 256 granules: not logarithmic\n{}",
@@ -141,14 +136,17 @@ fn policies_size_chunks_as_documented<B: Backend>(backend: Arc<B>) {
     .unwrap();
     buf.grow_to(5 * g - 1).unwrap();
     assert!(buf.report().chunks.iter().all(|c| c.bytes == g));
-    assert_eq!(buf.chunks(), 5);
+    assert_eq!(buf.chunk_count(), 5);
     drop(buf);
     // Fixed: rounded up to the granularity.
     let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Fixed {
         chunk_bytes: 2 * g + 1,
     });
     let buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
-    assert_eq!(buf.policy(), GrowthPolicy::Fixed { chunk_bytes: 3 * g });
+    assert_eq!(
+        buf.growth_policy(),
+        GrowthPolicy::Fixed { chunk_bytes: 3 * g }
+    );
     buf.grow_to(7 * g).unwrap();
     assert!(buf.report().chunks.iter().all(|c| c.bytes == 3 * g));
     assert_eq!(buf.capacity(), 9 * g);
@@ -237,7 +235,7 @@ fn reservation_is_a_hard_limit<B: Backend>(backend: Arc<B>) {
     buf.grow_to(g).unwrap();
     let data = random_bytes(3, g);
     buf.write(0, &data).unwrap();
-    let before = (buf.len(), buf.capacity(), buf.chunks(), backend.live());
+    let before = (buf.len(), buf.capacity(), buf.chunk_count(), backend.live());
     for bad in [4 * g + 1, usize::MAX] {
         match buf.grow_to(bad) {
             Err(Error::ReservationExhausted {
@@ -255,7 +253,7 @@ fn reservation_is_a_hard_limit<B: Backend>(backend: Arc<B>) {
     ));
     assert_eq!(
         before,
-        (buf.len(), buf.capacity(), buf.chunks(), backend.live())
+        (buf.len(), buf.capacity(), buf.chunk_count(), backend.live())
     );
     assert!(contents(&buf) == data);
     buf.grow_to(4 * g).unwrap();
@@ -279,7 +277,8 @@ fn stats_and_report_follow_operations<B: Backend>(backend: Arc<B>) {
     buf.grow_to(3 * g).unwrap();
     buf.grow_to(2 * g).unwrap(); // no-op
     buf.grow_to(5 * g).unwrap();
-    buf.shrink_to(g).unwrap();
+    buf.truncate(g);
+    buf.shrink_to_fit().unwrap();
     let s = buf.stats();
     assert_eq!(s.reserved_bytes, 64 * g);
     assert_eq!((s.in_use_bytes, s.mapped_bytes, s.chunks), (g, g, 1));

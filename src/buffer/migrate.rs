@@ -1,4 +1,4 @@
-//! Placement, migration and access control of existing chunks.
+//! Placement and migration of existing chunks.
 //!
 //! On VMM memory `cuMemAdvise` and `cuMemPrefetchAsync` do not work (they
 //! answer INVALID_VALUE): where a chunk lives is fixed when it is created. So
@@ -6,13 +6,12 @@
 //! through a temporary mapping (stream-ordered), wait for users of the old
 //! chunk, remap the new one at the same address, set access, release the old
 //! one. Every address stays valid throughout.
-#![deny(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use super::GrowableBuffer;
 use crate::backend::Backend;
-use crate::buffer::GrowableBuffer;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 
@@ -67,6 +66,7 @@ impl MigrationPlan {
 
 /// What a migration did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MigrationReport {
     /// Chunks that changed placement.
     pub chunks_moved: usize,
@@ -74,11 +74,11 @@ pub struct MigrationReport {
     pub bytes_moved: usize,
 }
 
-/// A chunk swapped during a migration: its index, and the old chunk with its
+/// A chunk swapped during a migration: its offset, and the old chunk with its
 /// old placement and access, kept until the whole plan has succeeded.
 type Swapped<C> = (usize, C, Location, std::sync::Arc<[AccessDesc]>);
 
-fn check_range(range: &Range<usize>) -> Result<()> {
+pub(super) fn check_range(range: &Range<usize>) -> Result<()> {
     if range.start >= range.end {
         return Err(Error::invalid(format!("empty or reversed range {range:?}")));
     }
@@ -108,11 +108,19 @@ impl<B: Backend> GrowableBuffer<B> {
         Ok(())
     }
 
-    /// Sets the policy for chunks created from now on, everywhere in the buffer.
-    pub fn set_policy(&mut self, policy: MigrationPolicy) -> Result<()> {
+    /// The migration policy set for the whole buffer: where new chunks go.
+    pub fn migration_policy(&self) -> MigrationPolicy {
+        self.migration_policy
+    }
+
+    /// Sets the migration policy for chunks created from now on, everywhere
+    /// in the buffer (existing chunks stay where they are: see
+    /// [`apply_migration_policy`](Self::apply_migration_policy)).
+    pub fn set_migration_policy(&mut self, policy: MigrationPolicy) -> Result<()> {
         let to = self.placement_of(policy);
         self.check_placement(to)?;
         self.placement = to;
+        self.migration_policy = policy;
         self.range_placements.clear();
         Ok(())
     }
@@ -121,7 +129,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// chunks: a chunk is the unit of placement and access) and to chunks
     /// created there later: migrates them, or for
     /// [`MigrationPolicy::ReadMostly`], seals them read-only.
-    pub fn apply_policy(
+    pub fn apply_migration_policy(
         &mut self,
         range: Range<usize>,
         policy: MigrationPolicy,
@@ -185,19 +193,18 @@ impl<B: Backend> GrowableBuffer<B> {
     pub fn execute(&mut self, plan: &MigrationPlan) -> Result<MigrationReport> {
         let backend = self.backend().clone();
         let home = backend.home();
+        // Chunk offset -> where it goes.
         let mut targets: BTreeMap<usize, Location> = BTreeMap::new();
         {
             let g = self.inner.lock();
             for (range, to) in plan.moves() {
                 check_range(range)?;
                 self.check_placement(*to)?;
-                for (i, e) in g.chunks.iter().enumerate() {
-                    if e.offset < range.end && e.offset + e.bytes > range.start {
-                        targets.insert(i, *to);
-                    }
+                for (o, _) in g.table.overlapping(range.clone()) {
+                    targets.insert(o, *to);
                 }
             }
-            targets.retain(|&i, to| g.chunks[i].placement != *to);
+            targets.retain(|o, to| g.table.get(*o).is_some_and(|e| e.placement != *to));
         }
         if targets.is_empty() {
             return Ok(MigrationReport::default());
@@ -205,25 +212,24 @@ impl<B: Backend> GrowableBuffer<B> {
         let _span = tracing::debug_span!("vmmbuf.migrate", chunks = targets.len()).entered();
         let mut guard = self.inner.lock();
         let g = &mut *guard;
-        let total: usize = targets.keys().map(|&i| g.chunks[i].bytes).sum();
+        let size_of = |g: &super::Inner<B>, o: usize| g.table.get(o).map_or(0, |e| e.bytes);
+        let total: usize = targets.keys().map(|&o| size_of(g, o)).sum();
 
         // Phase A: new chunks at a temporary address, data copied there.
         let mut tmp = backend.reserve(total, self.granularity())?;
-        let mut staged: Vec<(usize, B::Chunk, Location)> = Vec::with_capacity(targets.len());
+        let mut staged: Vec<(usize, usize, B::Chunk, Location)> = Vec::with_capacity(targets.len());
         let mut tmp_mapped = 0usize;
         let staging = (|| {
-            for (&i, &to) in &targets {
-                let (offset, bytes) = (g.chunks[i].offset, g.chunks[i].bytes);
+            for (&offset, &to) in &targets {
+                let bytes = size_of(g, offset);
                 // A pooled chunk of the size, at the target, if there is one.
-                let pooled = self
-                    .pool()
-                    .and_then(|p| p.take(to, Some(bytes), bytes, bytes));
+                let pooled = self.pool().and_then(|p| p.take_exact(to, bytes));
                 let chunk = match pooled {
-                    Some((c, _)) => c,
+                    Some(c) => c,
                     None => backend.create(bytes, to)?,
                 };
                 backend.map(&mut tmp, tmp_mapped, &chunk)?;
-                staged.push((i, chunk, to));
+                staged.push((offset, bytes, chunk, to));
                 let at = tmp_mapped;
                 tmp_mapped += bytes;
                 backend.set_access(
@@ -247,8 +253,8 @@ impl<B: Backend> GrowableBuffer<B> {
                 let _ = backend.unmap(&mut tmp, 0, tmp_mapped);
             }
             let _ = backend.free(tmp);
-            for (i, chunk, to) in staged {
-                let _ = self.dispose(chunk, g.chunks[i].bytes, to); // logged inside
+            for (_, bytes, chunk, to) in staged {
+                let _ = self.dispose(chunk, bytes, to); // logged inside
             }
             tracing::debug!(error = %e, "vmmbuf: migration staging failed; nothing moved");
             return Err(e);
@@ -262,52 +268,58 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut report = MigrationReport::default();
         let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
         let mut staged = staged.into_iter();
-        while let Some((i, new, to)) = staged.next() {
-            let (offset, bytes) = (g.chunks[i].offset, g.chunks[i].bytes);
+        while let Some((offset, bytes, new, to)) = staged.next() {
             let access = self.access_for(to);
             let swapped = Self::swap_in(&*backend, g.res(), offset, bytes, &new, &access);
             if let Err((e, stage)) = swapped {
                 // This chunk: put the old one back.
                 let res = g.res.as_mut().expect("the reservation lives until drop");
+                let old = g.table.get(offset).expect("a staged chunk is in the table");
                 Self::undo_swap(
                     &*backend,
                     res,
                     offset,
                     bytes,
-                    &g.chunks[i].chunk,
-                    &g.chunks[i].access,
+                    &old.chunk,
+                    &old.access,
                     stage,
                 );
                 let _ = self.dispose(new, bytes, to);
-                for (j, c, t) in staged {
-                    let _ = self.dispose(c, g.chunks[j].bytes, t);
+                for (_, b, c, t) in staged {
+                    let _ = self.dispose(c, b, t);
                 }
                 // The chunks already swapped: back to their old chunks.
-                for (j, old, old_place, old_access) in done.into_iter().rev() {
-                    let (offset, bytes) = (g.chunks[j].offset, g.chunks[j].bytes);
+                for (o, old, old_place, old_access) in done.into_iter().rev() {
+                    let bytes = size_of(g, o);
                     let res = g.res.as_mut().expect("the reservation lives until drop");
-                    Self::undo_swap(&*backend, res, offset, bytes, &old, &old_access, 2);
-                    let e = &mut g.chunks[j];
+                    Self::undo_swap(&*backend, res, o, bytes, &old, &old_access, 2);
+                    g.table.set_placement(o, old_place);
+                    let e = g.table.get_mut(o).expect("a swapped chunk is in the table");
                     let new = std::mem::replace(&mut e.chunk, old);
-                    let new_place = std::mem::replace(&mut e.placement, old_place);
                     e.access = old_access;
+                    let new_place = *targets.get(&o).expect("a swapped chunk had a target");
                     let _ = self.dispose(new, bytes, new_place);
                 }
                 tracing::debug!(error = %e, "vmmbuf: migration failed and was undone");
                 return Err(e);
             }
-            let e = &mut g.chunks[i];
+            let e = g
+                .table
+                .get_mut(offset)
+                .expect("a staged chunk is in the table");
             let old = std::mem::replace(&mut e.chunk, new);
-            let old_place = std::mem::replace(&mut e.placement, to);
             let old_access = std::mem::replace(&mut e.access, access);
-            done.push((i, old, old_place, old_access));
+            let old_place = e.placement;
+            g.table.set_placement(offset, to);
+            done.push((offset, old, old_place, old_access));
             report.chunks_moved += 1;
             report.bytes_moved += bytes;
         }
         // Every swap succeeded: the old chunks go (to the pool, if any).
-        for (i, old, old_place, _) in done {
-            let _ = self.dispose(old, g.chunks[i].bytes, old_place); // logged inside
+        for (o, old, old_place, _) in done {
+            let _ = self.dispose(old, size_of(g, o), old_place); // logged inside
         }
+        g.debug_check();
         g.stats.chunks_migrated_total += report.chunks_moved as u64;
         tracing::debug!(
             chunks = report.chunks_moved,
@@ -358,164 +370,5 @@ impl<B: Backend> GrowableBuffer<B> {
                 tracing::error!(error = %r, offset, "vmmbuf: could not put a chunk back after a failed migration");
             }
         }
-    }
-
-    /// Sets `location`'s access to the chunks touching `range` (rounded out
-    /// to whole chunks), leaving other locations' access as it is. Waits for
-    /// the GPU first, since narrowing access under a running kernel faults it.
-    ///
-    /// [`Error::Unsupported`] for host access to GPU-placed chunks (the driver
-    /// refuses it). On error, the chunks before the failing one have the new
-    /// access and the rest the old.
-    pub fn set_access(
-        &mut self,
-        range: Range<usize>,
-        location: Location,
-        access: Access,
-    ) -> Result<()> {
-        check_range(&range)?;
-        {
-            let g = self.inner.lock();
-            for e in g
-                .chunks
-                .iter()
-                .filter(|e| e.offset < range.end && e.offset + e.bytes > range.start)
-            {
-                if location == Location::Host
-                    && e.placement != Location::Host
-                    && access != Access::None
-                {
-                    return Err(Error::Unsupported {
-                        what: format!(
-                            "host access to the chunk at {:#x}, placed on {}",
-                            e.offset, e.placement
-                        ),
-                    });
-                }
-            }
-        }
-        self.update_access(range, |list, placement| {
-            let mut v: Vec<AccessDesc> = list
-                .iter()
-                .filter(|d| d.location != location)
-                .copied()
-                .collect();
-            // The driver refuses host descriptors on GPU chunks; there, no
-            // entry already means no access.
-            if location != Location::Host || placement == Location::Host {
-                v.push(AccessDesc::new(location, access));
-            }
-            v
-        })
-    }
-
-    /// Undoes [`MigrationPolicy::ReadMostly`] on the chunks touching `range`:
-    /// every location gets back the access the buffer grants.
-    pub fn make_writable(&mut self, range: Range<usize>) -> Result<()> {
-        check_range(&range)?;
-        let grants = self.grants.clone();
-        self.update_access(range, |list, placement| {
-            // What the buffer grants for this placement, plus any location
-            // given access beyond the grants (kept as it is).
-            let mut v: Vec<AccessDesc> = grants
-                .iter()
-                .filter(|d| d.location != Location::Host || placement == Location::Host)
-                .copied()
-                .collect();
-            v.extend(
-                list.iter()
-                    .filter(|d| !grants.iter().any(|g| g.location == d.location)),
-            );
-            v
-        })
-    }
-
-    fn restrict(&mut self, range: Range<usize>, f: impl Fn(Access) -> Access) -> Result<()> {
-        self.update_access(range, |list, _| {
-            list.iter()
-                .map(|d| AccessDesc::new(d.location, f(d.access)))
-                .collect()
-        })
-    }
-
-    /// Gives GPU `device` read-write access to every chunk, now and for new
-    /// chunks, after checking that it can reach this buffer's device.
-    pub fn add_peer(&mut self, device: u32) -> Result<()> {
-        let backend = self.backend().clone();
-        let Location::Device(home) = backend.home() else {
-            return backend.can_access_peer(device, device).map(|_| ());
-        };
-        if !backend.can_access_peer(device, home)? {
-            return Err(Error::Unsupported {
-                what: format!("gpu{device} cannot access gpu{home}'s memory"),
-            });
-        }
-        if self
-            .grants
-            .iter()
-            .any(|d| d.location == Location::Device(device))
-        {
-            return Ok(());
-        }
-        self.grants
-            .push(AccessDesc::new(Location::Device(device), Access::ReadWrite));
-        let cap = self.capacity();
-        if cap == 0 {
-            return Ok(());
-        }
-        let r = self.update_access(0..cap, |list, _| {
-            let mut v: Vec<AccessDesc> = list
-                .iter()
-                .filter(|d| d.location != Location::Device(device))
-                .copied()
-                .collect();
-            v.push(AccessDesc::new(Location::Device(device), Access::ReadWrite));
-            v
-        });
-        if r.is_err() {
-            self.grants.pop();
-        }
-        r
-    }
-
-    /// Rewrites the access list of every chunk touching `range` with `f`, one
-    /// driver call per run of chunks with equal new lists.
-    fn update_access(
-        &mut self,
-        range: Range<usize>,
-        f: impl Fn(&[AccessDesc], Location) -> Vec<AccessDesc>,
-    ) -> Result<()> {
-        let backend = self.backend().clone();
-        let mut guard = self.inner.lock();
-        let g = &mut *guard;
-        let idx: Vec<usize> = (0..g.chunks.len())
-            .filter(|&i| {
-                g.chunks[i].offset < range.end
-                    && g.chunks[i].offset + g.chunks[i].bytes > range.start
-            })
-            .collect();
-        if idx.is_empty() {
-            return Ok(());
-        }
-        let lists: Vec<std::sync::Arc<[AccessDesc]>> = idx
-            .iter()
-            .map(|&i| f(&g.chunks[i].access, g.chunks[i].placement).into())
-            .collect();
-        backend.synchronize()?;
-        let mut k = 0;
-        while k < idx.len() {
-            let mut end = k + 1;
-            while end < idx.len() && lists[end] == lists[k] {
-                end += 1;
-            }
-            let offset = g.chunks[idx[k]].offset;
-            let bytes: usize = idx[k..end].iter().map(|&i| g.chunks[i].bytes).sum();
-            backend.set_access(g.res(), offset, bytes, &lists[k])?;
-            for j in k..end {
-                g.chunks[idx[j]].access = lists[j].clone();
-            }
-            k = end;
-        }
-        Ok(())
     }
 }

@@ -1,0 +1,380 @@
+//! The thin layer: one function per CUDA driver call vmmbuf makes, turning
+//! each `CUresult` into [`Error`]. The only place in vmmbuf that calls the
+//! driver (through `cudarc::driver::sys`, or cudarc's own thin `result` and
+//! safe layers for contexts, streams and events).
+//!
+//! As in cudarc's `result` layer, a call whose arguments cannot make it touch
+//! memory it should not is a safe `fn`; a call that trusts a pointer, a
+//! handle or a mapping is an `unsafe fn` whose `# Safety` says what the
+//! caller guarantees.
+#![allow(unsafe_code)]
+
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+
+use cudarc::driver::result::device;
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DriverError};
+
+use crate::error::{Error, Result};
+use crate::location::Access;
+
+/// Turns a driver result into vmmbuf's error, naming the call. Out of memory
+/// is [`Error::OutOfMemory`] (transient), with the bytes the call asked for.
+fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result<()> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(Error::OutOfMemory {
+            call,
+            requested_bytes,
+        }),
+        other => Err(Error::Driver {
+            call,
+            source: DriverError(other),
+        }),
+    }
+}
+
+/// Maps an error of cudarc's own layers, naming the call.
+fn cudarc_err(call: &'static str) -> impl Fn(DriverError) -> Error {
+    move |e| match check(call, e.0, 0) {
+        Err(e) => e,
+        Ok(()) => Error::Driver { call, source: e },
+    }
+}
+
+/// True if the driver library can be loaded. Never panics (cudarc's lazy
+/// loader would, on the first call, without a library).
+pub(crate) fn driver_present() -> bool {
+    // SAFETY: loading the system's CUDA driver library runs only its own
+    // initialisers, the same load cudarc performs on its first call.
+    unsafe { sys::is_culib_present() }
+}
+
+/// `cuInit(0)`.
+pub(crate) fn init() -> Result<()> {
+    cudarc::driver::result::init().map_err(cudarc_err("cuInit"))
+}
+
+/// `cuDeviceGetCount`.
+pub(crate) fn device_count() -> Result<u32> {
+    device::get_count()
+        .map(|n| n.max(0) as u32)
+        .map_err(cudarc_err("cuDeviceGetCount"))
+}
+
+/// `cuDeviceGet`.
+pub(crate) fn device_get(ordinal: u32) -> Result<sys::CUdevice> {
+    device::get(ordinal as i32).map_err(cudarc_err("cuDeviceGet"))
+}
+
+/// `cuDeviceGetAttribute`.
+///
+/// # Safety
+/// `dev` comes from [`device_get`].
+pub(crate) unsafe fn device_attribute(
+    dev: sys::CUdevice,
+    attr: sys::CUdevice_attribute,
+) -> Result<i32> {
+    // SAFETY: forwarded to the caller.
+    unsafe { device::get_attribute(dev, attr) }.map_err(cudarc_err("cuDeviceGetAttribute"))
+}
+
+/// `cuDeviceGetName`.
+pub(crate) fn device_name(dev: sys::CUdevice) -> Result<String> {
+    device::get_name(dev).map_err(cudarc_err("cuDeviceGetName"))
+}
+
+/// `cuDeviceTotalMem`.
+///
+/// # Safety
+/// `dev` comes from [`device_get`].
+pub(crate) unsafe fn device_total_mem(dev: sys::CUdevice) -> Result<usize> {
+    // SAFETY: forwarded to the caller.
+    unsafe { device::total_mem(dev) }.map_err(cudarc_err("cuDeviceTotalMem"))
+}
+
+/// `cuDriverGetVersion`.
+pub(crate) fn driver_version() -> Result<i32> {
+    let mut v = 0;
+    // SAFETY: a valid out-pointer.
+    check(
+        "cuDriverGetVersion",
+        unsafe { sys::cuDriverGetVersion(&mut v) },
+        0,
+    )?;
+    Ok(v)
+}
+
+/// `cuDeviceCanAccessPeer`.
+///
+/// # Safety
+/// Both handles come from [`device_get`].
+pub(crate) unsafe fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+    let mut can = 0;
+    // SAFETY: a valid out-pointer; the handles are valid (caller).
+    check(
+        "cuDeviceCanAccessPeer",
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) },
+        0,
+    )?;
+    Ok(can != 0)
+}
+
+/// `cuCtxCreate` on the primary context, through cudarc.
+pub(crate) fn context(ordinal: u32) -> Result<Arc<CudaContext>> {
+    CudaContext::new(ordinal as usize).map_err(cudarc_err("cuDevicePrimaryCtxRetain"))
+}
+
+/// `cuDeviceGetAttribute` for a context's device.
+pub(crate) fn context_attribute(ctx: &CudaContext, attr: sys::CUdevice_attribute) -> Result<i32> {
+    ctx.attribute(attr)
+        .map_err(cudarc_err("cuDeviceGetAttribute"))
+}
+
+/// `cuCtxSetCurrent`: makes `ctx` current on this thread.
+pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread().map_err(cudarc_err("cuCtxSetCurrent"))
+}
+
+/// `cuCtxSynchronize`: waits for all work in `ctx`.
+pub(crate) fn synchronize(ctx: &CudaContext) -> Result<()> {
+    ctx.synchronize().map_err(cudarc_err("cuCtxSynchronize"))
+}
+
+/// `cuStreamCreate`, through cudarc.
+pub(crate) fn new_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
+    ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))
+}
+
+/// `cuEventRecord` of a new event on `stream`.
+pub(crate) fn record_event(stream: &CudaStream) -> Result<CudaEvent> {
+    stream
+        .record_event(None)
+        .map_err(cudarc_err("cuEventRecord"))
+}
+
+/// `cuEventQuery`: true once the work before the event has finished.
+pub(crate) fn event_done(event: &CudaEvent) -> Result<bool> {
+    event.try_is_complete().map_err(cudarc_err("cuEventQuery"))
+}
+
+/// `cuMemGetInfo`: `(free, total)` bytes of the current context's device.
+pub(crate) fn mem_info() -> Result<(usize, usize)> {
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: two valid out-pointers; without a current context the driver
+    // returns an error.
+    check(
+        "cuMemGetInfo",
+        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+        0,
+    )?;
+    Ok((free, total))
+}
+
+/// `CUmemLocation` changed its source form (an anonymous union) at CUDA 13.2
+/// while keeping its layout: `{ type, int id }`. This mirror builds it the
+/// same way whichever bindings cudarc picked.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RawLocation {
+    type_: sys::CUmemLocationType,
+    id: std::ffi::c_int,
+}
+
+const _: () =
+    assert!(std::mem::size_of::<RawLocation>() == std::mem::size_of::<sys::CUmemLocation>());
+const _: () =
+    assert!(std::mem::align_of::<RawLocation>() == std::mem::align_of::<sys::CUmemLocation>());
+
+/// A `CUmemLocation` of `type_` and `id`.
+pub(crate) fn location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+    // SAFETY: same size and alignment (asserted above), same field order and
+    // types as the driver's `CUmemLocation` in every CUDA version; both are
+    // plain `Copy` data.
+    unsafe { std::mem::transmute::<RawLocation, sys::CUmemLocation>(RawLocation { type_, id }) }
+}
+
+/// The driver's flags for an [`Access`].
+pub(crate) fn access_flags(a: Access) -> sys::CUmemAccess_flags {
+    match a {
+        Access::None => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+        Access::Read => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+        Access::ReadWrite => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+/// Properties of a pinned allocation at `location`, no handle types.
+pub(crate) fn allocation_prop(location: sys::CUmemLocation) -> sys::CUmemAllocationProp {
+    // SAFETY: `CUmemAllocationProp` is plain C data for which all-zero is the
+    // driver's documented default (no handle types, no flags).
+    let mut prop: sys::CUmemAllocationProp = unsafe { MaybeUninit::zeroed().assume_init() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = location;
+    prop
+}
+
+/// `cuMemGetAllocationGranularity`.
+pub(crate) fn allocation_granularity(
+    prop: &sys::CUmemAllocationProp,
+    flag: sys::CUmemAllocationGranularity_flags,
+) -> Result<usize> {
+    let mut g = 0usize;
+    // SAFETY: a valid out-pointer and a fully initialised property struct.
+    check(
+        "cuMemGetAllocationGranularity",
+        unsafe { sys::cuMemGetAllocationGranularity(&mut g, prop, flag) },
+        0,
+    )?;
+    Ok(g)
+}
+
+/// `cuMemAddressReserve` of `bytes` aligned to `align`, no hint, no flags.
+pub(crate) fn address_reserve(bytes: usize, align: usize) -> Result<sys::CUdeviceptr> {
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer; reserving address space touches no memory.
+    check(
+        "cuMemAddressReserve",
+        unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) },
+        bytes,
+    )?;
+    Ok(ptr)
+}
+
+/// `cuMemAddressFree`.
+///
+/// # Safety
+/// `(ptr, bytes)` is exactly one live reservation, with nothing mapped in it,
+/// that nothing will use again.
+pub(crate) unsafe fn address_free(ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    check(
+        "cuMemAddressFree",
+        unsafe { sys::cuMemAddressFree(ptr, bytes) },
+        0,
+    )
+}
+
+/// `cuMemCreate` of `bytes` with `prop`.
+pub(crate) fn mem_create(
+    bytes: usize,
+    prop: &sys::CUmemAllocationProp,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: a valid out-pointer and a fully initialised property struct.
+    check(
+        "cuMemCreate",
+        unsafe { sys::cuMemCreate(&mut handle, bytes, prop, 0) },
+        bytes,
+    )?;
+    Ok(handle)
+}
+
+/// `cuMemRelease`. The memory goes back once nothing maps it.
+///
+/// # Safety
+/// `handle` came from [`mem_create`] and is released once.
+pub(crate) unsafe fn mem_release(
+    handle: sys::CUmemGenericAllocationHandle,
+    bytes: usize,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    check("cuMemRelease", unsafe { sys::cuMemRelease(handle) }, bytes)
+}
+
+/// `cuMemMap` of the whole `handle` at `ptr`, offset 0, no flags.
+///
+/// # Safety
+/// `[ptr, ptr + bytes)` lies inside a live reservation and holds no mapping;
+/// `handle` is live and `bytes` is its size.
+pub(crate) unsafe fn mem_map(
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    check(
+        "cuMemMap",
+        unsafe { sys::cuMemMap(ptr, bytes, 0, handle, 0) },
+        bytes,
+    )
+}
+
+/// `cuMemUnmap`. Does not wait for kernels.
+///
+/// # Safety
+/// `[ptr, ptr + bytes)` is made of whole live mappings, and no work still
+/// running or queued, nor any live reference, uses it.
+pub(crate) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, bytes) }, bytes)
+}
+
+/// `cuMemSetAccess` of `[ptr, ptr + bytes)` to exactly `descs`.
+///
+/// # Safety
+/// The range is made of whole live mappings, and narrowing access does not
+/// pull memory from under a live reference or running work.
+pub(crate) unsafe fn mem_set_access(
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    descs: &[sys::CUmemAccessDesc],
+) -> Result<()> {
+    // SAFETY: `descs` holds `descs.len()` initialised entries; the rest is
+    // forwarded to the caller.
+    check(
+        "cuMemSetAccess",
+        unsafe { sys::cuMemSetAccess(ptr, bytes, descs.as_ptr(), descs.len()) },
+        bytes,
+    )
+}
+
+/// `cuMemcpyDtoDAsync` of `bytes` on `stream`.
+///
+/// # Safety
+/// Both ranges are mapped with access for the stream's device until the copy
+/// has finished, and do not overlap.
+pub(crate) unsafe fn memcpy_dtod_async(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    check(
+        "cuMemcpyDtoDAsync",
+        unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, stream.cu_stream()) },
+        bytes,
+    )
+}
+
+/// `cuMemcpyDtoH` into `dst`: synchronous.
+///
+/// # Safety
+/// `[src, src + dst.len())` is mapped, readable by the current context's
+/// device, and all of one placement (a copy spanning a GPU chunk and a
+/// host-NUMA chunk crashes driver 580.159.04).
+pub(crate) unsafe fn memcpy_dtoh(dst: &mut [u8], src: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: `dst` is a live host buffer of `dst.len()` bytes; the rest is
+    // forwarded to the caller.
+    check(
+        "cuMemcpyDtoH",
+        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) },
+        dst.len(),
+    )
+}
+
+/// `cuMemcpyHtoD` from `src`: synchronous.
+///
+/// # Safety
+/// `[dst, dst + src.len())` is mapped, writable by the current context's
+/// device, of one placement (see [`memcpy_dtoh`]), and no live reference
+/// reads it.
+pub(crate) unsafe fn memcpy_htod(dst: sys::CUdeviceptr, src: &[u8]) -> Result<()> {
+    // SAFETY: `src` is a live host buffer of `src.len()` bytes; the rest is
+    // forwarded to the caller.
+    check(
+        "cuMemcpyHtoD",
+        unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) },
+        src.len(),
+    )
+}

@@ -1,0 +1,213 @@
+//! cudarc interop types: typed views that cudarc's copies and kernel launches
+//! accept, and a non-owning `CudaSlice` for APIs that take nothing else. The
+//! buffer hands them out (`buffer/cuda_view.rs`); their trait impls, which
+//! promise cudarc a valid device range, live here with the backend.
+//!
+//! # Stream order
+//! cudarc tracks reads and writes of its own `CudaSlice`s with events; it
+//! cannot do so for foreign types, so [`View`] and [`ViewMut`] record nothing
+//! and wait for nothing. Work on one stream is ordered by the stream. When
+//! several streams touch the same bytes, order them yourself: record an event
+//! on the producer (`let e = producer.record_event(None)?`) and make the
+//! consumer wait for it (`consumer.wait(&e)?`) before using the view there.
+//! Shrinking, trimming and dropping the buffer wait for the whole device
+//! (or for the fence given to
+//! [`shrink_to_fit_after`](crate::GrowableBuffer::shrink_to_fit_after)).
+#![allow(unsafe_code)]
+
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchArgs,
+    PushKernelArg, SyncOnDrop,
+};
+
+/// Element types a view may hold: any bit pattern is a valid value (so bytes
+/// the GPU wrote can be read back as `T`), and the type can cross to the device.
+pub trait Element: DeviceRepr + bytemuck::Pod {}
+impl<T: DeviceRepr + bytemuck::Pod> Element for T {}
+
+/// A read-only typed view of bytes in use in a CUDA-backed buffer.
+///
+/// Implements cudarc's [`DeviceSlice`] and [`DevicePtr`], so it is a source for
+/// `memcpy_dtoh`, `memcpy_dtod`, `clone_dtoh`…, and a kernel argument
+/// (`launch_builder(..).arg(&view)` passes its device pointer). Holding it
+/// borrows the buffer, so the buffer cannot shrink meanwhile; growing can.
+#[derive(Debug)]
+pub struct View<'a, T> {
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _buf: PhantomData<&'a [T]>,
+}
+
+/// A mutable typed view of bytes in use in a CUDA-backed buffer: a
+/// [`View`] that is also [`DevicePtrMut`], a destination for
+/// `memcpy_htod`, `memcpy_dtod`, `memset_zeros`. Borrows the buffer mutably.
+#[derive(Debug)]
+pub struct ViewMut<'a, T> {
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _buf: PhantomData<&'a mut [T]>,
+}
+
+macro_rules! view_common {
+    ($ty:ident) => {
+        impl<T> $ty<'_, T> {
+            /// The device address of the first element.
+            pub fn device_address(&self) -> u64 {
+                self.ptr
+            }
+        }
+
+        impl<T> DeviceSlice<T> for $ty<'_, T> {
+            fn len(&self) -> usize {
+                self.len
+            }
+            fn stream(&self) -> &Arc<CudaStream> {
+                &self.stream
+            }
+        }
+
+        impl<T> DevicePtr<T> for $ty<'_, T> {
+            /// No event is recorded or waited for: see the module's
+            /// "Stream order".
+            fn device_ptr<'s>(&'s self, _stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+                (self.ptr, SyncOnDrop::Sync(None))
+            }
+        }
+
+        // SAFETY: pushes a reference to the view's `u64` device address, which
+        // lives as long as the borrow `'b` of the view, through cudarc's own
+        // impl for `&u64`; the kernel receives a pointer to mapped memory of
+        // `len` elements, as for a `CudaSlice`.
+        unsafe impl<'a, 'b: 'a, 'v, T> PushKernelArg<&'b $ty<'v, T>> for LaunchArgs<'a> {
+            #[inline(always)]
+            fn arg(&mut self, arg: &'b $ty<'v, T>) -> &mut Self {
+                self.arg(&arg.ptr)
+            }
+        }
+    };
+}
+view_common!(View);
+view_common!(ViewMut);
+
+impl<T> DevicePtrMut<T> for ViewMut<'_, T> {
+    /// No event is recorded or waited for: see the module's "Stream order".
+    fn device_ptr_mut<'s>(&'s mut self, _stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+// SAFETY: as for `&ViewMut`: pushes a reference to the device address.
+unsafe impl<'a, 'b: 'a, 'v, T> PushKernelArg<&'b mut ViewMut<'v, T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut ViewMut<'v, T>) -> &mut Self {
+        self.arg(&arg.ptr)
+    }
+}
+
+/// A cudarc [`CudaSlice`] over bytes of a buffer, for code that takes only
+/// `CudaSlice` (storage types, library wrappers). It never owns the memory:
+/// when it goes out of scope the inner `CudaSlice` is leaked, never freed, so
+/// the buffer keeps its bytes. It borrows the buffer for its life.
+///
+/// Only `&CudaSlice` is handed out (through `Deref`); see [`SliceMut`] for
+/// APIs that need `&mut`.
+pub struct SliceRef<'a, T> {
+    slice: ManuallyDrop<CudaSlice<T>>,
+    _buf: PhantomData<&'a [T]>,
+}
+
+/// Like [`SliceRef`], also handing out `&mut CudaSlice` (for outputs).
+/// Swapping another slice in through `&mut` would make this wrapper leak that
+/// one and hand ours to its new owner, whose drop would then ask the driver to
+/// free an address it did not allocate (an error, not a free): don't.
+pub struct SliceMut<'a, T> {
+    slice: ManuallyDrop<CudaSlice<T>>,
+    _buf: PhantomData<&'a mut [T]>,
+}
+
+impl<T> Deref for SliceRef<'_, T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+}
+
+impl<T> Deref for SliceMut<'_, T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+}
+
+impl<T> DerefMut for SliceMut<'_, T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.slice
+    }
+}
+
+macro_rules! leak_on_drop {
+    ($ty:ident) => {
+        impl<T> Drop for $ty<'_, T> {
+            fn drop(&mut self) {
+                // SAFETY: taken once, here, and never used again.
+                let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+                // Waits for the slice's tracked work, then forgets it: the
+                // buffer owns the memory.
+                let _ = slice.leak();
+            }
+        }
+    };
+}
+leak_on_drop!(SliceRef);
+leak_on_drop!(SliceMut);
+
+macro_rules! view_new {
+    ($ty:ident) => {
+        impl<T> $ty<'_, T> {
+            /// A view of `len` elements at `ptr`, used on `stream`. Holding a
+            /// device address is safe; the buffer that makes it has checked the
+            /// range and ties the view's lifetime to its borrow.
+            pub(crate) fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> Self {
+                Self {
+                    ptr,
+                    len,
+                    stream,
+                    _buf: PhantomData,
+                }
+            }
+        }
+    };
+}
+view_new!(View);
+view_new!(ViewMut);
+
+macro_rules! slice_from_raw {
+    ($ty:ident) => {
+        impl<T: Element> $ty<'_, T> {
+            /// A non-owning `CudaSlice` of `len` elements at `ptr`.
+            ///
+            /// # Safety
+            /// `[ptr, ptr + len * size_of::<T>())` is mapped, in use, and stays
+            /// so for the wrapper's lifetime (its borrow of the buffer).
+            pub(crate) unsafe fn from_raw(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Self {
+                // SAFETY: forwarded to the caller; every bit pattern is a valid
+                // `T` (`Element`); the slice is leaked, never freed, when the
+                // wrapper drops.
+                let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
+                Self {
+                    slice: ManuallyDrop::new(slice),
+                    _buf: PhantomData,
+                }
+            }
+        }
+    };
+}
+slice_from_raw!(SliceRef);
+slice_from_raw!(SliceMut);

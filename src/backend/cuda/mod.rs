@@ -1,0 +1,541 @@
+//! The CUDA backend: CUDA's virtual memory management API on one device.
+//!
+//! Laid out as cudarc is: [`driver`] is the thin layer (one function per
+//! driver call, the only code that calls the driver), this module the safe
+//! one ([`CudaBackend`] and its owned tokens, checked against each token's
+//! own chunk table before any call), [`probe`] reads what the machine
+//! supports, and [`interop`] holds the typed views cudarc accepts.
+//!
+//! Before the first driver call, [`CudaBackend::new`] checks that the driver
+//! library can be loaded, that the device exists and that it supports VMM,
+//! and answers with a typed error otherwise: cudarc never gets the chance to
+//! panic for a missing library.
+#![allow(unsafe_code)]
+
+pub(crate) mod driver;
+pub(crate) mod interop;
+pub(crate) mod probe;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use parking_lot::Mutex;
+
+use super::{Backend, Counters, LiveCounts};
+use crate::error::{Error, Result};
+use crate::location::{AccessDesc, Location};
+use crate::table::{ChunkTable, Entry};
+
+/// CUDA VMM on one device's primary context.
+#[derive(Debug)]
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    device: u32,
+    device_count: u32,
+    /// Minimum granularity per placement, queried once each.
+    granularity: Mutex<BTreeMap<Location, usize>>,
+    /// The host NUMA node for host placement, where the device supports it.
+    host_numa: Option<i32>,
+    /// Where the backend's own copies (migration) are ordered.
+    stream: Arc<CudaStream>,
+    counters: Arc<Counters>,
+}
+
+impl CudaBackend {
+    /// A backend on GPU `ordinal`'s primary context.
+    ///
+    /// Errors: [`Error::DriverUnavailable`] without a loadable driver or when
+    /// it fails to initialise, [`Error::InvalidDevice`] for an ordinal the
+    /// machine lacks, [`Error::VmmUnsupported`] where the device has no VMM.
+    pub fn new(ordinal: u32) -> Result<Arc<Self>> {
+        Self::check_driver()?;
+        let unavailable = |e: Error| Error::DriverUnavailable {
+            reason: e.to_string(),
+        };
+        driver::init().map_err(unavailable)?;
+        let count = driver::device_count().map_err(unavailable)?;
+        if ordinal >= count {
+            return Err(Error::InvalidDevice {
+                device: ordinal,
+                count,
+            });
+        }
+        Self::from_context(driver::context(ordinal).map_err(unavailable)?)
+    }
+
+    /// A backend on an existing cudarc context (its device is the home).
+    pub fn from_context(ctx: Arc<CudaContext>) -> Result<Arc<Self>> {
+        let device = ctx.ordinal() as u32;
+        let attr = |a| driver::context_attribute(&ctx, a);
+        use sys::CUdevice_attribute as A;
+        if attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? == 0 {
+            return Err(Error::VmmUnsupported { device });
+        }
+        let host_numa =
+            if attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0 {
+                Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?.max(0))
+            } else {
+                None
+            };
+        let this = Self {
+            stream: driver::new_stream(&ctx)?,
+            ctx,
+            device,
+            device_count: driver::device_count()?,
+            granularity: Mutex::default(),
+            host_numa,
+            counters: Arc::default(),
+        };
+        this.granularity(Location::Device(device))?;
+        Ok(Arc::new(this))
+    }
+
+    /// Returns `Ok` if the CUDA driver library can be loaded here.
+    pub fn check_driver() -> Result<()> {
+        if driver::driver_present() {
+            Ok(())
+        } else {
+            Err(Error::DriverUnavailable {
+                reason: "the CUDA driver library (libcuda) could not be loaded".into(),
+            })
+        }
+    }
+
+    /// The cudarc context this backend works in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The home device's ordinal.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// `(free, total)` bytes of the home device, from `cuMemGetInfo`.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        driver::bind(&self.ctx)?;
+        driver::mem_info()
+    }
+
+    /// A fence after all work submitted to `stream` so far: an event recorded
+    /// on it. Give it to
+    /// [`GrowableBuffer::shrink_to_fit_after`](crate::GrowableBuffer::shrink_to_fit_after)
+    /// once the last work that uses the bytes being given back is on `stream`.
+    pub fn fence(&self, stream: &CudaStream) -> Result<CudaFence> {
+        driver::record_event(stream).map(CudaFence)
+    }
+
+    fn check_location(&self, l: Location) -> Result<()> {
+        match l {
+            Location::Device(d) if d >= self.device_count => Err(Error::InvalidDevice {
+                device: d,
+                count: self.device_count,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The `CUmemLocation` of a placement.
+    fn placement(&self, l: Location) -> Result<sys::CUmemLocation> {
+        self.check_location(l)?;
+        use sys::CUmemLocationType as T;
+        Ok(match l {
+            Location::Device(d) => driver::location(T::CU_MEM_LOCATION_TYPE_DEVICE, d as i32),
+            Location::Host => match self.host_numa {
+                Some(node) => driver::location(T::CU_MEM_LOCATION_TYPE_HOST_NUMA, node),
+                None => {
+                    return Err(Error::Unsupported {
+                        what: format!(
+                            "host placement: gpu{} has no host-NUMA VMM support",
+                            self.device
+                        ),
+                    })
+                }
+            },
+        })
+    }
+
+    /// The granularity for `placement` with `flag`, asked of the driver.
+    pub(crate) fn query_granularity(
+        &self,
+        placement: Location,
+        flag: sys::CUmemAllocationGranularity_flags,
+    ) -> Result<usize> {
+        let prop = driver::allocation_prop(self.placement(placement)?);
+        driver::bind(&self.ctx)?;
+        let g = driver::allocation_granularity(&prop, flag)?;
+        if !g.is_power_of_two() {
+            return Err(Error::Unsupported {
+                what: format!("granularity {g} is not a power of two"),
+            });
+        }
+        Ok(g)
+    }
+
+    /// The CUDA location an access descriptor names.
+    fn access_location(&self, l: Location) -> Result<sys::CUmemLocation> {
+        self.check_location(l)?;
+        use sys::CUmemLocationType as T;
+        Ok(match l {
+            Location::Device(id) => driver::location(T::CU_MEM_LOCATION_TYPE_DEVICE, id as i32),
+            // HOST_NUMA, whose id the driver ignores for access, is what it
+            // takes for host-NUMA allocations (the only host chunks we make).
+            Location::Host => driver::location(
+                T::CU_MEM_LOCATION_TYPE_HOST_NUMA,
+                self.host_numa.unwrap_or(0),
+            ),
+        })
+    }
+}
+
+/// A point in a CUDA stream (an event recorded on it), made by
+/// [`CudaBackend::fence`].
+#[derive(Debug)]
+pub struct CudaFence(CudaEvent);
+
+impl CudaFence {
+    /// The event behind the fence.
+    pub fn event(&self) -> &CudaEvent {
+        &self.0
+    }
+}
+
+/// A reserved range of the process's unified (GPU) address space: the
+/// [`Backend::Reservation`] of [`CudaBackend`].
+#[derive(Debug)]
+pub struct CudaReservation {
+    ptr: sys::CUdeviceptr,
+    table: ChunkTable<()>,
+    ctx: Arc<CudaContext>,
+    counters: Arc<Counters>,
+}
+
+impl CudaReservation {
+    fn addr(&self, offset: usize) -> sys::CUdeviceptr {
+        self.ptr + offset as u64
+    }
+}
+
+impl Drop for CudaReservation {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return; // freed through Backend::free
+        }
+        let _ = driver::bind(&self.ctx);
+        // A token dropped with mappings left: wait for the GPU, then take them
+        // down before the range can be freed.
+        let mappings: Vec<(usize, usize)> = self.table.iter().map(|(o, e)| (o, e.bytes)).collect();
+        if !mappings.is_empty() {
+            let _ = driver::synchronize(&self.ctx);
+        }
+        for (off, bytes) in mappings {
+            // SAFETY: (ptr + off, bytes) is one live mapping of this token, and
+            // the device has been synchronised.
+            match unsafe { driver::mem_unmap(self.addr(off), bytes) } {
+                Ok(()) => self.counters.update(|c| c.mapped_bytes -= bytes),
+                Err(e) => tracing::error!(error = %e, "vmmbuf cuda: unmap in drop failed"),
+            }
+        }
+        // SAFETY: (ptr, bytes) is exactly this token's reservation.
+        match unsafe { driver::address_free(self.ptr, self.table.reserved()) } {
+            Ok(()) => {
+                let bytes = self.table.reserved();
+                self.counters.update(|c| {
+                    c.reservations -= 1;
+                    c.reserved_bytes -= bytes;
+                });
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "vmmbuf cuda: freeing a reservation in drop failed; the range leaks")
+            }
+        }
+    }
+}
+
+/// A physical allocation handle from `cuMemCreate`: the [`Backend::Chunk`] of
+/// [`CudaBackend`].
+#[derive(Debug)]
+pub struct CudaChunk {
+    handle: sys::CUmemGenericAllocationHandle,
+    bytes: usize,
+    placement: Location,
+    released: bool,
+    ctx: Arc<CudaContext>,
+    counters: Arc<Counters>,
+}
+
+impl CudaChunk {
+    fn release_now(&mut self) -> Result<()> {
+        // SAFETY: the handle came from cuMemCreate and has not been released
+        // (`released` is false); releasing while mapped is allowed.
+        unsafe { driver::mem_release(self.handle, self.bytes) }?;
+        self.released = true;
+        let bytes = self.bytes;
+        self.counters.update(|c| {
+            c.chunks -= 1;
+            c.chunk_bytes -= bytes;
+        });
+        Ok(())
+    }
+}
+
+impl Drop for CudaChunk {
+    fn drop(&mut self) {
+        if !self.released {
+            let _ = driver::bind(&self.ctx);
+            if let Err(e) = self.release_now() {
+                tracing::error!(error = %e, "vmmbuf cuda: releasing a chunk in drop failed");
+            }
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Reservation = CudaReservation;
+    type Chunk = CudaChunk;
+    type Fence = CudaFence;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn home(&self) -> Location {
+        Location::Device(self.device)
+    }
+
+    fn granularity(&self, placement: Location) -> Result<usize> {
+        if let Some(&g) = self.granularity.lock().get(&placement) {
+            return Ok(g);
+        }
+        let g = self.query_granularity(
+            placement,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )?;
+        self.granularity.lock().insert(placement, g);
+        Ok(g)
+    }
+
+    fn reserve(&self, bytes: usize, align: usize) -> Result<CudaReservation> {
+        let g = self.granularity(self.home())?;
+        if bytes == 0 || bytes % g != 0 || !align.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "reserve {bytes} bytes aligned {align}: size must be a non-zero multiple of {g}"
+            )));
+        }
+        let table = ChunkTable::new(bytes, g)?;
+        driver::bind(&self.ctx)?;
+        let ptr = driver::address_reserve(bytes, align).map_err(|e| match e {
+            Error::OutOfMemory { .. } => Error::ReservationExhausted {
+                requested_bytes: bytes,
+                reserved_bytes: 0,
+            },
+            e => e,
+        })?;
+        self.counters.update(|c| {
+            c.reservations += 1;
+            c.reserved_bytes += bytes;
+        });
+        Ok(CudaReservation {
+            ptr,
+            table,
+            ctx: self.ctx.clone(),
+            counters: self.counters.clone(),
+        })
+    }
+
+    fn base(&self, res: &CudaReservation) -> u64 {
+        res.ptr
+    }
+
+    fn free(&self, mut res: CudaReservation) -> Result<()> {
+        if !res.table.is_empty() {
+            return Err(Error::invalid(
+                "freeing a reservation that still has mappings (dropped instead)",
+            ));
+        }
+        driver::bind(&self.ctx)?;
+        // SAFETY: (ptr, bytes) is exactly this token's reservation, nothing in
+        // it is mapped (checked above), and the token is consumed.
+        unsafe { driver::address_free(res.ptr, res.table.reserved()) }?;
+        let bytes = res.table.reserved();
+        self.counters.update(|c| {
+            c.reservations -= 1;
+            c.reserved_bytes -= bytes;
+        });
+        res.ptr = 0;
+        Ok(())
+    }
+
+    fn create(&self, bytes: usize, placement: Location) -> Result<CudaChunk> {
+        let granularity = self.granularity(placement)?;
+        if bytes == 0 || bytes % granularity != 0 {
+            return Err(Error::invalid(format!(
+                "chunk of {bytes} bytes is not a non-zero multiple of {granularity}"
+            )));
+        }
+        let prop = driver::allocation_prop(self.placement(placement)?);
+        driver::bind(&self.ctx)?;
+        let handle = driver::mem_create(bytes, &prop)?;
+        self.counters.update(|c| {
+            c.chunks += 1;
+            c.chunk_bytes += bytes;
+        });
+        Ok(CudaChunk {
+            handle,
+            bytes,
+            placement,
+            released: false,
+            ctx: self.ctx.clone(),
+            counters: self.counters.clone(),
+        })
+    }
+
+    fn release(&self, mut chunk: CudaChunk) -> Result<()> {
+        driver::bind(&self.ctx)?;
+        chunk.release_now()
+    }
+
+    fn map(&self, res: &mut CudaReservation, offset: usize, chunk: &CudaChunk) -> Result<()> {
+        res.table.check_insert(offset, chunk.bytes)?;
+        driver::bind(&self.ctx)?;
+        // SAFETY: the range lies inside this token's reservation and holds no
+        // mapping (checked above); the handle is live and of `bytes`.
+        unsafe { driver::mem_map(res.addr(offset), chunk.bytes, chunk.handle) }?;
+        res.table
+            .insert(offset, Entry::new((), chunk.bytes, chunk.placement))?;
+        self.counters.update(|c| c.mapped_bytes += chunk.bytes);
+        Ok(())
+    }
+
+    fn unmap(&self, res: &mut CudaReservation, offset: usize, bytes: usize) -> Result<()> {
+        let keys = res.table.covering(offset, bytes, true)?;
+        driver::bind(&self.ctx)?;
+        // SAFETY: the range is made of whole live mappings of this token
+        // (checked above). The caller has waited for GPU work using it, and
+        // `&mut` to the token excludes references into it.
+        unsafe { driver::mem_unmap(res.addr(offset), bytes) }?;
+        for k in keys {
+            res.table.remove(k);
+        }
+        self.counters.update(|c| c.mapped_bytes -= bytes);
+        Ok(())
+    }
+
+    fn set_access(
+        &self,
+        res: &mut CudaReservation,
+        offset: usize,
+        bytes: usize,
+        access: &[AccessDesc],
+    ) -> Result<()> {
+        if access.is_empty() {
+            return Err(Error::invalid("an empty access list"));
+        }
+        let keys = res.table.covering(offset, bytes, true)?;
+        let descs = access
+            .iter()
+            .map(|d| {
+                Ok(sys::CUmemAccessDesc {
+                    location: self.access_location(d.location)?,
+                    flags: driver::access_flags(d.access),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        driver::bind(&self.ctx)?;
+        // SAFETY: the range is made of whole live mappings of this token
+        // (checked above); `&mut` to the token excludes references into it.
+        unsafe { driver::mem_set_access(res.addr(offset), bytes, &descs) }?;
+        let list: Arc<[AccessDesc]> = access.into();
+        for k in keys {
+            if let Some(e) = res.table.get_mut(k) {
+                e.access = list.clone();
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        driver::synchronize(&self.ctx)
+    }
+
+    fn copy(
+        &self,
+        dst: &mut CudaReservation,
+        dst_offset: usize,
+        src: &CudaReservation,
+        src_offset: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        src.table.covering(src_offset, bytes, false)?;
+        dst.table.covering(dst_offset, bytes, false)?;
+        driver::bind(&self.ctx)?;
+        // SAFETY: both ranges are mapped in their tokens (checked above), in
+        // two distinct reservations; the copy is ordered on our own stream,
+        // and everything that unmaps synchronises the context first.
+        unsafe {
+            driver::memcpy_dtod_async(
+                dst.addr(dst_offset),
+                src.addr(src_offset),
+                bytes,
+                &self.stream,
+            )
+        }
+    }
+
+    fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool> {
+        for d in [device, peer] {
+            self.check_location(Location::Device(d))?;
+        }
+        if device == peer {
+            return Ok(true);
+        }
+        let (a, b) = (driver::device_get(device)?, driver::device_get(peer)?);
+        // SAFETY: both handles come from cuDeviceGet.
+        unsafe { driver::can_access_peer(a, b) }
+    }
+
+    fn fence_done(&self, fence: &CudaFence) -> Result<bool> {
+        driver::event_done(&fence.0)
+    }
+
+    fn read(&self, res: &CudaReservation, offset: usize, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        res.table.covering(offset, dst.len(), false)?;
+        driver::bind(&self.ctx)?;
+        // One copy per run of equal placement: a copy that spans a GPU chunk
+        // and a host-NUMA chunk segfaults inside driver 580.159.04.
+        for (at, n, _) in res.table.placement_runs(offset, dst.len()) {
+            let d = &mut dst[at - offset..at - offset + n];
+            // SAFETY: the run is mapped in this token (checked above) and of
+            // one placement. The copy is synchronous.
+            unsafe { driver::memcpy_dtoh(d, res.addr(at)) }?;
+        }
+        Ok(())
+    }
+
+    fn write(&self, res: &mut CudaReservation, offset: usize, src: &[u8]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        res.table.covering(offset, src.len(), false)?;
+        driver::bind(&self.ctx)?;
+        // One copy per run of equal placement, as in `read`.
+        for (at, n, _) in res.table.placement_runs(offset, src.len()) {
+            let s = &src[at - offset..at - offset + n];
+            // SAFETY: the run is mapped in this token (checked above) and of
+            // one placement; `&mut` to the token excludes references into it.
+            unsafe { driver::memcpy_htod(res.addr(at), s) }?;
+        }
+        Ok(())
+    }
+
+    fn live(&self) -> LiveCounts {
+        self.counters.get()
+    }
+}

@@ -1,0 +1,165 @@
+//! What the machine's CUDA driver and GPUs support, read through the thin
+//! [`driver`](super::driver) layer without allocating memory.
+#![allow(unsafe_code)]
+
+use cudarc::driver::sys;
+
+use super::{driver, CudaBackend};
+use crate::error::Result;
+use crate::location::Location;
+
+/// What one GPU supports, as plain data.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceProbe {
+    /// Device ordinal.
+    pub ordinal: u32,
+    /// Marketing name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Total memory in bytes.
+    pub total_bytes: usize,
+    /// Virtual memory management supported.
+    pub vmm: bool,
+    /// Host (NUMA) placement of VMM chunks supported, and the node to use.
+    pub host_numa_node: Option<i32>,
+    /// Minimum and recommended mapping granularity for device chunks (0 without VMM).
+    pub granularity: (usize, usize),
+    /// Chunks exportable as POSIX file descriptors (IPC).
+    pub posix_fd_handles: bool,
+    /// Chunks exportable as fabric handles (multi-node).
+    pub fabric_handles: bool,
+    /// GPUDirect RDMA on VMM memory.
+    pub rdma_with_vmm: bool,
+}
+
+/// What the machine's CUDA driver and GPUs support; see [`probe`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Probe {
+    /// Driver API version, e.g. 13000 for CUDA 13.0.
+    pub driver_version: i32,
+    /// One entry per GPU.
+    pub devices: Vec<DeviceProbe>,
+    /// `peer_access[a][b]`: device `a` can map memory of device `b`.
+    pub peer_access: Vec<Vec<bool>>,
+}
+
+impl std::fmt::Display for Probe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = self.driver_version;
+        writeln!(
+            f,
+            "CUDA driver {}.{} ({} GPU(s))",
+            v / 1000,
+            v % 1000 / 10,
+            self.devices.len()
+        )?;
+        let yes = |b: bool| if b { "yes" } else { "no" };
+        for d in &self.devices {
+            writeln!(
+                f,
+                "gpu{}: {} (sm_{}{}), {}\n  VMM: {}; granularity {} min / {} recommended\n  \
+                 host placement: {}; IPC by POSIX fd: {}; fabric handles: {}; RDMA on VMM: {}",
+                d.ordinal,
+                d.name,
+                d.compute_capability.0,
+                d.compute_capability.1,
+                crate::stats::Bytes(d.total_bytes),
+                yes(d.vmm),
+                crate::stats::Bytes(d.granularity.0),
+                crate::stats::Bytes(d.granularity.1),
+                d.host_numa_node
+                    .map_or("no".to_string(), |n| format!("yes (NUMA node {n})")),
+                yes(d.posix_fd_handles),
+                yes(d.fabric_handles),
+                yes(d.rdma_with_vmm),
+            )?;
+        }
+        if self.devices.len() > 1 {
+            writeln!(f, "peer access (row maps column's memory):")?;
+            for (a, row) in self.peer_access.iter().enumerate() {
+                let cells: Vec<&str> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(b, &p)| if a == b { "-" } else { yes(p) })
+                    .collect();
+                writeln!(f, "  gpu{a}: {}", cells.join(" "))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads what the driver and every GPU support, without allocating memory.
+/// [`Error::DriverUnavailable`](crate::Error::DriverUnavailable) where there
+/// is no usable driver.
+pub fn probe() -> Result<Probe> {
+    use sys::CUdevice_attribute as A;
+    CudaBackend::check_driver()?;
+    driver::init().map_err(|e| crate::Error::DriverUnavailable {
+        reason: e.to_string(),
+    })?;
+    let driver_version = driver::driver_version()?;
+    let handles: Vec<sys::CUdevice> = (0..driver::device_count()?)
+        .map(driver::device_get)
+        .collect::<Result<_>>()?;
+    let mut devices = Vec::new();
+    for (i, &dev) in handles.iter().enumerate() {
+        // SAFETY: `dev` is a valid device handle from cuDeviceGet.
+        let attr = |a| unsafe { driver::device_attribute(dev, a) };
+        let vmm = attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0;
+        let granularity = if vmm {
+            let b = CudaBackend::new(i as u32)?;
+            let place = Location::Device(i as u32);
+            use sys::CUmemAllocationGranularity_flags as F;
+            (
+                b.query_granularity(place, F::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
+                b.query_granularity(place, F::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?,
+            )
+        } else {
+            (0, 0)
+        };
+        devices.push(DeviceProbe {
+            ordinal: i as u32,
+            name: driver::device_name(dev)?,
+            compute_capability: (
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            // SAFETY: a valid device handle.
+            total_bytes: unsafe { driver::device_total_mem(dev) }?,
+            vmm,
+            host_numa_node: if attr(
+                A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            )? != 0
+            {
+                Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?)
+            } else {
+                None
+            },
+            granularity,
+            posix_fd_handles: attr(
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )? != 0,
+            fabric_handles: attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)? != 0,
+            rdma_with_vmm: attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)?
+                != 0,
+        });
+    }
+    let mut peer_access = vec![vec![false; handles.len()]; handles.len()];
+    for (a, &da) in handles.iter().enumerate() {
+        for (b, &db) in handles.iter().enumerate() {
+            if a != b {
+                // SAFETY: both handles come from cuDeviceGet.
+                peer_access[a][b] = unsafe { driver::can_access_peer(da, db) }?;
+            }
+        }
+    }
+    Ok(Probe {
+        driver_version,
+        devices,
+        peer_access,
+    })
+}

@@ -1,0 +1,105 @@
+//! cudarc views of CUDA-backed buffers: typed [`View`]s and [`ViewMut`]s that
+//! cudarc's copies and kernel launches accept, and non-owning `CudaSlice`s
+//! ([`SliceRef`], [`SliceMut`]) for APIs that take nothing else. The types
+//! and their cudarc trait impls live in `backend/cuda/interop.rs`.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::GrowableBuffer;
+use crate::backend::cuda::interop::{Element, SliceMut, SliceRef, View, ViewMut};
+use crate::error::{Error, Result};
+use crate::location::{Access, Location};
+use crate::CudaBackend;
+
+impl GrowableBuffer<CudaBackend> {
+    /// Checks a typed range and returns its device address.
+    fn typed_range<T>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset_bytes: usize,
+        len: usize,
+        need: Access,
+    ) -> Result<u64> {
+        let size = std::mem::size_of::<T>();
+        if size == 0 {
+            return Err(Error::invalid("zero-sized element type"));
+        }
+        if offset_bytes % std::mem::align_of::<T>() != 0 {
+            return Err(Error::invalid(format!(
+                "offset {offset_bytes} is not aligned to {} for {}",
+                std::mem::align_of::<T>(),
+                std::any::type_name::<T>()
+            )));
+        }
+        if stream.context() != self.backend().context() {
+            return Err(Error::invalid(
+                "the stream belongs to another context than the buffer",
+            ));
+        }
+        let bytes = len
+            .checked_mul(size)
+            .ok_or_else(|| Error::invalid(format!("{len} elements of {size} bytes overflow")))?;
+        self.check_access(
+            Location::Device(self.backend().device()),
+            need,
+            offset_bytes,
+            bytes,
+        )?;
+        Ok(self.base() + offset_bytes as u64)
+    }
+
+    /// A view of `len` elements of `T` starting `offset_bytes` into the bytes
+    /// in use, for cudarc copies and kernel arguments on `stream`.
+    ///
+    /// Errors: the range is past the length, `offset_bytes` is misaligned for
+    /// `T`, `stream` is of another context, or the device lacks read access.
+    pub fn view<T: Element>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset_bytes: usize,
+        len: usize,
+    ) -> Result<View<'_, T>> {
+        let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::Read)?;
+        Ok(View::new(ptr, len, stream.clone()))
+    }
+
+    /// A mutable view; see [`view`](Self::view). Needs read-write access.
+    pub fn view_mut<T: Element>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        offset_bytes: usize,
+        len: usize,
+    ) -> Result<ViewMut<'_, T>> {
+        let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::ReadWrite)?;
+        Ok(ViewMut::new(ptr, len, stream.clone()))
+    }
+
+    /// A non-owning cudarc `CudaSlice<T>` over the range; see [`SliceRef`].
+    pub fn cuda_slice<T: Element>(
+        &self,
+        stream: &Arc<CudaStream>,
+        offset_bytes: usize,
+        len: usize,
+    ) -> Result<SliceRef<'_, T>> {
+        let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::Read)?;
+        // SAFETY: `ptr` starts `len` mapped, in-use elements of this buffer
+        // (checked above), which the returned borrow of `self` keeps from
+        // shrinking, migrating or dropping.
+        Ok(unsafe { SliceRef::from_raw(stream, ptr, len) })
+    }
+
+    /// A non-owning `CudaSlice<T>` that can be written; see [`SliceMut`].
+    pub fn cuda_slice_mut<T: Element>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        offset_bytes: usize,
+        len: usize,
+    ) -> Result<SliceMut<'_, T>> {
+        let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::ReadWrite)?;
+        // SAFETY: as in `cuda_slice`; `&mut self` makes it exclusive.
+        Ok(unsafe { SliceMut::from_raw(stream, ptr, len) })
+    }
+}

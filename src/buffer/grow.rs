@@ -1,0 +1,190 @@
+//! Growing: `grow_to`, `grow_by`, `claim`, `resize`. All take `&self` (a lock
+//! serialises them) and are all or nothing.
+
+use std::time::Instant;
+
+use super::{GrowableBuffer, Inner};
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::location::Location;
+use crate::plan::{plan_growth, round_up, GrowthRequest};
+use crate::table::Entry;
+
+impl<B: Backend> GrowableBuffer<B> {
+    /// Grows the length to `bytes`, mapping chunks as the policy says. Keeps
+    /// every byte in use, never moves the base. A `bytes` at or below the
+    /// length changes nothing (use [`truncate`](Self::truncate) to shrink).
+    ///
+    /// On error nothing has changed: [`Error::OutOfMemory`] is transient,
+    /// [`Error::ReservationExhausted`] is not.
+    pub fn grow_to(&self, bytes: usize) -> Result<()> {
+        self.grow_locked(&mut self.inner.lock(), bytes)
+    }
+
+    /// Grows the length by `additional` bytes in one step under the lock and
+    /// returns the offset where the new bytes start, so threads appending
+    /// concurrently each get their own range. See [`grow_to`](Self::grow_to).
+    pub fn grow_by(&self, additional: usize) -> Result<usize> {
+        let mut g = self.inner.lock();
+        let at = g.table.len();
+        self.grow_at_locked(&mut g, at, additional)
+    }
+
+    /// Hands out a sub-range of `bytes` at the buffer's alignment (256 bytes
+    /// unless [`BufferDesc::alignment`](crate::BufferDesc::alignment) says
+    /// otherwise): pads the length up to the alignment, grows by `bytes`, and
+    /// returns the sub-range's offset. One step under the lock, so concurrent
+    /// claims never overlap. The address is `base() + offset`, aligned since
+    /// the base is.
+    pub fn claim(&self, bytes: usize) -> Result<usize> {
+        let mut g = self.inner.lock();
+        let len = g.table.len();
+        let at = round_up(len, self.alignment)
+            .ok_or_else(|| Error::invalid(format!("aligning {len} bytes overflows")))?;
+        self.grow_at_locked(&mut g, at, bytes)
+    }
+
+    /// Sets the length to `bytes`: grows as [`grow_to`](Self::grow_to) or
+    /// shrinks as [`truncate`](Self::truncate) (keeping the memory).
+    pub fn resize(&mut self, bytes: usize) -> Result<()> {
+        if bytes > self.len() {
+            self.grow_to(bytes)
+        } else {
+            self.truncate(bytes);
+            Ok(())
+        }
+    }
+
+    /// Grows the length to `at + bytes` (`at` at or past the length) and
+    /// returns `at`.
+    fn grow_at_locked(&self, g: &mut Inner<B>, at: usize, bytes: usize) -> Result<usize> {
+        let target = at
+            .checked_add(bytes)
+            .ok_or_else(|| Error::invalid(format!("growing to {at} + {bytes} bytes overflows")))?;
+        self.grow_locked(g, target)?;
+        Ok(at)
+    }
+
+    fn grow_locked(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
+        if bytes > self.reserved {
+            return Err(Error::ReservationExhausted {
+                requested_bytes: bytes,
+                reserved_bytes: self.reserved,
+            });
+        }
+        if bytes <= g.table.len() {
+            return Ok(());
+        }
+        if bytes > g.capacity() {
+            match self.map_more(g, bytes) {
+                // Out of memory with chunks idle in the pool: give them back
+                // to the driver and try once more.
+                Err(e)
+                    if e.is_transient()
+                        && self.pool.as_ref().is_some_and(|p| p.drain_for_oom()) =>
+                {
+                    tracing::debug!(error = %e, "vmmbuf: grow out of memory; drained the pool, retrying");
+                    self.map_more(g, bytes)?
+                }
+                r => r?,
+            }
+        }
+        g.table
+            .set_len(bytes)
+            .expect("the capacity covers the new length");
+        for p in &mut g.pending {
+            p.high_water = p.high_water.max(bytes);
+        }
+        if let Err(e) = self.reclaim_locked(g) {
+            tracing::warn!(error = %e, "vmmbuf: deferred release failed; retried at the next shrink or drop");
+        }
+        Ok(())
+    }
+
+    /// Maps chunks until the capacity reaches `bytes`, as the one growth plan
+    /// says (pooled chunks first), all or nothing.
+    fn map_more(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
+        let start = Instant::now();
+        let span = tracing::debug_span!("vmmbuf.grow", from = g.table.len(), to = bytes).entered();
+        let backend = &*self.backend;
+        let at = g.capacity();
+        let offer = self.pool.as_ref().map(|p| p.offer());
+        let plan = plan_growth(&GrowthRequest {
+            policy: self.growth_policy,
+            granularity: self.granularity,
+            at,
+            target: bytes,
+            limit: self.reserved,
+            placement_at: &|o| self.placement_at(o),
+            pool: offer.as_ref(),
+        })?;
+        // (chunk, bytes, placement), in address order from `at`.
+        let mut chunks: Vec<(B::Chunk, usize, Location)> = Vec::with_capacity(plan.len());
+        let mut reused = 0usize;
+        let mut mapped = 0usize;
+        let attempt = (|| {
+            for c in &plan {
+                // A pooled chunk another buffer took meanwhile is created anew.
+                let pooled = c
+                    .pooled
+                    .then(|| self.pool.as_ref()?.take_exact(c.placement, c.bytes))
+                    .flatten();
+                reused += pooled.is_some() as usize;
+                let chunk = match pooled {
+                    Some(chunk) => chunk,
+                    None => backend.create(c.bytes, c.placement)?,
+                };
+                chunks.push((chunk, c.bytes, c.placement));
+            }
+            for (chunk, size, _) in &chunks {
+                backend.map(g.res(), at + mapped, chunk)?;
+                mapped += size;
+            }
+            // One access call per run of chunks with the same placement.
+            let mut run_at = at;
+            for run in chunks.chunk_by(|a, b| a.2 == b.2) {
+                let run_bytes: usize = run.iter().map(|c| c.1).sum();
+                backend.set_access(g.res(), run_at, run_bytes, &self.access_for(run[0].2))?;
+                run_at += run_bytes;
+            }
+            Ok(())
+        })();
+        if let Err(e) = attempt {
+            // Undo in reverse. Nothing can have used the new chunks: they never
+            // got access, so unmapping them needs no wait.
+            if mapped > 0 {
+                if let Err(u) = backend.unmap(g.res(), at, mapped) {
+                    tracing::error!(error = %u, "vmmbuf: undoing a failed grow: unmap failed");
+                }
+            }
+            for (chunk, size, place) in chunks {
+                let _ = self.dispose(chunk, size, place); // logged inside
+            }
+            tracing::debug!(error = %e, "vmmbuf: grow failed and was undone");
+            return Err(e);
+        }
+        let n = chunks.len();
+        let mut offset = at;
+        for (chunk, bytes, placement) in chunks {
+            let mut entry = Entry::new(chunk, bytes, placement);
+            entry.access = self.access_for(placement);
+            g.table
+                .insert(offset, entry)
+                .expect("the plan maps granular chunks past the capacity");
+            offset += bytes;
+        }
+        g.debug_check();
+        g.stats.grows += 1;
+        g.stats.chunks_mapped_total += n as u64;
+        g.stats.peak_mapped_bytes = g.stats.peak_mapped_bytes.max(g.capacity());
+        tracing::debug!(
+            parent: &span,
+            chunks = n,
+            from_pool = reused,
+            bytes = offset - at,
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "vmmbuf: grew"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,96 @@
+//! The CPU's access to a buffer: copies in and out ([`read`](GrowableBuffer::read),
+//! [`write`](GrowableBuffer::write)) on every backend, and borrowed slices
+//! ([`host_slice`](GrowableBuffer::host_slice)) of chunks the host may touch
+//! on the crate's own backends.
+
+#![allow(unsafe_code)]
+
+use std::ops::{Bound, Range, RangeBounds};
+
+use super::GrowableBuffer;
+use crate::backend::{Backend, HostMapped};
+use crate::error::{Error, Result};
+use crate::location::{Access, Location};
+
+impl<B: Backend> GrowableBuffer<B> {
+    /// Copies bytes in use, from `offset`, into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let mut g = self.inner.lock();
+        Self::check_span(g.table.len(), offset, dst.len())?;
+        self.backend.read(g.res(), offset, dst)
+    }
+
+    /// Copies `src` into the bytes in use, from `offset`.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        let g = self.inner.get_mut();
+        Self::check_span(g.table.len(), offset, src.len())?;
+        self.backend.write(g.res(), offset, src)
+    }
+
+    /// The byte range `range` names within the bytes in use.
+    fn in_use(&self, range: impl RangeBounds<usize>) -> Result<Range<usize>> {
+        let len = self.len();
+        let start = match range.start_bound() {
+            Bound::Included(&s) => Some(s),
+            Bound::Excluded(&s) => s.checked_add(1),
+            Bound::Unbounded => Some(0),
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => e.checked_add(1),
+            Bound::Excluded(&e) => Some(e),
+            Bound::Unbounded => Some(len),
+        };
+        match (start, end) {
+            (Some(s), Some(e)) if s <= e && e <= len => Ok(s..e),
+            _ => Err(Error::invalid(format!(
+                "{:?}..{:?} is not a range within the {len} bytes in use",
+                range.start_bound(),
+                range.end_bound()
+            ))),
+        }
+    }
+}
+
+impl<B: HostMapped> GrowableBuffer<B> {
+    /// The CPU's view of the bytes in use in `range` (`..` for all of them),
+    /// after waiting for the GPU. Every chunk in the range must grant the host
+    /// read access: host-backend chunks, or CUDA chunks placed in host memory
+    /// (see [`MigrationPolicy::PreferHost`](crate::MigrationPolicy) and
+    /// [`offload`](Self::offload)); otherwise [`Error::InvalidArgument`].
+    ///
+    /// Sound because: every chunk in the range is memory the host may read
+    /// (checked); it stays mapped and readable while `&self` lives
+    /// (migration, access changes and shrinking take `&mut self`, growing
+    /// never touches mapped bytes); the wait means no work submitted before
+    /// is still writing it, and no safe API writes it while `&self` is
+    /// borrowed (writes need `&mut self`). Kernels launched meanwhile (an
+    /// `unsafe` act) must not write it.
+    pub fn host_slice(&self, range: impl RangeBounds<usize>) -> Result<&[u8]> {
+        let r = self.in_use(range)?;
+        self.check_access(Location::Host, Access::Read, r.start, r.len())?;
+        self.backend.synchronize()?;
+        if r.is_empty() {
+            return Ok(&[]);
+        }
+        // SAFETY: see the doc comment above; `HostMapped` backends map the
+        // buffer at `base` in this process's address space.
+        Ok(unsafe {
+            std::slice::from_raw_parts((self.base + r.start as u64) as *const u8, r.len())
+        })
+    }
+
+    /// The CPU's mutable view of the bytes in use in `range`; see
+    /// [`host_slice`](Self::host_slice). Needs read-write host access.
+    pub fn host_slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<&mut [u8]> {
+        let r = self.in_use(range)?;
+        self.check_access(Location::Host, Access::ReadWrite, r.start, r.len())?;
+        self.backend.synchronize()?;
+        if r.is_empty() {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `host_slice`; `&mut self` makes the view exclusive.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut((self.base + r.start as u64) as *mut u8, r.len())
+        })
+    }
+}

@@ -1,0 +1,431 @@
+//! [`GrowableBuffer`]: reserve once, map as it grows, never move.
+//!
+//! This file holds the type, its construction, getters and drop; each job
+//! has its own child file: `grow.rs`, `shrink.rs`, `migrate.rs`,
+//! `access.rs`, `host_view.rs` (CPU reads, writes and slices) and
+//! `cuda_view.rs` (cudarc views). The chunk table, the growth plan and the
+//! pool are separate, pure modules; only the backend touches memory.
+
+mod access;
+mod cuda_view;
+mod grow;
+mod host_view;
+mod migrate;
+mod shrink;
+
+pub use migrate::{MigrationPlan, MigrationPolicy, MigrationReport};
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::location::{Access, AccessDesc, Location};
+use crate::plan::{round_up, GrowthPolicy};
+use crate::pool::ChunkPool;
+use crate::stats::{Report, Stats};
+use crate::table::ChunkTable;
+
+/// How to create a [`GrowableBuffer`].
+///
+/// ```
+/// use vmmbuf::{BufferDesc, GrowthPolicy};
+/// let desc = BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact);
+/// assert_eq!(desc.max_bytes, 1 << 30);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BufferDesc {
+    /// Bytes of address space to reserve, rounded up to the granularity. The
+    /// buffer can never grow past it. Costs no physical memory.
+    pub max_bytes: usize,
+    /// Where new chunks are placed; `None` for the backend's home (its GPU,
+    /// or the host for the host backend).
+    pub placement: Option<Location>,
+    /// How chunk sizes follow the buffer's size.
+    pub growth: GrowthPolicy,
+    /// The access that the placement's device (and the host, for host-placed
+    /// chunks) gets to every new chunk.
+    pub access: Access,
+    /// Alignment of the sub-ranges [`GrowableBuffer::claim`] hands out: a power
+    /// of two, 256 by default (what cuBLAS, cuDNN and vectorised kernels want).
+    pub alignment: usize,
+}
+
+impl BufferDesc {
+    /// A description reserving `max_bytes`, with the default growth policy,
+    /// home placement and read-write access.
+    pub fn new(max_bytes: usize) -> Self {
+        Self {
+            max_bytes,
+            placement: None,
+            growth: GrowthPolicy::default(),
+            access: Access::ReadWrite,
+            alignment: 256,
+        }
+    }
+
+    /// Sets the alignment of sub-ranges handed out by `claim`.
+    pub fn alignment(mut self, alignment: usize) -> Self {
+        self.alignment = alignment;
+        self
+    }
+
+    /// Sets the growth policy.
+    pub fn growth(mut self, growth: GrowthPolicy) -> Self {
+        self.growth = growth;
+        self
+    }
+
+    /// Sets the placement of new chunks.
+    pub fn placement(mut self, placement: Location) -> Self {
+        self.placement = Some(placement);
+        self
+    }
+
+    /// Sets the initial access to new chunks.
+    pub fn access(mut self, access: Access) -> Self {
+        self.access = access;
+        self
+    }
+}
+
+/// A deferred release: chunks wholly past `high_water` (the most bytes in
+/// use since the fence was given) may go once `fence` has passed.
+struct Pending<F> {
+    fence: F,
+    high_water: usize,
+}
+
+/// What the lock guards: the reservation, its chunk table and the counters.
+struct Inner<B: Backend> {
+    /// `None` only while the buffer drops.
+    res: Option<B::Reservation>,
+    /// The mapped chunks; for a buffer they tile `[0, capacity)`.
+    table: ChunkTable<B::Chunk>,
+    stats: Stats,
+    pending: Vec<Pending<B::Fence>>,
+}
+
+impl<B: Backend> Inner<B> {
+    fn res(&mut self) -> &mut B::Reservation {
+        self.res.as_mut().expect("the reservation lives until drop")
+    }
+
+    /// In debug builds, checks the chunk table's invariants and that a
+    /// buffer's chunks tile `[0, capacity)` without a hole.
+    fn debug_check(&self) {
+        debug_assert_eq!(self.table.check(), Ok(()));
+        debug_assert_eq!(
+            self.table.mapped_prefix(),
+            self.capacity(),
+            "a buffer has no holes"
+        );
+    }
+
+    /// Bytes mapped: the end of the last chunk.
+    fn capacity(&self) -> usize {
+        self.table.span_end()
+    }
+}
+
+/// A byte buffer in GPU (or host) memory that grows in place.
+///
+/// # Guarantees
+/// - **The base never moves.** [`base`](Self::base) returns the same address
+///   for the buffer's whole life. Growing maps new physical chunks after the
+///   existing ones in an address range reserved once at creation; no byte is
+///   ever copied, and every pointer into the buffer stays valid while the
+///   bytes it points to are in use.
+/// - **Growing is `&self`.** [`grow_to`](Self::grow_to) takes a shared
+///   reference (calls are serialised by a lock), so many threads can grow one
+///   buffer while others read `base()`/`len()` or use existing bytes: growth
+///   never touches mapped memory. Everything that unmaps or remaps
+///   ([`shrink_to_fit`](Self::shrink_to_fit), [`shrink_to`](Self::shrink_to),
+///   migration, access changes, drop) takes `&mut self`.
+/// - **Growth is all or nothing.** If any driver call fails (out of memory
+///   included), everything the call did is undone: the length, the data and
+///   the chunks are as before, and nothing leaks.
+/// - **Unmapping waits for the GPU.** `cuMemUnmap` does not wait for kernels,
+///   so giving memory back and drop synchronise the device before unmapping
+///   ([`shrink_to_fit_after`](Self::shrink_to_fit_after) waits on a fence
+///   instead).
+/// - Growing past the reservation is [`Error::ReservationExhausted`], never a
+///   silent move.
+///
+/// Names follow `Vec`: the length (bytes in use) is at most the capacity
+/// (bytes mapped), which is at most the reservation;
+/// [`truncate`](Self::truncate) keeps memory, [`shrink_to_fit`](Self::shrink_to_fit)
+/// gives it back. New bytes are not zeroed by contract.
+pub struct GrowableBuffer<B: Backend> {
+    backend: Arc<B>,
+    base: u64,
+    reserved: usize,
+    granularity: usize,
+    growth_policy: GrowthPolicy,
+    migration_policy: MigrationPolicy,
+    /// Where new chunks go unless a range placement says otherwise.
+    placement: Location,
+    /// Placements for new chunks starting in these ranges (later entries win).
+    range_placements: Vec<(Range<usize>, Location)>,
+    alignment: usize,
+    /// Who gets which access to new chunks; a host entry applies to
+    /// host-placed chunks only (the driver refuses it on device chunks).
+    grants: Vec<AccessDesc>,
+    pool: Option<Arc<ChunkPool<B>>>,
+    inner: Mutex<Inner<B>>,
+}
+
+impl<B: Backend> std::fmt::Debug for GrowableBuffer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrowableBuffer")
+            .field("backend", &self.backend.name())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl<B: Backend> GrowableBuffer<B> {
+    /// Reserves the address range described by `desc`. No physical memory is
+    /// mapped until the buffer grows.
+    pub fn new(backend: Arc<B>, desc: BufferDesc) -> Result<Self> {
+        Self::build(backend, desc, None)
+    }
+
+    /// Like [`new`](Self::new), in `pool`'s backend: growth takes pooled
+    /// chunks before creating new ones, and chunks given back (and, at drop,
+    /// all of them) go to the pool instead of back to the driver.
+    pub fn with_pool(pool: &Arc<ChunkPool<B>>, desc: BufferDesc) -> Result<Self> {
+        Self::build(pool.backend().clone(), desc, Some(pool.clone()))
+    }
+
+    fn build(backend: Arc<B>, desc: BufferDesc, pool: Option<Arc<ChunkPool<B>>>) -> Result<Self> {
+        if desc.max_bytes == 0 {
+            return Err(Error::invalid("max_bytes is 0"));
+        }
+        let home = backend.home();
+        let placement = desc.placement.unwrap_or(home);
+        let granularity = backend.granularity(placement)?;
+        let reserved = round_up(desc.max_bytes, granularity)
+            .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", desc.max_bytes)))?;
+        let growth_policy = desc.growth.resolve(granularity)?;
+        if !desc.alignment.is_power_of_two() || desc.alignment > granularity {
+            return Err(Error::invalid(format!(
+                "alignment {} is not a power of two up to the granularity {granularity}",
+                desc.alignment
+            )));
+        }
+        let mut grants = vec![AccessDesc::new(home, desc.access)];
+        if home != Location::Host {
+            grants.push(AccessDesc::new(Location::Host, desc.access));
+        }
+        let table = ChunkTable::new(reserved, granularity)?;
+        let res = backend
+            .reserve(reserved, granularity)
+            .map_err(|e| match e {
+                Error::ReservationExhausted { .. } => Error::ReservationExhausted {
+                    requested_bytes: reserved,
+                    reserved_bytes: 0,
+                },
+                e => e,
+            })?;
+        let base = backend.base(&res);
+        tracing::debug!(
+            backend = backend.name(),
+            base,
+            reserved,
+            granularity,
+            "vmmbuf: reserved"
+        );
+        let migration_policy = match placement {
+            p if p == home => MigrationPolicy::Default,
+            Location::Host => MigrationPolicy::PreferHost,
+            Location::Device(d) => MigrationPolicy::PreferDevice(d),
+        };
+        Ok(Self {
+            backend,
+            base,
+            reserved,
+            granularity,
+            growth_policy,
+            migration_policy,
+            placement,
+            range_placements: Vec::new(),
+            alignment: desc.alignment,
+            grants,
+            pool,
+            inner: Mutex::new(Inner {
+                res: Some(res),
+                table,
+                stats: Stats {
+                    reserved_bytes: reserved,
+                    ..Stats::default()
+                },
+                pending: Vec::new(),
+            }),
+        })
+    }
+
+    /// The first address of the buffer; the same for its whole life.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Bytes in use.
+    pub fn len(&self) -> usize {
+        self.inner.lock().table.len()
+    }
+
+    /// True when no bytes are in use.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes mapped (at least [`len`](Self::len)).
+    pub fn capacity(&self) -> usize {
+        self.inner.lock().capacity()
+    }
+
+    /// Bytes of address space reserved: the most the buffer can ever hold.
+    pub fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// The backend's mapping granularity for this buffer's placement.
+    pub fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    /// Number of chunks mapped.
+    pub fn chunk_count(&self) -> usize {
+        self.inner.lock().table.chunk_count()
+    }
+
+    /// The growth policy in force (a fixed size already rounded to the
+    /// granularity).
+    pub fn growth_policy(&self) -> GrowthPolicy {
+        self.growth_policy
+    }
+
+    /// Sets the growth policy for growths from now on (checked and rounded as
+    /// in [`BufferDesc::growth`]).
+    pub fn set_growth_policy(&mut self, policy: GrowthPolicy) -> Result<()> {
+        self.growth_policy = policy.resolve(self.granularity)?;
+        Ok(())
+    }
+
+    /// Where new chunks are placed (unless a range policy says otherwise).
+    pub fn placement(&self) -> Location {
+        self.placement
+    }
+
+    /// The backend this buffer lives in.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The pool this buffer takes chunks from and gives them to, if any.
+    pub fn pool(&self) -> Option<&Arc<ChunkPool<B>>> {
+        self.pool.as_ref()
+    }
+
+    /// The buffer's counters.
+    pub fn stats(&self) -> Stats {
+        Self::stats_of(&self.inner.lock())
+    }
+
+    fn stats_of(g: &Inner<B>) -> Stats {
+        let t = g.table.stats();
+        Stats {
+            in_use_bytes: g.table.len(),
+            mapped_bytes: t.mapped_bytes,
+            chunks: t.chunks,
+            host_bytes: t.host_bytes,
+            device_bytes: t.mapped_bytes - t.host_bytes,
+            ..g.stats
+        }
+    }
+
+    /// Every chunk with its placement and access, and the counters.
+    pub fn report(&self) -> Report {
+        let g = self.inner.lock();
+        Report {
+            base: self.base,
+            stats: Self::stats_of(&g),
+            chunks: g.table.report(),
+        }
+    }
+
+    /// Where a new chunk starting at `offset` goes.
+    fn placement_at(&self, offset: usize) -> Location {
+        self.range_placements
+            .iter()
+            .rev()
+            .find(|(r, _)| r.contains(&offset))
+            .map_or(self.placement, |&(_, l)| l)
+    }
+
+    /// The access list of a chunk placed at `placement`.
+    fn access_for(&self, placement: Location) -> Arc<[AccessDesc]> {
+        self.grants
+            .iter()
+            .filter(|d| d.location != Location::Host || placement == Location::Host)
+            .copied()
+            .collect()
+    }
+
+    /// Gives an unmapped chunk to the pool, or back to the driver.
+    fn dispose(&self, chunk: B::Chunk, bytes: usize, placement: Location) -> Result<()> {
+        match &self.pool {
+            Some(pool) => {
+                pool.put(placement, bytes, chunk);
+                Ok(())
+            }
+            None => self.backend.release(chunk).inspect_err(|e| {
+                tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
+            }),
+        }
+    }
+
+    /// Checks that `[offset, offset + n)` lies within the `len` bytes in use.
+    fn check_span(len: usize, offset: usize, n: usize) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= len => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "bytes {offset}+{n} are outside the {len} bytes in use"
+            ))),
+        }
+    }
+}
+
+impl<B: Backend> Drop for GrowableBuffer<B> {
+    fn drop(&mut self) {
+        let backend = self.backend.clone();
+        let g = self.inner.get_mut();
+        let Some(mut res) = g.res.take() else { return };
+        if !g.table.is_empty() {
+            // Kernels may still use the memory: wait before unmapping.
+            if let Err(e) = backend.synchronize() {
+                tracing::error!(error = %e, "vmmbuf: synchronize before drop failed");
+            }
+            if let Err(e) = backend.unmap(&mut res, 0, g.capacity()) {
+                tracing::error!(error = %e, "vmmbuf: unmap in drop failed");
+            }
+            let _ = g.table.set_len(0);
+            let offsets: Vec<usize> = g.table.iter().map(|(o, _)| o).collect();
+            let gone: Vec<_> = offsets
+                .into_iter()
+                .filter_map(|o| g.table.remove(o))
+                .collect();
+            for e in gone {
+                let _ = self.dispose(e.chunk, e.bytes, e.placement); // logged inside
+            }
+        }
+        if let Err(e) = backend.free(res) {
+            tracing::error!(error = %e, "vmmbuf: freeing the reservation in drop failed");
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Shrinking, with `Vec`'s names: [`truncate`](GrowableBuffer::truncate)
+//! keeps memory; [`shrink_to_fit`](GrowableBuffer::shrink_to_fit) and
+//! [`shrink_to`](GrowableBuffer::shrink_to) give back whole chunks past the
+//! length (after waiting for the GPU);
+//! [`shrink_to_fit_after`](GrowableBuffer::shrink_to_fit_after) gives them
+//! back once a fence has passed, without blocking.
+
+use std::time::Instant;
+
+use super::{GrowableBuffer, Inner, Pending};
+use crate::backend::Backend;
+use crate::error::Result;
+
+impl<B: Backend> GrowableBuffer<B> {
+    /// Reduces the length to `bytes`, keeping the chunks mapped for regrowth.
+    /// A `bytes` at or above the length changes nothing, as in
+    /// [`Vec::truncate`].
+    pub fn truncate(&mut self, bytes: usize) {
+        let g = self.inner.get_mut();
+        if bytes < g.table.len() {
+            g.table
+                .set_len(bytes)
+                .expect("a shorter length is always mapped");
+            g.stats.shrinks += 1;
+        }
+    }
+
+    /// Sets the length to 0, keeping the memory: `truncate(0)`.
+    pub fn clear(&mut self) {
+        self.truncate(0);
+    }
+
+    /// Gives back every chunk that lies wholly past the length, after waiting
+    /// for the GPU (the whole device: see
+    /// [`shrink_to_fit_after`](Self::shrink_to_fit_after) for the version that
+    /// waits on a fence instead). A chunk that holds any byte in use stays.
+    /// Chunks go to the pool if the buffer has one.
+    ///
+    /// If the wait or the unmap fails, nothing has changed. If releasing a
+    /// chunk fails, the buffer is shrunk all the same and the error is
+    /// returned (the chunk's token retries and logs when it drops).
+    pub fn shrink_to_fit(&mut self) -> Result<()> {
+        self.shrink_to(0)
+    }
+
+    /// Gives back every chunk that lies wholly past `max(len, min_capacity)`,
+    /// as [`shrink_to_fit`](Self::shrink_to_fit) does: the capacity is then
+    /// at least that much, as with [`Vec::shrink_to`].
+    pub fn shrink_to(&mut self, min_capacity: usize) -> Result<()> {
+        let mut g = self.inner.lock();
+        let keep_to = g.table.len().max(min_capacity);
+        self.release_from(&mut g, keep_to, true)?;
+        g.pending.clear();
+        Ok(())
+    }
+
+    /// Gives back every chunk wholly past the length once `fence` has passed,
+    /// without blocking the host: stream-ordered release. The release happens
+    /// in a later call that finds the fence done ([`grow_to`](Self::grow_to),
+    /// [`reclaim`](Self::reclaim), this one), or at once in
+    /// [`shrink_to_fit`](Self::shrink_to_fit) and drop, which wait.
+    ///
+    /// `fence` must come after all GPU work that uses bytes past the length
+    /// (for CUDA: record it with [`CudaBackend::fence`](crate::CudaBackend::fence)
+    /// on the stream of that work, after joining any other streams into it).
+    /// Growing again before the fence passes simply reuses the chunks still
+    /// mapped; nothing that was in use since the fence is ever released.
+    pub fn shrink_to_fit_after(&mut self, fence: B::Fence) -> Result<()> {
+        let mut g = self.inner.lock();
+        let len = g.table.len();
+        if g.table.iter().next_back().is_some_and(|(o, _)| o >= len) {
+            g.pending.push(Pending {
+                fence,
+                high_water: len,
+            });
+        }
+        self.reclaim_locked(&mut g)
+    }
+
+    /// Gives back what earlier [`shrink_to_fit_after`](Self::shrink_to_fit_after)
+    /// calls deferred, where their fences have passed. Never blocks on the GPU.
+    pub fn reclaim(&self) -> Result<()> {
+        self.reclaim_locked(&mut self.inner.lock())
+    }
+
+    /// Releases chunks past the length whose fences have passed.
+    pub(super) fn reclaim_locked(&self, g: &mut Inner<B>) -> Result<()> {
+        if g.pending.is_empty() {
+            return Ok(());
+        }
+        let mut boundary: Option<usize> = None;
+        let mut err = None;
+        g.pending
+            .retain(|p| match self.backend.fence_done(&p.fence) {
+                Ok(true) => {
+                    boundary = Some(boundary.map_or(p.high_water, |b| b.min(p.high_water)));
+                    false
+                }
+                Ok(false) => true,
+                Err(e) => {
+                    err.get_or_insert(e);
+                    true
+                }
+            });
+        if let Some(b) = boundary {
+            self.release_from(g, b, false)?;
+        }
+        err.map_or(Ok(()), Err)
+    }
+
+    /// Unmaps every chunk that starts at or past `keep_to` (at or past the
+    /// length) and gives it to the pool or the driver; with `wait`,
+    /// synchronises the device first.
+    fn release_from(&self, g: &mut Inner<B>, keep_to: usize, wait: bool) -> Result<()> {
+        let Some((from, _)) = g.table.iter().find(|(o, _)| *o >= keep_to) else {
+            return Ok(());
+        };
+        let start = Instant::now();
+        let bytes = g.capacity() - from;
+        let _span =
+            tracing::debug_span!("vmmbuf.shrink", len = g.table.len(), from, bytes, wait).entered();
+        if wait {
+            self.backend.synchronize()?;
+        }
+        self.backend.unmap(g.res(), from, bytes)?;
+        let offsets: Vec<usize> = g
+            .table
+            .overlapping(from..from + bytes)
+            .map(|(o, _)| o)
+            .collect();
+        let gone: Vec<_> = offsets
+            .into_iter()
+            .filter_map(|o| g.table.remove(o))
+            .collect();
+        let released = gone.len();
+        g.debug_check();
+        g.stats.trims += 1;
+        g.stats.chunks_released_total += released as u64;
+        let mut first_err = None;
+        for e in gone {
+            if let Err(err) = self.dispose(e.chunk, e.bytes, e.placement) {
+                first_err.get_or_insert(err);
+            }
+        }
+        tracing::debug!(
+            chunks = released,
+            bytes,
+            elapsed_us = start.elapsed().as_micros() as u64,
+            "vmmbuf: gave chunks back"
+        );
+        first_err.map_or(Ok(()), Err)
+    }
+}

@@ -1,0 +1,416 @@
+//! The chunk table: which physical chunks are mapped where in one reservation.
+//!
+//! Pure, safe bookkeeping, generic over the chunk token `C` (a backend's chunk
+//! for a buffer, `()` inside a backend's reservation token and in the tests).
+//! Entries are keyed by offset and may leave unmapped holes between them (a
+//! range mapped, a hole, a range mapped), as an arena that unmaps free chunks
+//! in the middle of its reservation needs. Every question "which chunks touch
+//! this range" is answered here, once.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::location::{Access, AccessDesc, Location};
+use crate::stats::ChunkInfo;
+
+/// One mapped chunk.
+#[derive(Debug)]
+pub(crate) struct Entry<C> {
+    /// The chunk's token.
+    pub(crate) chunk: C,
+    /// Its size in bytes (a multiple of the table's granularity).
+    pub(crate) bytes: usize,
+    /// Where its physical memory lives.
+    pub(crate) placement: Location,
+    /// Who may touch it, and how (exactly what the driver was told).
+    pub(crate) access: Arc<[AccessDesc]>,
+}
+
+impl<C> Entry<C> {
+    /// A chunk with no access granted yet (as every fresh mapping starts).
+    pub(crate) fn new(chunk: C, bytes: usize, placement: Location) -> Self {
+        Self {
+            chunk,
+            bytes,
+            placement,
+            access: Arc::from([]),
+        }
+    }
+
+    /// What `who` may do with this chunk.
+    pub(crate) fn access_of(&self, who: Location) -> Access {
+        self.access
+            .iter()
+            .find(|d| d.location == who)
+            .map_or(Access::None, |d| d.access)
+    }
+}
+
+/// Derived figures of a table, as plain data.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct TableStats {
+    pub(crate) chunks: usize,
+    pub(crate) mapped_bytes: usize,
+    pub(crate) host_bytes: usize,
+    /// End of the last chunk: mapped bytes plus holes.
+    pub(crate) span_bytes: usize,
+    /// Unmapped gaps below the span's end.
+    pub(crate) holes: usize,
+}
+
+/// The chunks mapped in one reservation of `reserved` bytes, and the length
+/// in use: `[0, len)` is always mapped without a hole.
+#[derive(Debug)]
+pub(crate) struct ChunkTable<C> {
+    reserved: usize,
+    granularity: usize,
+    entries: BTreeMap<usize, Entry<C>>,
+    len: usize,
+    mapped_bytes: usize,
+    host_bytes: usize,
+}
+
+impl<C> ChunkTable<C> {
+    /// An empty table over a reservation of `reserved` bytes whose chunks are
+    /// multiples of `granularity` (a power of two dividing `reserved`).
+    pub(crate) fn new(reserved: usize, granularity: usize) -> Result<Self> {
+        if !granularity.is_power_of_two() || reserved % granularity != 0 {
+            return Err(Error::invalid(format!(
+                "a table of {reserved} bytes with granularity {granularity}"
+            )));
+        }
+        Ok(Self {
+            reserved,
+            granularity,
+            entries: BTreeMap::new(),
+            len: 0,
+            mapped_bytes: 0,
+            host_bytes: 0,
+        })
+    }
+
+    pub(crate) fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// Bytes in use: `[0, len)` is mapped without a hole.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn mapped_bytes(&self) -> usize {
+        self.mapped_bytes
+    }
+
+    pub(crate) fn chunk_count(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The end of the last chunk (0 when empty).
+    pub(crate) fn span_end(&self) -> usize {
+        self.entries
+            .last_key_value()
+            .map_or(0, |(&o, e)| o + e.bytes)
+    }
+
+    /// The end of the mapped prefix: the first byte from 0 that is not mapped.
+    pub(crate) fn mapped_prefix(&self) -> usize {
+        let mut at = 0;
+        for (&o, e) in &self.entries {
+            if o != at {
+                break;
+            }
+            at += e.bytes;
+        }
+        at
+    }
+
+    /// Every chunk in address order.
+    pub(crate) fn iter(&self) -> impl DoubleEndedIterator<Item = (usize, &Entry<C>)> + '_ {
+        self.entries.iter().map(|(&o, e)| (o, e))
+    }
+
+    pub(crate) fn get(&self, offset: usize) -> Option<&Entry<C>> {
+        self.entries.get(&offset)
+    }
+
+    pub(crate) fn get_mut(&mut self, offset: usize) -> Option<&mut Entry<C>> {
+        self.entries.get_mut(&offset)
+    }
+
+    /// Checks that `[offset, offset + bytes)` is a non-empty range inside the
+    /// reservation.
+    pub(crate) fn check_range(&self, offset: usize, bytes: usize) -> Result<()> {
+        match offset.checked_add(bytes) {
+            Some(end) if bytes > 0 && end <= self.reserved => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "range {offset:#x}+{bytes:#x} is empty or outside the {:#x}-byte reservation",
+                self.reserved
+            ))),
+        }
+    }
+
+    /// Checks that a chunk of `bytes` can be mapped at `offset`: inside the
+    /// reservation, granular, over no other chunk.
+    pub(crate) fn check_insert(&self, offset: usize, bytes: usize) -> Result<()> {
+        self.check_range(offset, bytes)?;
+        if offset % self.granularity != 0 || bytes % self.granularity != 0 {
+            return Err(Error::invalid(format!(
+                "a chunk of {bytes:#x} bytes at {offset:#x} is not a multiple of the granularity {:#x}",
+                self.granularity
+            )));
+        }
+        if let Some((k, _)) = self.overlapping(offset..offset + bytes).next() {
+            return Err(Error::invalid(format!(
+                "{offset:#x}+{bytes:#x} overlaps the chunk at {k:#x}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Records a chunk mapped at `offset` (see [`check_insert`](Self::check_insert)).
+    pub(crate) fn insert(&mut self, offset: usize, entry: Entry<C>) -> Result<()> {
+        self.check_insert(offset, entry.bytes)?;
+        self.mapped_bytes += entry.bytes;
+        if entry.placement == Location::Host {
+            self.host_bytes += entry.bytes;
+        }
+        self.entries.insert(offset, entry);
+        Ok(())
+    }
+
+    /// Forgets the chunk at `offset`. Refused (`None`) while it holds bytes
+    /// in use.
+    pub(crate) fn remove(&mut self, offset: usize) -> Option<Entry<C>> {
+        if offset < self.len {
+            return None;
+        }
+        let e = self.entries.remove(&offset)?;
+        self.mapped_bytes -= e.bytes;
+        if e.placement == Location::Host {
+            self.host_bytes -= e.bytes;
+        }
+        Some(e)
+    }
+
+    /// Sets where the chunk at `offset` lives, keeping the counters right.
+    pub(crate) fn set_placement(&mut self, offset: usize, placement: Location) {
+        let Some(e) = self.entries.get_mut(&offset) else {
+            return;
+        };
+        if e.placement == Location::Host {
+            self.host_bytes -= e.bytes;
+        }
+        if placement == Location::Host {
+            self.host_bytes += e.bytes;
+        }
+        e.placement = placement;
+    }
+
+    /// Sets the length in use. [`Error::InvalidArgument`] unless `[0, len)`
+    /// is mapped without a hole.
+    pub(crate) fn set_len(&mut self, len: usize) -> Result<()> {
+        if len > self.mapped_prefix() {
+            return Err(Error::invalid(format!(
+                "length {len:#x} is past the mapped prefix {:#x}",
+                self.mapped_prefix()
+            )));
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// The chunks that share at least one byte with `range`, in address order.
+    pub(crate) fn overlapping(
+        &self,
+        range: Range<usize>,
+    ) -> impl Iterator<Item = (usize, &Entry<C>)> + '_ {
+        let first = self.first_touching(range.start);
+        self.entries
+            .range(first..range.end.max(first))
+            .map(|(&o, e)| (o, e))
+            .filter(move |(o, e)| o + e.bytes > range.start && *o < range.end)
+    }
+
+    /// The key from which chunks may touch `offset`: the chunk holding it if
+    /// any, else `offset`.
+    fn first_touching(&self, offset: usize) -> usize {
+        match self.entries.range(..=offset).next_back() {
+            Some((&k, e)) if k + e.bytes > offset => k,
+            _ => offset,
+        }
+    }
+
+    /// Offsets of the chunks that together cover `[offset, offset + bytes)`
+    /// without a gap; with `exact`, the range must also start and end on
+    /// chunk boundaries (what an unmap or an access change needs).
+    pub(crate) fn covering(&self, offset: usize, bytes: usize, exact: bool) -> Result<Vec<usize>> {
+        self.check_range(offset, bytes)?;
+        let end = offset + bytes;
+        let mut at = self.first_touching(offset);
+        if !self.entries.contains_key(&at) || (exact && at != offset) {
+            return Err(Error::invalid(format!(
+                "{offset:#x} is not {}",
+                if exact { "a chunk's start" } else { "mapped" }
+            )));
+        }
+        let mut keys = Vec::new();
+        while at < end {
+            match self.entries.get(&at) {
+                Some(e) => {
+                    keys.push(at);
+                    at += e.bytes;
+                }
+                None => return Err(Error::invalid(format!("{at:#x} is not mapped"))),
+            }
+        }
+        if exact && at != end {
+            return Err(Error::invalid(format!("{end:#x} falls inside a chunk")));
+        }
+        Ok(keys)
+    }
+
+    /// Checks that every chunk touching `[offset, offset + bytes)` grants
+    /// `who` at least `need`.
+    pub(crate) fn check_access(
+        &self,
+        offset: usize,
+        bytes: usize,
+        who: Location,
+        need: Access,
+    ) -> Result<()> {
+        let end = offset.saturating_add(bytes);
+        match self
+            .overlapping(offset..end)
+            .find(|(_, e)| e.access_of(who) < need)
+        {
+            Some((k, e)) => Err(Error::invalid(format!(
+                "the chunk at {k:#x} grants {who} {:?} access, {need:?} is needed",
+                e.access_of(who)
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Splits a mapped range into runs of chunks with the same placement:
+    /// `(offset, bytes, placement)` each, clipped to the range.
+    pub(crate) fn placement_runs(
+        &self,
+        offset: usize,
+        bytes: usize,
+    ) -> Vec<(usize, usize, Location)> {
+        let end = offset.saturating_add(bytes);
+        let mut runs: Vec<(usize, usize, Location)> = Vec::new();
+        for (k, e) in self.overlapping(offset..end) {
+            let (a, b) = (k.max(offset), (k + e.bytes).min(end));
+            match runs.last_mut() {
+                Some(r) if r.2 == e.placement && r.0 + r.1 == a => r.1 += b - a,
+                _ => runs.push((a, b - a, e.placement)),
+            }
+        }
+        runs
+    }
+
+    /// The unmapped gaps below the span's end, in address order.
+    pub(crate) fn holes(&self) -> Vec<Range<usize>> {
+        let mut holes = Vec::new();
+        let mut at = 0;
+        for (&o, e) in &self.entries {
+            if o > at {
+                holes.push(at..o);
+            }
+            at = o + e.bytes;
+        }
+        holes
+    }
+
+    /// The lowest granular offset where `bytes` fit unmapped: in a hole, or
+    /// past the span. `None` if nothing fits before the reservation's end.
+    /// (Where an allocator that unmaps in the middle maps next, as expandable
+    /// segments do; buffers only ever map past the span.)
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn lowest_fit(&self, bytes: usize) -> Option<usize> {
+        if bytes == 0 {
+            return None;
+        }
+        self.holes()
+            .into_iter()
+            .find(|h| h.end - h.start >= bytes)
+            .map(|h| h.start)
+            .or_else(|| {
+                let end = self.span_end();
+                (self.reserved - end >= bytes).then_some(end)
+            })
+    }
+
+    /// Figures derived from the entries.
+    pub(crate) fn stats(&self) -> TableStats {
+        TableStats {
+            chunks: self.entries.len(),
+            mapped_bytes: self.mapped_bytes,
+            host_bytes: self.host_bytes,
+            span_bytes: self.span_end(),
+            holes: self.holes().len(),
+        }
+    }
+
+    /// Every chunk as plain data.
+    pub(crate) fn report(&self) -> Vec<ChunkInfo> {
+        self.iter()
+            .map(|(offset, e)| ChunkInfo {
+                offset,
+                bytes: e.bytes,
+                placement: e.placement,
+                access: e.access.iter().map(|d| (d.location, d.access)).collect(),
+            })
+            .collect()
+    }
+
+    /// Checks every invariant; the tests call it after each operation.
+    pub(crate) fn check(&self) -> std::result::Result<(), String> {
+        let mut end = 0usize;
+        let (mut mapped, mut host) = (0usize, 0usize);
+        for (&o, e) in &self.entries {
+            if o < end {
+                return Err(format!("the chunk at {o:#x} overlaps the one before"));
+            }
+            if e.bytes == 0 || o % self.granularity != 0 || e.bytes % self.granularity != 0 {
+                return Err(format!(
+                    "the chunk at {o:#x} of {:#x} bytes is not granular",
+                    e.bytes
+                ));
+            }
+            end = o
+                .checked_add(e.bytes)
+                .filter(|&x| x <= self.reserved)
+                .ok_or_else(|| format!("the chunk at {o:#x} passes the reservation"))?;
+            mapped += e.bytes;
+            if e.placement == Location::Host {
+                host += e.bytes;
+            }
+        }
+        if mapped != self.mapped_bytes || host != self.host_bytes {
+            return Err(format!(
+                "counters say {:#x} mapped, {:#x} on the host; the entries {mapped:#x}, {host:#x}",
+                self.mapped_bytes, self.host_bytes
+            ));
+        }
+        if self.len > self.mapped_prefix() {
+            return Err(format!(
+                "length {:#x} passes the mapped prefix {:#x}",
+                self.len,
+                self.mapped_prefix()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
