@@ -76,7 +76,7 @@ impl<C> ChunkTable<C> {
     /// An empty table over a reservation of `reserved` bytes whose chunks are
     /// multiples of `granularity` (a power of two dividing `reserved`).
     pub(crate) fn new(reserved: usize, granularity: usize) -> Result<Self> {
-        if !granularity.is_power_of_two() || reserved % granularity != 0 {
+        if !granularity.is_power_of_two() || !reserved.is_multiple_of(granularity) {
             return Err(Error::invalid(format!(
                 "a table of {reserved} bytes with granularity {granularity}"
             )));
@@ -98,10 +98,6 @@ impl<C> ChunkTable<C> {
     /// Bytes in use: `[0, len)` is mapped without a hole.
     pub(crate) fn len(&self) -> usize {
         self.len
-    }
-
-    pub(crate) fn mapped_bytes(&self) -> usize {
-        self.mapped_bytes
     }
 
     pub(crate) fn chunk_count(&self) -> usize {
@@ -160,7 +156,7 @@ impl<C> ChunkTable<C> {
     /// reservation, granular, over no other chunk.
     pub(crate) fn check_insert(&self, offset: usize, bytes: usize) -> Result<()> {
         self.check_range(offset, bytes)?;
-        if offset % self.granularity != 0 || bytes % self.granularity != 0 {
+        if !offset.is_multiple_of(self.granularity) || !bytes.is_multiple_of(self.granularity) {
             return Err(Error::invalid(format!(
                 "a chunk of {bytes:#x} bytes at {offset:#x} is not a multiple of the granularity {:#x}",
                 self.granularity
@@ -211,6 +207,16 @@ impl<C> ChunkTable<C> {
             self.host_bytes += e.bytes;
         }
         e.placement = placement;
+    }
+
+    /// Records that the chunks at `keys` now grant exactly `access`.
+    pub(crate) fn set_access(&mut self, keys: &[usize], access: &[AccessDesc]) {
+        let list: Arc<[AccessDesc]> = access.into();
+        for k in keys {
+            if let Some(e) = self.entries.get_mut(k) {
+                e.access = list.clone();
+            }
+        }
     }
 
     /// Sets the length in use. [`Error::InvalidArgument`] unless `[0, len)`

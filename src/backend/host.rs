@@ -40,7 +40,7 @@ impl HostBackend {
     /// It must be a power of two and a multiple of the page size.
     pub fn with_granularity(granularity: usize) -> Result<Arc<Self>> {
         let page = rustix::param::page_size();
-        if !granularity.is_power_of_two() || granularity % page != 0 {
+        if !granularity.is_power_of_two() || !granularity.is_multiple_of(page) {
             return Err(Error::invalid(format!(
                 "host granularity {granularity} is not a power-of-two multiple of the page size {page}"
             )));
@@ -124,7 +124,7 @@ impl Drop for HostReservation {
         {
             tracing::error!(error = %e, "vmmbuf host: munmap of a reservation failed in drop");
         }
-        let mapped = self.table.mapped_bytes();
+        let mapped = self.table.stats().mapped_bytes;
         let bytes = self.table.reserved();
         self.counters.update(|c| {
             c.reservations -= 1;
@@ -175,12 +175,7 @@ impl Backend for HostBackend {
     }
 
     fn reserve(&self, bytes: usize, align: usize) -> Result<HostReservation> {
-        if bytes == 0 || bytes % self.granularity != 0 || !align.is_power_of_two() {
-            return Err(Error::invalid(format!(
-                "reserve {bytes} bytes aligned {align}: size must be a non-zero multiple of {}",
-                self.granularity
-            )));
-        }
+        super::check_reserve(bytes, align, self.granularity)?;
         let table = ChunkTable::new(bytes, self.granularity)?;
         let page = rustix::param::page_size();
         let slack = if align > page { align } else { 0 };
@@ -234,23 +229,14 @@ impl Backend for HostBackend {
     }
 
     fn free(&self, res: HostReservation) -> Result<()> {
-        if !res.table.is_empty() {
-            return Err(Error::invalid(
-                "freeing a reservation that still has mappings (dropped instead)",
-            ));
-        }
+        super::check_free(&res.table)?;
         drop(res);
         Ok(())
     }
 
     fn create(&self, bytes: usize, placement: Location) -> Result<HostChunk> {
         self.check_host(placement)?;
-        if bytes == 0 || bytes % self.granularity != 0 {
-            return Err(Error::invalid(format!(
-                "chunk of {bytes} bytes is not a non-zero multiple of {}",
-                self.granularity
-            )));
-        }
+        super::check_chunk(bytes, self.granularity)?;
         let fd = rustix::fs::memfd_create("vmmbuf", rustix::fs::MemfdFlags::CLOEXEC)
             .map_err(|e| os("memfd_create", e, bytes))?;
         rustix::fs::ftruncate(&fd, bytes as u64).map_err(|e| os("ftruncate", e, bytes))?;
@@ -337,12 +323,7 @@ impl Backend for HostBackend {
         // into it is alive that a narrower protection could invalidate.
         unsafe { rustix::mm::mprotect(res.addr(offset), bytes, flags) }
             .map_err(|e| os("mprotect", e, bytes))?;
-        let list: Arc<[AccessDesc]> = access.into();
-        for k in keys {
-            if let Some(e) = res.table.get_mut(k) {
-                e.access = list.clone();
-            }
-        }
+        res.table.set_access(&keys, access);
         Ok(())
     }
 

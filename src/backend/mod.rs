@@ -127,6 +127,38 @@ pub trait Backend: Send + Sync + 'static {
     fn live(&self) -> LiveCounts;
 }
 
+/// Checks a reservation request: a non-zero multiple of the granularity,
+/// aligned to a power of two.
+pub(crate) fn check_reserve(bytes: usize, align: usize, granularity: usize) -> Result<()> {
+    if bytes == 0 || !bytes.is_multiple_of(granularity) || !align.is_power_of_two() {
+        return Err(crate::Error::invalid(format!(
+            "reserve {bytes} bytes aligned {align}: size must be a non-zero multiple of {granularity}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a chunk size: a non-zero multiple of the granularity.
+pub(crate) fn check_chunk(bytes: usize, granularity: usize) -> Result<()> {
+    if bytes == 0 || !bytes.is_multiple_of(granularity) {
+        return Err(crate::Error::invalid(format!(
+            "chunk of {bytes} bytes is not a non-zero multiple of {granularity}"
+        )));
+    }
+    Ok(())
+}
+
+/// Freeing a reservation with mappings left is refused (the token is dropped
+/// instead, which unmaps first).
+pub(crate) fn check_free<C>(table: &crate::table::ChunkTable<C>) -> Result<()> {
+    if !table.is_empty() {
+        return Err(crate::Error::invalid(
+            "freeing a reservation that still has mappings (dropped instead)",
+        ));
+    }
+    Ok(())
+}
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for crate::CudaBackend {}

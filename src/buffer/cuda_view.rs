@@ -27,7 +27,7 @@ impl GrowableBuffer<CudaBackend> {
         if size == 0 {
             return Err(Error::invalid("zero-sized element type"));
         }
-        if offset_bytes % std::mem::align_of::<T>() != 0 {
+        if !offset_bytes.is_multiple_of(std::mem::align_of::<T>()) {
             return Err(Error::invalid(format!(
                 "offset {offset_bytes} is not aligned to {} for {}",
                 std::mem::align_of::<T>(),

@@ -318,11 +318,7 @@ impl Backend for CudaBackend {
 
     fn reserve(&self, bytes: usize, align: usize) -> Result<CudaReservation> {
         let g = self.granularity(self.home())?;
-        if bytes == 0 || bytes % g != 0 || !align.is_power_of_two() {
-            return Err(Error::invalid(format!(
-                "reserve {bytes} bytes aligned {align}: size must be a non-zero multiple of {g}"
-            )));
-        }
+        super::check_reserve(bytes, align, g)?;
         let table = ChunkTable::new(bytes, g)?;
         driver::bind(&self.ctx)?;
         let ptr = driver::address_reserve(bytes, align).map_err(|e| match e {
@@ -349,11 +345,7 @@ impl Backend for CudaBackend {
     }
 
     fn free(&self, mut res: CudaReservation) -> Result<()> {
-        if !res.table.is_empty() {
-            return Err(Error::invalid(
-                "freeing a reservation that still has mappings (dropped instead)",
-            ));
-        }
+        super::check_free(&res.table)?;
         driver::bind(&self.ctx)?;
         // SAFETY: (ptr, bytes) is exactly this token's reservation, nothing in
         // it is mapped (checked above), and the token is consumed.
@@ -369,11 +361,7 @@ impl Backend for CudaBackend {
 
     fn create(&self, bytes: usize, placement: Location) -> Result<CudaChunk> {
         let granularity = self.granularity(placement)?;
-        if bytes == 0 || bytes % granularity != 0 {
-            return Err(Error::invalid(format!(
-                "chunk of {bytes} bytes is not a non-zero multiple of {granularity}"
-            )));
-        }
+        super::check_chunk(bytes, granularity)?;
         let prop = driver::allocation_prop(self.placement(placement)?);
         driver::bind(&self.ctx)?;
         let handle = driver::mem_create(bytes, &prop)?;
@@ -446,12 +434,7 @@ impl Backend for CudaBackend {
         // SAFETY: the range is made of whole live mappings of this token
         // (checked above); `&mut` to the token excludes references into it.
         unsafe { driver::mem_set_access(res.addr(offset), bytes, &descs) }?;
-        let list: Arc<[AccessDesc]> = access.into();
-        for k in keys {
-            if let Some(e) = res.table.get_mut(k) {
-                e.access = list.clone();
-            }
-        }
+        res.table.set_access(&keys, access);
         Ok(())
     }
 
