@@ -71,6 +71,28 @@ pub enum Error {
         #[source]
         source: cudarc::driver::DriverError,
     },
+    /// The range spans chunks placed in host memory and chunks on a GPU. No
+    /// view or `CudaSlice` may cover it: a driver copy over such a range
+    /// crashes the process (seen with driver 580.159.04). Split it at
+    /// `split_at`, where the placement changes.
+    #[error("bytes {offset:#x}+{bytes:#x} span host and GPU chunks; split at {split_at:#x}")]
+    MixedPlacement {
+        /// Start of the range asked for.
+        offset: usize,
+        /// Its length.
+        bytes: usize,
+        /// The first offset where the placement changes.
+        split_at: usize,
+    },
+    /// An earlier failure left this buffer in a state it could not undo (a
+    /// chunk it could not unmap): every later call answers this instead of
+    /// risking memory in use elsewhere. Dropping the buffer tries once more to
+    /// give everything back.
+    #[error("the buffer is poisoned: {reason}")]
+    Poisoned {
+        /// What went wrong, in words.
+        reason: String,
+    },
     /// An operating-system call of the host backend failed.
     #[error("{call} failed: {source}")]
     Os {

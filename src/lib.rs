@@ -43,7 +43,7 @@
 //! - **Reuse** ([`ChunkPool`]): released chunks kept for regrowth across
 //!   buffers; [`GrowableBuffer::shrink_to_fit_after`] releases in stream
 //!   order instead of blocking on the whole device.
-//! - **cudarc interop** ([`View`], [`ViewMut`], [`SliceRef`], [`SliceMut`]):
+//! - **cudarc interop** ([`View`], [`ViewMut`], [`SliceRef`]):
 //!   typed views that cudarc's copies and kernel launches accept, and a
 //!   non-owning `CudaSlice` for APIs that take nothing else.
 //! - **What the machine supports**: [`probe`].
@@ -64,10 +64,11 @@ mod error;
 mod location;
 mod plan;
 mod pool;
+mod ranges;
 mod stats;
 mod table;
 
-pub use backend::cuda::interop::{Element, SliceMut, SliceRef, View, ViewMut};
+pub use backend::cuda::interop::{Element, SliceRef, View, ViewMut};
 pub use backend::cuda::probe::{probe, DeviceProbe, Probe};
 pub use backend::cuda::{CudaBackend, CudaChunk, CudaFence, CudaReservation};
 #[cfg(target_os = "linux")]

@@ -39,13 +39,32 @@ impl<C> Entry<C> {
         }
     }
 
-    /// What `who` may do with this chunk.
+    /// What `who` may do with this chunk. The host can touch only chunks
+    /// placed in host memory, whatever the list says.
     pub(crate) fn access_of(&self, who: Location) -> Access {
+        if who == Location::Host && self.placement != Location::Host {
+            return Access::None;
+        }
         self.access
             .iter()
             .find(|d| d.location == who)
             .map_or(Access::None, |d| d.access)
     }
+
+    /// The access list the driver gets for this chunk: a list may name the
+    /// host for any chunk (what it gets once the chunk is in host memory),
+    /// but the driver takes a host entry only on host-placed chunks.
+    pub(crate) fn driver_access(&self) -> Vec<AccessDesc> {
+        driver_access(&self.access, self.placement)
+    }
+}
+
+/// `list` as the driver takes it for a chunk placed at `placement`.
+pub(crate) fn driver_access(list: &[AccessDesc], placement: Location) -> Vec<AccessDesc> {
+    list.iter()
+        .filter(|d| d.location != Location::Host || placement == Location::Host)
+        .copied()
+        .collect()
 }
 
 /// Derived figures of a table, as plain data.
@@ -373,7 +392,11 @@ impl<C> ChunkTable<C> {
                 offset,
                 bytes: e.bytes,
                 placement: e.placement,
-                access: e.access.iter().map(|d| (d.location, d.access)).collect(),
+                access: e
+                    .driver_access()
+                    .iter()
+                    .map(|d| (d.location, d.access))
+                    .collect(),
             })
             .collect()
     }

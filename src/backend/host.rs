@@ -10,6 +10,7 @@
 
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
@@ -61,11 +62,11 @@ impl HostBackend {
     }
 }
 
+/// An OS error as vmmbuf's: out of memory (transient) for what more memory
+/// or fewer mappings can cure (ENOMEM, also what `vm.max_map_count` gives;
+/// ENOSPC); anything else, too many open files included, as it is.
 fn os(call: &'static str, e: rustix::io::Errno, requested_bytes: usize) -> Error {
-    if e == rustix::io::Errno::NOMEM
-        || e == rustix::io::Errno::NOSPC
-        || e == rustix::io::Errno::MFILE
-    {
+    if e == rustix::io::Errno::NOMEM || e == rustix::io::Errno::NOSPC {
         Error::OutOfMemory {
             call,
             requested_bytes,
@@ -78,9 +79,29 @@ fn os(call: &'static str, e: rustix::io::Errno, requested_bytes: usize) -> Error
     }
 }
 
+/// The error of a failed reservation: ENOMEM for more than the process's
+/// whole address space (47 bits on x86-64 and most arm64 kernels) can never
+/// succeed; below that it may be `vm.max_map_count` or a passing shortage,
+/// so it is out of memory (transient).
+fn reserve_error(e: rustix::io::Errno, bytes: usize) -> Error {
+    if e == rustix::io::Errno::NOMEM && bytes as u64 >= 1 << 47 {
+        Error::ReservationExhausted {
+            requested_bytes: bytes,
+            reserved_bytes: 0,
+        }
+    } else {
+        os("mmap", e, bytes)
+    }
+}
+
 /// Checks that `[offset, offset + bytes)` is mapped without a gap and that
 /// the host may do `need` there.
-fn host_range(table: &ChunkTable<()>, offset: usize, bytes: usize, need: Access) -> Result<()> {
+fn host_range(
+    table: &ChunkTable<MappedFlag>,
+    offset: usize,
+    bytes: usize,
+    need: Access,
+) -> Result<()> {
     table.covering(offset, bytes, false)?;
     table.check_access(offset, bytes, Location::Host, need)
 }
@@ -97,7 +118,7 @@ fn prot(access: Access) -> ProtFlags {
 #[derive(Debug)]
 pub struct HostReservation {
     base: NonNull<u8>,
-    table: ChunkTable<()>,
+    table: ChunkTable<MappedFlag>,
     counters: Arc<Counters>,
 }
 
@@ -124,6 +145,9 @@ impl Drop for HostReservation {
         {
             tracing::error!(error = %e, "vmmbuf host: munmap of a reservation failed in drop");
         }
+        for (_, e) in self.table.iter() {
+            e.chunk.store(false, Ordering::SeqCst);
+        }
         let mapped = self.table.stats().mapped_bytes;
         let bytes = self.table.reserved();
         self.counters.update(|c| {
@@ -138,11 +162,16 @@ impl Drop for HostReservation {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HostFence;
 
+/// Whether a chunk is mapped now, shared by the chunk and the table of the
+/// reservation that maps it, so a chunk maps at one place at a time.
+type MappedFlag = Arc<AtomicBool>;
+
 /// A physical chunk of host memory: a memfd of the chunk's size.
 #[derive(Debug)]
 pub struct HostChunk {
     fd: OwnedFd,
     bytes: usize,
+    mapped: MappedFlag,
     counters: Arc<Counters>,
 }
 
@@ -192,14 +221,7 @@ impl Backend for HostBackend {
                 MapFlags::PRIVATE | MapFlags::NORESERVE,
             )
         }
-        .map_err(|e| match e {
-            // Address space, not memory, ran out: this can never fit.
-            rustix::io::Errno::NOMEM => Error::ReservationExhausted {
-                requested_bytes: bytes,
-                reserved_bytes: 0,
-            },
-            e => os("mmap", e, total),
-        })?;
+        .map_err(|e| reserve_error(e, total))?;
         let start = raw as usize;
         let aligned = start.next_multiple_of(align.max(page));
         let (head, tail) = (aligned - start, total - bytes - (aligned - start));
@@ -247,6 +269,7 @@ impl Backend for HostBackend {
         Ok(HostChunk {
             fd,
             bytes,
+            mapped: MappedFlag::default(),
             counters: self.counters.clone(),
         })
     }
@@ -258,6 +281,13 @@ impl Backend for HostBackend {
 
     fn map(&self, res: &mut HostReservation, offset: usize, chunk: &HostChunk) -> Result<()> {
         res.table.check_insert(offset, chunk.bytes)?;
+        if chunk
+            .mapped
+            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return Err(Error::invalid("the chunk is already mapped"));
+        }
         // SAFETY: the range lies inside this token's reservation (checked
         // above) and holds no mapping (checked above), so MAP_FIXED replaces
         // only our own PROT_NONE placeholder. PROT_NONE: nobody can touch it
@@ -272,9 +302,14 @@ impl Backend for HostBackend {
                 0,
             )
         }
-        .map_err(|e| os("mmap", e, chunk.bytes))?;
-        res.table
-            .insert(offset, Entry::new((), chunk.bytes, Location::Host))?;
+        .map_err(|e| {
+            chunk.mapped.store(false, Ordering::SeqCst);
+            os("mmap", e, chunk.bytes)
+        })?;
+        res.table.insert(
+            offset,
+            Entry::new(chunk.mapped.clone(), chunk.bytes, Location::Host),
+        )?;
         self.counters.update(|c| c.mapped_bytes += chunk.bytes);
         Ok(())
     }
@@ -295,7 +330,9 @@ impl Backend for HostBackend {
         }
         .map_err(|e| os("mmap", e, bytes))?;
         for k in keys {
-            res.table.remove(k);
+            if let Some(e) = res.table.remove(k) {
+                e.chunk.store(false, Ordering::SeqCst);
+            }
         }
         self.counters.update(|c| c.mapped_bytes -= bytes);
         Ok(())
@@ -399,5 +436,32 @@ impl Backend for HostBackend {
 
     fn live(&self) -> LiveCounts {
         self.counters.get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::io::Errno;
+
+    #[test]
+    fn errors_say_what_can_be_cured() {
+        // vm.max_map_count and a passing shortage look alike: transient.
+        assert!(reserve_error(Errno::NOMEM, 1 << 40).is_transient());
+        assert!(matches!(
+            reserve_error(Errno::NOMEM, 1 << 47),
+            Error::ReservationExhausted { .. }
+        ));
+        assert!(os("mmap", Errno::NOMEM, 1).is_transient());
+        let mfile = os("memfd_create", Errno::MFILE, 1);
+        assert!(
+            matches!(
+                mfile,
+                Error::Os {
+                    call: "memfd_create",
+                    ..
+                }
+            ) && !mfile.is_transient()
+        );
     }
 }

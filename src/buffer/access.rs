@@ -8,6 +8,7 @@ use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
+use crate::table::driver_access;
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Sets `location`'s access to the chunks touching `range` (rounded out
@@ -39,17 +40,14 @@ impl<B: Backend> GrowableBuffer<B> {
                 });
             }
         }
-        self.update_access(range, |list, placement| {
+        self.update_access(range, |list, _| {
             let mut v: Vec<AccessDesc> = list
                 .iter()
                 .filter(|d| d.location != location)
                 .copied()
                 .collect();
-            // The driver refuses host descriptors on GPU chunks; there, no
-            // entry already means no access.
-            if location != Location::Host || placement == Location::Host {
-                v.push(AccessDesc::new(location, access));
-            }
+            // Kept on GPU chunks too: it takes effect if they move to the host.
+            v.push(AccessDesc::new(location, access));
             v
         })
     }
@@ -59,14 +57,10 @@ impl<B: Backend> GrowableBuffer<B> {
     pub fn make_writable(&mut self, range: Range<usize>) -> Result<()> {
         check_range(&range)?;
         let grants = self.grants.clone();
-        self.update_access(range, |list, placement| {
-            // What the buffer grants for this placement, plus any location
-            // given access beyond the grants (kept as it is).
-            let mut v: Vec<AccessDesc> = grants
-                .iter()
-                .filter(|d| d.location != Location::Host || placement == Location::Host)
-                .copied()
-                .collect();
+        self.update_access(range, |list, _| {
+            // What the buffer grants, plus any location given access beyond
+            // the grants (kept as it is).
+            let mut v: Vec<AccessDesc> = grants.clone();
             v.extend(
                 list.iter()
                     .filter(|d| !grants.iter().any(|g| g.location == d.location)),
@@ -138,21 +132,27 @@ impl<B: Backend> GrowableBuffer<B> {
         let backend = self.backend().clone();
         let mut guard = self.inner.lock();
         let g = &mut *guard;
-        // (offset, bytes, new list) of each chunk touching the range.
-        let lists: Vec<(usize, usize, Arc<[AccessDesc]>)> = g
+        g.check_poison()?;
+        // (offset, bytes, new list, what the driver gets) of each chunk
+        // touching the range.
+        type Change = (usize, usize, Arc<[AccessDesc]>, Vec<AccessDesc>);
+        let changes: Vec<Change> = g
             .table
             .overlapping(range)
-            .map(|(o, e)| (o, e.bytes, f(&e.access, e.placement).into()))
+            .map(|(o, e)| {
+                let list = f(&e.access, e.placement);
+                let driver = driver_access(&list, e.placement);
+                (o, e.bytes, list.into(), driver)
+            })
             .collect();
-        if lists.is_empty() {
+        if changes.is_empty() {
             return Ok(());
         }
         backend.synchronize()?;
-        let runs = lists.chunk_by(|a, b| a.2 == b.2 && a.0 + a.1 == b.0);
-        for run in runs {
+        for run in changes.chunk_by(|a, b| a.3 == b.3 && a.0 + a.1 == b.0) {
             let bytes: usize = run.iter().map(|c| c.1).sum();
-            backend.set_access(g.res(), run[0].0, bytes, &run[0].2)?;
-            for (o, _, list) in run {
+            backend.set_access(g.res(), run[0].0, bytes, &run[0].3)?;
+            for (o, _, list, _) in run {
                 if let Some(e) = g.table.get_mut(*o) {
                     e.access = list.clone();
                 }
@@ -171,6 +171,7 @@ impl<B: Backend> GrowableBuffer<B> {
         bytes: usize,
     ) -> Result<()> {
         let g = self.inner.lock();
+        g.check_poison()?;
         Self::check_span(g.table.len(), offset, bytes)?;
         g.table.check_access(offset, bytes, who, need)
     }

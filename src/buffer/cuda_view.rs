@@ -1,6 +1,6 @@
 //! cudarc views of CUDA-backed buffers: typed [`View`]s and [`ViewMut`]s that
 //! cudarc's copies and kernel launches accept, and non-owning `CudaSlice`s
-//! ([`SliceRef`], [`SliceMut`]) for APIs that take nothing else. The types
+//! ([`SliceRef`]) for APIs that take nothing else. The types
 //! and their cudarc trait impls live in `backend/cuda/interop.rs`.
 #![allow(unsafe_code)]
 
@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 
 use super::GrowableBuffer;
-use crate::backend::cuda::interop::{Element, SliceMut, SliceRef, View, ViewMut};
+use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
 use crate::error::{Error, Result};
 use crate::location::{Access, Location};
 use crate::CudaBackend;
@@ -48,6 +48,17 @@ impl GrowableBuffer<CudaBackend> {
             offset_bytes,
             bytes,
         )?;
+        // A copy over a range that spans a host-placed chunk and a GPU chunk
+        // crashes the driver (SIGSEGV in 580.159.04, either direction), and a
+        // view is handed to cudarc's copies: refuse it.
+        let runs = self.inner.lock().table.placement_runs(offset_bytes, bytes);
+        if runs.len() > 1 {
+            return Err(Error::MixedPlacement {
+                offset: offset_bytes,
+                bytes,
+                split_at: runs[1].0,
+            });
+        }
         Ok(self.base() + offset_bytes as u64)
     }
 
@@ -55,7 +66,9 @@ impl GrowableBuffer<CudaBackend> {
     /// in use, for cudarc copies and kernel arguments on `stream`.
     ///
     /// Errors: the range is past the length, `offset_bytes` is misaligned for
-    /// `T`, `stream` is of another context, or the device lacks read access.
+    /// `T`, `stream` is of another context, the device lacks read access, or
+    /// [`Error::MixedPlacement`]: the range spans chunks in host memory and on
+    /// the GPU (take one view per placement).
     pub fn view<T: Element>(
         &self,
         stream: &Arc<CudaStream>,
@@ -89,17 +102,5 @@ impl GrowableBuffer<CudaBackend> {
         // (checked above), which the returned borrow of `self` keeps from
         // shrinking, migrating or dropping.
         Ok(unsafe { SliceRef::from_raw(stream, ptr, len) })
-    }
-
-    /// A non-owning `CudaSlice<T>` that can be written; see [`SliceMut`].
-    pub fn cuda_slice_mut<T: Element>(
-        &mut self,
-        stream: &Arc<CudaStream>,
-        offset_bytes: usize,
-        len: usize,
-    ) -> Result<SliceMut<'_, T>> {
-        let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::ReadWrite)?;
-        // SAFETY: as in `cuda_slice`; `&mut self` makes it exclusive.
-        Ok(unsafe { SliceMut::from_raw(stream, ptr, len) })
     }
 }

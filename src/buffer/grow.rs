@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
 use crate::plan::{plan_growth, round_up, GrowthRequest};
-use crate::table::Entry;
+use crate::table::{driver_access, Entry};
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Grows the length to `bytes`, mapping chunks as the policy says. Keeps
@@ -66,6 +66,7 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     fn grow_locked(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
+        g.check_poison()?;
         if bytes > self.reserved {
             return Err(Error::ReservationExhausted {
                 requested_bytes: bytes,
@@ -144,7 +145,8 @@ impl<B: Backend> GrowableBuffer<B> {
             let mut run_at = at;
             for run in chunks.chunk_by(|a, b| a.2 == b.2) {
                 let run_bytes: usize = run.iter().map(|c| c.1).sum();
-                backend.set_access(g.res(), run_at, run_bytes, &self.access_for(run[0].2))?;
+                let list = driver_access(&self.grants, run[0].2);
+                backend.set_access(g.res(), run_at, run_bytes, &list)?;
                 run_at += run_bytes;
             }
             Ok(())
@@ -154,7 +156,10 @@ impl<B: Backend> GrowableBuffer<B> {
             // got access, so unmapping them needs no wait.
             if mapped > 0 {
                 if let Err(u) = backend.unmap(g.res(), at, mapped) {
-                    tracing::error!(error = %u, "vmmbuf: undoing a failed grow: unmap failed");
+                    // The chunks stay mapped: no pool or release may have them.
+                    let what = format!("undoing a failed grow: unmap failed: {u}");
+                    g.poison(what, chunks.into_iter().map(|c| c.0));
+                    return Err(e);
                 }
             }
             for (chunk, size, place) in chunks {
@@ -167,7 +172,7 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut offset = at;
         for (chunk, bytes, placement) in chunks {
             let mut entry = Entry::new(chunk, bytes, placement);
-            entry.access = self.access_for(placement);
+            entry.access = self.grants.as_slice().into();
             g.table
                 .insert(offset, entry)
                 .expect("the plan maps granular chunks past the capacity");

@@ -16,6 +16,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// Copies bytes in use, from `offset`, into `dst`.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let mut g = self.inner.lock();
+        g.check_poison()?;
         Self::check_span(g.table.len(), offset, dst.len())?;
         self.backend.read(g.res(), offset, dst)
     }
@@ -23,6 +24,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// Copies `src` into the bytes in use, from `offset`.
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         let g = self.inner.get_mut();
+        g.check_poison()?;
         Self::check_span(g.table.len(), offset, src.len())?;
         self.backend.write(g.res(), offset, src)
     }

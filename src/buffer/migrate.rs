@@ -14,6 +14,7 @@ use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
+use crate::table::driver_access;
 
 /// Where chunks should live, in VMM terms (the counterpart of unified
 /// memory's advice, which VMM memory does not take).
@@ -75,8 +76,8 @@ pub struct MigrationReport {
 }
 
 /// A chunk swapped during a migration: its offset, and the old chunk with its
-/// old placement and access, kept until the whole plan has succeeded.
-type Swapped<C> = (usize, C, Location, std::sync::Arc<[AccessDesc]>);
+/// old placement, kept until the whole plan has succeeded.
+type Swapped<C> = (usize, C, Location);
 
 pub(super) fn check_range(range: &Range<usize>) -> Result<()> {
     if range.start >= range.end {
@@ -137,15 +138,16 @@ impl<B: Backend> GrowableBuffer<B> {
         check_range(&range)?;
         let to = self.placement_of(policy);
         self.check_placement(to)?;
-        if range.end > self.capacity() {
-            self.range_placements
-                .push((range.start.max(self.capacity())..range.end, to));
-        }
-        if policy == MigrationPolicy::ReadMostly {
-            self.restrict(range, |a| a.min(Access::Read))?;
-            return Ok(MigrationReport::default());
-        }
-        self.migrate(range, to)
+        let report = if policy == MigrationPolicy::ReadMostly {
+            self.restrict(range.clone(), |a| a.min(Access::Read))?;
+            MigrationReport::default()
+        } else {
+            self.migrate(range.clone(), to)?
+        };
+        // Only once the chunks there have the policy: a failed call changes
+        // where nothing goes.
+        self.range_placements.set(range, to);
+        Ok(report)
     }
 
     /// Moves the chunks touching `range` (rounded out to whole chunks) to
@@ -197,6 +199,7 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut targets: BTreeMap<usize, Location> = BTreeMap::new();
         {
             let g = self.inner.lock();
+            g.check_poison()?;
             for (range, to) in plan.moves() {
                 check_range(range)?;
                 self.check_placement(*to)?;
@@ -247,14 +250,21 @@ impl<B: Backend> GrowableBuffer<B> {
             Ok(())
         })();
         if let Err(e) = staging {
+            let mut unmapped = true;
             if tmp_mapped > 0 {
                 // Copies may still be in flight into the temporary mapping.
                 let _ = backend.synchronize();
-                let _ = backend.unmap(&mut tmp, 0, tmp_mapped);
+                unmapped = backend.unmap(&mut tmp, 0, tmp_mapped).is_ok();
             }
+            // If the unmap failed, the token unmaps what it holds as it drops.
             let _ = backend.free(tmp);
             for (_, bytes, chunk, to) in staged {
-                let _ = self.dispose(chunk, bytes, to); // logged inside
+                if unmapped {
+                    let _ = self.dispose(chunk, bytes, to); // logged inside
+                } else {
+                    // Perhaps still mapped: released, never pooled.
+                    let _ = backend.release(chunk);
+                }
             }
             tracing::debug!(error = %e, "vmmbuf: migration staging failed; nothing moved");
             return Err(e);
@@ -265,58 +275,81 @@ impl<B: Backend> GrowableBuffer<B> {
 
         // Phase B: swap each chunk at its own address. The old chunks are
         // kept until every swap has succeeded, so a failure can swap back.
+        // Each chunk keeps its own access list; the driver gets what the new
+        // placement takes of it.
         let mut report = MigrationReport::default();
         let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
         let mut staged = staged.into_iter();
         while let Some((offset, bytes, new, to)) = staged.next() {
-            let access = self.access_for(to);
-            let swapped = Self::swap_in(&*backend, g.res(), offset, bytes, &new, &access);
-            if let Err((e, stage)) = swapped {
-                // This chunk: put the old one back.
-                let res = g.res.as_mut().expect("the reservation lives until drop");
-                let old = g.table.get(offset).expect("a staged chunk is in the table");
-                Self::undo_swap(
-                    &*backend,
-                    res,
-                    offset,
-                    bytes,
-                    &old.chunk,
-                    &old.access,
-                    stage,
-                );
-                let _ = self.dispose(new, bytes, to);
-                for (_, b, c, t) in staged {
-                    let _ = self.dispose(c, b, t);
+            let entry = g.table.get(offset).expect("a staged chunk is in the table");
+            let list = driver_access(&entry.access, to);
+            let Err((e, stage)) = Self::swap_in(&*backend, g.res(), offset, bytes, &new, &list)
+            else {
+                let entry = g
+                    .table
+                    .get_mut(offset)
+                    .expect("a staged chunk is in the table");
+                let old = std::mem::replace(&mut entry.chunk, new);
+                let old_place = entry.placement;
+                g.table.set_placement(offset, to);
+                done.push((offset, old, old_place));
+                report.chunks_moved += 1;
+                report.bytes_moved += bytes;
+                continue;
+            };
+            // Undo: this chunk, then the swapped ones in reverse. A chunk
+            // that cannot be put back poisons the buffer, and every token
+            // that may still be mapped, or holds data, stays out of the pool.
+            let mut stuck: Vec<B::Chunk> = Vec::new();
+            let mut why = None;
+            let entry = g.table.get(offset).expect("a staged chunk is in the table");
+            let old_list = entry.driver_access();
+            let res = g.res.as_mut().expect("the reservation lives until drop");
+            match Self::undo_swap(
+                &*backend,
+                res,
+                offset,
+                bytes,
+                &entry.chunk,
+                &old_list,
+                stage,
+            ) {
+                Ok(()) => drop(self.dispose(new, bytes, to)),
+                Err(u) => {
+                    why = Some(format!("undoing a failed migration at {offset:#x}: {u}"));
+                    stuck.push(new);
                 }
-                // The chunks already swapped: back to their old chunks.
-                for (o, old, old_place, old_access) in done.into_iter().rev() {
-                    let bytes = size_of(g, o);
-                    let res = g.res.as_mut().expect("the reservation lives until drop");
-                    Self::undo_swap(&*backend, res, o, bytes, &old, &old_access, 2);
-                    g.table.set_placement(o, old_place);
-                    let e = g.table.get_mut(o).expect("a swapped chunk is in the table");
-                    let new = std::mem::replace(&mut e.chunk, old);
-                    e.access = old_access;
-                    let new_place = *targets.get(&o).expect("a swapped chunk had a target");
-                    let _ = self.dispose(new, bytes, new_place);
-                }
-                tracing::debug!(error = %e, "vmmbuf: migration failed and was undone");
-                return Err(e);
             }
-            let e = g
-                .table
-                .get_mut(offset)
-                .expect("a staged chunk is in the table");
-            let old = std::mem::replace(&mut e.chunk, new);
-            let old_access = std::mem::replace(&mut e.access, access);
-            let old_place = e.placement;
-            g.table.set_placement(offset, to);
-            done.push((offset, old, old_place, old_access));
-            report.chunks_moved += 1;
-            report.bytes_moved += bytes;
+            for (_, b, c, t) in staged {
+                let _ = self.dispose(c, b, t); // unmapped since staging
+            }
+            for (o, old, old_place) in done.into_iter().rev() {
+                let bytes = size_of(g, o);
+                let entry = g.table.get(o).expect("a swapped chunk is in the table");
+                let old_list = driver_access(&entry.access, old_place);
+                let res = g.res.as_mut().expect("the reservation lives until drop");
+                match Self::undo_swap(&*backend, res, o, bytes, &old, &old_list, 2) {
+                    Ok(()) => {
+                        g.table.set_placement(o, old_place);
+                        let entry = g.table.get_mut(o).expect("a swapped chunk is in the table");
+                        let new = std::mem::replace(&mut entry.chunk, old);
+                        let new_place = *targets.get(&o).expect("a swapped chunk had a target");
+                        let _ = self.dispose(new, bytes, new_place);
+                    }
+                    Err(u) => {
+                        why.get_or_insert(format!("undoing a failed migration at {o:#x}: {u}"));
+                        stuck.push(old);
+                    }
+                }
+            }
+            if let Some(why) = why {
+                g.poison(why, stuck);
+            }
+            tracing::debug!(error = %e, "vmmbuf: migration failed and was undone");
+            return Err(e);
         }
         // Every swap succeeded: the old chunks go (to the pool, if any).
-        for (o, old, old_place, _) in done {
+        for (o, old, old_place) in done {
             let _ = self.dispose(old, size_of(g, o), old_place); // logged inside
         }
         g.debug_check();
@@ -356,19 +389,14 @@ impl<B: Backend> GrowableBuffer<B> {
         old: &B::Chunk,
         old_access: &[AccessDesc],
         stage: u8,
-    ) {
+    ) -> Result<()> {
         if stage == 2 {
-            if let Err(u) = backend.unmap(res, offset, bytes) {
-                tracing::error!(error = %u, offset, "vmmbuf: undoing a swap: unmap failed");
-            }
+            backend.unmap(res, offset, bytes)?;
         }
         if stage >= 1 {
-            if let Err(r) = backend
-                .map(res, offset, old)
-                .and_then(|_| backend.set_access(res, offset, bytes, old_access))
-            {
-                tracing::error!(error = %r, offset, "vmmbuf: could not put a chunk back after a failed migration");
-            }
+            backend.map(res, offset, old)?;
+            backend.set_access(res, offset, bytes, old_access)?;
         }
+        Ok(())
     }
 }

@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::plan::{round_up, GrowthPolicy};
 use crate::pool::ChunkPool;
+use crate::ranges::PlacementRanges;
 use crate::stats::{Report, Stats};
 use crate::table::ChunkTable;
 
@@ -107,6 +108,12 @@ struct Inner<B: Backend> {
     table: ChunkTable<B::Chunk>,
     stats: Stats,
     pending: Vec<Pending<B::Fence>>,
+    /// Set when a failure could not be undone (a chunk that could not be
+    /// unmapped): every later call answers [`Error::Poisoned`].
+    poisoned: Option<String>,
+    /// Chunks that may still be mapped, or hold data that could not be put
+    /// back: never released or pooled before drop, never pooled at all.
+    quarantine: Vec<B::Chunk>,
 }
 
 impl<B: Backend> Inner<B> {
@@ -123,6 +130,24 @@ impl<B: Backend> Inner<B> {
             self.capacity(),
             "a buffer has no holes"
         );
+    }
+
+    /// [`Error::Poisoned`] once a failure could not be undone.
+    fn check_poison(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(reason) => Err(Error::Poisoned {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the buffer unusable after `what` could not be undone, keeping
+    /// `chunks` (which may still be mapped) out of every pool until drop.
+    fn poison(&mut self, what: String, chunks: impl IntoIterator<Item = B::Chunk>) {
+        tracing::error!(reason = %what, "vmmbuf: buffer poisoned");
+        self.quarantine.extend(chunks);
+        self.poisoned.get_or_insert(what);
     }
 
     /// Bytes mapped: the end of the last chunk.
@@ -168,11 +193,12 @@ pub struct GrowableBuffer<B: Backend> {
     migration_policy: MigrationPolicy,
     /// Where new chunks go unless a range placement says otherwise.
     placement: Location,
-    /// Placements for new chunks starting in these ranges (later entries win).
-    range_placements: Vec<(Range<usize>, Location)>,
+    /// Placements for new chunks starting in these ranges.
+    range_placements: PlacementRanges,
     alignment: usize,
-    /// Who gets which access to new chunks; a host entry applies to
-    /// host-placed chunks only (the driver refuses it on device chunks).
+    /// Who gets which access to new chunks. Every chunk keeps its own list;
+    /// a host entry takes effect only while the chunk is in host memory (the
+    /// driver refuses it on device chunks).
     grants: Vec<AccessDesc>,
     pool: Option<Arc<ChunkPool<B>>>,
     inner: Mutex<Inner<B>>,
@@ -253,7 +279,7 @@ impl<B: Backend> GrowableBuffer<B> {
             growth_policy,
             migration_policy,
             placement,
-            range_placements: Vec::new(),
+            range_placements: PlacementRanges::default(),
             alignment: desc.alignment,
             grants,
             pool,
@@ -265,6 +291,8 @@ impl<B: Backend> GrowableBuffer<B> {
                     ..Stats::default()
                 },
                 pending: Vec::new(),
+                poisoned: None,
+                quarantine: Vec::new(),
             }),
         })
     }
@@ -361,20 +389,15 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Where a new chunk starting at `offset` goes.
     fn placement_at(&self, offset: usize) -> Location {
-        self.range_placements
-            .iter()
-            .rev()
-            .find(|(r, _)| r.contains(&offset))
-            .map_or(self.placement, |&(_, l)| l)
+        self.range_placements.get(offset).unwrap_or(self.placement)
     }
 
-    /// The access list of a chunk placed at `placement`.
-    fn access_for(&self, placement: Location) -> Arc<[AccessDesc]> {
-        self.grants
-            .iter()
-            .filter(|d| d.location != Location::Host || placement == Location::Host)
-            .copied()
-            .collect()
+    /// The placements set for ranges by
+    /// [`apply_migration_policy`](Self::apply_migration_policy): where new
+    /// chunks starting in them go. Non-overlapping, in address order; a later
+    /// setting replaces what it covers.
+    pub fn placement_ranges(&self) -> Vec<(Range<usize>, Location)> {
+        self.range_placements.to_vec()
     }
 
     /// Gives an unmapped chunk to the pool, or back to the driver.
@@ -406,26 +429,43 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
         let backend = self.backend.clone();
         let g = self.inner.get_mut();
         let Some(mut res) = g.res.take() else { return };
-        if !g.table.is_empty() {
+        let mut unmapped = g.table.is_empty();
+        if !unmapped && g.poisoned.is_none() {
             // Kernels may still use the memory: wait before unmapping.
             if let Err(e) = backend.synchronize() {
                 tracing::error!(error = %e, "vmmbuf: synchronize before drop failed");
             }
-            if let Err(e) = backend.unmap(&mut res, 0, g.capacity()) {
-                tracing::error!(error = %e, "vmmbuf: unmap in drop failed");
+            match backend.unmap(&mut res, 0, g.capacity()) {
+                Ok(()) => unmapped = true,
+                Err(e) => tracing::error!(error = %e, "vmmbuf: unmap in drop failed"),
             }
-            let _ = g.table.set_len(0);
-            let offsets: Vec<usize> = g.table.iter().map(|(o, _)| o).collect();
-            let gone: Vec<_> = offsets
-                .into_iter()
-                .filter_map(|o| g.table.remove(o))
-                .collect();
+        }
+        let _ = g.table.set_len(0);
+        let offsets: Vec<usize> = g.table.iter().map(|(o, _)| o).collect();
+        let gone: Vec<_> = offsets
+            .into_iter()
+            .filter_map(|o| g.table.remove(o))
+            .collect();
+        let quarantine = std::mem::take(&mut g.quarantine);
+        if unmapped {
             for e in gone {
                 let _ = self.dispose(e.chunk, e.bytes, e.placement); // logged inside
             }
+            if let Err(e) = backend.free(res) {
+                tracing::error!(error = %e, "vmmbuf: freeing the reservation in drop failed");
+            }
+        } else {
+            // Something may still be mapped: the reservation's own token
+            // unmaps what it holds when it drops (waiting for the device
+            // first), and no chunk goes to a pool, where another buffer could
+            // map memory this one still maps.
+            drop(res);
+            for e in gone {
+                let _ = backend.release(e.chunk);
+            }
         }
-        if let Err(e) = backend.free(res) {
-            tracing::error!(error = %e, "vmmbuf: freeing the reservation in drop failed");
+        for c in quarantine {
+            let _ = backend.release(c);
         }
     }
 }

@@ -48,6 +48,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// at least that much, as with [`Vec::shrink_to`].
     pub fn shrink_to(&mut self, min_capacity: usize) -> Result<()> {
         let mut g = self.inner.lock();
+        g.check_poison()?;
         let keep_to = g.table.len().max(min_capacity);
         self.release_from(&mut g, keep_to, true)?;
         g.pending.clear();
@@ -67,20 +68,31 @@ impl<B: Backend> GrowableBuffer<B> {
     /// mapped; nothing that was in use since the fence is ever released.
     pub fn shrink_to_fit_after(&mut self, fence: B::Fence) -> Result<()> {
         let mut g = self.inner.lock();
+        g.check_poison()?;
+        // Earlier requests first: an error there leaves this one unrecorded.
+        self.reclaim_locked(&mut g)?;
         let len = g.table.len();
-        if g.table.iter().next_back().is_some_and(|(o, _)| o >= len) {
+        if g.table.iter().next_back().is_none_or(|(o, _)| o < len) {
+            return Ok(()); // nothing lies wholly past the length
+        }
+        if self.backend.fence_done(&fence)? {
+            // Passed already: release now. On error nothing has changed.
+            self.release_from(&mut g, len, false)
+        } else {
             g.pending.push(Pending {
                 fence,
                 high_water: len,
             });
+            Ok(())
         }
-        self.reclaim_locked(&mut g)
     }
 
     /// Gives back what earlier [`shrink_to_fit_after`](Self::shrink_to_fit_after)
     /// calls deferred, where their fences have passed. Never blocks on the GPU.
     pub fn reclaim(&self) -> Result<()> {
-        self.reclaim_locked(&mut self.inner.lock())
+        let mut g = self.inner.lock();
+        g.check_poison()?;
+        self.reclaim_locked(&mut g)
     }
 
     /// Releases chunks past the length whose fences have passed.

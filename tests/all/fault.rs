@@ -9,13 +9,21 @@ use std::sync::Arc;
 use vmmbuf::{AccessDesc, Backend, Error, LiveCounts, Location, Result};
 
 /// A fence the test opens by hand, to drive stream-ordered release on any
-/// backend.
+/// backend; a broken one answers every query with an error.
 #[derive(Clone, Default)]
-pub struct TestFence(pub Arc<AtomicBool>);
+pub struct TestFence(pub Arc<AtomicBool>, pub Arc<AtomicBool>);
 
 impl TestFence {
     pub fn pass(&self) {
         self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn passed() -> Self {
+        let f = Self::default();
+        f.pass();
+        f
+    }
+    pub fn break_it(&self) {
+        self.1.store(true, Ordering::SeqCst);
     }
 }
 
@@ -24,6 +32,11 @@ pub struct FaultBackend<B> {
     calls: AtomicUsize,
     fail_at: AtomicUsize,
     failed: AtomicUsize,
+    /// Every call of this name, from this call number on, fails until
+    /// disarmed (a second fault).
+    sticky: parking_lot::Mutex<Option<(&'static str, usize)>>,
+    /// Pretend to be GPU 0 with host placement beside it (see `emulating_gpu`).
+    emulate_gpu: bool,
 }
 
 impl<B: Backend> FaultBackend<B> {
@@ -33,7 +46,32 @@ impl<B: Backend> FaultBackend<B> {
             calls: AtomicUsize::new(0),
             fail_at: AtomicUsize::new(0),
             failed: AtomicUsize::new(0),
+            sticky: parking_lot::Mutex::new(None),
+            emulate_gpu: false,
         })
+    }
+
+    /// Over the host backend, a backend that behaves as GPU 0 with host
+    /// placement beside it: `Device(0)` is home, chunks of either placement
+    /// are host memory, and GPU 0's access in an access list is what the
+    /// (host) mapping gets, since copies here stand for the GPU's. Placement,
+    /// migration and per-chunk access then run, and fail, without a GPU.
+    pub fn emulating_gpu(inner: Arc<B>) -> Arc<Self> {
+        let mut b = Arc::into_inner(Self::new(inner)).expect("fresh");
+        b.emulate_gpu = true;
+        Arc::new(b)
+    }
+
+    /// Fail every call named `call` (`"unmap"`, `"map"`, ...) until
+    /// `fail_every(None)`.
+    pub fn fail_every(&self, call: Option<&'static str>) {
+        *self.sticky.lock() = call.map(|c| (c, 0));
+    }
+
+    /// Fail every call named `call` from the `k`-th call from now on.
+    pub fn fail_every_from(&self, k: usize, call: &'static str) {
+        let now = self.calls.load(Ordering::SeqCst);
+        *self.sticky.lock() = Some((call, now + k));
     }
 
     /// Fail the `k`-th call from now (1-based); 0 disarms.
@@ -50,7 +88,8 @@ impl<B: Backend> FaultBackend<B> {
 
     fn step(&self, call: &'static str, bytes: usize) -> Result<()> {
         let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
-        if n == self.fail_at.load(Ordering::SeqCst) {
+        let sticky = matches!(*self.sticky.lock(), Some((c, from)) if c == call && n >= from);
+        if n == self.fail_at.load(Ordering::SeqCst) || sticky {
             self.failed.fetch_add(1, Ordering::SeqCst);
             return Err(if call == "create" {
                 Error::OutOfMemory {
@@ -80,10 +119,14 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.inner.name()
     }
     fn home(&self) -> Location {
-        self.inner.home()
+        if self.emulate_gpu {
+            Location::Device(0)
+        } else {
+            self.inner.home()
+        }
     }
     fn granularity(&self, placement: Location) -> Result<usize> {
-        self.inner.granularity(placement)
+        self.inner.granularity(self.placed(placement)?)
     }
     fn reserve(&self, bytes: usize, align: usize) -> Result<Self::Reservation> {
         self.step("reserve", bytes)?;
@@ -98,7 +141,7 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn create(&self, bytes: usize, placement: Location) -> Result<Self::Chunk> {
         self.step("create", bytes)?;
-        self.inner.create(bytes, placement)
+        self.inner.create(bytes, self.placed(placement)?)
     }
     fn release(&self, chunk: Self::Chunk) -> Result<()> {
         self.step("release", 0)?;
@@ -120,6 +163,14 @@ impl<B: Backend> Backend for FaultBackend<B> {
         access: &[AccessDesc],
     ) -> Result<()> {
         self.step("set_access", bytes)?;
+        if self.emulate_gpu {
+            let gpu = access
+                .iter()
+                .find(|d| d.location == Location::Device(0))
+                .map_or(vmmbuf::Access::None, |d| d.access);
+            let host = [AccessDesc::new(Location::Host, gpu)];
+            return self.inner.set_access(res, offset, bytes, &host);
+        }
         self.inner.set_access(res, offset, bytes, access)
     }
     fn synchronize(&self) -> Result<()> {
@@ -138,9 +189,15 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.inner.copy(dst, dst_offset, src, src_offset, bytes)
     }
     fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool> {
+        if self.emulate_gpu {
+            return Ok(device == 0 && peer == 0);
+        }
         self.inner.can_access_peer(device, peer)
     }
     fn fence_done(&self, fence: &TestFence) -> Result<bool> {
+        if fence.1.load(Ordering::SeqCst) {
+            return Err(Error::InvalidArgument("a broken test fence".into()));
+        }
         Ok(fence.0.load(Ordering::SeqCst))
     }
     fn read(&self, res: &Self::Reservation, offset: usize, dst: &mut [u8]) -> Result<()> {
@@ -151,6 +208,21 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn live(&self) -> LiveCounts {
         self.inner.live()
+    }
+}
+
+impl<B: Backend> FaultBackend<B> {
+    /// The placement the inner backend gets: with GPU emulation, GPU 0's
+    /// chunks are host chunks.
+    fn placed(&self, placement: Location) -> Result<Location> {
+        match placement {
+            Location::Device(0) if self.emulate_gpu => Ok(Location::Host),
+            Location::Device(d) if self.emulate_gpu => Err(Error::InvalidDevice {
+                device: d,
+                count: 1,
+            }),
+            p => Ok(p),
+        }
     }
 }
 

@@ -137,9 +137,9 @@ fn a_kernel_writes_through_a_view_and_reads_through_a_cuda_slice() {
         assert_eq!(stream.clone_dtoh(&other).unwrap(), copy);
     }
     {
-        // And a writable one: cudarc writes through it.
-        let mut s = buf.cuda_slice_mut::<u32>(&stream, 64, 4).unwrap();
-        stream.memcpy_htod(&[1u32, 2, 3, 4], &mut *s).unwrap();
+        // Outputs go through a mutable view: cudarc writes through it.
+        let mut s = buf.view_mut::<u32>(&stream, 64, 4).unwrap();
+        stream.memcpy_htod(&[1u32, 2, 3, 4], &mut s).unwrap();
     }
     stream.synchronize().unwrap();
     // The wrappers are gone; the buffer and its memory are not.

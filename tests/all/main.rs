@@ -17,6 +17,7 @@ mod placement;
 mod pool;
 mod props;
 mod soak;
+mod soundness;
 mod suite;
 
 fn main() {
@@ -41,6 +42,7 @@ fn main() {
         pool::trials(),
         props::trials(),
         soak::trials(),
+        soundness::trials(),
         suite::trials(),
     ]
     .into_iter()

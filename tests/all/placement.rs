@@ -12,7 +12,7 @@ use vmmbuf::{
 
 crate::register! {
     generic: [access_flags_restrict_and_restore, read_mostly_seals_until_made_writable, placement_errors_are_typed],
-    gpu: [migration_keeps_every_byte_and_the_address, offload_frees_device_memory_and_restore_brings_the_data_back, read_only_is_enforced_and_the_context_survives, a_failed_migration_leaves_data_and_placement_as_they_were, offload_and_restore_reuse_pooled_chunks],
+    gpu: [views_across_host_and_gpu_chunks_are_refused, migration_keeps_every_byte_and_the_address, offload_frees_device_memory_and_restore_brings_the_data_back, read_only_is_enforced_and_the_context_survives, a_failed_migration_leaves_data_and_placement_as_they_were, offload_and_restore_reuse_pooled_chunks],
 }
 
 fn buffer<B: Backend>(b: &Arc<B>, chunks: usize) -> (GrowableBuffer<B>, Vec<u8>, usize) {
@@ -391,5 +391,52 @@ fn offload_and_restore_reuse_pooled_chunks() {
         k.mismatches(buf.base(), 0, words, 12),
         0,
         "data intact after four round trips"
+    );
+}
+
+/// Issue 10 item 2: a cudarc copy through a view over a host chunk and a GPU
+/// chunk crashed the process inside the driver. Such views are refused with
+/// a typed error; views within one placement copy as before.
+fn views_across_host_and_gpu_chunks_are_refused() {
+    let b = gpu();
+    let stream = b.context().new_stream().unwrap();
+    let (mut buf, data, g) = buffer(&b, 3);
+    buf.migrate(g..2 * g, Location::Host).unwrap(); // GPU, host, GPU
+    let words = g / 4;
+    let spans = [(g - 4, 2), (2 * g - 4, 2), (0, 3 * words)];
+    for (at, n) in spans {
+        let mixed = |r: Result<(), Error>| {
+            assert!(
+                matches!(r, Err(Error::MixedPlacement { split_at, .. }) if split_at == g || split_at == 2 * g),
+                "{at:#x}+{n}: {r:?}"
+            )
+        };
+        mixed(buf.view::<u32>(&stream, at, n).map(drop));
+        mixed(buf.cuda_slice::<u32>(&stream, at, n).map(drop));
+        mixed(buf.view_mut::<u32>(&stream, at, n).map(drop));
+    }
+    // One view per placement copies fine, both directions.
+    let want: Vec<u32> = bytemuck::cast_slice(&data).to_vec();
+    for (at, place) in [(0, "gpu"), (g, "host"), (2 * g, "gpu")] {
+        let v = buf.view::<u32>(&stream, at, words).unwrap();
+        let got = stream.clone_dtoh(&v).unwrap();
+        assert!(
+            got[..] == want[at / 4..at / 4 + words],
+            "{place} chunk read back"
+        );
+    }
+    let fresh: Vec<u32> = (0..words as u32)
+        .map(|i| i.wrapping_mul(2654435761))
+        .collect();
+    {
+        let mut v = buf.view_mut::<u32>(&stream, g, words).unwrap();
+        stream.memcpy_htod(&fresh, &mut v).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let mut back = vec![0u8; g];
+    buf.read(g, &mut back).unwrap();
+    assert!(
+        back == bytemuck::cast_slice::<u32, u8>(&fresh),
+        "written through the host chunk's view"
     );
 }

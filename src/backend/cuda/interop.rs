@@ -17,7 +17,7 @@
 
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
-use std::ops::{Deref, DerefMut};
+use std::ops::Deref;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -112,24 +112,72 @@ unsafe impl<'a, 'b: 'a, 'v, T> PushKernelArg<&'b mut ViewMut<'v, T>> for LaunchA
 }
 
 /// A cudarc [`CudaSlice`] over bytes of a buffer, for code that takes only
-/// `CudaSlice` (storage types, library wrappers). It never owns the memory:
+/// `&CudaSlice` (storage types, library wrappers). It never owns the memory:
 /// when it goes out of scope the inner `CudaSlice` is leaked, never freed, so
 /// the buffer keeps its bytes. It borrows the buffer for its life.
 ///
-/// Only `&CudaSlice` is handed out (through `Deref`); see [`SliceMut`] for
-/// APIs that need `&mut`.
+/// Only `&CudaSlice` is handed out (through `Deref`): no safe code can take
+/// an owned or `&mut CudaSlice` out of the wrapper, which would outlive the
+/// buffer (reads after unmap, `cuMemFreeAsync` of VMM memory at its drop).
+/// For outputs, use [`ViewMut`]: every cudarc copy and launch takes it.
+/// Each escape route is refused by the compiler:
+///
+/// ```compile_fail,E0596
+/// # use std::sync::Arc;
+/// # use cudarc::driver::{CudaSlice, CudaStream};
+/// # fn f(buf: &vmmbuf::GrowableBuffer<vmmbuf::CudaBackend>, s: &Arc<CudaStream>,
+/// #      other: CudaSlice<u32>) -> vmmbuf::Result<()> {
+/// let mut v = buf.cuda_slice::<u32>(s, 0, 4)?;
+/// let escaped: CudaSlice<u32> = std::mem::replace(&mut *v, other); // no `&mut`
+/// # Ok(()) }
+/// ```
+/// ```compile_fail,E0596
+/// # use std::sync::Arc;
+/// # use cudarc::driver::CudaStream;
+/// # fn f(buf: &vmmbuf::GrowableBuffer<vmmbuf::CudaBackend>, s: &Arc<CudaStream>) -> vmmbuf::Result<()> {
+/// let (mut a, mut b) = (buf.cuda_slice::<u32>(s, 0, 4)?, buf.cuda_slice::<u32>(s, 16, 4)?);
+/// std::mem::swap(&mut *a, &mut *b); // no `&mut`
+/// # Ok(()) }
+/// ```
+/// ```compile_fail,E0507
+/// # use std::sync::Arc;
+/// # use cudarc::driver::{CudaSlice, CudaStream};
+/// # fn f(buf: &vmmbuf::GrowableBuffer<vmmbuf::CudaBackend>, s: &Arc<CudaStream>) -> vmmbuf::Result<()> {
+/// let v = buf.cuda_slice::<u32>(s, 0, 4)?;
+/// let owned: CudaSlice<u32> = *v; // no move out
+/// # Ok(()) }
+/// ```
+/// ```compile_fail,E0507
+/// # use std::sync::Arc;
+/// # use cudarc::driver::CudaStream;
+/// # fn f(buf: &vmmbuf::GrowableBuffer<vmmbuf::CudaBackend>, s: &Arc<CudaStream>) -> vmmbuf::Result<()> {
+/// let v = buf.cuda_slice::<u32>(s, 0, 4)?;
+/// let ptr = v.leak(); // `leak` takes the slice by value: no move out
+/// # Ok(()) }
+/// ```
+/// ```compile_fail,E0616
+/// # use std::sync::Arc;
+/// # use cudarc::driver::CudaStream;
+/// # fn f(buf: &vmmbuf::GrowableBuffer<vmmbuf::CudaBackend>, s: &Arc<CudaStream>) -> vmmbuf::Result<()> {
+/// let mut v = buf.cuda_slice::<u32>(s, 0, 4)?;
+/// let inner = unsafe { std::mem::ManuallyDrop::take(&mut v.slice) }; // private
+/// # Ok(()) }
+/// ```
+/// And there is no mutable wrapper to take one from:
+/// ```compile_fail
+/// # use std::sync::Arc;
+/// # use cudarc::driver::{CudaSlice, CudaStream};
+/// # fn f(buf: &mut vmmbuf::GrowableBuffer<vmmbuf::CudaBackend>, s: &Arc<CudaStream>,
+/// #      other: CudaSlice<u32>) -> vmmbuf::Result<()> {
+/// let mut v = buf.cuda_slice_mut::<u32>(s, 0, 4)?;
+/// let escaped: CudaSlice<u32> = std::mem::replace(&mut *v, other);
+/// # Ok(()) }
+/// ```
+/// Borrowing it (`&CudaSlice`) is all it allows, and is enough for
+/// read-only APIs; `clone()` copies into new memory that the clone owns.
 pub struct SliceRef<'a, T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     _buf: PhantomData<&'a [T]>,
-}
-
-/// Like [`SliceRef`], also handing out `&mut CudaSlice` (for outputs).
-/// Swapping another slice in through `&mut` would make this wrapper leak that
-/// one and hand ours to its new owner, whose drop would then ask the driver to
-/// free an address it did not allocate (an error, not a free): don't.
-pub struct SliceMut<'a, T> {
-    slice: ManuallyDrop<CudaSlice<T>>,
-    _buf: PhantomData<&'a mut [T]>,
 }
 
 impl<T> Deref for SliceRef<'_, T> {
@@ -139,34 +187,15 @@ impl<T> Deref for SliceRef<'_, T> {
     }
 }
 
-impl<T> Deref for SliceMut<'_, T> {
-    type Target = CudaSlice<T>;
-    fn deref(&self) -> &CudaSlice<T> {
-        &self.slice
+impl<T> Drop for SliceRef<'_, T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and never used again.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        // Waits for the slice's tracked work, then forgets it: the buffer
+        // owns the memory.
+        let _ = slice.leak();
     }
 }
-
-impl<T> DerefMut for SliceMut<'_, T> {
-    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
-        &mut self.slice
-    }
-}
-
-macro_rules! leak_on_drop {
-    ($ty:ident) => {
-        impl<T> Drop for $ty<'_, T> {
-            fn drop(&mut self) {
-                // SAFETY: taken once, here, and never used again.
-                let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-                // Waits for the slice's tracked work, then forgets it: the
-                // buffer owns the memory.
-                let _ = slice.leak();
-            }
-        }
-    };
-}
-leak_on_drop!(SliceRef);
-leak_on_drop!(SliceMut);
 
 macro_rules! view_new {
     ($ty:ident) => {
@@ -188,26 +217,20 @@ macro_rules! view_new {
 view_new!(View);
 view_new!(ViewMut);
 
-macro_rules! slice_from_raw {
-    ($ty:ident) => {
-        impl<T: Element> $ty<'_, T> {
-            /// A non-owning `CudaSlice` of `len` elements at `ptr`.
-            ///
-            /// # Safety
-            /// `[ptr, ptr + len * size_of::<T>())` is mapped, in use, and stays
-            /// so for the wrapper's lifetime (its borrow of the buffer).
-            pub(crate) unsafe fn from_raw(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Self {
-                // SAFETY: forwarded to the caller; every bit pattern is a valid
-                // `T` (`Element`); the slice is leaked, never freed, when the
-                // wrapper drops.
-                let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
-                Self {
-                    slice: ManuallyDrop::new(slice),
-                    _buf: PhantomData,
-                }
-            }
+impl<T: Element> SliceRef<'_, T> {
+    /// A non-owning `CudaSlice` of `len` elements at `ptr`.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len * size_of::<T>())` is mapped, in use, and stays so for
+    /// the wrapper's lifetime (its borrow of the buffer).
+    pub(crate) unsafe fn from_raw(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Self {
+        // SAFETY: forwarded to the caller; every bit pattern is a valid `T`
+        // (`Element`); the slice is leaked, never freed, when the wrapper
+        // drops.
+        let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
+        Self {
+            slice: ManuallyDrop::new(slice),
+            _buf: PhantomData,
         }
-    };
+    }
 }
-slice_from_raw!(SliceRef);
-slice_from_raw!(SliceMut);

@@ -1,0 +1,123 @@
+//! Placements for byte ranges of a buffer: non-overlapping intervals, later
+//! settings overwriting earlier ones, adjacent equal ones merged. Its size is
+//! bounded by the number of distinct intervals, however often a range is set.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use crate::location::Location;
+
+/// start -> (end, placement); intervals never overlap and are never empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PlacementRanges {
+    map: BTreeMap<usize, (usize, Location)>,
+}
+
+impl PlacementRanges {
+    /// Places `range` at `to`, over whatever was set there before.
+    pub(crate) fn set(&mut self, range: Range<usize>, to: Location) {
+        if range.is_empty() {
+            return;
+        }
+        // Cut every interval that overlaps the range, keeping what lies outside.
+        let overlapping: Vec<(usize, (usize, Location))> = self
+            .map
+            .range(..range.end)
+            .filter(|(_, (end, _))| *end > range.start)
+            .map(|(&s, &v)| (s, v))
+            .collect();
+        for (s, (e, l)) in overlapping {
+            self.map.remove(&s);
+            if s < range.start {
+                self.map.insert(s, (range.start, l));
+            }
+            if e > range.end {
+                self.map.insert(range.end, (e, l));
+            }
+        }
+        let (mut start, mut end) = (range.start, range.end);
+        // Merge with equal neighbours.
+        if let Some((&s, &(e, l))) = self.map.range(..start).next_back() {
+            if e == start && l == to {
+                self.map.remove(&s);
+                start = s;
+            }
+        }
+        if let Some(&(e, l)) = self.map.get(&end) {
+            if l == to {
+                self.map.remove(&end);
+                end = e;
+            }
+        }
+        self.map.insert(start, (end, to));
+    }
+
+    /// The placement set for `offset`, if any.
+    pub(crate) fn get(&self, offset: usize) -> Option<Location> {
+        self.map
+            .range(..=offset)
+            .next_back()
+            .filter(|(_, (end, _))| *end > offset)
+            .map(|(_, &(_, l))| l)
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.map.clear();
+    }
+
+    /// Every interval in address order.
+    pub(crate) fn to_vec(&self) -> Vec<(Range<usize>, Location)> {
+        self.map.iter().map(|(&s, &(e, l))| (s..e, l)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const H: Location = Location::Host;
+    const D: Location = Location::Device(0);
+
+    #[test]
+    fn overwrites_split_and_merge() {
+        let mut r = PlacementRanges::default();
+        r.set(0..100, H);
+        r.set(40..60, D);
+        assert_eq!(r.to_vec(), vec![(0..40, H), (40..60, D), (60..100, H)]);
+        r.set(40..60, H);
+        assert_eq!(r.to_vec(), vec![(0..100, H)], "merged back");
+        for _ in 0..200_000 {
+            r.set(10..20, D);
+        }
+        assert_eq!(r.to_vec().len(), 3, "repeating a setting adds nothing");
+        assert_eq!(
+            (r.get(9), r.get(10), r.get(19), r.get(20), r.get(100)),
+            (Some(H), Some(D), Some(D), Some(H), None)
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn matches_a_per_byte_model(sets in prop::collection::vec((0..64usize, 0..64usize, any::<bool>()), 0..30)) {
+            let mut r = PlacementRanges::default();
+            let mut model = [None; 64];
+            for (a, b, h) in sets {
+                let (a, b) = (a.min(b), a.max(b));
+                let l = if h { H } else { D };
+                r.set(a..b, l);
+                for m in &mut model[a..b] {
+                    *m = Some(l);
+                }
+                for (i, m) in model.iter().enumerate() {
+                    prop_assert_eq!(r.get(i), *m);
+                }
+                let v = r.to_vec();
+                for w in v.windows(2) {
+                    prop_assert!(w[0].0.end <= w[1].0.start);
+                    prop_assert!(w[0].0.end < w[1].0.start || w[0].1 != w[1].1, "adjacent equal intervals merge");
+                }
+            }
+        }
+    }
+}
