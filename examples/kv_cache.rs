@@ -118,6 +118,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         rows += add;
         stream.memcpy_htod(&[rows], &mut len_rows)?;
         graph.launch()?;
+        // The graph reads the cache by address: record its use on the stream.
+        cache.record_stream(&stream)?;
         let got = stream.clone_dtoh(&out)?[0];
         if got != expected {
             return Err(format!(
@@ -141,6 +143,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "kv_cache: {steps} growth steps, one graph captured before the first and replayed after each: all sums match; {}",
         cache.stats()
+    );
+    drop(cache); // waits for the recorded uses, not the device
+    println!(
+        "device-wide synchronisations: {}",
+        vmmbuf::Backend::live(&*backend).device_syncs
     );
     Ok(())
 }

@@ -57,6 +57,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     l.arg(&base).arg(&n);
     // SAFETY: writes n u32s at base, all mapped read-write.
     unsafe { l.launch(cfg) }?;
+    // The kernel reaches the cache by address: record it, so migration waits.
+    cache.record_stream(&stream)?;
     let expected = (0..n).fold(0u64, |s, i| {
         let v = (i as u32).wrapping_mul(2_246_822_519);
         s.wrapping_add((v ^ (v >> 13)) as u64)

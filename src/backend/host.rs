@@ -368,6 +368,18 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn wait(&self, _fence: &HostFence) -> Result<()> {
+        Ok(())
+    }
+
+    fn fence_key(&self, _fence: &HostFence) -> u64 {
+        0
+    }
+
+    fn wait_copies(&self) -> Result<()> {
+        Ok(()) // host copies are done when `copy` returns
+    }
+
     fn copy(
         &self,
         dst: &mut HostReservation,

@@ -33,6 +33,10 @@ pub struct LiveCounts {
     pub chunk_bytes: usize,
     /// Bytes mapped into reservations.
     pub mapped_bytes: usize,
+    /// Device-wide synchronisations (`cuCtxSynchronize`) the backend has made
+    /// so far: a count over its life, not a live figure. Buffers wait on
+    /// recorded uses instead; this stays 0 in the steady state.
+    pub device_syncs: u64,
 }
 
 /// The operations a [`GrowableBuffer`](crate::GrowableBuffer) needs from a
@@ -95,12 +99,25 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
 
     /// Waits until no work the backend's device has been given is still
-    /// running, so a range can be unmapped safely.
+    /// running. Buffers never need it: they wait on the uses recorded with
+    /// them ([`Backend::wait`]); it is there for callers who want it.
     fn synchronize(&self) -> Result<()>;
+
+    /// Blocks until all work before `fence` has finished (only that stream's
+    /// work, never the whole device).
+    fn wait(&self, fence: &Self::Fence) -> Result<()>;
+
+    /// Which queue `fence` orders: of two fences with the same key, the later
+    /// one covers the earlier (CUDA: the stream).
+    fn fence_key(&self, fence: &Self::Fence) -> u64;
+
+    /// Blocks until the copies this backend issued itself ([`Backend::copy`])
+    /// have finished.
+    fn wait_copies(&self) -> Result<()>;
 
     /// Copies `bytes` from `src` at `src_offset` to `dst` at `dst_offset`,
     /// ordered on the backend's own stream: complete once
-    /// [`Backend::synchronize`] returns. Both ranges must be mapped; the
+    /// [`Backend::wait_copies`] returns. Both ranges must be mapped; the
     /// backend's device needs access to both.
     fn copy(
         &self,
@@ -125,6 +142,60 @@ pub trait Backend: Send + Sync + 'static {
 
     /// What this backend has live now.
     fn live(&self) -> LiveCounts;
+}
+
+/// The last recorded use of a buffer per queue (stream): what must finish
+/// before its memory may be unmapped. Bounded by the number of streams that
+/// ever used the buffer.
+#[derive(Debug)]
+pub(crate) struct Uses<F> {
+    fences: parking_lot::Mutex<Vec<(u64, F)>>,
+}
+
+impl<F> Default for Uses<F> {
+    fn default() -> Self {
+        Self {
+            fences: parking_lot::Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl<F> Uses<F> {
+    /// Records `fence` as the last use on queue `key`, replacing the one
+    /// before it there.
+    pub(crate) fn put(&self, key: u64, fence: F) {
+        let mut v = self.fences.lock();
+        match v.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = fence,
+            None => v.push((key, fence)),
+        }
+    }
+
+    /// Runs `f` on the fence recorded for `key`, if any: `true` if there was one.
+    pub(crate) fn update(&self, key: u64, f: impl FnOnce(&F) -> Result<()>) -> Result<bool> {
+        match self.fences.lock().iter().find(|(k, _)| *k == key) {
+            Some((_, fence)) => f(fence).map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Calls `f` on every recorded fence, stopping at the first error.
+    pub(crate) fn each(&self, mut f: impl FnMut(&F) -> Result<()>) -> Result<()> {
+        self.fences
+            .lock()
+            .iter()
+            .try_for_each(|(_, fence)| f(fence))
+    }
+
+    /// True if `done` says so of every recorded fence.
+    pub(crate) fn all(&self, mut done: impl FnMut(&F) -> Result<bool>) -> Result<bool> {
+        for (_, fence) in self.fences.lock().iter() {
+            if !done(fence)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
 }
 
 /// Checks a reservation request: a non-zero multiple of the granularity,

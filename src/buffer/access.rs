@@ -13,7 +13,8 @@ use crate::table::driver_access;
 impl<B: Backend> GrowableBuffer<B> {
     /// Sets `location`'s access to the chunks touching `range` (rounded out
     /// to whole chunks), leaving other locations' access as it is. Waits for
-    /// the GPU first, since narrowing access under a running kernel faults it.
+    /// the recorded uses first, since narrowing access under a running kernel
+    /// faults it.
     ///
     /// [`Error::Unsupported`] for host access to GPU-placed chunks (the driver
     /// refuses it). On error, the chunks before the failing one have the new
@@ -148,7 +149,7 @@ impl<B: Backend> GrowableBuffer<B> {
         if changes.is_empty() {
             return Ok(());
         }
-        backend.synchronize()?;
+        self.wait_uses()?;
         for run in changes.chunk_by(|a, b| a.3 == b.3 && a.0 + a.1 == b.0) {
             let bytes: usize = run.iter().map(|c| c.1).sum();
             backend.set_access(g.res(), run[0].0, bytes, &run[0].3)?;

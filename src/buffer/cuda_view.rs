@@ -34,20 +34,13 @@ impl GrowableBuffer<CudaBackend> {
                 std::any::type_name::<T>()
             )));
         }
-        if stream.context() != self.backend().context() {
-            return Err(Error::invalid(
-                "the stream belongs to another context than the buffer",
-            ));
-        }
+        // The device that will touch the range: the buffer's own, or a peer
+        // whose stream this is (it needs access: `add_peer`).
+        let who = Location::Device(stream.context().ordinal() as u32);
         let bytes = len
             .checked_mul(size)
             .ok_or_else(|| Error::invalid(format!("{len} elements of {size} bytes overflow")))?;
-        self.check_access(
-            Location::Device(self.backend().device()),
-            need,
-            offset_bytes,
-            bytes,
-        )?;
+        self.check_access(who, need, offset_bytes, bytes)?;
         // A copy over a range that spans a host-placed chunk and a GPU chunk
         // crashes the driver (SIGSEGV in 580.159.04, either direction), and a
         // view is handed to cudarc's copies: refuse it.
@@ -76,7 +69,7 @@ impl GrowableBuffer<CudaBackend> {
         len: usize,
     ) -> Result<View<'_, T>> {
         let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::Read)?;
-        Ok(View::new(ptr, len, stream.clone()))
+        Ok(View::new(ptr, len, stream.clone(), &self.uses))
     }
 
     /// A mutable view; see [`view`](Self::view). Needs read-write access.
@@ -87,7 +80,7 @@ impl GrowableBuffer<CudaBackend> {
         len: usize,
     ) -> Result<ViewMut<'_, T>> {
         let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::ReadWrite)?;
-        Ok(ViewMut::new(ptr, len, stream.clone()))
+        Ok(ViewMut::new(ptr, len, stream.clone(), &self.uses))
     }
 
     /// A non-owning cudarc `CudaSlice<T>` over the range; see [`SliceRef`].
@@ -101,6 +94,6 @@ impl GrowableBuffer<CudaBackend> {
         // SAFETY: `ptr` starts `len` mapped, in-use elements of this buffer
         // (checked above), which the returned borrow of `self` keeps from
         // shrinking, migrating or dropping.
-        Ok(unsafe { SliceRef::from_raw(stream, ptr, len) })
+        Ok(unsafe { SliceRef::from_raw(stream, ptr, len, &self.uses) })
     }
 }

@@ -13,16 +13,20 @@ use crate::error::{Error, Result};
 use crate::location::{Access, Location};
 
 impl<B: Backend> GrowableBuffer<B> {
-    /// Copies bytes in use, from `offset`, into `dst`.
+    /// Copies bytes in use, from `offset`, into `dst`. Synchronous, and
+    /// ordered after every recorded use (it waits for them first).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.wait_uses()?;
         let mut g = self.inner.lock();
         g.check_poison()?;
         Self::check_span(g.table.len(), offset, dst.len())?;
         self.backend.read(g.res(), offset, dst)
     }
 
-    /// Copies `src` into the bytes in use, from `offset`.
+    /// Copies `src` into the bytes in use, from `offset`. Synchronous, and
+    /// ordered after every recorded use (it waits for them first).
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.wait_uses()?;
         let g = self.inner.get_mut();
         g.check_poison()?;
         Self::check_span(g.table.len(), offset, src.len())?;
@@ -55,7 +59,7 @@ impl<B: Backend> GrowableBuffer<B> {
 
 impl<B: HostMapped> GrowableBuffer<B> {
     /// The CPU's view of the bytes in use in `range` (`..` for all of them),
-    /// after waiting for the GPU. Every chunk in the range must grant the host
+    /// after waiting for every recorded use. Every chunk in the range must grant the host
     /// read access: host-backend chunks, or CUDA chunks placed in host memory
     /// (see [`MigrationPolicy::PreferHost`](crate::MigrationPolicy) and
     /// [`offload`](Self::offload)); otherwise [`Error::InvalidArgument`].
@@ -63,14 +67,14 @@ impl<B: HostMapped> GrowableBuffer<B> {
     /// Sound because: every chunk in the range is memory the host may read
     /// (checked); it stays mapped and readable while `&self` lives
     /// (migration, access changes and shrinking take `&mut self`, growing
-    /// never touches mapped bytes); the wait means no work submitted before
-    /// is still writing it, and no safe API writes it while `&self` is
+    /// never touches mapped bytes); the wait means no recorded work is still
+    /// writing it, and no safe API writes it while `&self` is
     /// borrowed (writes need `&mut self`). Kernels launched meanwhile (an
     /// `unsafe` act) must not write it.
     pub fn host_slice(&self, range: impl RangeBounds<usize>) -> Result<&[u8]> {
         let r = self.in_use(range)?;
         self.check_access(Location::Host, Access::Read, r.start, r.len())?;
-        self.backend.synchronize()?;
+        self.wait_uses()?;
         if r.is_empty() {
             return Ok(&[]);
         }
@@ -86,7 +90,7 @@ impl<B: HostMapped> GrowableBuffer<B> {
     pub fn host_slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<&mut [u8]> {
         let r = self.in_use(range)?;
         self.check_access(Location::Host, Access::ReadWrite, r.start, r.len())?;
-        self.backend.synchronize()?;
+        self.wait_uses()?;
         if r.is_empty() {
             return Ok(&mut []);
         }

@@ -181,9 +181,10 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Executes a plan. Chunks already in place are skipped.
     ///
-    /// First every moving chunk gets its new chunk, mapped at a temporary
-    /// address, and its data is copied there on the backend's stream; one wait
-    /// covers the copies and all GPU work that used the old chunks. Then each
+    /// First the recorded uses of the buffer are waited for (their streams'
+    /// work only). Then every moving chunk gets its new chunk, mapped at a
+    /// temporary address, and its data is copied there on the backend's
+    /// stream, and the backend waits for its copies. Then each
     /// chunk is swapped at its own address (unmap the old, map the new, set
     /// access); the old chunks are released only once every swap succeeded.
     ///
@@ -191,7 +192,9 @@ impl<B: Backend> GrowableBuffer<B> {
     /// and the buffer's placement, access and data are as before (barring a
     /// second failure while undoing, which is logged).
     ///
-    /// Do not run GPU work on the moving range concurrently with this call.
+    /// Work that is not recorded (raw addresses without
+    /// [`record_use`](Self::record_use)) is not waited for: do not run such
+    /// work on the moving range concurrently with this call.
     pub fn execute(&mut self, plan: &MigrationPlan) -> Result<MigrationReport> {
         let backend = self.backend().clone();
         let home = backend.home();
@@ -218,6 +221,8 @@ impl<B: Backend> GrowableBuffer<B> {
         let size_of = |g: &super::Inner<B>, o: usize| g.table.get(o).map_or(0, |e| e.bytes);
         let total: usize = targets.keys().map(|&o| size_of(g, o)).sum();
 
+        // The copies read the old chunks: recorded writers first.
+        self.wait_uses()?;
         // Phase A: new chunks at a temporary address, data copied there.
         let mut tmp = backend.reserve(total, self.granularity())?;
         let mut staged: Vec<(usize, usize, B::Chunk, Location)> = Vec::with_capacity(targets.len());
@@ -243,8 +248,8 @@ impl<B: Backend> GrowableBuffer<B> {
                 )?;
                 backend.copy(&mut tmp, at, g.res(), offset, bytes)?;
             }
-            // The copies, and every kernel still using the old chunks.
-            backend.synchronize()?;
+            // The copies (recorded users were waited for above).
+            backend.wait_copies()?;
             backend.unmap(&mut tmp, 0, tmp_mapped)?;
             tmp_mapped = 0;
             Ok(())
@@ -253,7 +258,7 @@ impl<B: Backend> GrowableBuffer<B> {
             let mut unmapped = true;
             if tmp_mapped > 0 {
                 // Copies may still be in flight into the temporary mapping.
-                let _ = backend.synchronize();
+                let _ = backend.wait_copies();
                 unmapped = backend.unmap(&mut tmp, 0, tmp_mapped).is_ok();
             }
             // If the unmap failed, the token unmaps what it holds as it drops.

@@ -12,6 +12,7 @@ mod grow;
 mod host_view;
 mod migrate;
 mod shrink;
+mod uses;
 
 pub use migrate::{MigrationPlan, MigrationPolicy, MigrationReport};
 
@@ -20,7 +21,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::plan::{round_up, GrowthPolicy};
@@ -173,10 +174,15 @@ impl<B: Backend> Inner<B> {
 /// - **Growth is all or nothing.** If any driver call fails (out of memory
 ///   included), everything the call did is undone: the length, the data and
 ///   the chunks are as before, and nothing leaks.
-/// - **Unmapping waits for the GPU.** `cuMemUnmap` does not wait for kernels,
-///   so giving memory back and drop synchronise the device before unmapping
-///   ([`shrink_to_fit_after`](Self::shrink_to_fit_after) waits on a fence
-///   instead).
+/// - **Unmapping waits for recorded uses, in stream order.** `cuMemUnmap`
+///   does not wait for kernels, so giving memory back, migrating, changing
+///   access and drop first wait for every use recorded with the buffer: one
+///   event per stream, never the whole device. Views record their use on
+///   their stream when they drop; work that reaches the buffer through raw
+///   addresses must be recorded with [`record_stream`](GrowableBuffer::record_stream)
+///   or [`record_use`](Self::record_use) (as PyTorch's `record_stream`).
+///   [`shrink_to_fit_after`](Self::shrink_to_fit_after) releases once both
+///   its fence and the recorded uses have passed, without blocking.
 /// - Growing past the reservation is [`Error::ReservationExhausted`], never a
 ///   silent move.
 ///
@@ -201,6 +207,9 @@ pub struct GrowableBuffer<B: Backend> {
     /// driver refuses it on device chunks).
     grants: Vec<AccessDesc>,
     pool: Option<Arc<ChunkPool<B>>>,
+    /// The last recorded use per stream (its own lock: views record as they
+    /// drop, whatever else holds the buffer's lock).
+    uses: Uses<B::Fence>,
     inner: Mutex<Inner<B>>,
 }
 
@@ -283,6 +292,7 @@ impl<B: Backend> GrowableBuffer<B> {
             alignment: desc.alignment,
             grants,
             pool,
+            uses: Uses::default(),
             inner: Mutex::new(Inner {
                 res: Some(res),
                 table,
@@ -431,11 +441,12 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
         let Some(mut res) = g.res.take() else { return };
         let mut unmapped = g.table.is_empty();
         if !unmapped && g.poisoned.is_none() {
-            // Kernels may still use the memory: wait before unmapping.
-            if let Err(e) = backend.synchronize() {
-                tracing::error!(error = %e, "vmmbuf: synchronize before drop failed");
+            // Work may still use the memory: wait for its recorded uses.
+            let waited = self.uses.each(|f| backend.wait(f));
+            if let Err(e) = &waited {
+                tracing::error!(error = %e, "vmmbuf: waiting for recorded uses before drop failed");
             }
-            match backend.unmap(&mut res, 0, g.capacity()) {
+            match waited.and_then(|()| backend.unmap(&mut res, 0, g.capacity())) {
                 Ok(()) => unmapped = true,
                 Err(e) => tracing::error!(error = %e, "vmmbuf: unmap in drop failed"),
             }

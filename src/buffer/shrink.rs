@@ -31,9 +31,9 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     /// Gives back every chunk that lies wholly past the length, after waiting
-    /// for the GPU (the whole device: see
-    /// [`shrink_to_fit_after`](Self::shrink_to_fit_after) for the version that
-    /// waits on a fence instead). A chunk that holds any byte in use stays.
+    /// for every recorded use (see [`record_use`](Self::record_use); the host
+    /// blocks until they finish, or use
+    /// [`shrink_to_fit_after`](Self::shrink_to_fit_after), which does not). A chunk that holds any byte in use stays.
     /// Chunks go to the pool if the buffer has one.
     ///
     /// If the wait or the unmap fails, nothing has changed. If releasing a
@@ -61,11 +61,13 @@ impl<B: Backend> GrowableBuffer<B> {
     /// [`reclaim`](Self::reclaim), this one), or at once in
     /// [`shrink_to_fit`](Self::shrink_to_fit) and drop, which wait.
     ///
-    /// `fence` must come after all GPU work that uses bytes past the length
-    /// (for CUDA: record it with [`CudaBackend::fence`](crate::CudaBackend::fence)
-    /// on the stream of that work, after joining any other streams into it).
-    /// Growing again before the fence passes simply reuses the chunks still
-    /// mapped; nothing that was in use since the fence is ever released.
+    /// The fence alone is not trusted: the release also waits until every
+    /// recorded use (views on any stream, [`record_use`](Self::record_use))
+    /// has passed. `fence` adds work the buffer does not know of (for CUDA,
+    /// [`CudaBackend::fence`](crate::CudaBackend::fence) on that work's
+    /// stream). Growing again before then simply reuses the chunks still
+    /// mapped; nothing that was in use since is ever released. On error
+    /// nothing has changed.
     pub fn shrink_to_fit_after(&mut self, fence: B::Fence) -> Result<()> {
         let mut g = self.inner.lock();
         g.check_poison()?;
@@ -75,7 +77,7 @@ impl<B: Backend> GrowableBuffer<B> {
         if g.table.iter().next_back().is_none_or(|(o, _)| o < len) {
             return Ok(()); // nothing lies wholly past the length
         }
-        if self.backend.fence_done(&fence)? {
+        if self.backend.fence_done(&fence)? && self.uses_done()? {
             // Passed already: release now. On error nothing has changed.
             self.release_from(&mut g, len, false)
         } else {
@@ -95,9 +97,10 @@ impl<B: Backend> GrowableBuffer<B> {
         self.reclaim_locked(&mut g)
     }
 
-    /// Releases chunks past the length whose fences have passed.
+    /// Releases chunks past the length whose fences, and every recorded
+    /// use, have passed.
     pub(super) fn reclaim_locked(&self, g: &mut Inner<B>) -> Result<()> {
-        if g.pending.is_empty() {
+        if g.pending.is_empty() || !self.uses_done()? {
             return Ok(());
         }
         let mut boundary: Option<usize> = None;
@@ -121,8 +124,8 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     /// Unmaps every chunk that starts at or past `keep_to` (at or past the
-    /// length) and gives it to the pool or the driver; with `wait`,
-    /// synchronises the device first.
+    /// length) and gives it to the pool or the driver; with `wait`, waits for
+    /// the recorded uses first.
     fn release_from(&self, g: &mut Inner<B>, keep_to: usize, wait: bool) -> Result<()> {
         let Some((from, _)) = g.table.iter().find(|(o, _)| *o >= keep_to) else {
             return Ok(());
@@ -132,7 +135,7 @@ impl<B: Backend> GrowableBuffer<B> {
         let _span =
             tracing::debug_span!("vmmbuf.shrink", len = g.table.len(), from, bytes, wait).entered();
         if wait {
-            self.backend.synchronize()?;
+            self.wait_uses()?;
         }
         self.backend.unmap(g.res(), from, bytes)?;
         let offsets: Vec<usize> = g

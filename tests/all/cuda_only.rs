@@ -190,6 +190,7 @@ fn a_thousand_grows_keep_the_base_and_every_device_written_byte() {
         buf.grow_to(((words + add) * 4) as usize).unwrap();
         assert_eq!(buf.base(), base, "step {step}: the base moved");
         k.fill(base + words * 4, words, add, seed);
+        buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
         words += add;
         let bad = k.mismatches(base, 0, words, seed);
         assert_eq!(bad, 0, "step {step}: {bad} words differ after growth");
@@ -227,6 +228,7 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
     let base = buf.base();
     let words = (buf.len() / 4) as u64;
     k.fill(base, 0, words, 7);
+    buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
     let mapped = buf.capacity();
     let (free_full, _) = backend.mem_info().unwrap();
     assert!(
@@ -259,6 +261,9 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
     buf.truncate(0);
     buf.shrink_to_fit().unwrap();
     assert_eq!(buf.capacity(), 0);
+    // cudarc's stream-ordered allocations (the kernels' counters) go back to
+    // the driver's pool at a synchronisation of their stream, not ours.
+    k.stream.synchronize().unwrap();
     let (free_trimmed, _) = backend.mem_info().unwrap();
     assert_eq!(
         free_trimmed, start,
@@ -289,6 +294,7 @@ fn exact_and_fixed_policies_on_the_device() {
         for add in [1u64, 1 << 18, 777_777, 3, 1 << 20] {
             buf.grow_to(((words + add) * 4) as usize).unwrap();
             k.fill(buf.base() + words * 4, words, add, 99);
+            buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
             words += add;
             assert_eq!(k.mismatches(buf.base(), 0, words, 99), 0, "{policy:?}");
         }
@@ -316,6 +322,7 @@ fn release_waits_for_kernels_still_reading_the_tail() {
         buf.grow_to(end).unwrap();
         let words = (end / 4) as u64;
         k.fill(buf.base(), 0, words, round);
+        buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
         k.stream.synchronize().unwrap();
         let tail = (keep / 4) as u64;
 
@@ -354,6 +361,7 @@ fn release_waits_for_kernels_still_reading_the_tail() {
         // Blocking: trim under a running kernel waits for it.
         buf.grow_to(end).unwrap();
         k.fill(buf.base() + keep as u64, tail, words - tail, round);
+        buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
         k.stream.synchronize().unwrap();
         let bad = k.spin_then_check(
             &side,
@@ -363,6 +371,7 @@ fn release_waits_for_kernels_still_reading_the_tail() {
             round,
             200_000_000,
         );
+        buf.record_stream(&side).unwrap(); // the kernel reaches the buffer by address
         buf.truncate(keep);
         buf.shrink_to_fit().unwrap();
         assert_eq!(
@@ -397,6 +406,7 @@ fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {
         .unwrap();
         buf.grow_to(end).unwrap();
         k.fill(buf.base(), 0, words, round);
+        buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
         k.stream.synchronize().unwrap();
         // A kernel that spins ~20 ms, then reads the tail.
         let bad = k.spin_then_check(
@@ -407,6 +417,7 @@ fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {
             round,
             20_000_000,
         );
+        buf.record_stream(&side).unwrap(); // the kernel reaches the buffer by address
         match round % 4 {
             0 => {
                 buf.truncate(keep);
@@ -431,6 +442,7 @@ fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {
     let buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(g)).unwrap();
     buf.grow_to(g).unwrap();
     k.fill(buf.base(), 0, (g / 4) as u64, 1);
+    buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
     assert_eq!(k.mismatches(buf.base(), 0, (g / 4) as u64, 1), 0);
 }
 
@@ -467,6 +479,7 @@ fn sixteen_threads_grow_and_write_their_own_ranges_with_kernels() {
                             let n = rng.gen_range(1..=200_000u64);
                             let at = buf.claim(n as usize * 4).unwrap();
                             k.fill(base + at as u64, at as u64 / 4, n, t);
+                            buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
                             (at, n, t)
                         })
                         .collect::<Vec<_>>()

@@ -194,6 +194,23 @@ impl<B: Backend> Backend for FaultBackend<B> {
         }
         self.inner.can_access_peer(device, peer)
     }
+    fn wait(&self, fence: &TestFence) -> Result<()> {
+        self.step("wait", 0)?;
+        match self.fence_done(fence)? {
+            true => Ok(()),
+            // A test that waits on a fence it never opens would hang a GPU.
+            false => Err(Error::InvalidArgument(
+                "waited on a test fence that never passes".into(),
+            )),
+        }
+    }
+    fn fence_key(&self, fence: &TestFence) -> u64 {
+        Arc::as_ptr(&fence.0) as u64
+    }
+    fn wait_copies(&self) -> Result<()> {
+        self.step("wait_copies", 0)?;
+        self.inner.wait_copies()
+    }
     fn fence_done(&self, fence: &TestFence) -> Result<bool> {
         if fence.1.load(Ordering::SeqCst) {
             return Err(Error::InvalidArgument("a broken test fence".into()));

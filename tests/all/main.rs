@@ -18,6 +18,7 @@ mod pool;
 mod props;
 mod soak;
 mod soundness;
+mod stream_order;
 mod suite;
 
 fn main() {
@@ -43,6 +44,7 @@ fn main() {
         props::trials(),
         soak::trials(),
         soundness::trials(),
+        stream_order::trials(),
         suite::trials(),
     ]
     .into_iter()

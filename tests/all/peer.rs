@@ -70,6 +70,7 @@ fn a_peer_reads_and_writes_once_granted_and_is_refused_before() {
     buf.grow_to(WORDS as usize * 4).unwrap();
     let base = buf.base();
     k0.fill(base, 0, WORDS, 3);
+    buf.record_stream(&k0.stream).unwrap(); // raw-address work: recorded
     k0.stream.synchronize().unwrap();
     buf.add_peer(1).unwrap();
     assert!(buf
@@ -83,6 +84,7 @@ fn a_peer_reads_and_writes_once_granted_and_is_refused_before() {
         "GPU 1 reads GPU 0's chunks through the buffer's address"
     );
     k1.fill(base, 0, WORDS, 4);
+    buf.record_stream(&k1.stream).unwrap(); // raw-address work: recorded
     k1.stream.synchronize().unwrap();
     assert_eq!(
         k0.mismatches(base, 0, WORDS, 4),
@@ -95,6 +97,7 @@ fn a_peer_reads_and_writes_once_granted_and_is_refused_before() {
         .access
         .contains(&(Location::Device(1), Access::ReadWrite)));
     k1.fill(base + WORDS * 4, WORDS, WORDS, 5);
+    buf.record_stream(&k1.stream).unwrap(); // raw-address work: recorded
     k1.stream.synchronize().unwrap();
     assert_eq!(k0.mismatches(base + WORDS * 4, WORDS, WORDS, 5), 0);
     // Revoking is per chunk and per device.
@@ -121,6 +124,7 @@ fn child_peer_read_without_access() {
     let buf = GrowableBuffer::new(b0.clone(), BufferDesc::new(1 << 30)).unwrap();
     buf.grow_to(WORDS as usize * 4).unwrap();
     k0.fill(buf.base(), 0, WORDS, 3);
+    buf.record_stream(&k0.stream).unwrap(); // raw-address work: recorded
     k0.stream.synchronize().unwrap();
     let mut bad = k1.stream.alloc_zeros::<u32>(1).unwrap();
     let base = buf.base();

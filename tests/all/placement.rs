@@ -141,6 +141,7 @@ fn migration_keeps_every_byte_and_the_address() {
     let base = buf.base();
     let words = (buf.len() / 4) as u64;
     k.fill(base, 0, words, 31);
+    buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
     let data = contents(&buf);
     let chunks = buf.report().chunks;
     assert!(chunks.len() >= 4, "{}", buf.report());
@@ -176,6 +177,7 @@ fn migration_keeps_every_byte_and_the_address() {
         (chunks[3].offset + chunks[3].bytes) as u64 / 4,
     );
     k.fill(base + h0 * 4, h0, h1 - h0, 32);
+    buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
     assert_eq!(k.mismatches(base + h0 * 4, h0, h1 - h0, 32), 0);
     // The CPU sees what the kernel wrote, through the host view.
     let view = buf
@@ -213,6 +215,7 @@ fn offload_frees_device_memory_and_restore_brings_the_data_back() {
     let base = buf.base();
     let words = (buf.len() / 4) as u64;
     k.fill(base, 0, words, 5);
+    buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
     let on_device = free(&b);
     let rep = buf.offload().unwrap();
     assert_eq!(rep.bytes_moved, buf.capacity());
@@ -256,6 +259,7 @@ fn read_only_is_enforced_and_the_context_survives() {
     let k = Kernels::load(&b);
     let (mut buf, _, g) = buffer(&b, 3);
     k.fill(buf.base(), 0, (3 * g / 4) as u64, 8);
+    buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
     buf.set_access(g..2 * g, Location::Device(0), Access::Read)
         .unwrap();
     match buf.write(g + 8, &[1, 2, 3, 4]) {
@@ -370,6 +374,7 @@ fn offload_and_restore_reuse_pooled_chunks() {
     buf.grow_to(64 << 20).unwrap();
     let words = (buf.len() / 4) as u64;
     k.fill(buf.base(), 0, words, 12);
+    buf.record_stream(&k.stream).unwrap(); // raw-address work: recorded
     buf.offload().unwrap();
     buf.restore().unwrap();
     let (live, hits) = (b.live(), pool.stats().hits);

@@ -153,6 +153,8 @@ fn random_operations_keep_every_byte_and_give_all_memory_back<B: Backend>(backen
         drop(buf);
         pool.trim().unwrap();
     }
+    let syncs = backend.live().device_syncs - baseline.device_syncs;
+    assert_eq!(syncs, 0, "no device-wide synchronisation in the whole soak");
     assert_eq!(backend.live(), baseline, "everything went back");
     if let (Some(c), Some(start)) = (cuda, free_start) {
         assert_eq!(
@@ -163,7 +165,7 @@ fn random_operations_keep_every_byte_and_give_all_memory_back<B: Backend>(backen
     }
     eprintln!(
         "soak ({}): {n} operations in {:.1} s: grow {}, claim {}, truncate {}, shrink {}, trim {}, migrate {}, \
-         access {}, write {}, verify {}",
+         access {}, write {}, verify {}; {syncs} device-wide syncs",
         backend.name(),
         started.elapsed().as_secs_f64(),
         counts[0], counts[1], counts[2], counts[3], counts[4], counts[5], counts[6], counts[7], counts[8]

@@ -24,6 +24,8 @@ crate::register! {
         the_host_backend_maps_a_chunk_once,
         too_many_open_files_is_not_out_of_memory,
         placement_ranges_stay_bounded_however_often_they_are_set,
+        a_deferred_release_waits_for_recorded_uses_not_only_its_fence,
+        giving_memory_back_waits_for_recorded_uses,
     ],
 }
 
@@ -391,4 +393,65 @@ fn placement_ranges_stay_bounded_however_often_they_are_set() {
         .map(|c| c.offset / G)
         .collect();
     assert_eq!(host, (16..24).collect::<Vec<_>>());
+}
+
+/// Item 3: `shrink_to_fit_after` trusted the caller's fence; work recorded
+/// on another queue must pass too before the chunks go.
+fn a_deferred_release_waits_for_recorded_uses_not_only_its_fence() {
+    let fb = FaultBackend::new(host());
+    let mut buf = GrowableBuffer::new(
+        fb.clone(),
+        BufferDesc::new(64 * G).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
+    buf.grow_to(4 * G).unwrap();
+    let busy = TestFence::default(); // work on "stream B", still running
+    buf.record_use(busy.clone());
+    buf.truncate(G);
+    buf.shrink_to_fit_after(TestFence::passed()).unwrap(); // "stream A", idle
+    buf.reclaim().unwrap();
+    assert_eq!(buf.capacity(), 4 * G, "B's work still uses the tail");
+    busy.pass();
+    buf.reclaim().unwrap();
+    assert_eq!(buf.capacity(), G, "released once B passed");
+    assert_eq!(fb.live().device_syncs, 0, "no device-wide wait on the way");
+}
+
+/// Shrinking, migrating, access changes and drop wait for the recorded uses
+/// (here: a wait that fails leaves everything as it was).
+fn giving_memory_back_waits_for_recorded_uses() {
+    let fb = FaultBackend::emulating_gpu(host());
+    let (mut buf, data) = emulated(&fb, None, 4);
+    let busy = TestFence::default();
+    buf.record_use(busy.clone());
+    buf.truncate(G);
+    // The test backend refuses to wait on a fence that never passes.
+    assert!(buf.shrink_to_fit().is_err());
+    assert!(buf.migrate(0..G, Location::Host).is_err());
+    assert!(buf
+        .set_access(0..G, Location::Device(0), Access::Read)
+        .is_err());
+    assert_eq!(
+        (buf.capacity(), buf.stats().host_bytes),
+        (4 * G, 0),
+        "nothing changed"
+    );
+    busy.pass();
+    buf.shrink_to_fit().unwrap();
+    buf.migrate(0..G, Location::Host).unwrap();
+    assert_eq!((buf.capacity(), buf.stats().host_bytes), (G, G));
+    assert!(contents(&buf) == data[..G]);
+    // A newer fence on the same queue replaces the older one.
+    buf.grow_to(3 * G).unwrap();
+    buf.truncate(G);
+    let (a, b) = (TestFence::default(), TestFence::default());
+    let shared = TestFence(a.0.clone(), a.1.clone());
+    buf.record_use(a);
+    buf.record_use(b.clone()); // another queue
+    shared.pass();
+    assert!(buf.shrink_to_fit().is_err(), "b has not passed");
+    b.pass();
+    buf.shrink_to_fit().unwrap();
+    assert_eq!(buf.capacity(), G);
+    assert_eq!(fb.live().device_syncs, 0);
 }

@@ -153,6 +153,25 @@ pub(crate) fn record_event(stream: &CudaStream) -> Result<CudaEvent> {
         .map_err(cudarc_err("cuEventRecord"))
 }
 
+/// `cuEventSynchronize`: blocks until the work before the event has finished.
+pub(crate) fn event_wait(event: &CudaEvent) -> Result<()> {
+    event
+        .synchronize()
+        .map_err(cudarc_err("cuEventSynchronize"))
+}
+
+/// `cuEventRecord` of an existing event on `stream`.
+pub(crate) fn event_record(event: &CudaEvent, stream: &CudaStream) -> Result<()> {
+    event.record(stream).map_err(cudarc_err("cuEventRecord"))
+}
+
+/// `cuStreamSynchronize`: blocks until `stream`'s work has finished.
+pub(crate) fn stream_synchronize(stream: &CudaStream) -> Result<()> {
+    stream
+        .synchronize()
+        .map_err(cudarc_err("cuStreamSynchronize"))
+}
+
 /// `cuEventQuery`: true once the work before the event has finished.
 pub(crate) fn event_done(event: &CudaEvent) -> Result<bool> {
     event.try_is_complete().map_err(cudarc_err("cuEventQuery"))

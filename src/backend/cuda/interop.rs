@@ -25,6 +25,9 @@ use cudarc::driver::{
     PushKernelArg, SyncOnDrop,
 };
 
+use super::{stream_key, CudaFence};
+use crate::backend::Uses;
+
 /// Element types a view may hold: any bit pattern is a valid value (so bytes
 /// the GPU wrote can be read back as `T`), and the type can cross to the device.
 pub trait Element: DeviceRepr + bytemuck::Pod {}
@@ -41,6 +44,7 @@ pub struct View<'a, T> {
     ptr: u64,
     len: usize,
     stream: Arc<CudaStream>,
+    uses: &'a Uses<CudaFence>,
     _buf: PhantomData<&'a [T]>,
 }
 
@@ -52,7 +56,19 @@ pub struct ViewMut<'a, T> {
     ptr: u64,
     len: usize,
     stream: Arc<CudaStream>,
+    uses: &'a Uses<CudaFence>,
     _buf: PhantomData<&'a mut [T]>,
+}
+
+/// What a copy on `used` through a view of stream `own` must do once it is
+/// queued: nothing on the view's own stream (its drop records the use); on
+/// another stream, wait for that stream, since the view cannot record there.
+fn on_stream<'s>(own: &CudaStream, used: &'s CudaStream) -> SyncOnDrop<'s> {
+    if stream_key(own) == stream_key(used) {
+        SyncOnDrop::Sync(None)
+    } else {
+        SyncOnDrop::Sync(Some(used))
+    }
 }
 
 macro_rules! view_common {
@@ -73,11 +89,22 @@ macro_rules! view_common {
             }
         }
 
+        /// Records the view's use on its stream: whatever was queued there
+        /// with the view (copies, kernels) is waited for before the buffer
+        /// unmaps, remaps or reads these bytes.
+        impl<T> Drop for $ty<'_, T> {
+            fn drop(&mut self) {
+                if let Err(e) = self.uses.record_stream(&self.stream) {
+                    tracing::error!(error = %e, "vmmbuf: recording a view's use failed");
+                }
+            }
+        }
+
         impl<T> DevicePtr<T> for $ty<'_, T> {
             /// No event is recorded or waited for: see the module's
             /// "Stream order".
-            fn device_ptr<'s>(&'s self, _stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
-                (self.ptr, SyncOnDrop::Sync(None))
+            fn device_ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+                (self.ptr, on_stream(&self.stream, stream))
             }
         }
 
@@ -98,8 +125,8 @@ view_common!(ViewMut);
 
 impl<T> DevicePtrMut<T> for ViewMut<'_, T> {
     /// No event is recorded or waited for: see the module's "Stream order".
-    fn device_ptr_mut<'s>(&'s mut self, _stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
-        (self.ptr, SyncOnDrop::Sync(None))
+    fn device_ptr_mut<'s>(&'s mut self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+        (self.ptr, on_stream(&self.stream, stream))
     }
 }
 
@@ -177,6 +204,7 @@ unsafe impl<'a, 'b: 'a, 'v, T> PushKernelArg<&'b mut ViewMut<'v, T>> for LaunchA
 /// read-only APIs; `clone()` copies into new memory that the clone owns.
 pub struct SliceRef<'a, T> {
     slice: ManuallyDrop<CudaSlice<T>>,
+    uses: &'a Uses<CudaFence>,
     _buf: PhantomData<&'a [T]>,
 }
 
@@ -189,6 +217,10 @@ impl<T> Deref for SliceRef<'_, T> {
 
 impl<T> Drop for SliceRef<'_, T> {
     fn drop(&mut self) {
+        // The use on its stream, as for views.
+        if let Err(e) = self.uses.record_stream(self.slice.stream()) {
+            tracing::error!(error = %e, "vmmbuf: recording a slice's use failed");
+        }
         // SAFETY: taken once, here, and never used again.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         // Waits for the slice's tracked work, then forgets it: the buffer
@@ -199,15 +231,21 @@ impl<T> Drop for SliceRef<'_, T> {
 
 macro_rules! view_new {
     ($ty:ident) => {
-        impl<T> $ty<'_, T> {
+        impl<'a, T> $ty<'a, T> {
             /// A view of `len` elements at `ptr`, used on `stream`. Holding a
             /// device address is safe; the buffer that makes it has checked the
             /// range and ties the view's lifetime to its borrow.
-            pub(crate) fn new(ptr: u64, len: usize, stream: Arc<CudaStream>) -> Self {
+            pub(crate) fn new(
+                ptr: u64,
+                len: usize,
+                stream: Arc<CudaStream>,
+                uses: &'a Uses<CudaFence>,
+            ) -> Self {
                 Self {
                     ptr,
                     len,
                     stream,
+                    uses,
                     _buf: PhantomData,
                 }
             }
@@ -217,19 +255,26 @@ macro_rules! view_new {
 view_new!(View);
 view_new!(ViewMut);
 
-impl<T: Element> SliceRef<'_, T> {
-    /// A non-owning `CudaSlice` of `len` elements at `ptr`.
+impl<'a, T: Element> SliceRef<'a, T> {
+    /// A non-owning `CudaSlice` of `len` elements at `ptr`, recording its use
+    /// in `uses` when it drops.
     ///
     /// # Safety
     /// `[ptr, ptr + len * size_of::<T>())` is mapped, in use, and stays so for
     /// the wrapper's lifetime (its borrow of the buffer).
-    pub(crate) unsafe fn from_raw(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Self {
+    pub(crate) unsafe fn from_raw(
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        len: usize,
+        uses: &'a Uses<CudaFence>,
+    ) -> Self {
         // SAFETY: forwarded to the caller; every bit pattern is a valid `T`
         // (`Element`); the slice is leaked, never freed, when the wrapper
         // drops.
         let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
         Self {
             slice: ManuallyDrop::new(slice),
+            uses,
             _buf: PhantomData,
         }
     }

@@ -123,7 +123,7 @@ impl CudaBackend {
     /// [`GrowableBuffer::shrink_to_fit_after`](crate::GrowableBuffer::shrink_to_fit_after)
     /// once the last work that uses the bytes being given back is on `stream`.
     pub fn fence(&self, stream: &CudaStream) -> Result<CudaFence> {
-        driver::record_event(stream).map(CudaFence)
+        driver::record_event(stream).map(|e| CudaFence(e, stream_key(stream)))
     }
 
     fn check_location(&self, l: Location) -> Result<()> {
@@ -192,13 +192,36 @@ impl CudaBackend {
 /// A point in a CUDA stream (an event recorded on it), made by
 /// [`CudaBackend::fence`].
 #[derive(Debug)]
-pub struct CudaFence(CudaEvent);
+pub struct CudaFence(CudaEvent, u64);
 
 impl CudaFence {
     /// The event behind the fence.
     pub fn event(&self) -> &CudaEvent {
         &self.0
     }
+
+    /// Records the fence again, now, on `stream` (its own stream): one event
+    /// per stream serves every later use.
+    pub(crate) fn rerecord(&self, stream: &CudaStream) -> Result<()> {
+        driver::event_record(&self.0, stream)
+    }
+}
+
+impl super::Uses<CudaFence> {
+    /// Records a use of everything queued on `stream` so far, re-recording
+    /// the stream's event when it has one (no event is created per use).
+    pub(crate) fn record_stream(&self, stream: &CudaStream) -> Result<()> {
+        let key = stream_key(stream);
+        if !self.update(key, |f| f.rerecord(stream))? {
+            self.put(key, CudaFence(driver::record_event(stream)?, key));
+        }
+        Ok(())
+    }
+}
+
+/// The key of a stream's fences: its handle (unique among live streams).
+pub(crate) fn stream_key(stream: &CudaStream) -> u64 {
+    stream.cu_stream() as u64
 }
 
 /// A reserved range of the process's unified (GPU) address space: the
@@ -227,6 +250,7 @@ impl Drop for CudaReservation {
         // down before the range can be freed.
         let mappings: Vec<(usize, usize)> = self.table.iter().map(|(o, e)| (o, e.bytes)).collect();
         if !mappings.is_empty() {
+            self.counters.update(|c| c.device_syncs += 1);
             let _ = driver::synchronize(&self.ctx);
         }
         for (off, bytes) in mappings {
@@ -439,7 +463,20 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.counters.update(|c| c.device_syncs += 1);
         driver::synchronize(&self.ctx)
+    }
+
+    fn wait(&self, fence: &CudaFence) -> Result<()> {
+        driver::event_wait(&fence.0)
+    }
+
+    fn fence_key(&self, fence: &CudaFence) -> u64 {
+        fence.1
+    }
+
+    fn wait_copies(&self) -> Result<()> {
+        driver::stream_synchronize(&self.stream)
     }
 
     fn copy(

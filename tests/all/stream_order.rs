@@ -1,0 +1,220 @@
+//! Stream order (issue 10, item 3): memory is given back only after the work
+//! that uses it, on whatever stream it was queued, has finished, without
+//! waiting for the whole device.
+
+use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
+use vmmbuf::{Backend, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy, Location};
+
+use crate::common::gpu;
+use crate::cuda_only::Kernels;
+
+crate::register! {
+    gpu: [a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
+    two_gpus: [a_peer_copy_in_flight_holds_off_the_release],
+}
+
+/// A kernel on stream B reads the tail through a view while the buffer is
+/// shrunk with a fence from an idle stream A. The release must wait for B's
+/// kernel (the view recorded its use), not trust A's fence. 100 rounds; a
+/// release under the kernel kills it with CUDA_ERROR_ILLEGAL_ADDRESS.
+fn a_deferred_release_waits_for_a_view_kernel_on_another_stream() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let g = b.granularity(vmmbuf::Location::Device(0)).unwrap();
+    let (a, s) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let words = (2 * g / 4) as u64;
+    for round in 0..100u32 {
+        let mut buf = GrowableBuffer::new(
+            b.clone(),
+            BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact),
+        )
+        .unwrap();
+        buf.grow_to(4 * g).unwrap();
+        k.fill(buf.base() + 2 * g as u64, 0, words, round);
+        k.stream.synchronize().unwrap();
+        let mut bad = s.alloc_zeros::<u32>(1).unwrap();
+        {
+            let tail = buf.view::<u32>(&s, 2 * g, words as usize).unwrap();
+            let mut l = s.launch_builder(&k.spin_check);
+            let (zero, spin) = (0u64, 5_000_000u64); // the last block spins 5 ms first
+            l.arg(&tail)
+                .arg(&zero)
+                .arg(&words)
+                .arg(&round)
+                .arg(&mut bad)
+                .arg(&spin);
+            // SAFETY (test code): reads `words` u32s of the view.
+            unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        }
+        buf.truncate(g);
+        buf.shrink_to_fit_after(b.fence(&a).unwrap()).unwrap();
+        s.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: the kernel on B died: {e:?}"));
+        assert_eq!(
+            s.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: it read the tail intact"
+        );
+        buf.reclaim().unwrap();
+        assert_eq!(buf.capacity(), g, "round {round}: released once B was done");
+    }
+}
+
+/// Launches, on `s`, a kernel that spins `ns` then checks `words` u32s of
+/// the buffer from `at` against `seed`'s pattern, through a view that drops
+/// right after the launch (recording the use on `s`).
+fn view_kernel(
+    k: &Kernels,
+    buf: &GrowableBuffer<CudaBackend>,
+    s: &std::sync::Arc<CudaStream>,
+    at: usize,
+    words: u64,
+    seed: u32,
+    ns: u64,
+) -> CudaSlice<u32> {
+    let mut bad = s.alloc_zeros::<u32>(1).unwrap();
+    let view = buf.view::<u32>(s, at, words as usize).unwrap();
+    let mut l = s.launch_builder(&k.spin_check);
+    let zero = 0u64;
+    l.arg(&view)
+        .arg(&zero)
+        .arg(&words)
+        .arg(&seed)
+        .arg(&mut bad)
+        .arg(&ns);
+    // SAFETY (test code): reads `words` u32s of the view.
+    unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+    bad
+}
+
+/// Shrinking (waiting), migrating and dropping while a kernel on another
+/// stream still reads the tail through a view: each waits for that stream's
+/// recorded use, and no call synchronises the device. 100 rounds.
+fn shrink_migrate_and_drop_wait_for_view_kernels_100_times() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let g = b.granularity(Location::Device(0)).unwrap();
+    let s = b.context().new_stream().unwrap();
+    let syncs = b.live().device_syncs;
+    let words = (2 * g / 4) as u64;
+    for round in 0..100u32 {
+        let mut buf = GrowableBuffer::new(
+            b.clone(),
+            BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact),
+        )
+        .unwrap();
+        buf.grow_to(4 * g).unwrap();
+        k.fill(buf.base() + 2 * g as u64, 0, words, round);
+        k.stream.synchronize().unwrap();
+        let bad = view_kernel(&k, &buf, &s, 2 * g, words, round, 5_000_000);
+        match round % 3 {
+            0 => {
+                buf.truncate(g);
+                buf.shrink_to_fit().unwrap();
+                assert_eq!(buf.capacity(), g);
+            }
+            1 => {
+                buf.migrate(2 * g..4 * g, Location::Host).unwrap();
+            }
+            _ => drop(buf),
+        }
+        s.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: the kernel died: {e:?}"));
+        assert_eq!(s.clone_dtoh(&bad).unwrap()[0], 0, "round {round}");
+    }
+    assert_eq!(
+        b.live().device_syncs,
+        syncs,
+        "no device-wide synchronisation"
+    );
+}
+
+/// `read` is ordered after recorded uses (a kernel writing through a view on
+/// another stream), and a view used for a copy on a stream other than its own
+/// synchronises that stream, so the copy is done before anything unmaps.
+fn reads_and_foreign_stream_copies_are_ordered() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let g = b.granularity(Location::Device(0)).unwrap();
+    let (s, other) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let mut buf = GrowableBuffer::new(b.clone(), BufferDesc::new(1 << 30)).unwrap();
+    buf.grow_to(2 * g).unwrap();
+    let words = (g / 4) as u64;
+    for round in 0..20u32 {
+        // A slow writer on `s` through a view: spin, then fill.
+        k.fill(buf.base(), 0, words, round); // known contents first
+        k.stream.synchronize().unwrap();
+        let bad = view_kernel(&k, &buf, &s, 0, words, round, 3_000_000);
+        {
+            let mut w = buf.view_mut::<u32>(&s, g, words as usize).unwrap();
+            let pattern: Vec<u32> = (0..words)
+                .map(|i| crate::cuda_only::pattern(i, round + 1))
+                .collect();
+            s.memcpy_htod(&pattern, &mut w).unwrap(); // queued behind the spin
+        }
+        let mut out = vec![0u8; g];
+        buf.read(g, &mut out).unwrap(); // waits for `s`'s recorded use
+        let got: &[u32] = bytemuck::cast_slice(&out);
+        assert!(
+            got.iter()
+                .enumerate()
+                .all(|(i, &v)| v == crate::cuda_only::pattern(i as u64, round + 1)),
+            "round {round}: read ran before the queued write"
+        );
+        assert_eq!(s.clone_dtoh(&bad).unwrap()[0], 0);
+        // A view of `s` used for a copy on `other`: that stream is waited for.
+        let v = buf.view::<u32>(&s, g, words as usize).unwrap();
+        let copied = other.clone_dtoh(&v).unwrap();
+        assert!(copied[..] == *bytemuck::cast_slice::<u8, u32>(&out));
+    }
+    buf.truncate(0);
+    buf.shrink_to_fit().unwrap();
+}
+
+/// With peer access, a copy on GPU 1's stream from GPU 0's buffer, through a
+/// view made for that stream, is in flight while the buffer shrinks: the
+/// release waits for GPU 1's recorded use.
+fn a_peer_copy_in_flight_holds_off_the_release() {
+    let b0 = gpu();
+    let b1 = CudaBackend::new(1).unwrap();
+    let (k0, k1) = (Kernels::load(&b0), Kernels::load(&b1));
+    let g = b0.granularity(Location::Device(0)).unwrap();
+    let s1 = b1.context().new_stream().unwrap();
+    let words = (2 * g / 4) as u64;
+    for round in 0..20u32 {
+        let mut buf = GrowableBuffer::new(
+            b0.clone(),
+            BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact),
+        )
+        .unwrap();
+        buf.add_peer(1).unwrap();
+        buf.grow_to(4 * g).unwrap();
+        k0.fill(buf.base() + 2 * g as u64, 0, words, round);
+        k0.stream.synchronize().unwrap();
+        // GPU 1 spins, then reads GPU 0's tail, through a view of its stream.
+        let bad = view_kernel(&k1, &buf, &s1, 2 * g, words, round, 5_000_000);
+        buf.truncate(g);
+        if round % 2 == 0 {
+            buf.shrink_to_fit().unwrap();
+        } else {
+            buf.shrink_to_fit_after(b0.fence(&k0.stream).unwrap())
+                .unwrap();
+            assert_eq!(
+                buf.capacity(),
+                4 * g,
+                "round {round}: GPU 1 still reads the tail"
+            );
+        }
+        s1.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: GPU 1's kernel died: {e:?}"));
+        assert_eq!(s1.clone_dtoh(&bad).unwrap()[0], 0, "round {round}");
+        buf.reclaim().unwrap();
+        assert_eq!(buf.capacity(), g);
+    }
+}
