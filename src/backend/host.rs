@@ -372,8 +372,8 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn fence_key(&self, _fence: &HostFence) -> u64 {
-        0
+    fn fence_key(&self, _fence: &HostFence) -> (u64, u64) {
+        (0, 0)
     }
 
     fn wait_copies(&self) -> Result<()> {

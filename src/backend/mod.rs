@@ -108,8 +108,9 @@ pub trait Backend: Send + Sync + 'static {
     fn wait(&self, fence: &Self::Fence) -> Result<()>;
 
     /// Which queue `fence` orders: of two fences with the same key, the later
-    /// one covers the earlier (CUDA: the stream).
-    fn fence_key(&self, fence: &Self::Fence) -> u64;
+    /// one covers the earlier (CUDA: the context and the stream; two
+    /// contexts' default streams share the null handle).
+    fn fence_key(&self, fence: &Self::Fence) -> (u64, u64);
 
     /// Blocks until the copies this backend issued itself ([`Backend::copy`])
     /// have finished.
@@ -149,7 +150,7 @@ pub trait Backend: Send + Sync + 'static {
 /// ever used the buffer.
 #[derive(Debug)]
 pub(crate) struct Uses<F> {
-    fences: parking_lot::Mutex<Vec<(u64, F)>>,
+    fences: parking_lot::Mutex<Vec<((u64, u64), F)>>,
 }
 
 impl<F> Default for Uses<F> {
@@ -163,7 +164,7 @@ impl<F> Default for Uses<F> {
 impl<F> Uses<F> {
     /// Records `fence` as the last use on queue `key`, replacing the one
     /// before it there.
-    pub(crate) fn put(&self, key: u64, fence: F) {
+    pub(crate) fn put(&self, key: (u64, u64), fence: F) {
         let mut v = self.fences.lock();
         match v.iter_mut().find(|(k, _)| *k == key) {
             Some(slot) => slot.1 = fence,
@@ -172,7 +173,7 @@ impl<F> Uses<F> {
     }
 
     /// Runs `f` on the fence recorded for `key`, if any: `true` if there was one.
-    pub(crate) fn update(&self, key: u64, f: impl FnOnce(&F) -> Result<()>) -> Result<bool> {
+    pub(crate) fn update(&self, key: (u64, u64), f: impl FnOnce(&F) -> Result<()>) -> Result<bool> {
         match self.fences.lock().iter().find(|(k, _)| *k == key) {
             Some((_, fence)) => f(fence).map(|()| true),
             None => Ok(false),

@@ -204,8 +204,8 @@ impl<B: Backend> Backend for FaultBackend<B> {
             )),
         }
     }
-    fn fence_key(&self, fence: &TestFence) -> u64 {
-        Arc::as_ptr(&fence.0) as u64
+    fn fence_key(&self, fence: &TestFence) -> (u64, u64) {
+        (Arc::as_ptr(&fence.0) as u64, 0)
     }
     fn wait_copies(&self) -> Result<()> {
         self.step("wait_copies", 0)?;

@@ -192,7 +192,7 @@ impl CudaBackend {
 /// A point in a CUDA stream (an event recorded on it), made by
 /// [`CudaBackend::fence`].
 #[derive(Debug)]
-pub struct CudaFence(CudaEvent, u64);
+pub struct CudaFence(CudaEvent, (u64, u64));
 
 impl CudaFence {
     /// The event behind the fence.
@@ -219,9 +219,10 @@ impl super::Uses<CudaFence> {
     }
 }
 
-/// The key of a stream's fences: its handle (unique among live streams).
-pub(crate) fn stream_key(stream: &CudaStream) -> u64 {
-    stream.cu_stream() as u64
+/// The key of a stream's fences: its context and its handle (unique among
+/// live streams; every context's default stream is the null handle).
+pub(crate) fn stream_key(stream: &CudaStream) -> (u64, u64) {
+    (stream.context().cu_ctx() as u64, stream.cu_stream() as u64)
 }
 
 /// A reserved range of the process's unified (GPU) address space: the
@@ -471,7 +472,7 @@ impl Backend for CudaBackend {
         driver::event_wait(&fence.0)
     }
 
-    fn fence_key(&self, fence: &CudaFence) -> u64 {
+    fn fence_key(&self, fence: &CudaFence) -> (u64, u64) {
         fence.1
     }
 
