@@ -4,15 +4,26 @@
 //! promise cudarc a valid device range, live here with the backend.
 //!
 //! # Stream order
-//! cudarc tracks reads and writes of its own `CudaSlice`s with events; it
-//! cannot do so for foreign types, so [`View`] and [`ViewMut`] record nothing
-//! and wait for nothing. Work on one stream is ordered by the stream. When
-//! several streams touch the same bytes, order them yourself: record an event
-//! on the producer (`let e = producer.record_event(None)?`) and make the
-//! consumer wait for it (`consumer.wait(&e)?`) before using the view there.
-//! Shrinking, trimming and dropping the buffer wait for the whole device
-//! (or for the fence given to
-//! [`shrink_to_fit_after`](crate::GrowableBuffer::shrink_to_fit_after)).
+//! A view is made for one stream. When it drops, it records an event on that
+//! stream as the buffer's last use there, so everything queued on it with
+//! the view (copies, kernels that took the view as an argument) is waited
+//! for before the buffer unmaps, migrates, changes access, reads back or
+//! drops those bytes: that stream's work, never the whole device.
+//!
+//! To use a view on another stream:
+//! - in a cudarc copy (`other.memcpy_dtoh(&view, ..)`): allowed; the copy
+//!   synchronises `other` once it is queued (the view cannot record there);
+//! - as a kernel argument on another stream: make a view for that stream
+//!   instead (`buf.view(&other, ..)`), or call
+//!   [`record_stream(&other)`](crate::GrowableBuffer::record_stream) after the
+//!   launch. A launch on a stream the buffer does not know of is not waited
+//!   for.
+//!
+//! Ordering *between* streams that share bytes is yours, as in CUDA: record
+//! an event on the producer and make the consumer wait for it. A peer GPU's
+//! stream is accepted once the buffer grants that GPU access
+//! ([`add_peer`](crate::GrowableBuffer::add_peer)); its uses are waited for
+//! the same way.
 #![allow(unsafe_code)]
 
 use std::marker::PhantomData;
