@@ -123,6 +123,18 @@ fn a_failed_apply_migration_policy_leaves_new_chunks_at_home() {
         .all(|c| c.placement == Location::Host));
 }
 
+/// A fault backend over the host and a buffer of four `G` chunks on it.
+fn four_chunks() -> (
+    Arc<FaultBackend<HostBackend>>,
+    GrowableBuffer<FaultBackend<HostBackend>>,
+) {
+    let fb = FaultBackend::new(host());
+    let desc = BufferDesc::new(64 * G).growth(GrowthPolicy::Exact);
+    let buf = GrowableBuffer::new(fb.clone(), desc).unwrap();
+    buf.grow_to(4 * G).unwrap();
+    (fb, buf)
+}
+
 /// No chunk the pool holds may be mapped anywhere: pooled bytes plus the
 /// buffer's mapped bytes must equal what the backend has mapped or held.
 fn assert_pool_holds_nothing_mapped(
@@ -208,13 +220,7 @@ fn a_migration_whose_undo_fails_poisons_and_never_pools_a_mapped_chunk() {
 /// Item 7: a deferred release that fails must change nothing, not leave a
 /// release pending behind an error.
 fn a_failed_deferred_release_changes_nothing() {
-    let fb = FaultBackend::new(host());
-    let mut buf = GrowableBuffer::new(
-        fb.clone(),
-        BufferDesc::new(64 * G).growth(GrowthPolicy::Exact),
-    )
-    .unwrap();
-    buf.grow_to(4 * G).unwrap();
+    let (fb, mut buf) = four_chunks();
     buf.truncate(G);
     // The fence has passed, so the release happens now: its unmap fails.
     fb.fail_every(Some("unmap"));
@@ -398,13 +404,7 @@ fn placement_ranges_stay_bounded_however_often_they_are_set() {
 /// Item 3: `shrink_to_fit_after` trusted the caller's fence; work recorded
 /// on another queue must pass too before the chunks go.
 fn a_deferred_release_waits_for_recorded_uses_not_only_its_fence() {
-    let fb = FaultBackend::new(host());
-    let mut buf = GrowableBuffer::new(
-        fb.clone(),
-        BufferDesc::new(64 * G).growth(GrowthPolicy::Exact),
-    )
-    .unwrap();
-    buf.grow_to(4 * G).unwrap();
+    let (fb, mut buf) = four_chunks();
     let busy = TestFence::default(); // work on "stream B", still running
     buf.record_use(busy.clone());
     buf.truncate(G);

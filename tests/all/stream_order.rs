@@ -27,28 +27,9 @@ fn a_deferred_release_waits_for_a_view_kernel_on_another_stream() {
     );
     let words = (2 * g / 4) as u64;
     for round in 0..100u32 {
-        let mut buf = GrowableBuffer::new(
-            b.clone(),
-            BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact),
-        )
-        .unwrap();
-        buf.grow_to(4 * g).unwrap();
-        k.fill(buf.base() + 2 * g as u64, 0, words, round);
-        k.stream.synchronize().unwrap();
-        let mut bad = s.alloc_zeros::<u32>(1).unwrap();
-        {
-            let tail = buf.view::<u32>(&s, 2 * g, words as usize).unwrap();
-            let mut l = s.launch_builder(&k.spin_check);
-            let (zero, spin) = (0u64, 5_000_000u64); // the last block spins 5 ms first
-            l.arg(&tail)
-                .arg(&zero)
-                .arg(&words)
-                .arg(&round)
-                .arg(&mut bad)
-                .arg(&spin);
-            // SAFETY (test code): reads `words` u32s of the view.
-            unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
-        }
+        let mut buf = tail_filled(&b, &k, g, round);
+        // The last block spins 5 ms, then reads the tail through a view.
+        let bad = view_kernel(&k, &buf, &s, 2 * g, words, round, 5_000_000);
         buf.truncate(g);
         buf.shrink_to_fit_after(b.fence(&a).unwrap()).unwrap();
         s.synchronize()
@@ -61,6 +42,24 @@ fn a_deferred_release_waits_for_a_view_kernel_on_another_stream() {
         buf.reclaim().unwrap();
         assert_eq!(buf.capacity(), g, "round {round}: released once B was done");
     }
+}
+
+/// A buffer of four `g` chunks whose last two hold `seed`'s pattern.
+fn tail_filled(
+    b: &std::sync::Arc<CudaBackend>,
+    k: &Kernels,
+    g: usize,
+    seed: u32,
+) -> GrowableBuffer<CudaBackend> {
+    let buf = GrowableBuffer::new(
+        b.clone(),
+        BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
+    buf.grow_to(4 * g).unwrap();
+    k.fill(buf.base() + 2 * g as u64, 0, (2 * g / 4) as u64, seed);
+    k.stream.synchronize().unwrap();
+    buf
 }
 
 /// Launches, on `s`, a kernel that spins `ns` then checks `words` u32s of
@@ -101,14 +100,7 @@ fn shrink_migrate_and_drop_wait_for_view_kernels_100_times() {
     let syncs = b.live().device_syncs;
     let words = (2 * g / 4) as u64;
     for round in 0..100u32 {
-        let mut buf = GrowableBuffer::new(
-            b.clone(),
-            BufferDesc::new(1 << 30).growth(GrowthPolicy::Exact),
-        )
-        .unwrap();
-        buf.grow_to(4 * g).unwrap();
-        k.fill(buf.base() + 2 * g as u64, 0, words, round);
-        k.stream.synchronize().unwrap();
+        let mut buf = tail_filled(&b, &k, g, round);
         let bad = view_kernel(&k, &buf, &s, 2 * g, words, round, 5_000_000);
         match round % 3 {
             0 => {
