@@ -169,9 +169,10 @@ fn reads_and_foreign_stream_copies_are_ordered() {
     buf.shrink_to_fit().unwrap();
 }
 
-/// With peer access, a copy on GPU 1's stream from GPU 0's buffer, through a
-/// view made for that stream, is in flight while the buffer shrinks: the
-/// release waits for GPU 1's recorded use.
+/// With peer access, a kernel and then a copy on GPU 1's stream read GPU 0's
+/// buffer through views made for that stream, still in flight (behind a
+/// 5 ms spin) while the buffer shrinks: the release waits for GPU 1's
+/// recorded use.
 fn a_peer_copy_in_flight_holds_off_the_release() {
     let b0 = gpu();
     let b1 = CudaBackend::new(1).unwrap();
@@ -189,8 +190,14 @@ fn a_peer_copy_in_flight_holds_off_the_release() {
         buf.grow_to(4 * g).unwrap();
         k0.fill(buf.base() + 2 * g as u64, 0, words, round);
         k0.stream.synchronize().unwrap();
-        // GPU 1 spins, then reads GPU 0's tail, through a view of its stream.
+        // GPU 1 spins, then reads GPU 0's tail, through a view of its stream;
+        // then a copy of the tail to GPU 1's memory, queued behind it.
         let bad = view_kernel(&k1, &buf, &s1, 2 * g, words, round, 5_000_000);
+        let mut copy = s1.alloc_zeros::<u32>(words as usize).unwrap();
+        {
+            let tail = buf.view::<u32>(&s1, 2 * g, words as usize).unwrap();
+            s1.memcpy_dtod(&tail, &mut copy).unwrap();
+        }
         buf.truncate(g);
         if round % 2 == 0 {
             buf.shrink_to_fit().unwrap();
@@ -206,6 +213,14 @@ fn a_peer_copy_in_flight_holds_off_the_release() {
         s1.synchronize()
             .unwrap_or_else(|e| panic!("round {round}: GPU 1's kernel died: {e:?}"));
         assert_eq!(s1.clone_dtoh(&bad).unwrap()[0], 0, "round {round}");
+        let copied = s1.clone_dtoh(&copy).unwrap();
+        assert!(
+            copied
+                .iter()
+                .enumerate()
+                .all(|(i, &v)| v == crate::cuda_only::pattern(i as u64, round)),
+            "round {round}: the peer copy read the tail intact"
+        );
         buf.reclaim().unwrap();
         assert_eq!(buf.capacity(), g);
     }
