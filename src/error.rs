@@ -48,6 +48,22 @@ pub enum Error {
         /// Bytes the failing step asked for.
         requested_bytes: usize,
     },
+    /// An arena could not serve a request after giving back every cached
+    /// chunk: the device is full, or the arena's budget or reservation is
+    /// spent. Existing allocations are untouched.
+    #[error(
+        "arena out of memory: {requested_bytes} bytes requested, {reserved_bytes} reserved by the arena, device free/total {free_bytes:?}/{total_bytes:?}"
+    )]
+    ArenaOutOfMemory {
+        /// Bytes asked for.
+        requested_bytes: usize,
+        /// Free bytes on the device, where the backend can tell.
+        free_bytes: Option<usize>,
+        /// Total bytes of the device, where the backend can tell.
+        total_bytes: Option<usize>,
+        /// Bytes the arena has mapped.
+        reserved_bytes: usize,
+    },
     /// The request can never fit in this buffer's reserved address range.
     /// Buffers never move; reserve more up front.
     #[error("{requested_bytes} bytes do not fit in the {reserved_bytes}-byte reservation")]
@@ -107,7 +123,10 @@ pub enum Error {
 impl Error {
     /// True for failures that may succeed on retry once memory is freed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, Error::OutOfMemory { .. })
+        matches!(
+            self,
+            Error::OutOfMemory { .. } | Error::ArenaOutOfMemory { .. }
+        )
     }
 
     pub(crate) fn invalid(msg: impl Into<String>) -> Self {

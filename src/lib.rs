@@ -58,6 +58,7 @@
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod arena;
 mod backend;
 mod buffer;
 mod error;
@@ -68,6 +69,10 @@ mod ranges;
 mod stats;
 mod table;
 
+pub use arena::{
+    Allocation, Arena, ArenaDesc, ArenaSnapshot, ArenaStats, ArenaStream, BlockInfo, HostStream,
+    StatValue,
+};
 pub use backend::cuda::interop::{Element, SliceRef, View, ViewMut};
 pub use backend::cuda::probe::{probe, DeviceProbe, Probe};
 pub use backend::cuda::{CudaBackend, CudaChunk, CudaFence, CudaReservation};

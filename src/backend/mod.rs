@@ -143,6 +143,11 @@ pub trait Backend: Send + Sync + 'static {
 
     /// What this backend has live now.
     fn live(&self) -> LiveCounts;
+
+    /// `(free, total)` bytes of the backend's device, where it can tell.
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        None
+    }
 }
 
 /// The last recorded use of a buffer per queue (stream): what must finish
@@ -186,6 +191,15 @@ impl<F> Uses<F> {
             .lock()
             .iter()
             .try_for_each(|(_, fence)| f(fence))
+    }
+
+    /// Every recorded fence, taken out.
+    pub(crate) fn into_fences(self) -> Vec<F> {
+        self.fences
+            .into_inner()
+            .into_iter()
+            .map(|(_, f)| f)
+            .collect()
     }
 
     /// True if `done` says so of every recorded fence.

@@ -559,4 +559,8 @@ impl Backend for CudaBackend {
     fn live(&self) -> LiveCounts {
         self.counters.get()
     }
+
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        self.mem_info().ok()
+    }
 }

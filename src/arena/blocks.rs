@@ -1,0 +1,356 @@
+//! The arena's free blocks: pure, safe bookkeeping of the free bytes inside
+//! mapped memory, with best-fit search and stream-ordered reuse.
+//!
+//! A block freed on stream S carries S's key and the fences recorded when it
+//! was freed. S may reuse it at once (its later work is queued after the
+//! free); any other stream only once every fence has passed ("settled").
+//! Adjacent free blocks merge when both are settled, or both belong to the
+//! same stream. Generic over the fence type, so it is tested with plain
+//! values.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A stream's key: (context, stream handle) for CUDA.
+pub(crate) type StreamKey = (u64, u64);
+
+/// One free block.
+#[derive(Debug)]
+pub(crate) struct Free<F> {
+    pub(crate) size: usize,
+    /// The one stream that may reuse it before its fences pass; `None` when
+    /// settled, or when several streams used it (then none may).
+    pub(crate) stream: Option<StreamKey>,
+    /// What must pass before another stream may reuse it.
+    pub(crate) fences: Vec<F>,
+}
+
+impl<F> Free<F> {
+    pub(crate) fn settled(&self) -> bool {
+        self.fences.is_empty()
+    }
+
+    /// May `key`'s stream take this block now?
+    fn usable_by(&self, key: StreamKey) -> bool {
+        self.settled() || self.stream == Some(key)
+    }
+
+    fn mergeable(&self, other: &Free<F>) -> bool {
+        (self.settled() && other.settled())
+            || (self.stream.is_some() && self.stream == other.stream)
+    }
+}
+
+/// The free blocks, by offset and by size.
+#[derive(Debug)]
+pub(crate) struct Blocks<F> {
+    by_offset: BTreeMap<usize, Free<F>>,
+    by_size: BTreeSet<(usize, usize)>,
+    free_bytes: usize,
+}
+
+impl<F> Default for Blocks<F> {
+    fn default() -> Self {
+        Self {
+            by_offset: BTreeMap::new(),
+            by_size: BTreeSet::new(),
+            free_bytes: 0,
+        }
+    }
+}
+
+impl<F> Blocks<F> {
+    pub(crate) fn free_bytes(&self) -> usize {
+        self.free_bytes
+    }
+
+    /// The largest free block's size (0 without any).
+    pub(crate) fn largest(&self) -> usize {
+        self.by_size.last().map_or(0, |&(s, _)| s)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (usize, &Free<F>)> + '_ {
+        self.by_offset.iter().map(|(&o, f)| (o, f))
+    }
+
+    /// True if one free block (a settled one, with `settled`) covers
+    /// `[offset, offset + size)`.
+    pub(crate) fn covers(&self, offset: usize, size: usize, settled: bool) -> bool {
+        self.by_offset
+            .range(..=offset)
+            .next_back()
+            .is_some_and(|(&o, f)| o + f.size >= offset + size && (!settled || f.settled()))
+    }
+
+    /// The free block that ends exactly at `end`, if any.
+    pub(crate) fn ending_at(&self, end: usize) -> Option<(usize, &Free<F>)> {
+        self.by_offset
+            .range(..end)
+            .next_back()
+            .filter(|(&o, f)| o + f.size == end)
+            .map(|(&o, f)| (o, f))
+    }
+
+    fn unlink(&mut self, offset: usize) -> Option<Free<F>> {
+        let f = self.by_offset.remove(&offset)?;
+        self.by_size.remove(&(f.size, offset));
+        self.free_bytes -= f.size;
+        Some(f)
+    }
+
+    fn link(&mut self, offset: usize, f: Free<F>) {
+        self.by_size.insert((f.size, offset));
+        self.free_bytes += f.size;
+        self.by_offset.insert(offset, f);
+    }
+
+    /// Adds a free block (not overlapping any), merging it with mergeable
+    /// neighbours that touch it.
+    pub(crate) fn insert(&mut self, mut offset: usize, mut f: Free<F>) {
+        debug_assert!(f.size > 0);
+        if let Some((lo, left)) = self.ending_at(offset) {
+            if left.mergeable(&f) {
+                let left = self.unlink(lo).expect("just found");
+                offset = lo;
+                f = merge(left, f);
+            }
+        }
+        let end = offset + f.size;
+        if self.by_offset.get(&end).is_some_and(|r| f.mergeable(r)) {
+            let right = self.unlink(end).expect("just found");
+            f = merge(f, right);
+        }
+        self.link(offset, f);
+    }
+
+    /// The best-fitting block of at least `size` bytes that stream `key` may
+    /// use now; taken out, its remainder (past `size`) kept free.
+    pub(crate) fn take(&mut self, size: usize, key: StreamKey) -> Option<usize> {
+        let offset = self
+            .by_size
+            .range((size, 0)..)
+            .map(|&(_, o)| o)
+            .find(|o| self.by_offset[o].usable_by(key))?;
+        let f = self.unlink(offset).expect("indexed");
+        if f.size > size {
+            let rest = Free {
+                size: f.size - size,
+                stream: f.stream,
+                fences: f.fences,
+            };
+            self.link(offset + size, rest);
+        }
+        Some(offset)
+    }
+
+    /// Marks every block whose fences `done` says have passed as settled,
+    /// and merges settled neighbours. Returns how many settled.
+    pub(crate) fn settle(&mut self, mut done: impl FnMut(&F) -> bool) -> usize {
+        let ready: Vec<usize> = self
+            .by_offset
+            .iter()
+            .filter(|(_, f)| !f.settled() && f.fences.iter().all(&mut done))
+            .map(|(&o, _)| o)
+            .collect();
+        for &o in &ready {
+            let mut f = self.unlink(o).expect("listed");
+            f.fences.clear();
+            f.stream = None;
+            self.insert(o, f);
+        }
+        ready.len()
+    }
+
+    /// Removes `[offset, offset + size)` from the free space: it must lie
+    /// within one settled block (the caller unmaps it). Returns false, and
+    /// changes nothing, otherwise.
+    pub(crate) fn carve(&mut self, offset: usize, size: usize) -> bool {
+        let Some((&o, f)) = self.by_offset.range(..=offset).next_back() else {
+            return false;
+        };
+        if !f.settled() || o + f.size < offset + size {
+            return false;
+        }
+        let f = self.unlink(o).expect("found");
+        if offset > o {
+            self.link(
+                o,
+                Free {
+                    size: offset - o,
+                    stream: None,
+                    fences: Vec::new(),
+                },
+            );
+        }
+        let end = offset + size;
+        if o + f.size > end {
+            self.link(
+                end,
+                Free {
+                    size: o + f.size - end,
+                    stream: None,
+                    fences: Vec::new(),
+                },
+            );
+        }
+        true
+    }
+
+    /// Checks the indexes agree and no blocks overlap or could have merged.
+    #[cfg(test)]
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let mut end = 0;
+        let mut total = 0;
+        let mut prev: Option<(usize, &Free<F>)> = None;
+        for (&o, f) in &self.by_offset {
+            if o < end || f.size == 0 {
+                return Err(format!("block at {o:#x} overlaps or is empty"));
+            }
+            if !self.by_size.contains(&(f.size, o)) {
+                return Err(format!("block at {o:#x} missing from the size index"));
+            }
+            if let Some((po, p)) = prev {
+                if po + p.size == o && p.mergeable(f) {
+                    return Err(format!("blocks at {po:#x} and {o:#x} should have merged"));
+                }
+            }
+            end = o + f.size;
+            total += f.size;
+            prev = Some((o, f));
+        }
+        if self.by_size.len() != self.by_offset.len() || total != self.free_bytes {
+            return Err("index sizes or the byte count disagree".into());
+        }
+        Ok(())
+    }
+}
+
+fn merge<F>(mut a: Free<F>, b: Free<F>) -> Free<F> {
+    a.size += b.size;
+    a.fences.extend(b.fences);
+    if a.fences.is_empty() {
+        a.stream = None;
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const S1: StreamKey = (1, 1);
+    const S2: StreamKey = (1, 2);
+
+    fn settled(size: usize) -> Free<u32> {
+        Free {
+            size,
+            stream: None,
+            fences: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn best_fit_split_merge_and_streams() {
+        let mut b = Blocks::<u32>::default();
+        b.insert(0, settled(100));
+        b.insert(200, settled(50));
+        b.check().unwrap();
+        assert_eq!(b.take(40, S1), Some(200), "best fit, not first fit");
+        assert_eq!(b.take(10, S1), Some(240));
+        b.insert(
+            200,
+            Free {
+                size: 50,
+                stream: Some(S1),
+                fences: vec![7],
+            },
+        );
+        b.check().unwrap();
+        assert_eq!(b.take(50, S2), Some(0), "S1's pending block is not S2's");
+        assert_eq!(b.take(50, S2), Some(50), "the settled rest is");
+        assert_eq!(b.take(50, S2), None, "only S1's pending block is left");
+        assert_eq!(b.take(50, S1), Some(200), "S1 reuses its own at once");
+        b.insert(
+            200,
+            Free {
+                size: 50,
+                stream: Some(S1),
+                fences: vec![8],
+            },
+        );
+        assert_eq!(b.settle(|&f| f == 8), 1);
+        assert_eq!(b.take(40, S2), Some(200), "settled: anyone's");
+        b.check().unwrap();
+        b.insert(0, settled(50));
+        assert!(b.carve(10, 20), "inside a settled block");
+        assert!(!b.carve(240, 20), "partly outside a block");
+        b.check().unwrap();
+        assert_eq!(b.free_bytes(), 10 + 20 + 10);
+    }
+
+    /// Free/alloc sequences against a byte model: blocks never overlap,
+    /// never cover an allocated byte, merge whenever they can, and a stream
+    /// never gets another stream's unsettled block.
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc(usize, bool),
+        Free(usize, bool, bool),
+        Settle,
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn blocks_match_a_byte_model(ops in prop::collection::vec(prop_oneof![
+            3 => (1..64usize, any::<bool>()).prop_map(|(n, s)| Op::Alloc(n * 16, s)),
+            3 => (0..32usize, any::<bool>(), any::<bool>()).prop_map(|(i, s, p)| Op::Free(i, s, p)),
+            1 => Just(Op::Settle),
+        ], 1..80)) {
+            const SPACE: usize = 4096;
+            let mut b = Blocks::<u32>::default();
+            b.insert(0, settled(SPACE));
+            // byte -> None free settled / Some(stream) pending on it / allocated marker
+            let mut owner: Vec<Option<u8>> = vec![None; SPACE];
+            let mut live: Vec<(usize, usize)> = Vec::new();
+            let key = |s: bool| if s { S1 } else { S2 };
+            for op in ops {
+                match op {
+                    Op::Alloc(n, s) => {
+                        if let Some(at) = b.take(n, key(s)) {
+                            for x in &mut owner[at..at + n] {
+                                prop_assert!(x.is_none_or(|o| o == s as u8), "took another stream's pending bytes");
+                                *x = Some(9);
+                            }
+                            live.push((at, n));
+                        }
+                    }
+                    Op::Free(i, s, p) => {
+                        if !live.is_empty() {
+                            let (at, n) = live.swap_remove(i % live.len());
+                            let fences = if p { vec![1] } else { Vec::new() };
+                            let stream = if p { Some(key(s)) } else { None };
+                            for x in &mut owner[at..at + n] {
+                                *x = if p { Some(s as u8) } else { None };
+                            }
+                            b.insert(at, Free { size: n, stream, fences });
+                        }
+                    }
+                    Op::Settle => {
+                        b.settle(|_| true);
+                        for x in owner.iter_mut().filter(|x| **x != Some(9)) {
+                            *x = None;
+                        }
+                    }
+                }
+                b.check().map_err(TestCaseError::fail)?;
+                let allocated: usize = live.iter().map(|l| l.1).sum();
+                prop_assert_eq!(b.free_bytes() + allocated, SPACE);
+                for (o, f) in b.iter() {
+                    for x in &owner[o..o + f.size] {
+                        prop_assert!(*x != Some(9), "a free block covers allocated bytes");
+                    }
+                }
+            }
+        }
+    }
+}
