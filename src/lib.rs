@@ -70,8 +70,8 @@ mod stats;
 mod table;
 
 pub use arena::{
-    Allocation, Arena, ArenaDesc, ArenaSnapshot, ArenaStats, ArenaStream, BlockInfo, HostStream,
-    StatValue,
+    parse_trace, replay_trace, Allocation, Arena, ArenaDesc, ArenaSnapshot, ArenaStats,
+    ArenaStream, BlockInfo, HostStream, ReplayReport, StatValue, TraceEvent, TRACE_HEADER,
 };
 pub use backend::cuda::interop::{Element, SliceRef, View, ViewMut};
 pub use backend::cuda::probe::{probe, DeviceProbe, Probe};

@@ -4,6 +4,7 @@
 //! backend everywhere and against CUDA where there is a GPU;
 //! `VMMBUF_REQUIRE_GPU=1` makes GPU tests run (and fail) without one.
 
+mod arena;
 mod bad_input;
 mod common;
 mod cuda_only;
@@ -32,6 +33,7 @@ fn main() {
         }
     }
     let trials = [
+        arena::trials(),
         bad_input::trials(),
         cuda_only::trials(),
         faults::trials(),

@@ -1,0 +1,79 @@
+//! Replays an allocation trace through an `Arena` and prints what it
+//! reserved against what was allocated. On the GPU if there is one (CUDA
+//! streams stand for the trace's streams), else on the host backend with
+//! CUDA's 2 MiB granularity; it says which.
+//!
+//!     cargo run --release --example replay -- traces/torch-transformer-h100.csv.gz
+//!
+//! The trace in the repository was recorded from a PyTorch training run on
+//! an H100 (scripts/torch_trace.py).
+
+use std::io::BufReader;
+use std::sync::Arc;
+
+use vmmbuf::{parse_trace, replay_trace, Arena, ArenaDesc, CudaBackend, HostBackend, HostStream};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let path = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "traces/torch-transformer-h100.csv.gz".into());
+    let file = std::fs::File::open(&path)?;
+    let events = if path.ends_with(".gz") {
+        parse_trace(BufReader::new(flate2::read::GzDecoder::new(file)))?
+    } else {
+        parse_trace(BufReader::new(file))?
+    };
+    let chunk_mib: usize = std::env::var("VMMBUF_CHUNK_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let desc = ArenaDesc::new(256 << 30).max_chunk_bytes(chunk_mib << 20);
+    let started = std::time::Instant::now();
+    let (where_, report, stats) = match CudaBackend::new(0) {
+        Ok(gpu) => {
+            let arena: Arena<CudaBackend, Arc<cudarc::driver::CudaStream>> =
+                Arena::new(gpu.clone(), desc)?;
+            let ctx = gpu.context().clone();
+            let report = replay_trace(&arena, &events, |_| ctx.new_stream().unwrap())?;
+            ("CUDA VMM on GPU 0".to_string(), report, arena.stats())
+        }
+        Err(e) => {
+            raise_fd_limit();
+            let host = HostBackend::with_granularity(2 << 20)?;
+            let arena: Arena<HostBackend, HostStream> = Arena::new(host, desc)?;
+            let report = replay_trace(&arena, &events, HostStream)?;
+            (
+                format!("the host backend (no GPU: {e})"),
+                report,
+                arena.stats(),
+            )
+        }
+    };
+    println!(
+        "replayed {} events of {path} on {where_} in {:.2} s",
+        report.events,
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "peak allocated {:.1} MiB, peak reserved (mapped + pooled) {:.1} MiB: {:.4}x; unmatched events {}",
+        report.peak_allocated_bytes as f64 / (1 << 20) as f64,
+        report.peak_reserved_bytes as f64 / (1 << 20) as f64,
+        report.overhead(),
+        report.unmatched
+    );
+    print!("{stats}");
+    Ok(())
+}
+
+/// Host chunks are memfds: lift the soft descriptor limit to the hard one.
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let l = getrlimit(Resource::Nofile);
+    let _ = setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: l.maximum,
+            maximum: l.maximum,
+        },
+    );
+}

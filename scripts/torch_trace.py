@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Record the allocations of a real PyTorch training run and write them as a
+vmmbuf trace (CSV: op,id,bytes,stream,time_us), for replay through an Arena.
+
+    python3 scripts/torch_trace.py OUT.csv.gz [--steps N]
+
+The workload is PyTorch's own nn.TransformerEncoder trained with AdamW on
+random sequence lengths (fixed seed), the case where PyTorch's native caching
+allocator fragments. torch.cuda.memory._record_memory_history records every
+alloc and free; _snapshot() hands them over. Frees are taken when requested
+(free_requested), falling back to free_completed; the arena keeps stream
+order itself. PyTorch's own peaks are printed for reference.
+"""
+import argparse
+import gzip
+import random
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    random.seed(0)
+    dev = torch.device("cuda")
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    d = 512
+    layer = torch.nn.TransformerEncoderLayer(d, 8, 2048, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 6).to(dev)
+    head = torch.nn.Linear(d, 1000).to(dev)
+    opt = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=1e-4)
+    for step in range(args.steps):
+        seq = random.randint(32, 512)
+        batch = random.choice([16, 24, 32])
+        x = torch.randn(batch, seq, d, device=dev)
+        y = torch.randint(0, 1000, (batch, seq), device=dev)
+        out = head(model(x))
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, 1000), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 10 == 0:
+            print(f"step {step}: seq {seq} batch {batch} loss {loss.item():.4f}", flush=True)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snap["device_traces"][0]
+    ids, freed, n_alloc, n_free = {}, set(), 0, 0
+    next_id = 0
+    with gzip.open(args.out, "wt") as f:
+        f.write("op,id,bytes,stream,time_us\n")
+        for e in traces:
+            a = e["action"]
+            if a == "alloc":
+                next_id += 1
+                ids[e["addr"]] = next_id
+                f.write(f"alloc,{next_id},{e['size']},{e.get('stream', 0)},{e.get('time_us', 0)}\n")
+                n_alloc += 1
+            elif a in ("free_requested", "free_completed"):
+                i = ids.get(e["addr"])
+                if i is None or i in freed:
+                    continue
+                freed.add(i)
+                f.write(f"free,{i},{e['size']},{e.get('stream', 0)},{e.get('time_us', 0)}\n")
+                n_free += 1
+    print(f"trace: {n_alloc} allocs, {n_free} frees, {len(traces)} history entries")
+    print(f"torch peaks: allocated {torch.cuda.max_memory_allocated()} reserved {torch.cuda.max_memory_reserved()}")
+
+
+if __name__ == "__main__":
+    main()
