@@ -71,7 +71,8 @@ mod table;
 
 pub use arena::{
     parse_trace, replay_trace, Allocation, Arena, ArenaDesc, ArenaSnapshot, ArenaStats,
-    ArenaStream, BlockInfo, HostStream, ReplayReport, StatValue, TraceEvent, TRACE_HEADER,
+    ArenaStream, BlockInfo, CudaAllocation, HostStream, ReplayReport, StatValue, TraceEvent,
+    TRACE_HEADER,
 };
 pub use backend::cuda::interop::{Element, SliceRef, View, ViewMut};
 pub use backend::cuda::probe::{probe, DeviceProbe, Probe};

@@ -105,6 +105,26 @@ impl Raw {
         });
     }
 
+    /// Makes the device's default pool keep freed memory (release threshold
+    /// at its maximum), as PyTorch and JAX keep theirs: the warm-pool
+    /// baseline a user would pick for `cuMemAllocAsync`.
+    pub fn keep_pool_memory(&self) {
+        let (mut pool, dev) = (std::ptr::null_mut(), self.backend.device() as i32);
+        // SAFETY: valid out-pointer and device ordinal; a context is bound.
+        ok("cuDeviceGetDefaultMemPool", unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, dev)
+        });
+        let mut max = u64::MAX;
+        // SAFETY: the attribute takes a u64 threshold; `max` outlives the call.
+        ok("cuMemPoolSetAttribute", unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut max as *mut u64).cast(),
+            )
+        });
+    }
+
     pub fn alloc_async(&self, bytes: usize) -> u64 {
         let mut p = 0;
         // SAFETY: valid out-pointer; the stream lives as long as self.

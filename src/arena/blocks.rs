@@ -20,8 +20,9 @@ pub(crate) struct Free<F> {
     /// The one stream that may reuse it before its fences pass; `None` when
     /// settled, or when several streams used it (then none may).
     pub(crate) stream: Option<StreamKey>,
-    /// What must pass before another stream may reuse it.
-    pub(crate) fences: Vec<F>,
+    /// What must pass before another stream may reuse it: at most one
+    /// fence per stream (a later fence on a stream covers an earlier one).
+    pub(crate) fences: Vec<(StreamKey, F)>,
 }
 
 impl<F> Free<F> {
@@ -148,7 +149,7 @@ impl<F> Blocks<F> {
         let ready: Vec<usize> = self
             .by_offset
             .iter()
-            .filter(|(_, f)| !f.settled() && f.fences.iter().all(&mut done))
+            .filter(|(_, f)| !f.settled() && f.fences.iter().all(|(_, x)| done(x)))
             .map(|(&o, _)| o)
             .collect();
         for &o in &ready {
@@ -224,9 +225,15 @@ impl<F> Blocks<F> {
     }
 }
 
+/// `a` and `b` (freed later) as one block: one fence per stream, the later.
 fn merge<F>(mut a: Free<F>, b: Free<F>) -> Free<F> {
     a.size += b.size;
-    a.fences.extend(b.fences);
+    for (key, fence) in b.fences {
+        match a.fences.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = fence,
+            None => a.fences.push((key, fence)),
+        }
+    }
     if a.fences.is_empty() {
         a.stream = None;
     }
@@ -250,6 +257,28 @@ mod tests {
     }
 
     #[test]
+    fn merged_blocks_keep_one_fence_per_stream() {
+        let mut b = Blocks::<u32>::default();
+        for i in 0..1000 {
+            b.insert(
+                i * 16,
+                Free {
+                    size: 16,
+                    stream: Some(S1),
+                    fences: vec![(S1, i as u32)],
+                },
+            );
+        }
+        let (o, f) = b.iter().next().unwrap();
+        assert_eq!((o, f.size, b.iter().count()), (0, 16_000, 1));
+        assert_eq!(
+            f.fences,
+            vec![(S1, 999)],
+            "the latest fence covers the rest"
+        );
+    }
+
+    #[test]
     fn best_fit_split_merge_and_streams() {
         let mut b = Blocks::<u32>::default();
         b.insert(0, settled(100));
@@ -262,7 +291,7 @@ mod tests {
             Free {
                 size: 50,
                 stream: Some(S1),
-                fences: vec![7],
+                fences: vec![(S1, 7)],
             },
         );
         b.check().unwrap();
@@ -275,7 +304,7 @@ mod tests {
             Free {
                 size: 50,
                 stream: Some(S1),
-                fences: vec![8],
+                fences: vec![(S1, 8)],
             },
         );
         assert_eq!(b.settle(|&f| f == 8), 1);
@@ -327,7 +356,7 @@ mod tests {
                     Op::Free(i, s, p) => {
                         if !live.is_empty() {
                             let (at, n) = live.swap_remove(i % live.len());
-                            let fences = if p { vec![1] } else { Vec::new() };
+                            let fences = if p { vec![(key(s), 1)] } else { Vec::new() };
                             let stream = if p { Some(key(s)) } else { None };
                             for x in &mut owner[at..at + n] {
                                 *x = if p { Some(s as u8) } else { None };

@@ -3,7 +3,10 @@
 #![allow(clippy::new_ret_no_self)]
 
 mod blocks;
+mod cuda_view;
 mod trace;
+
+pub use cuda_view::CudaAllocation;
 
 pub use trace::{parse_trace, replay_trace, ReplayReport, TraceEvent, TRACE_HEADER};
 
@@ -854,7 +857,7 @@ impl<B: Backend> Drop for Shared<B> {
         let st = self.state.get_mut();
         let backend = &*self.backend;
         for (_, f) in st.free_blocks() {
-            for fence in &f.fences {
+            for (_, fence) in &f.fences {
                 let _ = backend.wait(fence);
             }
         }
@@ -976,7 +979,7 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         let mut ok = true;
         for s in std::iter::once(&self.stream).chain(self.extra.get_mut().iter()) {
             match s.fence(backend) {
-                Ok(f) => fences.push(f),
+                Ok(f) => fences.push((s.key(), f)),
                 Err(e) => {
                     tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
                     ok = false;

@@ -193,13 +193,9 @@ impl<F> Uses<F> {
             .try_for_each(|(_, fence)| f(fence))
     }
 
-    /// Every recorded fence, taken out.
-    pub(crate) fn into_fences(self) -> Vec<F> {
-        self.fences
-            .into_inner()
-            .into_iter()
-            .map(|(_, f)| f)
-            .collect()
+    /// Every recorded fence with its queue's key, taken out.
+    pub(crate) fn into_fences(self) -> Vec<((u64, u64), F)> {
+        self.fences.into_inner()
     }
 
     /// True if `done` says so of every recorded fence.

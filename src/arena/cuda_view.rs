@@ -1,0 +1,52 @@
+//! cudarc views of CUDA arena allocations: the same [`View`] and [`ViewMut`]
+//! types as for buffers, bound to the allocation's stream (or another one),
+//! recording their use there when they drop; the allocation's free waits for
+//! it.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+
+use super::Allocation;
+use crate::backend::cuda::interop::{Element, View, ViewMut};
+use crate::error::{Error, Result};
+use crate::CudaBackend;
+
+/// An allocation of a CUDA arena.
+pub type CudaAllocation = Allocation<CudaBackend, Arc<CudaStream>>;
+
+impl Allocation<CudaBackend, Arc<CudaStream>> {
+    /// The allocation as `len()/size_of::<T>()` elements of `T`, for cudarc
+    /// copies and kernel arguments on `stream` (its own stream, or another
+    /// of the same device or of a peer the arena's memory is shared with).
+    pub fn view<T: Element>(&self, stream: &Arc<CudaStream>) -> Result<View<'_, T>> {
+        Ok(View::new(
+            self.address(),
+            self.elements::<T>()?,
+            stream.clone(),
+            &self.uses,
+        ))
+    }
+
+    /// A mutable view; see [`view`](Self::view). `&mut self`: one writer at
+    /// a time per allocation, any number of allocations at once.
+    pub fn view_mut<T: Element>(&mut self, stream: &Arc<CudaStream>) -> Result<ViewMut<'_, T>> {
+        let n = self.elements::<T>()?;
+        Ok(ViewMut::new(self.address(), n, stream.clone(), &self.uses))
+    }
+
+    fn elements<T>(&self) -> Result<usize> {
+        let size = std::mem::size_of::<T>();
+        if size == 0
+            || !self
+                .address()
+                .is_multiple_of(std::mem::align_of::<T>() as u64)
+        {
+            return Err(Error::invalid(format!(
+                "{} does not fit the allocation's alignment",
+                std::any::type_name::<T>()
+            )));
+        }
+        Ok(self.len() / size)
+    }
+}
