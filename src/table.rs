@@ -119,6 +119,11 @@ impl<C> ChunkTable<C> {
         self.len
     }
 
+    /// Bytes mapped (constant time).
+    pub(crate) fn mapped_bytes(&self) -> usize {
+        self.mapped_bytes
+    }
+
     pub(crate) fn chunk_count(&self) -> usize {
         self.entries.len()
     }

@@ -569,7 +569,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let st = self.shared.state.lock();
         (
             st.allocated,
-            st.table.stats().mapped_bytes + self.shared.pool.stats().pooled_bytes,
+            st.table.mapped_bytes() + self.shared.pool.stats().pooled_bytes,
         )
     }
 
@@ -695,9 +695,9 @@ impl<B: Backend> Shared<B> {
                 requested_bytes: size,
                 free_bytes: None,
                 total_bytes: None,
-                reserved_bytes: st.table.stats().mapped_bytes,
+                reserved_bytes: st.table.mapped_bytes(),
             })?;
-        let mapped = st.table.stats().mapped_bytes;
+        let mapped = st.table.mapped_bytes();
         if self.budget.is_some_and(|budget| mapped + need > budget) {
             return Err(Error::ArenaOutOfMemory {
                 requested_bytes: size,
@@ -801,14 +801,14 @@ impl<B: Backend> Shared<B> {
             requested_bytes: requested,
             free_bytes: info.map(|i| i.0),
             total_bytes: info.map(|i| i.1),
-            reserved_bytes: st.table.stats().mapped_bytes,
+            reserved_bytes: st.table.mapped_bytes(),
         }
     }
 
     /// Updates the counters every operation keeps (constant time).
     fn count(&self, st: &mut State<B>) {
         let (allocated, requested) = (st.allocated, st.requested);
-        let mapped = st.table.stats().mapped_bytes;
+        let mapped = st.table.mapped_bytes();
         let s = &mut st.stats;
         s.allocated_bytes.set(allocated);
         s.requested_bytes.set(requested);
@@ -820,7 +820,7 @@ impl<B: Backend> Shared<B> {
     /// counters were read).
     fn refresh(&self, st: &mut State<B>) {
         self.count(st);
-        let (allocated, mapped) = (st.allocated, st.table.stats().mapped_bytes);
+        let (allocated, mapped) = (st.allocated, st.table.mapped_bytes());
         let pending: usize = st
             .free_blocks()
             .filter(|(_, f)| !f.settled())

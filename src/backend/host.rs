@@ -148,7 +148,7 @@ impl Drop for HostReservation {
         for (_, e) in self.table.iter() {
             e.chunk.store(false, Ordering::SeqCst);
         }
-        let mapped = self.table.stats().mapped_bytes;
+        let mapped = self.table.mapped_bytes();
         let bytes = self.table.reserved();
         self.counters.update(|c| {
             c.reservations -= 1;

@@ -39,6 +39,8 @@ pub struct CudaBackend {
     host_numa: Option<i32>,
     /// Where the backend's own copies (migration) are ordered.
     stream: Arc<CudaStream>,
+    /// Events of dropped fences, recorded again by the next ones.
+    spare_events: Arc<Mutex<Vec<CudaEvent>>>,
     counters: Arc<Counters>,
 }
 
@@ -84,6 +86,7 @@ impl CudaBackend {
             device,
             device_count: driver::device_count()?,
             granularity: Mutex::default(),
+            spare_events: Arc::default(),
             host_numa,
             counters: Arc::default(),
         };
@@ -123,7 +126,27 @@ impl CudaBackend {
     /// [`GrowableBuffer::shrink_to_fit_after`](crate::GrowableBuffer::shrink_to_fit_after)
     /// once the last work that uses the bytes being given back is on `stream`.
     pub fn fence(&self, stream: &CudaStream) -> Result<CudaFence> {
-        driver::record_event(stream).map(|e| CudaFence(e, stream_key(stream)))
+        // A recycled event of this context if there is one: creating and
+        // destroying an event per fence costs more than the fence.
+        let spare = {
+            let mut spares = self.spare_events.lock();
+            let at = spares
+                .iter()
+                .position(|e| e.context().cu_ctx() == stream.context().cu_ctx());
+            at.map(|i| spares.swap_remove(i))
+        };
+        let event = match spare {
+            Some(e) => {
+                driver::event_record(&e, stream)?;
+                e
+            }
+            None => driver::record_event(stream)?,
+        };
+        Ok(CudaFence {
+            event: Some(event),
+            key: stream_key(stream),
+            spares: Arc::downgrade(&self.spare_events),
+        })
     }
 
     fn check_location(&self, l: Location) -> Result<()> {
@@ -192,18 +215,37 @@ impl CudaBackend {
 /// A point in a CUDA stream (an event recorded on it), made by
 /// [`CudaBackend::fence`].
 #[derive(Debug)]
-pub struct CudaFence(CudaEvent, (u64, u64));
+pub struct CudaFence {
+    /// `None` only while dropping.
+    event: Option<CudaEvent>,
+    key: (u64, u64),
+    spares: std::sync::Weak<Mutex<Vec<CudaEvent>>>,
+}
+
+impl Drop for CudaFence {
+    fn drop(&mut self) {
+        // Back to the backend for the next fence (at most a few hundred kept).
+        if let (Some(e), Some(spares)) = (self.event.take(), self.spares.upgrade()) {
+            let mut v = spares.lock();
+            if v.len() < 256 {
+                v.push(e);
+            }
+        }
+    }
+}
 
 impl CudaFence {
     /// The event behind the fence.
     pub fn event(&self) -> &CudaEvent {
-        &self.0
+        self.event
+            .as_ref()
+            .expect("a fence has its event until it drops")
     }
 
     /// Records the fence again, now, on `stream` (its own stream): one event
     /// per stream serves every later use.
     pub(crate) fn rerecord(&self, stream: &CudaStream) -> Result<()> {
-        driver::event_record(&self.0, stream)
+        driver::event_record(self.event(), stream)
     }
 }
 
@@ -213,7 +255,14 @@ impl super::Uses<CudaFence> {
     pub(crate) fn record_stream(&self, stream: &CudaStream) -> Result<()> {
         let key = stream_key(stream);
         if !self.update(key, |f| f.rerecord(stream))? {
-            self.put(key, CudaFence(driver::record_event(stream)?, key));
+            self.put(
+                key,
+                CudaFence {
+                    event: Some(driver::record_event(stream)?),
+                    key,
+                    spares: std::sync::Weak::new(),
+                },
+            );
         }
         Ok(())
     }
@@ -469,11 +518,11 @@ impl Backend for CudaBackend {
     }
 
     fn wait(&self, fence: &CudaFence) -> Result<()> {
-        driver::event_wait(&fence.0)
+        driver::event_wait(fence.event())
     }
 
     fn fence_key(&self, fence: &CudaFence) -> (u64, u64) {
-        fence.1
+        fence.key
     }
 
     fn wait_copies(&self) -> Result<()> {
@@ -520,7 +569,7 @@ impl Backend for CudaBackend {
     }
 
     fn fence_done(&self, fence: &CudaFence) -> Result<bool> {
-        driver::event_done(&fence.0)
+        driver::event_done(fence.event())
     }
 
     fn read(&self, res: &CudaReservation, offset: usize, dst: &mut [u8]) -> Result<()> {
