@@ -16,7 +16,7 @@ use crate::common::gpu;
 use crate::cuda_only::{pattern, Kernels};
 
 crate::register! {
-    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak],
+    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena],
     gpu: [cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu],
 }
 
@@ -189,5 +189,31 @@ fn the_pytorch_trace_on_the_gpu() {
         free_before - free_after <= 2 << 20,
         "every byte back to the driver: {} short",
         free_before - free_after
+    );
+}
+
+/// `Allocation` is what a tensor stores: `Send + Sync`, no borrow of the
+/// arena, which it keeps alive.
+fn allocations_are_send_and_sync_and_hold_the_arena() {
+    fn check<T: Send + Sync + 'static>() {}
+    check::<vmmbuf::Allocation<HostBackend, HostStream>>();
+    check::<vmmbuf::CudaAllocation>();
+    check::<Arena<HostBackend, HostStream>>();
+    let host = HostBackend::with_granularity(2 << 20).unwrap();
+    let arena: Arena<HostBackend, HostStream> =
+        Arena::new(host.clone(), ArenaDesc::new(1 << 30)).unwrap();
+    let mut a = arena.alloc(1000, &HostStream(0)).unwrap();
+    drop(arena); // the allocation keeps it alive
+    a.write(0, b"still here").unwrap();
+    let t = std::thread::spawn(move || {
+        let mut back = [0u8; 10];
+        a.read(0, &mut back).unwrap();
+        back
+    });
+    assert_eq!(&t.join().unwrap(), b"still here");
+    assert_eq!(
+        host.live().chunks,
+        0,
+        "the last allocation took the arena with it"
     );
 }
