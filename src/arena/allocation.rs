@@ -1,0 +1,144 @@
+//! [`Allocation`]: the owned handle of arena memory, freed in stream order.
+
+use std::fmt;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::blocks::Free;
+use super::{ArenaStream, Shared};
+use crate::backend::{Backend, Uses};
+use crate::error::{Error, Result};
+
+/// Memory from an [`Arena`](crate::Arena): the owned handle a tensor stores. Holds the
+/// arena alive; `Send + Sync`; freed on drop in stream order (see
+/// [`Arena`](crate::Arena)).
+pub struct Allocation<B: Backend, S: ArenaStream<B>> {
+    /// Its id in the trace being recorded (0 without one).
+    pub(super) id: u64,
+    pub(super) arena: Arc<Shared<B>>,
+    pub(super) offset: usize,
+    pub(super) size: usize,
+    pub(super) requested: usize,
+    pub(super) stream: S,
+    pub(super) extra: Mutex<Vec<S>>,
+    pub(super) uses: Uses<B::Fence>,
+}
+
+impl<B: Backend, S: ArenaStream<B>> fmt::Debug for Allocation<B, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocation")
+            .field("address", &format_args!("{:#x}", self.address()))
+            .field("bytes", &self.requested)
+            .finish()
+    }
+}
+
+impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
+    /// The device address of the first byte (aligned to the arena's alignment).
+    pub fn address(&self) -> u64 {
+        self.arena.base + self.offset as u64
+    }
+
+    /// Bytes asked for.
+    pub fn len(&self) -> usize {
+        self.requested
+    }
+
+    /// Never true: allocations are at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.requested == 0
+    }
+
+    /// Bytes the block holds (the request rounded up to the alignment).
+    pub fn capacity(&self) -> usize {
+        self.size
+    }
+
+    /// The stream it was allocated for.
+    pub fn stream(&self) -> &S {
+        &self.stream
+    }
+
+    /// Copies `src` into the allocation at `at` (synchronous; ordered after
+    /// nothing on the device: use it before queueing work, or after
+    /// synchronising the allocation's stream).
+    pub fn write(&mut self, at: usize, src: &[u8]) -> Result<()> {
+        self.check(at, src.len())?;
+        let mut st = self.arena.state.lock();
+        let res = st.res.as_mut().expect("the reservation lives until drop");
+        self.arena.backend.write(res, self.offset + at, src)
+    }
+
+    /// Copies bytes of the allocation from `at` into `dst` (synchronous, as
+    /// [`write`](Self::write)).
+    pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(at, dst.len())?;
+        let st = self.arena.state.lock();
+        let res = st.res.as_ref().expect("the reservation lives until drop");
+        self.arena.backend.read(res, self.offset + at, dst)
+    }
+
+    fn check(&self, at: usize, n: usize) -> Result<()> {
+        match at.checked_add(n) {
+            Some(end) if end <= self.requested => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "bytes {at}+{n} are outside the {}-byte allocation",
+                self.requested
+            ))),
+        }
+    }
+
+    /// Records that work on `stream` uses this allocation: its free waits
+    /// for that stream's work queued up to the free, as PyTorch's
+    /// `Tensor.record_stream`.
+    pub fn record_stream(&self, stream: &S) {
+        let mut v = self.extra.lock();
+        if stream.key() != self.stream.key() && !v.iter().any(|s| s.key() == stream.key()) {
+            v.push(stream.clone());
+        }
+    }
+}
+
+impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
+    fn drop(&mut self) {
+        let backend = &*self.arena.backend;
+        let mut fences = Vec::new();
+        let mut ok = true;
+        for s in std::iter::once(&self.stream).chain(self.extra.get_mut().iter()) {
+            match s.fence(backend) {
+                Ok(f) => fences.push((s.key(), f)),
+                Err(e) => {
+                    tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
+                    ok = false;
+                }
+            }
+        }
+        if self.id != 0 {
+            if let Some(sink) = self.arena.trace.lock().as_mut() {
+                sink.line("free", self.id, self.requested, self.stream.key());
+            }
+        }
+        // Views on other streams recorded their own fences.
+        let view_fences = std::mem::take(&mut self.uses);
+        let mut st = self.arena.state.lock();
+        st.live.remove(&self.offset);
+        st.stats.num_frees += 1;
+        st.allocated -= self.size;
+        st.requested -= self.requested;
+        self.arena.count(&mut st);
+        if ok {
+            fences.extend(view_fences.into_fences());
+            let stream = self.extra.get_mut().is_empty().then(|| self.stream.key());
+            let z = st.zone_of_offset(self.offset);
+            st.zones[z].insert(
+                self.offset,
+                Free {
+                    size: self.size,
+                    stream,
+                    fences,
+                },
+            );
+        }
+    }
+}

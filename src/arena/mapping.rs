@@ -1,0 +1,264 @@
+//! How the arena finds memory: free blocks first, then chunks mapped at the
+//! lowest hole that fits (pooled ones first); and how whole free chunks go
+//! back to the pool. Every function runs under the arena's lock.
+
+use super::blocks::{Free, StreamKey};
+use super::{Shared, State};
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::plan::round_up;
+use crate::table::{driver_access, Entry};
+
+impl<B: Backend> Shared<B> {
+    /// A free block of `size` for `key`: from the index, after settling
+    /// passed frees, or from newly mapped memory.
+    pub(super) fn find(&self, st: &mut State<B>, size: usize, key: StreamKey) -> Result<usize> {
+        let z = State::<B>::zone_of_size(size);
+        if let Some(o) = st.zones[z].take(size, key) {
+            return Ok(o);
+        }
+        let backend = &*self.backend;
+        st.zones[z].settle(|f| backend.fence_done(f).unwrap_or(false));
+        if let Some(o) = st.zones[z].take(size, key) {
+            return Ok(o);
+        }
+        self.map_for(st, z, size, key)?;
+        st.zones[z]
+            .take(size, key)
+            .ok_or_else(|| Error::invalid("mapped memory did not make a block (a bug)"))
+    }
+
+    /// Maps chunks at the lowest unmapped address of zone `z` where `size`
+    /// fits, counting the free block `key` may use that ends there.
+    pub(super) fn map_for(
+        &self,
+        st: &mut State<B>,
+        z: usize,
+        size: usize,
+        key: StreamKey,
+    ) -> Result<()> {
+        // Whole free chunks first go to the pool, which the mapping below
+        // takes from: memory taken follows memory allocated.
+        self.release_free_chunks(st)?;
+        let g = self.granularity;
+        let reserved = st.table.reserved();
+        let zone = if z == 0 {
+            0..st.small_end
+        } else {
+            st.small_end..reserved
+        };
+        // The unmapped gaps of the zone, in address order.
+        let mut regions: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut at = zone.start;
+        for (o, e) in st.table.iter() {
+            if o + e.bytes <= zone.start || o >= zone.end {
+                continue;
+            }
+            if o > at {
+                regions.push(at..o);
+            }
+            at = o + e.bytes;
+        }
+        if at < zone.end {
+            regions.push(at..zone.end);
+        }
+        let (at, need) = regions
+            .into_iter()
+            .find_map(|h| {
+                let before = st.zones[z]
+                    .ending_at(h.start)
+                    .filter(|(_, f)| f.settled() || f.stream == Some(key))
+                    .map_or(0, |(_, f)| f.size);
+                let need = round_up(size.saturating_sub(before), g)?;
+                (need <= h.end - h.start).then_some((h.start, need))
+            })
+            .ok_or(Error::ArenaOutOfMemory {
+                requested_bytes: size,
+                free_bytes: None,
+                total_bytes: None,
+                reserved_bytes: st.table.mapped_bytes(),
+            })?;
+        let mapped = st.table.mapped_bytes();
+        if self.budget.is_some_and(|budget| mapped + need > budget) {
+            return Err(Error::ArenaOutOfMemory {
+                requested_bytes: size,
+                free_bytes: None,
+                total_bytes: None,
+                reserved_bytes: mapped,
+            });
+        }
+        // Chunks of at most `chunk_bytes`, pooled ones first.
+        let mut chunks: Vec<(B::Chunk, usize)> = Vec::new();
+        let mut mapped_now = 0usize;
+        let attempt = (|| -> Result<()> {
+            let mut left = need;
+            while left > 0 {
+                let bytes = left.min(self.chunk_bytes);
+                let chunk = match self.pool.take_exact(self.placement, bytes) {
+                    Some(c) => c,
+                    None => self.backend.create(bytes, self.placement)?,
+                };
+                chunks.push((chunk, bytes));
+                left -= bytes;
+            }
+            let res = st.res.as_mut().expect("the reservation lives until drop");
+            for (c, bytes) in &chunks {
+                self.backend.map(res, at + mapped_now, c)?;
+                mapped_now += bytes;
+            }
+            let list = driver_access(&self.access, self.placement);
+            self.backend.set_access(res, at, need, &list)
+        })();
+        if let Err(e) = attempt {
+            let res = st.res.as_mut().expect("the reservation lives until drop");
+            if mapped_now > 0 {
+                if let Err(u) = self.backend.unmap(res, at, mapped_now) {
+                    st.poisoned = Some(format!("undoing a failed mapping: {u}"));
+                    for (c, _) in chunks {
+                        let _ = self.backend.release(c); // still mapped: never pooled
+                    }
+                    return Err(e);
+                }
+            }
+            for (c, bytes) in chunks {
+                self.pool.put(self.placement, bytes, c);
+            }
+            return Err(e);
+        }
+        let mut o = at;
+        for (c, bytes) in chunks {
+            let mut entry = Entry::new(c, bytes, self.placement);
+            entry.access = self.access.as_slice().into();
+            st.table
+                .insert(o, entry)
+                .expect("mapped where the table had a hole");
+            o += bytes;
+        }
+        // Fresh memory: any stream may use it; tagged with `key` so it merges
+        // with `key`'s pending block before it.
+        st.zones[z].insert(
+            at,
+            Free {
+                size: need,
+                stream: Some(key),
+                fences: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Unmaps every chunk that lies wholly inside a settled free block and
+    /// hands it to the pool. Returns the bytes released.
+    pub(super) fn release_free_chunks(&self, st: &mut State<B>) -> Result<usize> {
+        let backend = &*self.backend;
+        for z in &mut st.zones {
+            z.settle(|f| backend.fence_done(f).unwrap_or(false));
+        }
+        let whole: Vec<(usize, usize)> = st
+            .table
+            .iter()
+            .map(|(o, e)| (o, e.bytes))
+            .filter(|&(o, b)| st.zones[st.zone_of_offset(o)].covers(o, b, true))
+            .collect();
+        let mut released = 0;
+        for (o, b) in whole {
+            let res = st.res.as_mut().expect("the reservation lives until drop");
+            // Settled: the uses of these bytes have passed, no wait needed.
+            backend.unmap(res, o, b)?;
+            let z = st.zone_of_offset(o);
+            st.zones[z].carve(o, b);
+            if let Some(e) = st.table.remove(o) {
+                self.pool.put(e.placement, e.bytes, e.chunk);
+            }
+            released += b;
+        }
+        Ok(released)
+    }
+
+    /// The error for a request that could not be served.
+    pub(super) fn oom(&self, st: &State<B>, requested: usize) -> Error {
+        let info = self.backend.device_memory();
+        Error::ArenaOutOfMemory {
+            requested_bytes: requested,
+            free_bytes: info.map(|i| i.0),
+            total_bytes: info.map(|i| i.1),
+            reserved_bytes: st.table.mapped_bytes(),
+        }
+    }
+
+    /// Updates the counters every operation keeps (constant time).
+    pub(super) fn count(&self, st: &mut State<B>) {
+        let (allocated, requested) = (st.allocated, st.requested);
+        let mapped = st.table.mapped_bytes();
+        let s = &mut st.stats;
+        s.allocated_bytes.set(allocated);
+        s.requested_bytes.set(requested);
+        s.reserved_bytes.set(mapped);
+    }
+
+    /// Recomputes every counter, the derived ones included (active,
+    /// inactive split, fragmentation: their peaks are over the times the
+    /// counters were read).
+    pub(super) fn refresh(&self, st: &mut State<B>) {
+        self.count(st);
+        let (allocated, mapped) = (st.allocated, st.table.mapped_bytes());
+        let pending: usize = st
+            .free_blocks()
+            .filter(|(_, f)| !f.settled())
+            .map(|(_, f)| f.size)
+            .sum();
+        // Free bytes in chunks that are not wholly free.
+        let whole_free: usize = st
+            .table
+            .iter()
+            .filter(|&(o, e)| st.zones[st.zone_of_offset(o)].covers(o, e.bytes, false))
+            .map(|(_, e)| e.bytes)
+            .sum();
+        let s = &mut st.stats;
+        s.active_bytes.set(allocated + pending);
+        s.inactive_split_bytes
+            .set(mapped.saturating_sub(allocated + whole_free));
+        let free: usize = st.zones.iter().map(|z| z.free_bytes()).sum();
+        let largest = st.zones.iter().map(|z| z.largest()).max().unwrap_or(0);
+        let s = &mut st.stats;
+        s.fragmentation = if free == 0 {
+            0.0
+        } else {
+            1.0 - largest as f64 / free as f64
+        };
+        s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
+        s.pooled_bytes = self.pool.stats().pooled_bytes;
+    }
+}
+
+impl<B: Backend> Drop for Shared<B> {
+    fn drop(&mut self) {
+        // Every allocation holds the arena: nothing is allocated now, and
+        // every free block's fences are waited for before unmapping.
+        let st = self.state.get_mut();
+        let backend = &*self.backend;
+        for (_, f) in st.free_blocks() {
+            for (_, fence) in &f.fences {
+                let _ = backend.wait(fence);
+            }
+        }
+        let Some(mut res) = st.res.take() else { return };
+        let keys: Vec<(usize, usize)> = st.table.iter().map(|(o, e)| (o, e.bytes)).collect();
+        let mut ok = st.poisoned.is_none();
+        for &(o, b) in &keys {
+            ok &= backend.unmap(&mut res, o, b).is_ok();
+        }
+        for (o, _) in keys {
+            if let Some(e) = st.table.remove(o) {
+                if ok {
+                    self.pool.put(e.placement, e.bytes, e.chunk);
+                } else {
+                    let _ = backend.release(e.chunk);
+                }
+            }
+        }
+        if ok {
+            let _ = backend.free(res);
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The arena's counters and snapshots, as plain data with tables for people.
+
+use std::fmt;
+
+use crate::stats::Bytes;
+
+/// A figure with its current value and its peak since creation (or the last
+/// [`Arena::reset_peak`](crate::Arena::reset_peak)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatValue {
+    /// Now.
+    pub current: usize,
+    /// The most since the last reset.
+    pub peak: usize,
+}
+
+impl StatValue {
+    pub(super) fn set(&mut self, v: usize) {
+        self.current = v;
+        self.peak = self.peak.max(v);
+    }
+}
+
+/// An arena's counters, named as PyTorch's `torch.cuda.memory_stats` names
+/// them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ArenaStats {
+    /// Bytes of live allocations (rounded to the alignment).
+    pub allocated_bytes: StatValue,
+    /// Bytes callers asked for.
+    pub requested_bytes: StatValue,
+    /// Bytes mapped (device memory taken by this arena, pool not counted).
+    pub reserved_bytes: StatValue,
+    /// Allocated bytes plus freed bytes whose stream uses have not passed.
+    pub active_bytes: StatValue,
+    /// Free bytes inside chunks that also hold allocations: memory the arena
+    /// cannot give back as it is.
+    pub inactive_split_bytes: StatValue,
+    /// Allocations that succeeded only after giving cached memory back.
+    pub num_alloc_retries: u64,
+    /// Allocations that failed for lack of memory or budget.
+    pub num_ooms: u64,
+    /// Device-wide synchronisations the backend made meanwhile (0 in the
+    /// steady state).
+    pub num_device_syncs: u64,
+    /// Allocations and frees so far.
+    pub num_allocs: u64,
+    /// Frees so far.
+    pub num_frees: u64,
+    /// `1 - largest free block / free bytes` (0 without free bytes).
+    pub fragmentation: f64,
+    /// Bytes this arena's pool holds for reuse.
+    pub pooled_bytes: usize,
+}
+
+impl fmt::Display for ArenaStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let row = |f: &mut fmt::Formatter<'_>, name: &str, v: StatValue| {
+            writeln!(
+                f,
+                "  {name:<22} {:>12} {:>12}",
+                Bytes(v.current).to_string(),
+                Bytes(v.peak).to_string()
+            )
+        };
+        writeln!(f, "  {:<22} {:>12} {:>12}", "", "current", "peak")?;
+        row(f, "allocated_bytes", self.allocated_bytes)?;
+        row(f, "requested_bytes", self.requested_bytes)?;
+        row(f, "reserved_bytes", self.reserved_bytes)?;
+        row(f, "active_bytes", self.active_bytes)?;
+        row(f, "inactive_split_bytes", self.inactive_split_bytes)?;
+        writeln!(
+            f,
+            "  allocs {}, frees {}, alloc retries {}, OOMs {}, device syncs {}, fragmentation {:.3}, pooled {}",
+            self.num_allocs,
+            self.num_frees,
+            self.num_alloc_retries,
+            self.num_ooms,
+            self.num_device_syncs,
+            self.fragmentation,
+            Bytes(self.pooled_bytes)
+        )
+    }
+}
+
+/// One block of an [`ArenaSnapshot`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BlockInfo {
+    /// Offset from the arena's base.
+    pub offset: usize,
+    /// Size in bytes.
+    pub bytes: usize,
+    /// True for a live allocation.
+    pub allocated: bool,
+    /// Bytes asked for (allocations only).
+    pub requested_bytes: usize,
+    /// The stream that owns it (`None`: free for any stream).
+    pub stream: Option<(u64, u64)>,
+}
+
+/// The arena at one moment: mapped segments and the blocks in them.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ArenaSnapshot {
+    /// The arena's base address.
+    pub base: u64,
+    /// Mapped runs `(offset, bytes)` (holes between them are unmapped).
+    pub segments: Vec<(usize, usize)>,
+    /// Every block, allocated or free, in address order.
+    pub blocks: Vec<BlockInfo>,
+    /// The counters.
+    pub stats: ArenaStats,
+}
+
+impl fmt::Display for ArenaSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "arena at {:#x}: {} segment(s)",
+            self.base,
+            self.segments.len()
+        )?;
+        write!(f, "{}", self.stats)?;
+        writeln!(
+            f,
+            "  {:>14} {:>12}  {:<10} stream",
+            "offset", "size", "state"
+        )?;
+        for b in &self.blocks {
+            let stream = b
+                .stream
+                .map_or("any".to_string(), |(c, s)| format!("{c:#x}/{s:#x}"));
+            writeln!(
+                f,
+                "  {:>#14x} {:>12}  {:<10} {}",
+                b.offset,
+                Bytes(b.bytes).to_string(),
+                if b.allocated { "allocated" } else { "free" },
+                stream
+            )?;
+        }
+        Ok(())
+    }
+}
