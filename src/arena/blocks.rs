@@ -112,13 +112,13 @@ impl<F> Blocks<F> {
             if left.mergeable(&f) {
                 let left = self.unlink(lo).expect("just found");
                 offset = lo;
-                f = merge(left, f);
+                f = merge(left, f, Newer::Right);
             }
         }
         let end = offset + f.size;
         if self.by_offset.get(&end).is_some_and(|r| f.mergeable(r)) {
             let right = self.unlink(end).expect("just found");
-            f = merge(f, right);
+            f = merge(f, right, Newer::Left);
         }
         self.link(offset, f);
     }
@@ -225,19 +225,32 @@ impl<F> Blocks<F> {
     }
 }
 
-/// `a` and `b` (freed later) as one block: one fence per stream, the later.
-fn merge<F>(mut a: Free<F>, b: Free<F>) -> Free<F> {
-    a.size += b.size;
-    for (key, fence) in b.fences {
-        match a.fences.iter_mut().find(|(k, _)| *k == key) {
+/// Which of two merging blocks was freed later.
+enum Newer {
+    Left,
+    Right,
+}
+
+/// `left` and `right` as one block, with one fence per stream: the newer
+/// block's, since it was recorded later on the same stream.
+fn merge<F>(left: Free<F>, right: Free<F>, newer: Newer) -> Free<F> {
+    let (mut old, new) = match newer {
+        Newer::Right => (left, right),
+        Newer::Left => (right, left),
+    };
+    old.size += new.size;
+    for (key, fence) in new.fences {
+        match old.fences.iter_mut().find(|(k, _)| *k == key) {
             Some(slot) => slot.1 = fence,
-            None => a.fences.push((key, fence)),
+            None => old.fences.push((key, fence)),
         }
     }
-    if a.fences.is_empty() {
-        a.stream = None;
+    if old.fences.is_empty() {
+        old.stream = None;
+    } else if old.stream.is_none() {
+        old.stream = new.stream;
     }
-    a
+    old
 }
 
 #[cfg(test)]
@@ -253,6 +266,41 @@ mod tests {
             size,
             stream: None,
             fences: Vec::new(),
+        }
+    }
+
+    /// The block freed last carries the fence that covers the merged block,
+    /// whichever side it merges on: keeping the older one would let the
+    /// block settle (and its chunk be unmapped) while the newer free's work
+    /// still runs.
+    #[test]
+    fn a_merge_keeps_the_newest_fence_on_either_side() {
+        for (first, second) in [(0usize, 16usize), (16, 0)] {
+            let mut b = Blocks::<u32>::default();
+            b.insert(
+                first,
+                Free {
+                    size: 16,
+                    stream: Some(S1),
+                    fences: vec![(S1, 1)],
+                },
+            );
+            b.insert(
+                second,
+                Free {
+                    size: 16,
+                    stream: Some(S1),
+                    fences: vec![(S1, 2)],
+                },
+            );
+            let (_, f) = b.iter().next().unwrap();
+            assert_eq!(f.size, 32);
+            assert_eq!(f.fences, vec![(S1, 2)], "freed second at {second}");
+            assert_eq!(
+                b.settle(|&x| x == 1),
+                0,
+                "the older fence passing settles nothing"
+            );
         }
     }
 

@@ -39,7 +39,9 @@ impl<B: Backend> Shared<B> {
     ) -> Result<()> {
         // Whole free chunks first go to the pool, which the mapping below
         // takes from: memory taken follows memory allocated.
-        self.release_free_chunks(st)?;
+        if self.release_before_map {
+            self.release_free_chunks(st)?;
+        }
         let g = self.granularity;
         let reserved = st.table.reserved();
         let zone = if z == 0 {

@@ -85,6 +85,12 @@ pub struct ArenaDesc {
     pub max_chunk_bytes: usize,
     /// A budget: the arena never maps more than this many bytes.
     pub max_reserved_bytes: Option<usize>,
+    /// Give whole free chunks to the pool before mapping new ones (true by
+    /// default): memory taken follows memory allocated (the PyTorch trace:
+    /// 1.0098x its peak). False keeps them mapped until `release_cached`,
+    /// `empty_cache`, a budget or out of memory: fewer unmaps and maps when
+    /// sizes keep changing, more memory held.
+    pub release_before_map: bool,
 }
 
 impl ArenaDesc {
@@ -96,6 +102,7 @@ impl ArenaDesc {
             alignment: 256,
             max_chunk_bytes: 2 << 20,
             max_reserved_bytes: None,
+            release_before_map: true,
         }
     }
 
@@ -168,6 +175,7 @@ struct Shared<B: Backend> {
     chunk_bytes: usize,
     alignment: usize,
     budget: Option<usize>,
+    release_before_map: bool,
     placement: Location,
     access: Vec<AccessDesc>,
     syncs_at_start: u64,
@@ -271,6 +279,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 chunk_bytes,
                 alignment: desc.alignment,
                 budget: desc.max_reserved_bytes,
+                release_before_map: desc.release_before_map,
                 placement,
                 access,
                 syncs_at_start,
