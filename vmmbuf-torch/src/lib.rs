@@ -1,0 +1,248 @@
+//! PyTorch's pluggable CUDA allocator on a vmmbuf [`Arena`]: one arena per
+//! device, stream-ordered frees on the stream PyTorch passes, PyTorch-named
+//! statistics as JSON, a memory budget.
+//!
+//! PyTorch calls `void* vmmbuf_malloc(ssize_t size, int device,
+//! cudaStream_t stream)` and `void vmmbuf_free(void* ptr, ssize_t size, int
+//! device, cudaStream_t stream)` (load it with
+//! `torch.cuda.memory.CUDAPluggableAllocator(path, "vmmbuf_malloc",
+//! "vmmbuf_free")`; `python/vmmbuf_torch.py` does). No panic crosses the C
+//! boundary: each entry point catches it, logs it and answers null (or
+//! nothing). A zero size, an unknown pointer or a second free of one pointer
+//! is logged and changes nothing.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{sys, CudaStream};
+use parking_lot::Mutex;
+use vmmbuf::{Arena, ArenaDesc, CudaAllocation, CudaBackend};
+
+type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
+
+/// Address space each device's arena reserves (no memory until used).
+const RESERVE: usize = 1 << 40;
+
+struct Device {
+    arena: TorchArena,
+    backend: Arc<CudaBackend>,
+    /// PyTorch's streams, wrapped (not owned) once each.
+    streams: HashMap<usize, Arc<CudaStream>>,
+}
+
+#[derive(Default)]
+struct Global {
+    devices: HashMap<c_int, Device>,
+    /// Live allocations by address.
+    live: HashMap<usize, CudaAllocation>,
+    budgets: HashMap<c_int, usize>,
+    /// The last stats JSON handed out, kept alive for the caller to copy.
+    json: Option<CString>,
+}
+
+fn global() -> &'static Mutex<Global> {
+    static G: OnceLock<Mutex<Global>> = OnceLock::new();
+    G.get_or_init(Mutex::default)
+}
+
+impl Global {
+    fn device(&mut self, device: c_int) -> vmmbuf::Result<&mut Device> {
+        if !self.devices.contains_key(&device) {
+            let ordinal = u32::try_from(device)
+                .map_err(|_| vmmbuf::Error::InvalidArgument(format!("device {device}")))?;
+            let backend = CudaBackend::new(ordinal)?;
+            let mut desc = ArenaDesc::new(RESERVE);
+            // VMMBUF_TORCH_KEEP_MAPPED=1: keep free chunks mapped (faster
+            // when sizes keep changing, more memory held); see ArenaDesc.
+            if std::env::var("VMMBUF_TORCH_KEEP_MAPPED").as_deref() == Ok("1") {
+                desc.release_before_map = false;
+            }
+            if let Some(&b) = self.budgets.get(&device) {
+                desc = desc.max_reserved_bytes(b);
+            }
+            let arena = Arena::new(backend.clone(), desc)?;
+            self.devices.insert(
+                device,
+                Device {
+                    arena,
+                    backend,
+                    streams: HashMap::new(),
+                },
+            );
+        }
+        Ok(self.devices.get_mut(&device).expect("inserted above"))
+    }
+}
+
+impl Device {
+    fn stream(&mut self, stream: *mut c_void) -> Arc<CudaStream> {
+        let ctx = self.backend.context().clone();
+        self.streams
+            .entry(stream as usize)
+            .or_insert_with(|| {
+                // SAFETY: PyTorch passes a stream of this device's primary
+                // context (the one CudaBackend::new retains) and keeps it
+                // alive while it allocates on it; the wrapper never destroys
+                // it.
+                unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) }
+            })
+            .clone()
+    }
+}
+
+/// Runs `f`, turning a panic into `fallback` (logged).
+fn guard<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => {
+            tracing::error!("vmmbuf-torch: {what} panicked; answered as a failure");
+            fallback
+        }
+    }
+}
+
+/// Allocates `size` bytes on `device` for work on `stream`; null on failure
+/// (PyTorch then reports out of memory).
+#[no_mangle]
+pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    guard("vmmbuf_malloc", std::ptr::null_mut(), || {
+        if size <= 0 {
+            tracing::warn!(size, "vmmbuf-torch: malloc of a non-positive size");
+            return std::ptr::null_mut();
+        }
+        let mut g = global().lock();
+        let r = g.device(device).and_then(|d| {
+            let s = d.stream(stream);
+            d.arena.alloc(size as usize, &s)
+        });
+        match r {
+            Ok(a) => {
+                let p = a.address() as usize;
+                g.live.insert(p, a);
+                p as *mut c_void
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, size, device, "vmmbuf-torch: malloc failed");
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+/// Frees `ptr` in stream order on `stream` (the stream PyTorch names; if it
+/// is not the allocation's own, the free waits for both).
+#[no_mangle]
+pub extern "C" fn vmmbuf_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
+    guard("vmmbuf_free", (), || {
+        let mut g = global().lock();
+        let Some(a) = g.live.remove(&(ptr as usize)) else {
+            tracing::warn!(
+                ?ptr,
+                size,
+                device,
+                "vmmbuf-torch: free of an unknown pointer (or a second free)"
+            );
+            return;
+        };
+        if let Ok(d) = g.device(device) {
+            let s = d.stream(stream);
+            a.record_stream(&s);
+        }
+        drop(a);
+    })
+}
+
+/// The device's arena statistics as a JSON object with PyTorch's key names
+/// (`allocated_bytes.all.current`, ...). The string stays valid until the
+/// next call; null if the device has no arena yet.
+#[no_mangle]
+pub extern "C" fn vmmbuf_stats_json(device: c_int) -> *const c_char {
+    guard("vmmbuf_stats_json", std::ptr::null(), || {
+        let mut g = global().lock();
+        let Some(d) = g.devices.get(&device) else {
+            return std::ptr::null();
+        };
+        let s = d.arena.stats();
+        let mut m = serde_json::Map::new();
+        for (name, v) in [
+            ("allocated_bytes", s.allocated_bytes),
+            ("reserved_bytes", s.reserved_bytes),
+            ("active_bytes", s.active_bytes),
+            ("inactive_split_bytes", s.inactive_split_bytes),
+            ("requested_bytes", s.requested_bytes),
+        ] {
+            m.insert(format!("{name}.all.current"), v.current.into());
+            m.insert(format!("{name}.all.peak"), v.peak.into());
+        }
+        m.insert("num_alloc_retries".into(), s.num_alloc_retries.into());
+        m.insert("num_ooms".into(), s.num_ooms.into());
+        m.insert("num_device_syncs".into(), s.num_device_syncs.into());
+        m.insert("num_allocs".into(), s.num_allocs.into());
+        m.insert("num_frees".into(), s.num_frees.into());
+        m.insert("pooled_bytes".into(), s.pooled_bytes.into());
+        m.insert("fragmentation".into(), s.fragmentation.into());
+        let text = serde_json::Value::Object(m).to_string();
+        g.json = CString::new(text).ok();
+        g.json.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
+    })
+}
+
+/// Sets every peak of the device's statistics to its current value.
+#[no_mangle]
+pub extern "C" fn vmmbuf_reset_peak(device: c_int) {
+    guard("vmmbuf_reset_peak", (), || {
+        if let Some(d) = global().lock().devices.get(&device) {
+            d.arena.reset_peak();
+        }
+    })
+}
+
+/// Sets the device's memory budget (bytes the arena may map). Takes effect
+/// for an arena created after it: call it before the first allocation.
+/// Returns 0, or -1 if the device's arena exists already.
+#[no_mangle]
+pub extern "C" fn vmmbuf_set_budget(device: c_int, bytes: u64) -> c_int {
+    guard("vmmbuf_set_budget", -1, || {
+        let mut g = global().lock();
+        if g.devices.contains_key(&device) {
+            return -1;
+        }
+        g.budgets.insert(device, bytes as usize);
+        0
+    })
+}
+
+/// Gives the device's cached memory back to the driver (`empty_cache`).
+/// Returns 0, or -1 on an error (logged).
+#[no_mangle]
+pub extern "C" fn vmmbuf_empty_cache(device: c_int) -> c_int {
+    guard("vmmbuf_empty_cache", -1, || {
+        let g = global().lock();
+        match g.devices.get(&device).map(|d| d.arena.empty_cache()) {
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "vmmbuf-torch: empty_cache failed");
+                -1
+            }
+            _ => 0,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_calls_are_answered_not_crashed() {
+        // No GPU needed: these never reach the driver.
+        assert!(vmmbuf_malloc(0, 0, std::ptr::null_mut()).is_null());
+        assert!(vmmbuf_malloc(-5, 0, std::ptr::null_mut()).is_null());
+        vmmbuf_free(0x1234 as *mut c_void, 16, 0, std::ptr::null_mut());
+        assert!(vmmbuf_stats_json(7).is_null(), "no arena on device 7");
+        assert_eq!(vmmbuf_set_budget(3, 1 << 30), 0);
+        assert_eq!(vmmbuf_empty_cache(3), 0);
+        vmmbuf_reset_peak(3);
+    }
+}
