@@ -22,13 +22,7 @@ crate::register! {
 
 fn a_pytorch_training_trace_takes_at_most_1_01x_its_peak() {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/traces/torch-transformer-h100.csv.gz"
-    );
-    let file = std::fs::File::open(path).unwrap();
-    let events = parse_trace(BufReader::new(flate2::read::GzDecoder::new(file))).unwrap();
-    assert!(events.len() > 40_000, "{} events", events.len());
+    let events = torch_trace();
     // Host chunks are memfds: about two thousand of them at the peak.
     let old = getrlimit(Resource::Nofile);
     let _ = setrlimit(
