@@ -205,6 +205,16 @@ impl<C> ChunkTable<C> {
         Ok(())
     }
 
+    /// Forgets every chunk that starts at or past `from` (none of them may
+    /// hold bytes in use), in address order.
+    pub(crate) fn split_off(&mut self, from: usize) -> Vec<(usize, Entry<C>)> {
+        let offsets: Vec<usize> = self.entries.range(from..).map(|(&o, _)| o).collect();
+        offsets
+            .into_iter()
+            .filter_map(|o| self.remove(o).map(|e| (o, e)))
+            .collect()
+    }
+
     /// Forgets the chunk at `offset`. Refused (`None`) while it holds bytes
     /// in use.
     pub(crate) fn remove(&mut self, offset: usize) -> Option<Entry<C>> {
@@ -349,34 +359,25 @@ impl<C> ChunkTable<C> {
 
     /// The unmapped gaps below the span's end, in address order.
     pub(crate) fn holes(&self) -> Vec<Range<usize>> {
-        let mut holes = Vec::new();
-        let mut at = 0;
-        for (&o, e) in &self.entries {
-            if o > at {
-                holes.push(at..o);
-            }
-            at = o + e.bytes;
-        }
-        holes
+        self.gaps(0..self.span_end())
     }
 
-    /// The lowest granular offset where `bytes` fit unmapped: in a hole, or
-    /// past the span. `None` if nothing fits before the reservation's end.
-    /// (Where an allocator that unmaps in the middle maps next, as expandable
-    /// segments do; buffers only ever map past the span.)
-    #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) fn lowest_fit(&self, bytes: usize) -> Option<usize> {
-        if bytes == 0 {
-            return None;
+    /// The unmapped gaps within `range` (clipped to it), in address order:
+    /// where an allocator that unmaps in the middle can map next (the arena
+    /// takes the lowest one its request fits).
+    pub(crate) fn gaps(&self, range: Range<usize>) -> Vec<Range<usize>> {
+        let mut gaps = Vec::new();
+        let mut at = range.start;
+        for (o, e) in self.overlapping(range.clone()) {
+            if o > at {
+                gaps.push(at..o);
+            }
+            at = at.max(o + e.bytes);
         }
-        self.holes()
-            .into_iter()
-            .find(|h| h.end - h.start >= bytes)
-            .map(|h| h.start)
-            .or_else(|| {
-                let end = self.span_end();
-                (self.reserved - end >= bytes).then_some(end)
-            })
+        if at < range.end {
+            gaps.push(at..range.end);
+        }
+        gaps
     }
 
     /// Figures derived from the entries.

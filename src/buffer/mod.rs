@@ -437,12 +437,16 @@ impl<B: Backend> GrowableBuffer<B> {
 impl<B: Backend> Drop for GrowableBuffer<B> {
     fn drop(&mut self) {
         let backend = self.backend.clone();
+        // Work may still use the memory: wait for its recorded uses.
+        let busy = {
+            let g = self.inner.get_mut();
+            g.res.is_some() && !g.table.is_empty() && g.poisoned.is_none()
+        };
+        let waited = if busy { self.wait_uses() } else { Ok(()) };
         let g = self.inner.get_mut();
         let Some(mut res) = g.res.take() else { return };
         let mut unmapped = g.table.is_empty();
-        if !unmapped && g.poisoned.is_none() {
-            // Work may still use the memory: wait for its recorded uses.
-            let waited = self.uses.each(|f| backend.wait(f));
+        if busy {
             if let Err(e) = &waited {
                 tracing::error!(error = %e, "vmmbuf: waiting for recorded uses before drop failed");
             }
@@ -452,14 +456,10 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
             }
         }
         let _ = g.table.set_len(0);
-        let offsets: Vec<usize> = g.table.iter().map(|(o, _)| o).collect();
-        let gone: Vec<_> = offsets
-            .into_iter()
-            .filter_map(|o| g.table.remove(o))
-            .collect();
+        let gone = g.table.split_off(0);
         let quarantine = std::mem::take(&mut g.quarantine);
         if unmapped {
-            for e in gone {
+            for (_, e) in gone {
                 let _ = self.dispose(e.chunk, e.bytes, e.placement); // logged inside
             }
             if let Err(e) = backend.free(res) {
@@ -471,7 +471,7 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
             // first), and no chunk goes to a pool, where another buffer could
             // map memory this one still maps.
             drop(res);
-            for e in gone {
+            for (_, e) in gone {
                 let _ = backend.release(e.chunk);
             }
         }

@@ -138,21 +138,13 @@ impl<B: Backend> GrowableBuffer<B> {
             self.wait_uses()?;
         }
         self.backend.unmap(g.res(), from, bytes)?;
-        let offsets: Vec<usize> = g
-            .table
-            .overlapping(from..from + bytes)
-            .map(|(o, _)| o)
-            .collect();
-        let gone: Vec<_> = offsets
-            .into_iter()
-            .filter_map(|o| g.table.remove(o))
-            .collect();
+        let gone = g.table.split_off(from);
         let released = gone.len();
         g.debug_check();
         g.stats.trims += 1;
         g.stats.chunks_released_total += released as u64;
         let mut first_err = None;
-        for e in gone {
+        for (_, e) in gone {
             if let Err(err) = self.dispose(e.chunk, e.bytes, e.placement) {
                 first_err.get_or_insert(err);
             }

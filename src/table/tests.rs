@@ -135,6 +135,19 @@ fn agree(t: &ChunkTable<u32>, m: &Model) {
     assert_eq!((s.mapped_bytes, s.host_bytes), (mapped, host));
     assert_eq!(t.holes(), m.holes());
     assert_eq!(s.holes, m.holes().len());
+    // Gaps clipped to a range: the model's free granules there, in runs.
+    for (a, b) in [(0, GRANULES), (3, 17), (GRANULES / 2, GRANULES), (5, 5)] {
+        let mut want: Vec<Range<usize>> = Vec::new();
+        for i in a..b {
+            if m.granules[i].is_none() {
+                match want.last_mut() {
+                    Some(r) if r.end == i * G => r.end += G,
+                    _ => want.push(i * G..(i + 1) * G),
+                }
+            }
+        }
+        assert_eq!(t.gaps(a * G..b * G), want, "gaps in {a}..{b}");
+    }
     for (o, e) in t.iter() {
         assert_eq!(m.granules[o / G], Some((o / G, e.placement)));
         assert_eq!(e.bytes, m.chunk_len(o / G) * G);
@@ -167,9 +180,14 @@ fn agree(t: &ChunkTable<u32>, m: &Model) {
         let want = (0..=GRANULES - n)
             .find(|&i| m.granules[i..i + n].iter().all(|g| g.is_none()))
             .map(|i| i * G);
-        // `lowest_fit` looks in holes, then past the span: the same as the
-        // lowest free run of `n` granules.
-        assert_eq!(t.lowest_fit(n * G), want, "lowest fit for {n} granules");
+        // The lowest gap of the whole reservation that is long enough: the
+        // same as the lowest free run of `n` granules.
+        let fit = t
+            .gaps(0..GRANULES * G)
+            .into_iter()
+            .find(|g| g.end - g.start >= n * G)
+            .map(|g| g.start);
+        assert_eq!(fit, want, "lowest fit for {n} granules");
     }
 }
 
@@ -228,9 +246,13 @@ fn a_table_with_a_hole_in_the_middle() {
         .unwrap();
     t.check().unwrap();
     assert_eq!(t.holes(), vec![3 * G..6 * G]);
-    assert_eq!(t.lowest_fit(3 * G), Some(3 * G));
-    assert_eq!(t.lowest_fit(4 * G), Some(10 * G));
-    assert_eq!(t.lowest_fit(7 * G), None);
+    assert_eq!(t.gaps(0..16 * G), vec![3 * G..6 * G, 10 * G..16 * G]);
+    assert_eq!(
+        t.gaps(G..7 * G),
+        vec![3 * G..6 * G],
+        "clipped, chunks cut by the range"
+    );
+    assert_eq!(t.gaps(7 * G..9 * G), Vec::<Range<usize>>::new());
     assert_eq!(t.span_end(), 10 * G);
     assert_eq!(t.mapped_prefix(), 3 * G);
     assert!(t.set_len(3 * G + 1).is_err(), "the hole cannot be in use");
