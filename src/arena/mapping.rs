@@ -49,21 +49,7 @@ impl<B: Backend> Shared<B> {
         } else {
             st.small_end..reserved
         };
-        // The unmapped gaps of the zone, in address order.
-        let mut regions: Vec<std::ops::Range<usize>> = Vec::new();
-        let mut at = zone.start;
-        for (o, e) in st.table.iter() {
-            if o + e.bytes <= zone.start || o >= zone.end {
-                continue;
-            }
-            if o > at {
-                regions.push(at..o);
-            }
-            at = o + e.bytes;
-        }
-        if at < zone.end {
-            regions.push(at..zone.end);
-        }
+        let regions = st.table.gaps(zone);
         let (at, need) = regions
             .into_iter()
             .find_map(|h| {
@@ -74,20 +60,12 @@ impl<B: Backend> Shared<B> {
                 let need = round_up(size.saturating_sub(before), g)?;
                 (need <= h.end - h.start).then_some((h.start, need))
             })
-            .ok_or(Error::ArenaOutOfMemory {
-                requested_bytes: size,
-                free_bytes: None,
-                total_bytes: None,
-                reserved_bytes: st.table.mapped_bytes(),
-            })?;
-        let mapped = st.table.mapped_bytes();
-        if self.budget.is_some_and(|budget| mapped + need > budget) {
-            return Err(Error::ArenaOutOfMemory {
-                requested_bytes: size,
-                free_bytes: None,
-                total_bytes: None,
-                reserved_bytes: mapped,
-            });
+            .ok_or_else(|| self.out_of_memory(st, size, None))?;
+        if self
+            .budget
+            .is_some_and(|budget| st.table.mapped_bytes() + need > budget)
+        {
+            return Err(self.out_of_memory(st, size, None));
         }
         // Chunks of at most `chunk_bytes`, pooled ones first.
         let mut chunks: Vec<(B::Chunk, usize)> = Vec::new();
@@ -177,13 +155,18 @@ impl<B: Backend> Shared<B> {
         Ok(released)
     }
 
-    /// The error for a request that could not be served.
-    pub(super) fn oom(&self, st: &State<B>, requested: usize) -> Error {
-        let info = self.backend.device_memory();
+    /// The error for a request that could not be served, with the device's
+    /// `(free, total)` bytes where they are known.
+    pub(super) fn out_of_memory(
+        &self,
+        st: &State<B>,
+        requested: usize,
+        device: Option<(usize, usize)>,
+    ) -> Error {
         Error::ArenaOutOfMemory {
             requested_bytes: requested,
-            free_bytes: info.map(|i| i.0),
-            total_bytes: info.map(|i| i.1),
+            free_bytes: device.map(|d| d.0),
+            total_bytes: device.map(|d| d.1),
             reserved_bytes: st.table.mapped_bytes(),
         }
     }

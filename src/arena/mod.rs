@@ -337,23 +337,22 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
         let offset = match self.shared.find(&mut st, size, key) {
             Ok(o) => o,
-            Err(e) if e.is_transient() || matches!(e, Error::ArenaOutOfMemory { .. }) => {
-                // Give everything cached back and try once more.
-                st.stats.num_alloc_retries += 1;
+            // Out of memory, or out of budget or room: give everything
+            // cached back and try once more.
+            Err(e) if e.is_transient() => {
                 self.shared.release_free_chunks(&mut st)?;
                 let _ = self.shared.pool.trim();
                 match self.shared.find(&mut st, size, key) {
-                    Ok(o) => o,
-                    Err(e) => {
-                        st.stats.num_alloc_retries -= 1;
-                        st.stats.num_ooms += 1;
-                        return Err(match e {
-                            Error::OutOfMemory { .. } | Error::ArenaOutOfMemory { .. } => {
-                                self.shared.oom(&st, bytes)
-                            }
-                            e => e,
-                        });
+                    Ok(o) => {
+                        st.stats.num_alloc_retries += 1;
+                        o
                     }
+                    Err(e) if e.is_transient() => {
+                        st.stats.num_ooms += 1;
+                        let device = self.shared.backend.device_memory();
+                        return Err(self.shared.out_of_memory(&st, bytes, device));
+                    }
+                    Err(e) => return Err(e),
                 }
             }
             Err(e) => return Err(e),
