@@ -13,8 +13,8 @@ use std::ops::Range;
 use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::location::{Access, AccessDesc, Location};
-use crate::table::driver_access;
+use crate::location::{Access, Location};
+use crate::migration::{MigrationReport, MoveFailure, Mover};
 
 /// Where chunks should live, in VMM terms (the counterpart of unified
 /// memory's advice, which VMM memory does not take).
@@ -64,20 +64,6 @@ impl MigrationPlan {
         self.moves.is_empty()
     }
 }
-
-/// What a migration did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct MigrationReport {
-    /// Chunks that changed placement.
-    pub chunks_moved: usize,
-    /// Bytes copied.
-    pub bytes_moved: usize,
-}
-
-/// A chunk swapped during a migration: its offset, and the old chunk with its
-/// old placement, kept until the whole plan has succeeded.
-type Swapped<C> = (usize, C, Location);
 
 pub(super) fn check_range(range: &Range<usize>) -> Result<()> {
     if range.start >= range.end {
@@ -197,7 +183,6 @@ impl<B: Backend> GrowableBuffer<B> {
     /// work on the moving range concurrently with this call.
     pub fn execute(&mut self, plan: &MigrationPlan) -> Result<MigrationReport> {
         let backend = self.backend().clone();
-        let home = backend.home();
         // Chunk offset -> where it goes.
         let mut targets: BTreeMap<usize, Location> = BTreeMap::new();
         {
@@ -218,190 +203,32 @@ impl<B: Backend> GrowableBuffer<B> {
         let _span = tracing::debug_span!("vmmbuf.migrate", chunks = targets.len()).entered();
         let mut guard = self.inner.lock();
         let g = &mut *guard;
-        let size_of = |g: &super::Inner<B>, o: usize| g.table.get(o).map_or(0, |e| e.bytes);
-        let total: usize = targets.keys().map(|&o| size_of(g, o)).sum();
 
         // The copies read the old chunks: recorded writers first.
         self.wait_uses()?;
-        // Phase A: new chunks at a temporary address, data copied there.
-        let mut tmp = backend.reserve(total, self.granularity())?;
-        let mut staged: Vec<(usize, usize, B::Chunk, Location)> = Vec::with_capacity(targets.len());
-        let mut tmp_mapped = 0usize;
-        let staging = (|| {
-            for (&offset, &to) in &targets {
-                let bytes = size_of(g, offset);
-                // A pooled chunk of the size, at the target, if there is one.
-                let pooled = self.pool().and_then(|p| p.take_exact(to, bytes));
-                let chunk = match pooled {
-                    Some(c) => c,
-                    None => backend.create(bytes, to)?,
-                };
-                backend.map(&mut tmp, tmp_mapped, &chunk)?;
-                staged.push((offset, bytes, chunk, to));
-                let at = tmp_mapped;
-                tmp_mapped += bytes;
-                backend.set_access(
-                    &mut tmp,
-                    at,
-                    bytes,
-                    &[AccessDesc::new(home, Access::ReadWrite)],
-                )?;
-                backend.copy(&mut tmp, at, g.res(), offset, bytes)?;
+        let mover = Mover {
+            backend: &*backend,
+            granularity: self.granularity(),
+            pool: self.pool().map(|p| &**p),
+        };
+        let res = g.res.as_mut().expect("the reservation lives until drop");
+        match mover.run(res, &mut g.table, &targets) {
+            Ok(report) => {
+                g.debug_check();
+                g.stats.chunks_migrated_total += report.chunks_moved as u64;
+                tracing::debug!(
+                    chunks = report.chunks_moved,
+                    bytes = report.bytes_moved,
+                    "vmmbuf: migrated"
+                );
+                Ok(report)
             }
-            // The copies (recorded users were waited for above).
-            backend.wait_copies()?;
-            backend.unmap(&mut tmp, 0, tmp_mapped)?;
-            tmp_mapped = 0;
-            Ok(())
-        })();
-        if let Err(e) = staging {
-            let mut unmapped = true;
-            if tmp_mapped > 0 {
-                // Copies may still be in flight into the temporary mapping.
-                let _ = backend.wait_copies();
-                unmapped = backend.unmap(&mut tmp, 0, tmp_mapped).is_ok();
-            }
-            // If the unmap failed, the token unmaps what it holds as it drops.
-            let _ = backend.free(tmp);
-            for (_, bytes, chunk, to) in staged {
-                if unmapped {
-                    let _ = self.dispose(chunk, bytes, to); // logged inside
-                } else {
-                    // Perhaps still mapped: released, never pooled.
-                    let _ = backend.release(chunk);
+            Err(MoveFailure { error, poison }) => {
+                if let Some((why, stuck)) = poison {
+                    g.poison(why, stuck);
                 }
+                Err(error)
             }
-            tracing::debug!(error = %e, "vmmbuf: migration staging failed; nothing moved");
-            return Err(e);
         }
-        if let Err(e) = backend.free(tmp) {
-            tracing::warn!(error = %e, "vmmbuf: freeing the temporary reservation failed");
-        }
-
-        // Phase B: swap each chunk at its own address. The old chunks are
-        // kept until every swap has succeeded, so a failure can swap back.
-        // Each chunk keeps its own access list; the driver gets what the new
-        // placement takes of it.
-        let mut report = MigrationReport::default();
-        let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
-        let mut staged = staged.into_iter();
-        while let Some((offset, bytes, new, to)) = staged.next() {
-            let entry = g.table.get(offset).expect("a staged chunk is in the table");
-            let list = driver_access(&entry.access, to);
-            let Err((e, stage)) = Self::swap_in(&*backend, g.res(), offset, bytes, &new, &list)
-            else {
-                let entry = g
-                    .table
-                    .get_mut(offset)
-                    .expect("a staged chunk is in the table");
-                let old = std::mem::replace(&mut entry.chunk, new);
-                let old_place = entry.placement;
-                g.table.set_placement(offset, to);
-                done.push((offset, old, old_place));
-                report.chunks_moved += 1;
-                report.bytes_moved += bytes;
-                continue;
-            };
-            // Undo: this chunk, then the swapped ones in reverse. A chunk
-            // that cannot be put back poisons the buffer, and every token
-            // that may still be mapped, or holds data, stays out of the pool.
-            let mut stuck: Vec<B::Chunk> = Vec::new();
-            let mut why = None;
-            let entry = g.table.get(offset).expect("a staged chunk is in the table");
-            let old_list = entry.driver_access();
-            let res = g.res.as_mut().expect("the reservation lives until drop");
-            match Self::undo_swap(
-                &*backend,
-                res,
-                offset,
-                bytes,
-                &entry.chunk,
-                &old_list,
-                stage,
-            ) {
-                Ok(()) => drop(self.dispose(new, bytes, to)),
-                Err(u) => {
-                    why = Some(format!("undoing a failed migration at {offset:#x}: {u}"));
-                    stuck.push(new);
-                }
-            }
-            for (_, b, c, t) in staged {
-                let _ = self.dispose(c, b, t); // unmapped since staging
-            }
-            for (o, old, old_place) in done.into_iter().rev() {
-                let bytes = size_of(g, o);
-                let entry = g.table.get(o).expect("a swapped chunk is in the table");
-                let old_list = driver_access(&entry.access, old_place);
-                let res = g.res.as_mut().expect("the reservation lives until drop");
-                match Self::undo_swap(&*backend, res, o, bytes, &old, &old_list, 2) {
-                    Ok(()) => {
-                        g.table.set_placement(o, old_place);
-                        let entry = g.table.get_mut(o).expect("a swapped chunk is in the table");
-                        let new = std::mem::replace(&mut entry.chunk, old);
-                        let new_place = *targets.get(&o).expect("a swapped chunk had a target");
-                        let _ = self.dispose(new, bytes, new_place);
-                    }
-                    Err(u) => {
-                        why.get_or_insert(format!("undoing a failed migration at {o:#x}: {u}"));
-                        stuck.push(old);
-                    }
-                }
-            }
-            if let Some(why) = why {
-                g.poison(why, stuck);
-            }
-            tracing::debug!(error = %e, "vmmbuf: migration failed and was undone");
-            return Err(e);
-        }
-        // Every swap succeeded: the old chunks go (to the pool, if any).
-        for (o, old, old_place) in done {
-            let _ = self.dispose(old, size_of(g, o), old_place); // logged inside
-        }
-        g.debug_check();
-        g.stats.chunks_migrated_total += report.chunks_moved as u64;
-        tracing::debug!(
-            chunks = report.chunks_moved,
-            bytes = report.bytes_moved,
-            "vmmbuf: migrated"
-        );
-        Ok(report)
-    }
-
-    /// Unmaps the chunk at `offset` and maps `new` there with `access`. On
-    /// error, also says how far it got: 0 = old still mapped, 1 = nothing
-    /// mapped, 2 = new mapped.
-    fn swap_in(
-        backend: &B,
-        res: &mut B::Reservation,
-        offset: usize,
-        bytes: usize,
-        new: &B::Chunk,
-        access: &[AccessDesc],
-    ) -> std::result::Result<(), (Error, u8)> {
-        backend.unmap(res, offset, bytes).map_err(|e| (e, 0))?;
-        backend.map(res, offset, new).map_err(|e| (e, 1))?;
-        backend
-            .set_access(res, offset, bytes, access)
-            .map_err(|e| (e, 2))
-    }
-
-    /// Puts `old` back at `offset` after a swap that got to `stage`.
-    fn undo_swap(
-        backend: &B,
-        res: &mut B::Reservation,
-        offset: usize,
-        bytes: usize,
-        old: &B::Chunk,
-        old_access: &[AccessDesc],
-        stage: u8,
-    ) -> Result<()> {
-        if stage == 2 {
-            backend.unmap(res, offset, bytes)?;
-        }
-        if stage >= 1 {
-            backend.map(res, offset, old)?;
-            backend.set_access(res, offset, bytes, old_access)?;
-        }
-        Ok(())
     }
 }

@@ -14,7 +14,7 @@ mod migrate;
 mod shrink;
 mod uses;
 
-pub use migrate::{MigrationPlan, MigrationPolicy, MigrationReport};
+pub use migrate::{MigrationPlan, MigrationPolicy};
 
 use std::ops::Range;
 use std::sync::Arc;
