@@ -150,6 +150,29 @@ impl<B: Backend> ChunkPool<B> {
         self.release_all(all.into_values().flatten())
     }
 
+    /// Gives the pooled chunks placed at `placement` back to the driver
+    /// and keeps the others, as [`trim`](Self::trim) does for all.
+    pub fn trim_at(&self, placement: Location) -> Result<()> {
+        let gone: Vec<B::Chunk> = {
+            let mut g = self.inner.lock();
+            let keys: Vec<(Location, usize)> = g
+                .free
+                .keys()
+                .filter(|k| k.0 == placement)
+                .copied()
+                .collect();
+            let mut gone = Vec::new();
+            for k in keys {
+                let list = g.free.remove(&k).expect("the key was just listed");
+                g.stats.pooled_bytes -= k.1 * list.len();
+                g.stats.pooled_chunks -= list.len();
+                gone.extend(list);
+            }
+            gone
+        };
+        self.release_all(gone)
+    }
+
     fn release_all(&self, chunks: impl IntoIterator<Item = B::Chunk>) -> Result<()> {
         let mut first = None;
         let mut n = 0;

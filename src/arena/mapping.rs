@@ -67,16 +67,18 @@ impl<B: Backend> Shared<B> {
         {
             return Err(self.out_of_memory(st, size, None));
         }
-        // Chunks of at most `chunk_bytes`, pooled ones first.
+        // Chunks of at most `chunk_bytes`, pooled ones first, placed where
+        // the arena is now (the host, while offloaded).
+        let placement = st.placement;
         let mut chunks: Vec<(B::Chunk, usize)> = Vec::new();
         let mut mapped_now = 0usize;
         let attempt = (|| -> Result<()> {
             let mut left = need;
             while left > 0 {
                 let bytes = left.min(self.chunk_bytes);
-                let chunk = match self.pool.take_exact(self.placement, bytes) {
+                let chunk = match self.pool.take_exact(placement, bytes) {
                     Some(c) => c,
-                    None => self.backend.create(bytes, self.placement)?,
+                    None => self.backend.create(bytes, placement)?,
                 };
                 chunks.push((chunk, bytes));
                 left -= bytes;
@@ -86,7 +88,7 @@ impl<B: Backend> Shared<B> {
                 self.backend.map(res, at + mapped_now, c)?;
                 mapped_now += bytes;
             }
-            let list = driver_access(&self.access, self.placement);
+            let list = driver_access(&self.access, placement);
             self.backend.set_access(res, at, need, &list)
         })();
         if let Err(e) = attempt {
@@ -101,13 +103,13 @@ impl<B: Backend> Shared<B> {
                 }
             }
             for (c, bytes) in chunks {
-                self.pool.put(self.placement, bytes, c);
+                self.pool.put(placement, bytes, c);
             }
             return Err(e);
         }
         let mut o = at;
         for (c, bytes) in chunks {
-            let mut entry = Entry::new(c, bytes, self.placement);
+            let mut entry = Entry::new(c, bytes, placement);
             entry.access = self.access.as_slice().into();
             st.table
                 .insert(o, entry)
@@ -213,6 +215,9 @@ impl<B: Backend> Shared<B> {
         };
         s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
         s.pooled_bytes = self.pool.stats().pooled_bytes;
+        let host = st.table.stats().host_bytes;
+        st.stats.host_bytes = host;
+        st.stats.device_bytes = mapped - host;
     }
 }
 
@@ -241,6 +246,9 @@ impl<B: Backend> Drop for Shared<B> {
                     let _ = backend.release(e.chunk);
                 }
             }
+        }
+        for c in st.quarantine.drain(..) {
+            let _ = backend.release(c);
         }
         if ok {
             let _ = backend.free(res);

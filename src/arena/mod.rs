@@ -6,6 +6,7 @@ mod allocation;
 mod blocks;
 mod cuda_view;
 mod mapping;
+mod sleep;
 mod stats;
 mod trace;
 
@@ -165,6 +166,12 @@ struct State<B: Backend> {
     live: BTreeMap<usize, Live>,
     stats: ArenaStats,
     poisoned: Option<String>,
+    /// Where new chunks go now: the arena's placement, or the host while
+    /// offloaded.
+    placement: Location,
+    /// Chunks that may still be mapped after a failed undo: released only
+    /// with the reservation.
+    quarantine: Vec<B::Chunk>,
 }
 
 struct Shared<B: Backend> {
@@ -293,6 +300,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     live: BTreeMap::new(),
                     stats: ArenaStats::default(),
                     poisoned: None,
+                    placement,
+                    quarantine: Vec::new(),
                 }),
                 trace: Mutex::new(None),
             }),

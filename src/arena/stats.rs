@@ -52,6 +52,11 @@ pub struct ArenaStats {
     pub fragmentation: f64,
     /// Bytes this arena's pool holds for reuse.
     pub pooled_bytes: usize,
+    /// Of the mapped bytes, those in pinned host memory (all of them while
+    /// [offloaded](crate::Arena::offload)).
+    pub host_bytes: usize,
+    /// Of the mapped bytes, those on a GPU.
+    pub device_bytes: usize,
 }
 
 impl fmt::Display for ArenaStats {
@@ -72,14 +77,16 @@ impl fmt::Display for ArenaStats {
         row(f, "inactive_split_bytes", self.inactive_split_bytes)?;
         writeln!(
             f,
-            "  allocs {}, frees {}, alloc retries {}, OOMs {}, device syncs {}, fragmentation {:.3}, pooled {}",
+            "  allocs {}, frees {}, alloc retries {}, OOMs {}, device syncs {}, fragmentation {:.3}, pooled {}, on GPUs {}, in host memory {}",
             self.num_allocs,
             self.num_frees,
             self.num_alloc_retries,
             self.num_ooms,
             self.num_device_syncs,
             self.fragmentation,
-            Bytes(self.pooled_bytes)
+            Bytes(self.pooled_bytes),
+            Bytes(self.device_bytes),
+            Bytes(self.host_bytes)
         )
     }
 }

@@ -17,6 +17,7 @@ mod peer;
 mod placement;
 mod pool;
 mod props;
+mod sleep;
 mod soak;
 mod soundness;
 mod stream_order;
@@ -44,6 +45,7 @@ fn main() {
         placement::trials(),
         pool::trials(),
         props::trials(),
+        sleep::trials(),
         soak::trials(),
         soundness::trials(),
         stream_order::trials(),
