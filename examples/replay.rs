@@ -27,7 +27,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    let desc = ArenaDesc::new(256 << 30).max_chunk_bytes(chunk_mib << 20);
+    let mut desc = ArenaDesc::new(256 << 30).max_chunk_bytes(chunk_mib << 20);
+    // VMMBUF_RELEASE_BEFORE_MAP=0 keeps free chunks mapped (the PyTorch
+    // plug-in's setting).
+    desc.release_before_map = std::env::var("VMMBUF_RELEASE_BEFORE_MAP").as_deref() != Ok("0");
     let started = std::time::Instant::now();
     let (where_, report, stats) = match CudaBackend::new(0) {
         Ok(gpu) => {

@@ -1,21 +1,33 @@
 #!/usr/bin/env python3
-"""Train a PyTorch workload under one allocator per process and compare:
+"""Train PyTorch workloads under one allocator per process and compare:
 native caching, expandable_segments:True, backend:cudaMallocAsync, vmmbuf.
 
-    python3 scripts/torch_allocators.py --all [--steps N]      # a table
-    python3 scripts/torch_allocators.py --alloc vmmbuf         # one run, JSON last
+    python3 scripts/torch_allocators.py --all [--repeats 3] [--steps 40]   # table
+    python3 scripts/torch_allocators.py --budgets                         # smallest budgets
+    python3 scripts/torch_allocators.py --sleep                           # sleep/wake
+    python3 scripts/torch_allocators.py --alloc vmmbuf --workload conv    # one run, JSON last
 
-Per run: the loss at every step (same seed everywhere), peak allocated
-(PyTorch's counter, or the arena's), peak device memory taken (cuMemGetInfo
-against the free memory before the first allocation, sampled after every
-step), utilization (allocated / taken) and the median step time.
+Workloads, written with PyTorch's own modules, same seed everywhere:
+  transformer  nn.TransformerEncoder (6 layers, d=512), random sequence
+               lengths 32-512 and batch sizes 16-32;
+  conv         a VGG-style net of Conv2d/BatchNorm2d/ReLU blocks on 128x128
+               images, random batch sizes 16-128.
+
+Per run: the loss at every step, peak allocated (PyTorch's counter, or the
+arena's), peak device memory taken (cuMemGetInfo against the free memory
+before the first allocation, sampled after every step), utilization
+(allocated / taken) and the median step time. --budgets binary-searches the
+smallest memory budget each allocator completes the run in
+(set_per_process_memory_fraction for PyTorch, the arena budget for vmmbuf).
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 CONF = {
     "native": None,
@@ -23,85 +35,299 @@ CONF = {
     "async": "backend:cudaMallocAsync",
     "vmmbuf": None,
 }
+WORKLOADS = ("transformer", "conv")
+HERE = os.path.dirname(os.path.abspath(__file__))
+OOM_EXIT = 3
 
 
-def run_one(alloc, steps):
+def build(workload, torch, dev):
+    nn = torch.nn
+    if workload == "transformer":
+        d = 512
+        layer = nn.TransformerEncoderLayer(d, 8, 2048, batch_first=True)
+        model = nn.Sequential(nn.TransformerEncoder(layer, 6), nn.Linear(d, 1000)).to(dev)
+
+        def batch(rng):
+            seq, b = rng.randint(32, 512), rng.choice([16, 24, 32])
+            return (torch.randn(b, seq, d, device=dev),
+                    torch.randint(0, 1000, (b, seq), device=dev))
+
+        def loss_of(out, y):
+            return nn.functional.cross_entropy(out.reshape(-1, 1000), y.reshape(-1))
+    else:
+        def block(cin, cout, stride):
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+        model = nn.Sequential(block(3, 64, 1), block(64, 128, 2), block(128, 256, 2),
+                              block(256, 512, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(512, 100)).to(dev)
+
+        def batch(rng):
+            b = rng.choice([16, 32, 48, 64, 96, 128])
+            return (torch.randn(b, 3, 128, 128, device=dev),
+                    torch.randint(0, 100, (b,), device=dev))
+
+        def loss_of(out, y):
+            return nn.functional.cross_entropy(out, y)
+    return model, batch, loss_of
+
+
+def run_one(a):
+    alloc = a.alloc
     if CONF[alloc]:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CONF[alloc]
+    vt = None
     if alloc == "vmmbuf":
-        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-        import vmmbuf_torch
-        vmmbuf_torch.use()
+        sys.path.insert(0, os.path.join(HERE, "..", "python"))
+        import vmmbuf_torch as vt
+        vt.use(budget_bytes=a.budget)
     import random
     import torch
     torch.manual_seed(0)
-    random.seed(0)
+    rng = random.Random(0)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
     dev = torch.device("cuda")
-    free0, _ = torch.cuda.mem_get_info()
-    d = 512
-    layer = torch.nn.TransformerEncoderLayer(d, 8, 2048, batch_first=True)
-    model = torch.nn.TransformerEncoder(layer, 6).to(dev)
-    head = torch.nn.Linear(d, 1000).to(dev)
-    opt = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=1e-4)
-    losses, times, min_free = [], [], free0
-    for step in range(steps):
-        seq = random.randint(32, 512)
-        batch = random.choice([16, 24, 32])
-        x = torch.randn(batch, seq, d, device=dev)
-        y = torch.randint(0, 1000, (batch, seq), device=dev)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = head(model(x))
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, 1000), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        losses.append(loss.item())
-        min_free = min(min_free, torch.cuda.mem_get_info()[0])
-    if alloc == "vmmbuf":
-        peak_alloc = vmmbuf_torch.stats()["allocated_bytes.all.peak"]
-    else:
-        peak_alloc = torch.cuda.max_memory_allocated()
+    free0, total = torch.cuda.mem_get_info()
+    if a.budget and alloc != "vmmbuf":
+        torch.cuda.set_per_process_memory_fraction(a.budget / total)
+    # Only the sleep run tags (the counters and the budget are per arena,
+    # and a tag makes a second arena).
+    tag = (lambda: vt.tag("weights")) if vt and a.sleep_at is not None else _nullcontext
+    with tag():
+        model, batch, loss_of = build(a.workload, torch, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses, times, min_free, sleep = [], [], free0, None
+    try:
+        for step in range(a.steps):
+            if a.sleep_at is not None and step == a.sleep_at:
+                sleep = sleep_and_wake(torch, vt, model, opt, free0)
+            x, y = batch(rng)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = loss_of(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            with tag():  # the optimizer's state is made at its first step
+                opt.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            losses.append(loss.item())
+            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+            min_free = min(min_free, torch.cuda.mem_get_info()[0])
+            del x, y, loss
+    except torch.OutOfMemoryError as e:
+        print(json.dumps({"alloc": alloc, "oom": True, "step": len(losses),
+                          "error": str(e)[:200]}), flush=True)
+        sys.exit(OOM_EXIT)
+    peak_alloc = (vt.stats()["allocated_bytes.all.peak"] if vt
+                  else torch.cuda.max_memory_allocated())
     taken = free0 - min_free
-    times.sort()
     res = {
         "alloc": alloc,
+        "workload": a.workload,
         "losses": losses,
         "peak_allocated": peak_alloc,
         "peak_taken": taken,
         "utilization": peak_alloc / taken if taken else 0.0,
-        "median_step_ms": 1000 * times[len(times) // 2],
+        "median_step_ms": 1000 * statistics.median(times),
     }
+    if sleep:
+        res["sleep"] = sleep
     print(json.dumps(res), flush=True)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def sleep_and_wake(torch, vt, model, opt, free0):
+    """Sleeps every tag, checks what it must, wakes; returns the figures."""
+    torch.cuda.synchronize()
+    tensors = list(model.parameters()) + [
+        v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.is_cuda]
+    ptrs = [t.data_ptr() for t in tensors]
+    sums = [t.double().sum().item() for t in tensors]
+    taken = free0 - torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    moved_weights = vt.sleep(["weights"])
+    moved = moved_weights + vt.sleep()
+    t1 = time.perf_counter()
+    asleep = free0 - torch.cuda.mem_get_info()[0]
+    s = vt.stats()
+    # Kernels read the offloaded tensors where they are.
+    sums_asleep = [t.double().sum().item() for t in tensors]
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    back = vt.wake()
+    t3 = time.perf_counter()
+    assert [t.data_ptr() for t in tensors] == ptrs, "an address changed"
+    assert sums_asleep == sums, "an offloaded tensor read differently"
+    assert [t.double().sum().item() for t in tensors] == sums, "a tensor changed across sleep"
+    # A plain pinned copy of the same bytes, both ways, for comparison.
+    g = torch.empty(moved, dtype=torch.uint8, device="cuda")
+    h = torch.empty(moved, dtype=torch.uint8, pin_memory=True)
+    g.fill_(7)
+    torch.cuda.synchronize()
+    c0 = time.perf_counter()
+    h.copy_(g)
+    torch.cuda.synchronize()
+    c1 = time.perf_counter()
+    g.copy_(h)
+    torch.cuda.synchronize()
+    c2 = time.perf_counter()
+    del g, h
+    gib = moved / 2**30
+    return {
+        "taken_before": taken, "taken_asleep": asleep,
+        "freed_fraction": (taken - asleep) / taken,
+        "bytes_moved": moved, "weights_tag_bytes": moved_weights, "bytes_back": back,
+        "host_bytes_asleep": s["host_bytes"], "device_bytes_asleep": s["device_bytes"],
+        "sleep_ms_per_gib": 1000 * (t1 - t0) / gib, "wake_ms_per_gib": 1000 * (t3 - t2) / gib,
+        "pinned_d2h_ms_per_gib": 1000 * (c1 - c0) / gib,
+        "pinned_h2d_ms_per_gib": 1000 * (c2 - c1) / gib,
+        "tensors_checked": len(tensors),
+    }
+
+
+def child(alloc, workload, steps, budget=None, sleep_at=None, prefix=()):
+    cmd = [*prefix, sys.executable, os.path.abspath(__file__), "--alloc", alloc,
+           "--workload", workload, "--steps", str(steps)]
+    if budget:
+        cmd += ["--budget", str(budget)]
+    if sleep_at is not None:
+        cmd += ["--sleep-at", str(sleep_at)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    try:
+        r = json.loads(last)
+    except ValueError:
+        r = None
+    return out, r
+
+
+def table(a):
+    rows = []
+    for w in a.workloads:
+        runs = {k: [] for k in CONF}
+        for rep in range(a.repeats):
+            for alloc in CONF:  # interleaved, so drift hits all alike
+                out, r = child(alloc, w, a.steps)
+                if r is None or "losses" not in r:
+                    print(f"{w}/{alloc}: failed\n{out.stdout[-1500:]}\n{out.stderr[-3000:]}")
+                    continue
+                runs[alloc].append(r)
+        native = runs["native"][0]["losses"] if runs["native"] else None
+        print(f"\n{w}, {a.steps} steps, {a.repeats} runs each (figures: median over runs)")
+        print(f"{'allocator':<12} {'peak alloc MiB':>15} {'peak taken MiB':>15} {'utilization':>12}"
+              f" {'median step ms':>15} {'step vs native':>15} {'max |loss - native|':>20}")
+        base = None
+        for alloc, rs in runs.items():
+            if not rs:
+                continue
+            med = lambda k: statistics.median(r[k] for r in rs)
+            step = med("median_step_ms")
+            base = base or step
+            diff = max(abs(p - q) for r in rs for p, q in zip(r["losses"], native)) if native else float("nan")
+            print(f"{alloc:<12} {med('peak_allocated') / 2**20:15.1f} {med('peak_taken') / 2**20:15.1f}"
+                  f" {med('utilization'):12.3f} {step:15.2f} {step / base:15.3f} {diff:20.2e}")
+            rows.append({"workload": w, "alloc": alloc, "runs": rs})
+        if native:
+            print("losses (native):", " ".join(f"{x:.4f}" for x in native[:8]), "...")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f)
+
+
+def budgets(a):
+    """Per workload and allocator, the smallest budget (bytes) that completes
+    the run, to within --resolution of the peak allocated; allocators
+    searched in parallel (the limits are per process)."""
+    for w in a.workloads:
+        _, ref = child("native", w, a.steps)
+        peak = ref["peak_allocated"]
+        lo0, hi0 = int(peak * 0.9), int(ref["peak_taken"] * 1.25)
+        res = int(peak * a.resolution)
+
+        def search(alloc):
+            ok = lambda b: child(alloc, w, a.steps, budget=b)[0].returncode == 0
+            if ok(lo0):
+                return alloc, None, "completes below the peak allocated: the limit is not enforced"
+            lo, hi, tries = lo0, hi0, 1
+            if not ok(hi):
+                return alloc, None, f"fails even at {hi / 2**20:.0f} MiB"
+            while hi - lo > res:
+                mid = (lo + hi) // 2
+                tries += 1
+                if ok(mid):
+                    hi = mid
+                else:
+                    lo = mid
+            return alloc, hi, f"{tries + 1} runs"
+
+        with ThreadPoolExecutor(len(CONF)) as ex:
+            found = list(ex.map(search, CONF))
+        print(f"\n{w}: smallest completing budget ({a.steps} steps; peak allocated "
+              f"{peak / 2**20:.0f} MiB, resolution {res / 2**20:.0f} MiB)")
+        print(f"{'allocator':<12} {'budget MiB':>11} {'/ peak allocated':>17}  note")
+        for alloc, b, note in found:
+            if b is None:
+                print(f"{alloc:<12} {'n/a':>11} {'':>17}  {note}")
+            else:
+                print(f"{alloc:<12} {b / 2**20:11.0f} {b / peak:17.3f}  {note}")
+
+
+def sleep_run(a):
+    for w in a.workloads:
+        _, native = child("native", w, a.steps)
+        out, r = child("vmmbuf", w, a.steps, sleep_at=a.steps // 2)
+        if r is None or "sleep" not in r:
+            print(f"{w}: sleep run failed\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+            continue
+        s = r["sleep"]
+        diff = max(abs(p - q) for p, q in zip(r["losses"], native["losses"]))
+        print(f"\n{w}: slept at step {a.steps // 2} of {a.steps}")
+        print(f"  device memory taken: {s['taken_before'] / 2**20:.0f} MiB awake, "
+              f"{s['taken_asleep'] / 2**20:.0f} MiB asleep: {100 * s['freed_fraction']:.1f}% freed")
+        print(f"  moved {s['bytes_moved'] / 2**20:.0f} MiB ({s['weights_tag_bytes'] / 2**20:.0f} MiB "
+              f"under the 'weights' tag), back {s['bytes_back'] / 2**20:.0f} MiB; "
+              f"{s['tensors_checked']} tensors at the same addresses, read while asleep")
+        print(f"  ms per GiB: sleep {s['sleep_ms_per_gib']:.0f}, wake {s['wake_ms_per_gib']:.0f}; "
+              f"pinned copy D2H {s['pinned_d2h_ms_per_gib']:.0f}, H2D {s['pinned_h2d_ms_per_gib']:.0f}")
+        print(f"  max |loss - native| over {len(r['losses'])} steps: {diff:.2e}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--alloc", choices=list(CONF))
+    ap.add_argument("--workload", choices=WORKLOADS, default="transformer")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--all", action="store_true")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--budgets", action="store_true")
+    ap.add_argument("--sleep", action="store_true")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", type=int, help="bytes (one run)")
+    ap.add_argument("--sleep-at", type=int, help="sleep and wake before this step (vmmbuf)")
+    ap.add_argument("--resolution", type=float, default=0.01)
+    ap.add_argument("--json", help="write the runs here (--all)")
     a = ap.parse_args()
-    if not a.all:
-        run_one(a.alloc, a.steps)
-        return
-    results = {}
-    for alloc in CONF:
-        out = subprocess.run([sys.executable, __file__, "--alloc", alloc, "--steps", str(a.steps)],
-                             capture_output=True, text=True)
-        last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-        try:
-            results[alloc] = json.loads(last)
-        except ValueError:
-            print(f"{alloc}: failed\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
-    native = results.get("native", {}).get("losses")
-    print(f"{'allocator':<12} {'peak alloc MiB':>15} {'peak taken MiB':>15} {'utilization':>12} {'median step ms':>15} {'max |loss - native|':>20}")
-    for alloc, r in results.items():
-        diff = max(abs(p - q) for p, q in zip(r["losses"], native)) if native else float("nan")
-        print(f"{alloc:<12} {r['peak_allocated'] / 2**20:15.1f} {r['peak_taken'] / 2**20:15.1f} "
-              f"{r['utilization']:12.3f} {r['median_step_ms']:15.2f} {diff:20.2e}")
-    print("losses (native):", " ".join(f"{x:.4f}" for x in (native or [])[:10]), "...")
+    a.workloads = a.workloads.split(",")
+    if a.all:
+        table(a)
+    elif a.budgets:
+        budgets(a)
+    elif a.sleep:
+        sleep_run(a)
+    elif a.alloc:
+        run_one(a)
+    else:
+        ap.error("one of --all, --budgets, --sleep, --alloc")
 
 
 if __name__ == "__main__":

@@ -4,46 +4,48 @@ vmmbuf trace (CSV: op,id,bytes,stream,time_us), for replay through an Arena.
 
     python3 scripts/torch_trace.py OUT.csv.gz [--steps N]
 
-The workload is PyTorch's own nn.TransformerEncoder trained with AdamW on
-random sequence lengths (fixed seed), the case where PyTorch's native caching
-allocator fragments. torch.cuda.memory._record_memory_history records every
+The workloads are those of torch_allocators.py (--workload transformer: an
+nn.TransformerEncoder on random sequence lengths, where PyTorch's native
+caching allocator fragments; --workload conv: a conv net on random batch
+sizes), trained with AdamW, fixed seed. The recorded transformer trace in
+the repository predates the shared workload code: the same model, written
+out here before. torch.cuda.memory._record_memory_history records every
 alloc and free; _snapshot() hands them over. Frees are taken when requested
 (free_requested), falling back to free_completed; the arena keeps stream
 order itself. PyTorch's own peaks are printed for reference.
 """
 import argparse
 import gzip
+import os
 import random
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_allocators  # noqa: E402  (the workloads)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--workload", choices=torch_allocators.WORKLOADS, default="transformer")
     args = ap.parse_args()
     torch.manual_seed(0)
-    random.seed(0)
+    rng = random.Random(0)
     dev = torch.device("cuda")
     torch.cuda.memory._record_memory_history(max_entries=2_000_000)
-    d = 512
-    layer = torch.nn.TransformerEncoderLayer(d, 8, 2048, batch_first=True)
-    model = torch.nn.TransformerEncoder(layer, 6).to(dev)
-    head = torch.nn.Linear(d, 1000).to(dev)
-    opt = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=1e-4)
+    model, batch, loss_of = torch_allocators.build(args.workload, torch, dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for step in range(args.steps):
-        seq = random.randint(32, 512)
-        batch = random.choice([16, 24, 32])
-        x = torch.randn(batch, seq, d, device=dev)
-        y = torch.randint(0, 1000, (batch, seq), device=dev)
-        out = head(model(x))
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, 1000), y.reshape(-1))
+        x, y = batch(rng)
+        loss = loss_of(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if step % 10 == 0:
-            print(f"step {step}: seq {seq} batch {batch} loss {loss.item():.4f}", flush=True)
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
