@@ -114,7 +114,14 @@ def run_one(a):
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
             losses.append(loss.item())
-            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+            extra = ""
+            if vt and a.verbose:
+                st = vt.stats()
+                extra = (f" allocated {st['allocated_bytes.all.current'] / 2**20:.0f} MiB (peak "
+                         f"{st['allocated_bytes.all.peak'] / 2**20:.0f}), mapped "
+                         f"{st['reserved_bytes.all.current'] / 2**20:.0f} MiB, taken "
+                         f"{(free0 - torch.cuda.mem_get_info()[0]) / 2**20:.0f} MiB")
+            print(f"step {step} loss {losses[-1]:.6f}{extra}", flush=True)
             min_free = min(min_free, torch.cuda.mem_get_info()[0])
             del x, y, loss
     except torch.OutOfMemoryError as e:
@@ -134,6 +141,15 @@ def run_one(a):
         "median_step_ms": 1000 * statistics.median(times),
     }
     if sleep:
+        # What the process keeps with no tensor at all (CUDA libraries'
+        # state and loaded kernels): what no allocator can give back.
+        del model, opt
+        import gc
+        gc.collect()
+        vt.empty_cache()
+        torch.cuda.synchronize()
+        sleep["floor_no_tensors"] = free0 - torch.cuda.mem_get_info()[0]
+        sleep["arena_mapped_no_tensors"] = vt.stats()["reserved_bytes.all.current"]
         res["sleep"] = sleep
     print(json.dumps(res), flush=True)
 
@@ -299,6 +315,8 @@ def sleep_run(a):
               f"{s['tensors_checked']} tensors at the same addresses, read while asleep")
         print(f"  ms per GiB: sleep {s['sleep_ms_per_gib']:.0f}, wake {s['wake_ms_per_gib']:.0f}; "
               f"pinned copy D2H {s['pinned_d2h_ms_per_gib']:.0f}, H2D {s['pinned_h2d_ms_per_gib']:.0f}")
+        print(f"  with no tensor at all (after empty_cache) the process still takes "
+              f"{s['floor_no_tensors'] / 2**20:.0f} MiB (arena: {s['arena_mapped_no_tensors']} B mapped)")
         print(f"  max |loss - native| over {len(r['losses'])} steps: {diff:.2e}")
 
 
@@ -316,6 +334,7 @@ def main():
     ap.add_argument("--sleep-at", type=int, help="sleep and wake before this step (vmmbuf)")
     ap.add_argument("--resolution", type=float, default=0.01)
     ap.add_argument("--json", help="write the runs here (--all)")
+    ap.add_argument("--verbose", action="store_true", help="the arena's counters at every step")
     a = ap.parse_args()
     a.workloads = a.workloads.split(",")
     if a.all:

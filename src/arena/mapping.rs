@@ -1,4 +1,6 @@
-//! How the arena finds memory: free blocks first, then chunks mapped at the
+//! How the arena finds memory: free blocks first (settling passed frees,
+//! then joining the stream's pending blocks with settled ones), then chunks
+//! mapped at the
 //! lowest hole that fits (pooled ones first); and how whole free chunks go
 //! back to the pool. Every function runs under the arena's lock.
 
@@ -21,6 +23,11 @@ impl<B: Backend> Shared<B> {
         st.zones[z].settle(|f| backend.fence_done(f).unwrap_or(false));
         if let Some(o) = st.zones[z].take(size, key) {
             return Ok(o);
+        }
+        if st.zones[z].coalesce(key) > 0 {
+            if let Some(o) = st.zones[z].take(size, key) {
+                return Ok(o);
+            }
         }
         self.map_for(st, z, size, key)?;
         st.zones[z]

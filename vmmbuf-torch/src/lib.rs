@@ -100,6 +100,17 @@ impl Device {
                 desc = desc.max_reserved_bytes(b);
             }
             let arena = Arena::with_pool(self.pool.clone(), desc)?;
+            // VMMBUF_TORCH_TRACE=path records the default arena's allocs and
+            // frees as a trace (replay it with the `replay` example).
+            if let (true, Ok(path)) = (tag.is_empty(), std::env::var("VMMBUF_TORCH_TRACE")) {
+                match std::fs::File::create(&path) {
+                    // Unbuffered: the arena lives until the process exits.
+                    Ok(f) => arena.record_trace(Box::new(f))?,
+                    Err(e) => {
+                        tracing::warn!(error = %e, path, "vmmbuf-torch: cannot write the trace")
+                    }
+                }
+            }
             self.arenas.insert(tag.to_owned(), arena);
         }
         Ok(&self.arenas[tag])
