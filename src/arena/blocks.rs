@@ -5,8 +5,9 @@
 //! was freed. S may reuse it at once (its later work is queued after the
 //! free); any other stream only once every fence has passed ("settled").
 //! Adjacent free blocks merge when both are settled, or both belong to the
-//! same stream. When a stream finds no block, [`Blocks::coalesce`] also
-//! joins its pending blocks with settled neighbours. Generic over the fence type, so it is tested with plain
+//! same stream; [`Blocks::joining`] blocks also merge a stream's pending
+//! block with settled neighbours. When a stream finds no block,
+//! [`Blocks::coalesce`] joins those too. Generic over the fence type, so it is tested with plain
 //! values.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,10 +37,17 @@ impl<F> Free<F> {
         self.settled() || self.stream == Some(key)
     }
 
-    /// Whether two touching blocks become one as they are inserted.
-    fn mergeable(&self, other: &Free<F>) -> bool {
-        (self.settled() && other.settled())
-            || (self.stream.is_some() && self.stream == other.stream)
+    /// Whether two touching blocks become one as they are inserted: both
+    /// settled, or both pending on the same stream; with `join_settled`,
+    /// also a settled one and a stream's pending one.
+    fn mergeable(&self, other: &Free<F>, join_settled: bool) -> bool {
+        let same_stream = self.stream.is_some() && self.stream == other.stream;
+        match (self.settled(), other.settled()) {
+            (true, true) => true,
+            (false, false) => same_stream,
+            (true, false) => same_stream || (join_settled && other.stream.is_some()),
+            (false, true) => same_stream || (join_settled && self.stream.is_some()),
+        }
     }
 }
 
@@ -49,6 +57,9 @@ pub(crate) struct Blocks<F> {
     by_offset: BTreeMap<usize, Free<F>>,
     by_size: BTreeSet<(usize, usize)>,
     free_bytes: usize,
+    /// Whether a stream's pending block joins settled neighbours as it is
+    /// inserted (see [`Blocks::joining`]).
+    join_settled: bool,
 }
 
 impl<F> Default for Blocks<F> {
@@ -57,11 +68,26 @@ impl<F> Default for Blocks<F> {
             by_offset: BTreeMap::new(),
             by_size: BTreeSet::new(),
             free_bytes: 0,
+            join_settled: false,
         }
     }
 }
 
 impl<F> Blocks<F> {
+    /// Blocks where a stream's pending block joins its settled neighbours
+    /// as it is inserted (as PyTorch's per-stream blocks merge on free): the
+    /// stream may use the whole at once, other streams once the fences pass.
+    /// Less fragmentation for memory that stays mapped; but the settled part
+    /// cannot be unmapped until then, so an arena that gives free chunks
+    /// back before mapping keeps the two apart (and joins them only on a
+    /// miss, [`Blocks::coalesce`]).
+    pub(crate) fn joining() -> Self {
+        Self {
+            join_settled: true,
+            ..Self::default()
+        }
+    }
+
     pub(crate) fn free_bytes(&self) -> usize {
         self.free_bytes
     }
@@ -111,14 +137,18 @@ impl<F> Blocks<F> {
     pub(crate) fn insert(&mut self, mut offset: usize, mut f: Free<F>) {
         debug_assert!(f.size > 0);
         if let Some((lo, left)) = self.ending_at(offset) {
-            if left.mergeable(&f) {
+            if left.mergeable(&f, self.join_settled) {
                 let left = self.unlink(lo).expect("just found");
                 offset = lo;
                 f = merge(left, f, Newer::Right);
             }
         }
         let end = offset + f.size;
-        if self.by_offset.get(&end).is_some_and(|r| f.mergeable(r)) {
+        if self
+            .by_offset
+            .get(&end)
+            .is_some_and(|r| f.mergeable(r, self.join_settled))
+        {
             let right = self.unlink(end).expect("just found");
             f = merge(f, right, Newer::Left);
         }
@@ -128,11 +158,32 @@ impl<F> Blocks<F> {
     /// The best-fitting block of at least `size` bytes that stream `key` may
     /// use now; taken out, its remainder (past `size`) kept free.
     pub(crate) fn take(&mut self, size: usize, key: StreamKey) -> Option<usize> {
-        let offset = self
-            .by_size
-            .range((size, 0)..)
-            .map(|&(_, o)| o)
-            .find(|o| self.by_offset[o].usable_by(key))?;
+        self.take_sparing(size, key, |_| false)
+    }
+
+    /// [`take`](Self::take), but a block for which `spare(end)` holds (one
+    /// that ends where more memory can be mapped) is taken only if no other
+    /// fits: it is kept to grow into.
+    pub(crate) fn take_sparing(
+        &mut self,
+        size: usize,
+        key: StreamKey,
+        spare: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        let mut fallback = None;
+        let mut found = None;
+        for &(s, o) in self.by_size.range((size, 0)..) {
+            if !self.by_offset[&o].usable_by(key) {
+                continue;
+            }
+            if spare(o + s) {
+                fallback.get_or_insert(o);
+            } else {
+                found = Some(o);
+                break;
+            }
+        }
+        let offset = found.or(fallback)?;
         let f = self.unlink(offset).expect("indexed");
         if f.size > size {
             let rest = Free {
@@ -147,13 +198,12 @@ impl<F> Blocks<F> {
 
     /// Joins each of `key`'s pending blocks with its settled neighbours, so
     /// that `key` may use them as one block at once (other streams once the
-    /// fences pass). For when `key` finds no block that fits: the GPU lags
-    /// the CPU, so free blocks settle in patches, and a large request may
-    /// fit only across a settled and a pending neighbour. Training a conv
-    /// net on one stream on an H100 mapped 4.1 GiB for a 3.1 GiB peak
-    /// without it (3.3 GiB when every fence had passed). Not done as blocks
-    /// are inserted: the settled part would be kept from other streams, and
-    /// best fit picks better among smaller blocks. Returns how many joined.
+    /// fences pass). For when `key` finds no block that fits and blocks are
+    /// not [joining](Self::joining) as they are inserted: the GPU lags the
+    /// CPU, so free blocks settle in patches, and a large request may fit
+    /// only across a settled and a pending neighbour (a conv net trained on
+    /// one stream on an H100 mapped 4.1 GiB for a 3.1 GiB peak without
+    /// this; 3.3 GiB when every fence had passed). Returns how many joined.
     pub(crate) fn coalesce(&mut self, key: StreamKey) -> usize {
         let joinable = |a: &Free<F>, b: &Free<F>| {
             (a.settled() && b.stream == Some(key) && !b.settled())
@@ -262,7 +312,7 @@ impl<F> Blocks<F> {
                 return Err(format!("block at {o:#x} missing from the size index"));
             }
             if let Some((po, p)) = prev {
-                if po + p.size == o && p.mergeable(f) {
+                if po + p.size == o && p.mergeable(f, self.join_settled) {
                     return Err(format!("blocks at {po:#x} and {o:#x} should have merged"));
                 }
             }
@@ -385,6 +435,48 @@ mod tests {
             assert_eq!(b.settle(|&x| x == 7), 1);
             assert_eq!(b.take(32, S2), Some(0), "then anyone may");
         }
+    }
+
+    /// Joining blocks merge a stream's pending free with settled neighbours
+    /// at once; plain blocks keep them apart.
+    #[test]
+    fn joining_blocks_merge_pending_with_settled() {
+        for (mut b, pieces) in [(Blocks::<u32>::joining(), 1), (Blocks::default(), 2)] {
+            b.insert(0, settled(16));
+            b.insert(
+                16,
+                Free {
+                    size: 16,
+                    stream: Some(S1),
+                    fences: vec![(S1, 3)],
+                },
+            );
+            assert_eq!(b.check(), Ok(()));
+            assert_eq!(b.iter().count(), pieces);
+            assert_eq!(b.take(32, S2), None, "S2 waits for S1's fence either way");
+        }
+    }
+
+    /// The spared block (one that can grow) goes only when nothing else fits.
+    #[test]
+    fn take_sparing_keeps_the_growing_block() {
+        let mut b = Blocks::<u32>::default();
+        b.insert(0, settled(40)); // ends at 40: the "tail"
+        b.insert(100, settled(64));
+        let tail = |end: usize| end == 40;
+        assert_eq!(
+            b.take_sparing(32, S1, tail),
+            Some(100),
+            "the bigger one, not the tail"
+        );
+        assert_eq!(b.take_sparing(32, S1, tail), Some(132), "its rest");
+        assert_eq!(
+            b.take_sparing(32, S1, tail),
+            Some(0),
+            "then the tail: nothing else fits"
+        );
+        assert_eq!(b.take_sparing(32, S1, tail), None);
+        assert_eq!(b.check(), Ok(()));
     }
 
     #[test]

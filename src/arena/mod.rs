@@ -90,7 +90,12 @@ pub struct ArenaDesc {
     /// default): memory taken follows memory allocated (the PyTorch trace:
     /// 1.0098x its peak). False keeps them mapped until `release_cached`,
     /// `empty_cache`, a budget or out of memory: fewer unmaps and maps when
-    /// sizes keep changing, more memory held.
+    /// sizes keep changing, more memory held. Kept mapped, the free blocks
+    /// behave as PyTorch's expandable segments: a stream's free joins its
+    /// settled neighbours at once, and the block that ends where mapped
+    /// memory ends is spared while another fits. Replaying PyTorch traces
+    /// with the GPU lagging by 0 to 1000 events: 1.047x the peak (conv net)
+    /// and 1.076x (Transformer), with fewer driver calls than events.
     pub release_before_map: bool,
 }
 
@@ -295,7 +300,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     requested: 0,
                     res: Some(res),
                     table,
-                    zones: [Blocks::default(), Blocks::default()],
+                    zones: if desc.release_before_map {
+                        [Blocks::default(), Blocks::default()]
+                    } else {
+                        [Blocks::joining(), Blocks::joining()]
+                    },
                     small_end: round_up(reserved / 8, g).unwrap_or(reserved).min(reserved),
                     live: BTreeMap::new(),
                     stats: ArenaStats::default(),

@@ -81,6 +81,11 @@ impl<B: Backend> FaultBackend<B> {
             .store(if k == 0 { 0 } else { now + k }, Ordering::SeqCst);
     }
 
+    /// Calls made so far.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
     /// Faults injected so far.
     pub fn injected(&self) -> usize {
         self.failed.load(Ordering::SeqCst)

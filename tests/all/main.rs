@@ -13,6 +13,7 @@ mod faults;
 mod fuzz;
 mod host_only;
 mod interop;
+mod lag;
 mod peer;
 mod placement;
 mod pool;
@@ -41,6 +42,7 @@ fn main() {
         fuzz::trials(),
         host_only::trials(),
         interop::trials(),
+        lag::trials(),
         peer::trials(),
         placement::trials(),
         pool::trials(),

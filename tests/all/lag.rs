@@ -1,0 +1,110 @@
+//! The PyTorch traces replayed with the GPU lagging the CPU: a free's fence
+//! passes only some events after it was recorded, as on a real GPU where the
+//! CPU queues a whole step ahead. Host replays with fences that pass at once
+//! hid a fragmentation that live training showed (see `Blocks::coalesce`).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::BufReader;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use vmmbuf::{parse_trace, Allocation, Arena, ArenaDesc, ArenaStream, HostBackend, TraceEvent};
+
+use crate::fault::{FaultBackend, TestFence};
+
+crate::register! {
+    host: [a_lagging_gpu_costs_the_keep_mapped_arena_little],
+}
+
+type Fb = FaultBackend<HostBackend>;
+
+/// The event count, and the fences not yet passed with the count at which
+/// each was made.
+type Clock = (u64, VecDeque<(u64, TestFence)>);
+
+/// A stream whose fences pass some events late.
+#[derive(Clone, Default)]
+struct Lag(Arc<Mutex<Clock>>);
+
+impl Lag {
+    /// One more event; fences `lag` events old pass.
+    fn tick(&self, lag: u64) {
+        let mut g = self.0.lock();
+        g.0 += 1;
+        let now = g.0;
+        while g.1.front().is_some_and(|(t, _)| t + lag <= now) {
+            g.1.pop_front().expect("just seen").1.pass();
+        }
+    }
+}
+
+impl ArenaStream<Fb> for Lag {
+    fn key(&self) -> (u64, u64) {
+        (0, 0)
+    }
+    fn fence(&self, _: &Fb) -> vmmbuf::Result<TestFence> {
+        let f = TestFence::default();
+        let mut g = self.0.lock();
+        let now = g.0;
+        g.1.push_back((now, TestFence(f.0.clone(), f.1.clone())));
+        Ok(f)
+    }
+}
+
+pub fn trace(name: &str) -> Vec<TraceEvent> {
+    let path = format!("{}/traces/{name}", env!("CARGO_MANIFEST_DIR"));
+    let file = std::fs::File::open(path).unwrap();
+    parse_trace(BufReader::new(flate2::read::GzDecoder::new(file))).unwrap()
+}
+
+/// (peak allocated, peak mapped) replaying `events` with fences passing
+/// `lag` events late, free chunks kept mapped.
+pub fn replay_lagging(events: &[TraceEvent], lag: u64, desc: ArenaDesc) -> (usize, usize, usize) {
+    let fb = FaultBackend::new(HostBackend::with_granularity(2 << 20).unwrap());
+    let arena: Arena<Fb, Lag> = Arena::new(fb.clone(), desc).unwrap();
+    let q = Lag::default();
+    let mut live: HashMap<u64, Allocation<Fb, Lag>> = HashMap::new();
+    let mut peak_alloc = 0;
+    for ev in events {
+        match *ev {
+            TraceEvent::Alloc { id, bytes, .. } => {
+                live.insert(id, arena.alloc(bytes.max(1), &q).unwrap());
+            }
+            TraceEvent::Free { id } => drop(live.remove(&id)),
+        }
+        q.tick(lag);
+        peak_alloc = peak_alloc.max(arena.stats().allocated_bytes.current);
+    }
+    let s = arena.stats();
+    let calls = fb.calls();
+    drop(live);
+    // Every fence passes before the arena goes.
+    q.tick(u64::MAX / 2);
+    (peak_alloc, s.reserved_bytes.peak, calls)
+}
+
+/// Free chunks kept mapped (the PyTorch plug-in's setting): memory taken
+/// stays within 5% (conv) and 8% (transformer) of the peak allocated, however
+/// far the GPU lags. Before frees joined settled neighbours and the growing
+/// tail was spared, the conv trace took 1.06x with fences passing at once and
+/// 1.17x with them 10 or more events late, as live training on an H100 did.
+fn a_lagging_gpu_costs_the_keep_mapped_arena_little() {
+    for (name, bound) in [
+        ("torch-conv-h100.csv.gz", 1.05),
+        ("torch-transformer-h100.csv.gz", 1.08),
+    ] {
+        let events = trace(name);
+        for lag in [0u64, 10, 100] {
+            let mut desc = ArenaDesc::new(256 << 30);
+            desc.release_before_map = false;
+            let (a, m, calls) = replay_lagging(&events, lag, desc);
+            let x = m as f64 / a as f64;
+            eprintln!("{name}, fences {lag} events late: {x:.4}x its peak, {calls} driver calls");
+            assert!(x <= bound, "{name}, lag {lag}: {x:.4}x");
+            assert!(
+                calls < events.len(),
+                "{name}: kept mapped, fewer driver calls than events ({calls})"
+            );
+        }
+    }
+}
