@@ -140,16 +140,21 @@ def run_one(a):
         "utilization": peak_alloc / taken if taken else 0.0,
         "median_step_ms": 1000 * statistics.median(times),
     }
-    if sleep:
+    if sleep or a.floor:
         # What the process keeps with no tensor at all (CUDA libraries'
         # state and loaded kernels): what no allocator can give back.
         del model, opt
         import gc
         gc.collect()
-        vt.empty_cache()
+        if vt:
+            vt.empty_cache()
+        else:
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
-        sleep["floor_no_tensors"] = free0 - torch.cuda.mem_get_info()[0]
-        sleep["arena_mapped_no_tensors"] = vt.stats()["reserved_bytes.all.current"]
+        res["floor_no_tensors"] = free0 - torch.cuda.mem_get_info()[0]
+        res["allocator_holds_no_tensors"] = (vt.stats()["reserved_bytes.all.current"] if vt
+                                             else torch.cuda.memory_reserved())
+    if sleep:
         res["sleep"] = sleep
     print(json.dumps(res), flush=True)
 
@@ -211,9 +216,11 @@ def sleep_and_wake(torch, vt, model, opt, free0):
     }
 
 
-def child(alloc, workload, steps, budget=None, sleep_at=None, prefix=()):
-    cmd = [*prefix, sys.executable, os.path.abspath(__file__), "--alloc", alloc,
+def child(alloc, workload, steps, budget=None, sleep_at=None, floor=False):
+    cmd = [sys.executable, os.path.abspath(__file__), "--alloc", alloc,
            "--workload", workload, "--steps", str(steps)]
+    if floor:
+        cmd.append("--floor")
     if budget:
         cmd += ["--budget", str(budget)]
     if sleep_at is not None:
@@ -300,7 +307,7 @@ def budgets(a):
 
 def sleep_run(a):
     for w in a.workloads:
-        _, native = child("native", w, a.steps)
+        _, native = child("native", w, a.steps, floor=True)
         out, r = child("vmmbuf", w, a.steps, sleep_at=a.steps // 2)
         if r is None or "sleep" not in r:
             print(f"{w}: sleep run failed\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
@@ -315,8 +322,14 @@ def sleep_run(a):
               f"{s['tensors_checked']} tensors at the same addresses, read while asleep")
         print(f"  ms per GiB: sleep {s['sleep_ms_per_gib']:.0f}, wake {s['wake_ms_per_gib']:.0f}; "
               f"pinned copy D2H {s['pinned_d2h_ms_per_gib']:.0f}, H2D {s['pinned_h2d_ms_per_gib']:.0f}")
-        print(f"  with no tensor at all (after empty_cache) the process still takes "
-              f"{s['floor_no_tensors'] / 2**20:.0f} MiB (arena: {s['arena_mapped_no_tensors']} B mapped)")
+        print(f"  with no tensor left (after empty_cache) the process still takes "
+              f"{r['floor_no_tensors'] / 2**20:.0f} MiB on vmmbuf (allocator holds "
+              f"{r['allocator_holds_no_tensors'] / 2**20:.0f} MiB), "
+              f"{native['floor_no_tensors'] / 2**20:.0f} MiB on native (holds "
+              f"{native['allocator_holds_no_tensors'] / 2**20:.0f} MiB): CUDA libraries and kernels")
+        held = s['taken_before'] - r['floor_no_tensors'] + r['allocator_holds_no_tensors']
+        print(f"  of the memory the allocator held, {100 * (s['taken_before'] - s['taken_asleep']) / held:.1f}% "
+              f"was freed")
         print(f"  max |loss - native| over {len(r['losses'])} steps: {diff:.2e}")
 
 
@@ -335,6 +348,8 @@ def main():
     ap.add_argument("--resolution", type=float, default=0.01)
     ap.add_argument("--json", help="write the runs here (--all)")
     ap.add_argument("--verbose", action="store_true", help="the arena's counters at every step")
+    ap.add_argument("--floor", action="store_true",
+                    help="at the end, free everything and report what the process still takes")
     a = ap.parse_args()
     a.workloads = a.workloads.split(",")
     if a.all:

@@ -151,6 +151,18 @@ impl<B: Backend> Shared<B> {
         Ok(())
     }
 
+    /// Waits for the fences of every free block still pending (their
+    /// streams' work only, never the whole device), so that all of them
+    /// settle.
+    pub(super) fn wait_pending_frees(&self, st: &State<B>) -> Result<()> {
+        for (_, f) in st.free_blocks() {
+            for (_, fence) in &f.fences {
+                self.backend.wait(fence)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Unmaps every chunk that lies wholly inside a settled free block and
     /// hands it to the pool. Returns the bytes released.
     pub(super) fn release_free_chunks(&self, st: &mut State<B>) -> Result<usize> {

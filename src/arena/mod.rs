@@ -337,8 +337,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     ///
     /// When no free block fits, maps chunks at the lowest unmapped address
     /// that fits (pooled ones first). Out of memory or over the budget, it
-    /// gives back whole free chunks and cached pool memory and tries once
-    /// more; then [`Error::ArenaOutOfMemory`]. Existing allocations are
+    /// waits for the arena's frees still in flight (on their streams, as
+    /// PyTorch's allocator does before giving up), gives back whole free
+    /// chunks and cached pool memory and tries once more; then
+    /// [`Error::ArenaOutOfMemory`]. Existing allocations are
     /// never touched by a failure.
     pub fn alloc(&self, bytes: usize, stream: &S) -> Result<Allocation<B, S>> {
         if bytes == 0 {
@@ -355,9 +357,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
         let offset = match self.shared.find(&mut st, size, key) {
             Ok(o) => o,
-            // Out of memory, or out of budget or room: give everything
-            // cached back and try once more.
+            // Out of memory, or out of budget or room: wait for the frees
+            // still in flight (their streams only), give everything cached
+            // back and try once more.
             Err(e) if e.is_transient() => {
+                self.shared.wait_pending_frees(&st)?;
                 self.shared.release_free_chunks(&mut st)?;
                 let _ = self.shared.pool.trim();
                 match self.shared.find(&mut st, size, key) {

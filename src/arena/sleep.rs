@@ -75,11 +75,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             backend.wait(f)?;
         }
         // The frees the arena holds: their chunks move or go now.
-        for (_, f) in st.free_blocks() {
-            for (_, fence) in &f.fences {
-                backend.wait(fence)?;
-            }
-        }
+        sh.wait_pending_frees(st)?;
         sh.release_free_chunks(st)?;
         // Where chunks are now, and where new ones went: what the pool may
         // hold that nobody here needs after the move.

@@ -17,7 +17,7 @@ use crate::cuda_only::{pattern, Kernels};
 
 crate::register! {
     host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena],
-    gpu: [cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu],
+    gpu: [cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
 }
 
 fn a_pytorch_training_trace_takes_at_most_1_01x_its_peak() {
@@ -210,4 +210,37 @@ fn allocations_are_send_and_sync_and_hold_the_arena() {
         0,
         "the last allocation took the arena with it"
     );
+}
+
+/// At its budget, an arena whose free memory is still in use by a kernel on
+/// another stream waits for that stream (not the device) and serves the
+/// request; it failed with out-of-memory before.
+fn at_the_budget_the_arena_waits_for_frees_in_flight() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let budget = 64 << 20;
+    let mut desc = ArenaDesc::new(1 << 30).max_reserved_bytes(budget);
+    desc.release_before_map = false;
+    let arena: CudaArena = Arena::new(b.clone(), desc).unwrap();
+    let (sa, sb) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let words = 12u64 << 20; // 48 MiB
+    let x = arena.alloc(words as usize * 4, &sa).unwrap();
+    k.fill(x.address(), 0, words, 5);
+    k.stream.synchronize().unwrap();
+    // A kernel on A reads x for a while; x is freed meanwhile.
+    let bad = k.spin_then_check(&sa, x.address(), 0, words, 5, 200_000_000);
+    drop(x);
+    // B needs 60 MiB: only possible once A's kernel is done with x.
+    let y = arena.alloc(60 << 20, &sb).unwrap();
+    assert!(arena.stats().reserved_bytes.current <= budget);
+    assert_eq!(
+        sa.clone_dtoh(&bad).unwrap()[0],
+        0,
+        "the kernel read x intact"
+    );
+    drop(y);
+    assert_eq!(arena.stats().num_device_syncs, 0);
 }
