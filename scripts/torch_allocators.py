@@ -11,7 +11,9 @@ Workloads, written with PyTorch's own modules, same seed everywhere:
   transformer  nn.TransformerEncoder (6 layers, d=512), random sequence
                lengths 32-512 and batch sizes 16-32;
   conv         a VGG-style net of Conv2d/BatchNorm2d/ReLU blocks on 128x128
-               images, random batch sizes 16-128.
+               images, random batch sizes 16-128;
+  transformer-xl  the transformer at d=1024, 12 layers (only named, e.g.
+               --sleep --workloads transformer-xl).
 
 Per run: the loss at every step, peak allocated (PyTorch's counter, or the
 arena's), peak device memory taken (cuMemGetInfo against the free memory
@@ -36,16 +38,19 @@ CONF = {
     "vmmbuf": None,
 }
 WORKLOADS = ("transformer", "conv")
+EXTRA_WORKLOADS = ("transformer-xl",)
 HERE = os.path.dirname(os.path.abspath(__file__))
 OOM_EXIT = 3
 
 
 def build(workload, torch, dev):
     nn = torch.nn
-    if workload == "transformer":
-        d = 512
-        layer = nn.TransformerEncoderLayer(d, 8, 2048, batch_first=True)
-        model = nn.Sequential(nn.TransformerEncoder(layer, 6), nn.Linear(d, 1000)).to(dev)
+    if workload.startswith("transformer"):
+        # transformer-xl: the same at the size of a model one would put to
+        # sleep (d=1024, 12 layers; ~150M parameters).
+        d, heads, ff, depth = (1024, 16, 4096, 12) if workload == "transformer-xl" else (512, 8, 2048, 6)
+        layer = nn.TransformerEncoderLayer(d, heads, ff, batch_first=True)
+        model = nn.Sequential(nn.TransformerEncoder(layer, depth), nn.Linear(d, 1000)).to(dev)
 
         def batch(rng):
             seq, b = rng.randint(32, 512), rng.choice([16, 24, 32])
@@ -336,7 +341,7 @@ def sleep_run(a):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--alloc", choices=list(CONF))
-    ap.add_argument("--workload", choices=WORKLOADS, default="transformer")
+    ap.add_argument("--workload", choices=WORKLOADS + EXTRA_WORKLOADS, default="transformer")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--budgets", action="store_true")
