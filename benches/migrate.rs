@@ -79,4 +79,70 @@ fn main() {
     raw.free_pinned(host);
     g.finish();
     c.final_summary();
+    breakdown(&backend, n, &desc_for(n));
+}
+
+fn desc_for(n: usize) -> BufferDesc {
+    BufferDesc::new(2 * n).growth(GrowthPolicy::Fixed {
+        chunk_bytes: 64 * MIB,
+    })
+}
+
+/// Where a migration's time goes (not a criterion measurement: one move
+/// each, after a warm-up move), in ms per GiB: without a pool, with a warm
+/// pool, and the first offload into a pool filled by `ChunkPool::reserve`.
+fn breakdown(backend: &std::sync::Arc<vmmbuf::CudaBackend>, n: usize, desc: &BufferDesc) {
+    let per_gib = |d: Duration| d.as_secs_f64() * 1e3 * (GIB as f64 / n as f64);
+    let show = |what: &str, r: &vmmbuf::MigrationReport| {
+        println!(
+            "breakdown {what:<28} total {:7.1}  acquire {:7.1}  stage {:6.1}  copy {:6.1}  swap {:6.1}  dispose {:6.1}  ({} chunks)",
+            per_gib(r.total_time()),
+            per_gib(r.acquire_time),
+            per_gib(r.stage_time),
+            per_gib(r.copy_time),
+            per_gib(r.swap_time),
+            per_gib(r.dispose_time),
+            r.chunks_moved
+        );
+    };
+    println!(
+        "breakdown: ms per GiB of one migration of {} MiB in 64 MiB chunks",
+        n / MIB
+    );
+    let home = Location::Device(0);
+    let mut plain = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();
+    plain.grow_to(n).unwrap();
+    plain.migrate(0..n, Location::Host).unwrap();
+    plain.migrate(0..n, home).unwrap();
+    show(
+        "no pool, to host",
+        &plain.migrate(0..n, Location::Host).unwrap(),
+    );
+    show("no pool, to device", &plain.migrate(0..n, home).unwrap());
+    drop(plain);
+    let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
+    let mut pooled = GrowableBuffer::with_pool(&pool, desc.clone()).unwrap();
+    pooled.grow_to(n).unwrap();
+    pooled.migrate(0..n, Location::Host).unwrap();
+    pooled.migrate(0..n, home).unwrap();
+    show(
+        "warm pool, to host",
+        &pooled.migrate(0..n, Location::Host).unwrap(),
+    );
+    show("warm pool, to device", &pooled.migrate(0..n, home).unwrap());
+    drop(pooled);
+    drop(pool);
+    let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
+    let t = Instant::now();
+    pool.reserve(Location::Host, 64 * MIB, n).unwrap();
+    println!(
+        "breakdown reserve(Host, 1 GiB) took {:.1} ms",
+        per_gib(t.elapsed())
+    );
+    let mut fresh = GrowableBuffer::with_pool(&pool, desc.clone()).unwrap();
+    fresh.grow_to(n).unwrap();
+    show(
+        "reserved pool, first offload",
+        &fresh.migrate(0..n, Location::Host).unwrap(),
+    );
 }

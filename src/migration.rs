@@ -8,14 +8,15 @@
 //! it in at the old address (unmap, map, set access) and release the old one.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::pool::ChunkPool;
-use crate::table::{driver_access, ChunkTable};
+use crate::table::{driver_access_for, ChunkTable};
 
-/// What a migration did.
+/// What a migration did, and where its time went.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MigrationReport {
@@ -23,6 +24,25 @@ pub struct MigrationReport {
     pub chunks_moved: usize,
     /// Bytes copied.
     pub bytes_moved: usize,
+    /// Getting the new chunks: from the pool, or created (pinning host
+    /// pages is the slow part of that).
+    pub acquire_time: Duration,
+    /// Mapping them at the temporary address and granting the GPU access.
+    pub stage_time: Duration,
+    /// The copies, issued and waited for.
+    pub copy_time: Duration,
+    /// Unmapping the temporary address, then swapping each chunk in at its
+    /// own address (unmap, map, access).
+    pub swap_time: Duration,
+    /// Handing the old chunks to the pool or releasing them.
+    pub dispose_time: Duration,
+}
+
+impl MigrationReport {
+    /// The time of all phases.
+    pub fn total_time(&self) -> Duration {
+        self.acquire_time + self.stage_time + self.copy_time + self.swap_time + self.dispose_time
+    }
 }
 
 /// A failed move: the error, and, when undoing it failed too, why and the
@@ -52,9 +72,9 @@ pub(crate) struct Mover<'a, B: Backend> {
     pub(crate) pool: Option<&'a ChunkPool<B>>,
 }
 
-/// A chunk swapped in: its offset, and the old chunk with its old placement,
-/// kept until every swap has succeeded.
-type Swapped<C> = (usize, C, Location);
+/// A chunk swapped in: its offset, and the old chunk with its old placement
+/// and CPU grant, kept until every swap has succeeded.
+type Swapped<C> = (usize, C, Location, bool);
 
 impl<B: Backend> Mover<'_, B> {
     /// Hands a chunk that is not mapped to the pool, or releases it.
@@ -103,15 +123,21 @@ impl<B: Backend> Mover<'_, B> {
         }
 
         // Phase A: new chunks at a temporary address, data copied there.
+        let mut report = MigrationReport::default();
         let mut tmp = backend.reserve(total, self.granularity)?;
         // (offset, bytes, new chunk, target)
         let mut staged: Vec<(usize, usize, B::Chunk, Location)> = Vec::with_capacity(targets.len());
         let mut tmp_mapped = 0usize;
         let staging = (|| -> Result<()> {
+            let t = Instant::now();
             for (&offset, &to) in targets {
                 let bytes = size_of(table, offset);
                 staged.push((offset, bytes, self.take(to, bytes)?, to));
-                backend.map(&mut tmp, tmp_mapped, &staged.last().expect("pushed").2)?;
+            }
+            report.acquire_time = t.elapsed();
+            let t = Instant::now();
+            for (_, bytes, chunk, _) in &staged {
+                backend.map(&mut tmp, tmp_mapped, chunk)?;
                 tmp_mapped += bytes;
             }
             backend.set_access(
@@ -120,6 +146,8 @@ impl<B: Backend> Mover<'_, B> {
                 total,
                 &[AccessDesc::new(home, Access::ReadWrite)],
             )?;
+            report.stage_time = t.elapsed();
+            let t = Instant::now();
             let mut at = 0usize;
             let mut run: Option<(usize, usize, usize, Location, Location)> = None; // (src, dst, bytes, from, to)
             for &(offset, bytes, _, to) in &staged {
@@ -141,8 +169,11 @@ impl<B: Backend> Mover<'_, B> {
                 backend.copy(&mut tmp, dst, res, src, n)?;
             }
             backend.wait_copies()?;
+            report.copy_time = t.elapsed();
+            let t = Instant::now();
             backend.unmap(&mut tmp, 0, tmp_mapped)?;
             tmp_mapped = 0;
+            report.swap_time = t.elapsed();
             Ok(())
         })();
         if let Err(e) = staging {
@@ -171,20 +202,24 @@ impl<B: Backend> Mover<'_, B> {
 
         // Phase B: swap each chunk at its own address. Each chunk keeps its
         // own access list; the driver gets what the new placement takes.
-        let mut report = MigrationReport::default();
+        let t = Instant::now();
         let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
         let mut staged = staged.into_iter();
         while let Some((offset, bytes, new, to)) = staged.next() {
             let entry = table.get(offset).expect("a staged chunk is in the table");
-            let list = driver_access(&entry.access, to);
+            // Chunks moved to the host get the GPUs' access only; a CPU view
+            // asks for the host's when it needs it.
+            let cpu = to != Location::Host || home == Location::Host;
+            let list = driver_access_for(&entry.access, to, cpu);
             let Err((e, stage)) = swap_in(backend, res, offset, bytes, &new, &list) else {
                 let entry = table
                     .get_mut(offset)
                     .expect("a staged chunk is in the table");
                 let old = std::mem::replace(&mut entry.chunk, new);
                 let old_place = entry.placement;
+                let old_cpu = std::mem::replace(&mut entry.cpu, cpu);
                 table.set_placement(offset, to);
-                done.push((offset, old, old_place));
+                done.push((offset, old, old_place, old_cpu));
                 report.chunks_moved += 1;
                 report.bytes_moved += bytes;
                 continue;
@@ -206,14 +241,15 @@ impl<B: Backend> Mover<'_, B> {
             for (_, b, c, t) in staged {
                 self.dispose(c, b, t); // unmapped since staging
             }
-            for (o, old, old_place) in done.into_iter().rev() {
+            for (o, old, old_place, old_cpu) in done.into_iter().rev() {
                 let bytes = size_of(table, o);
                 let entry = table.get(o).expect("a swapped chunk is in the table");
-                let old_list = driver_access(&entry.access, old_place);
+                let old_list = driver_access_for(&entry.access, old_place, old_cpu);
                 match undo_swap(backend, res, o, bytes, &old, &old_list, 2) {
                     Ok(()) => {
                         table.set_placement(o, old_place);
                         let entry = table.get_mut(o).expect("a swapped chunk is in the table");
+                        entry.cpu = old_cpu;
                         let new = std::mem::replace(&mut entry.chunk, old);
                         let new_place = *targets.get(&o).expect("a swapped chunk had a target");
                         self.dispose(new, bytes, new_place);
@@ -230,10 +266,13 @@ impl<B: Backend> Mover<'_, B> {
                 poison: why.map(|w| (w, stuck)),
             });
         }
+        report.swap_time += t.elapsed();
         // Every swap succeeded: the old chunks go (to the pool, if any).
-        for (o, old, old_place) in done {
+        let t = Instant::now();
+        for (o, old, old_place, _) in done {
             self.dispose(old, size_of(table, o), old_place);
         }
+        report.dispose_time = t.elapsed();
         Ok(report)
     }
 }

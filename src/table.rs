@@ -24,8 +24,14 @@ pub(crate) struct Entry<C> {
     pub(crate) bytes: usize,
     /// Where its physical memory lives.
     pub(crate) placement: Location,
-    /// Who may touch it, and how (exactly what the driver was told).
+    /// Who may touch it, and how (exactly what the driver was told, but
+    /// see `cpu`).
     pub(crate) access: Arc<[AccessDesc]>,
+    /// Whether the driver was given the host's entry of `access` too, for a
+    /// chunk placed in host memory. Migration to the host leaves it out (a
+    /// host descriptor costs ~40 ms per GiB to set, and only CPU pointers
+    /// need it); a CPU view grants it first.
+    pub(crate) cpu: bool,
 }
 
 impl<C> Entry<C> {
@@ -36,6 +42,7 @@ impl<C> Entry<C> {
             bytes,
             placement,
             access: Arc::from([]),
+            cpu: true,
         }
     }
 
@@ -55,14 +62,24 @@ impl<C> Entry<C> {
     /// host for any chunk (what it gets once the chunk is in host memory),
     /// but the driver takes a host entry only on host-placed chunks.
     pub(crate) fn driver_access(&self) -> Vec<AccessDesc> {
-        driver_access(&self.access, self.placement)
+        driver_access_for(&self.access, self.placement, self.cpu)
     }
 }
 
 /// `list` as the driver takes it for a chunk placed at `placement`.
 pub(crate) fn driver_access(list: &[AccessDesc], placement: Location) -> Vec<AccessDesc> {
+    driver_access_for(list, placement, true)
+}
+
+/// `list` as the driver takes it for a chunk placed at `placement`, with the
+/// host's entry only if `cpu` (and the chunk is in host memory).
+pub(crate) fn driver_access_for(
+    list: &[AccessDesc],
+    placement: Location,
+    cpu: bool,
+) -> Vec<AccessDesc> {
     list.iter()
-        .filter(|d| d.location != Location::Host || placement == Location::Host)
+        .filter(|d| d.location != Location::Host || (placement == Location::Host && cpu))
         .copied()
         .collect()
 }
@@ -249,6 +266,7 @@ impl<C> ChunkTable<C> {
         for k in keys {
             if let Some(e) = self.entries.get_mut(k) {
                 e.access = list.clone();
+                e.cpu = true;
             }
         }
     }

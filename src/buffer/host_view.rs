@@ -74,6 +74,7 @@ impl<B: HostMapped> GrowableBuffer<B> {
     pub fn host_slice(&self, range: impl RangeBounds<usize>) -> Result<&[u8]> {
         let r = self.in_use(range)?;
         self.check_access(Location::Host, Access::Read, r.start, r.len())?;
+        self.grant_cpu(r.start, r.len())?;
         self.wait_uses()?;
         if r.is_empty() {
             return Ok(&[]);
@@ -90,6 +91,7 @@ impl<B: HostMapped> GrowableBuffer<B> {
     pub fn host_slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<&mut [u8]> {
         let r = self.in_use(range)?;
         self.check_access(Location::Host, Access::ReadWrite, r.start, r.len())?;
+        self.grant_cpu(r.start, r.len())?;
         self.wait_uses()?;
         if r.is_empty() {
             return Ok(&mut []);

@@ -7,7 +7,7 @@ use crate::fault::{FaultBackend, TestFence};
 use vmmbuf::{Backend, BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, PoolDesc};
 
 crate::register! {
-    generic: [pooled_chunks_are_reused_across_buffers, regrowth_after_shrink_takes_pooled_chunks, the_pool_sheds_past_its_high_watermark, out_of_memory_drains_the_pool_and_retries_once, deferred_release_waits_for_its_fence, deferred_release_never_frees_what_was_regrown],
+    generic: [pooled_chunks_are_reused_across_buffers, regrowth_after_shrink_takes_pooled_chunks, the_pool_sheds_past_its_high_watermark, out_of_memory_drains_the_pool_and_retries_once, deferred_release_waits_for_its_fence, deferred_release_never_frees_what_was_regrown, a_reserved_pool_serves_growth_without_creating, a_failed_reserve_keeps_nothing],
 }
 
 fn pooled_chunks_are_reused_across_buffers<B: Backend>(backend: Arc<B>) {
@@ -233,4 +233,48 @@ fn deferred_release_never_frees_what_was_regrown<B: Backend>(real: Arc<B>) {
     assert_eq!(buf.capacity(), 0);
     drop(buf);
     assert_eq!(fb.live(), baseline);
+}
+
+/// `ChunkPool::reserve` creates ahead of time; growth then only maps.
+fn a_reserved_pool_serves_growth_without_creating<B: Backend>(backend: Arc<B>) {
+    let g = backend.granularity(backend.home()).unwrap();
+    let baseline = backend.live();
+    let pool = ChunkPool::new(backend.clone(), PoolDesc::watermarks(0, 0)).unwrap();
+    assert_eq!(pool.reserve(backend.home(), g, 5 * g + 1).unwrap(), 6 * g);
+    let s = pool.stats();
+    assert_eq!(
+        (s.pooled_chunks, s.pooled_bytes),
+        (6, 6 * g),
+        "kept past the watermarks"
+    );
+    assert_eq!(backend.live().chunks, baseline.chunks + 6);
+    let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Fixed { chunk_bytes: g });
+    let mut b = GrowableBuffer::with_pool(&pool, desc).unwrap();
+    b.grow_to(6 * g).unwrap();
+    assert_eq!(pool.stats().hits, 6);
+    assert_eq!(
+        backend.live().chunks,
+        baseline.chunks + 6,
+        "nothing created"
+    );
+    let data = random_bytes(4, 6 * g);
+    b.write(0, &data).unwrap();
+    assert!(contents(&b) == data);
+    drop(b);
+    drop(pool);
+    assert_eq!(backend.live(), baseline);
+}
+
+/// A reserve that runs out of memory part way keeps nothing.
+fn a_failed_reserve_keeps_nothing<B: Backend>(real: Arc<B>) {
+    let fb = FaultBackend::new(real);
+    let g = fb.granularity(fb.home()).unwrap();
+    let baseline = fb.live();
+    let pool = ChunkPool::new(fb.clone(), PoolDesc::default()).unwrap();
+    fb.fail_every_from(3, "create");
+    let r = pool.reserve(fb.home(), g, 8 * g);
+    fb.fail_every(None);
+    assert!(r.is_err());
+    assert_eq!(pool.stats().pooled_chunks, 0);
+    assert_eq!(fb.live(), baseline, "the two chunks made were released");
 }
