@@ -27,12 +27,14 @@ pub struct MigrationReport {
     /// Getting the new chunks: from the pool, or created (pinning host
     /// pages is the slow part of that).
     pub acquire_time: Duration,
-    /// Mapping them at the temporary address and granting the GPU access.
+    /// Mapping them at a temporary address, granting the GPU access and
+    /// queueing their copies.
     pub stage_time: Duration,
-    /// The copies, issued and waited for.
+    /// Waiting for the copies: the part of the copying that the driver
+    /// calls of the other phases did not hide (they overlap it).
     pub copy_time: Duration,
-    /// Unmapping the temporary address, then swapping each chunk in at its
-    /// own address (unmap, map, access).
+    /// Unmapping each new chunk from the temporary address and swapping it
+    /// in at its own (unmap the old, map, access).
     pub swap_time: Duration,
     /// Handing the old chunks to the pool or releasing them.
     pub dispose_time: Duration,
@@ -99,12 +101,13 @@ impl<B: Backend> Mover<'_, B> {
     /// Moves the chunk at each offset of `targets` to its location, keeping
     /// data and addresses. The users of those chunks must have finished.
     ///
-    /// First every new chunk is mapped into one temporary reservation (one
-    /// access call for all), the data copied there in as few copies as
-    /// possible (one per run of adjacent chunks with one source and one
-    /// target placement: a copy never spans a host and a device chunk), and
-    /// the copies waited for. Then each chunk is swapped at its own address;
-    /// the old chunks go only once every swap has succeeded.
+    /// First every new chunk is acquired (the step that may run out of
+    /// memory). Then a pipeline: chunk i is mapped at a temporary address
+    /// and its copy queued (one chunk per copy: a copy never spans a host
+    /// and a device chunk), while chunk i-1, whose copy has finished, is
+    /// swapped in at its own address; so the CPU's driver calls overlap the
+    /// copy engine's work. The old chunks go only once every swap has
+    /// succeeded.
     ///
     /// All or nothing: on error every chunk is swapped back and the table
     /// is as before, unless undoing fails too (see [`MoveFailure`]).
@@ -121,160 +124,241 @@ impl<B: Backend> Mover<'_, B> {
         if total == 0 {
             return Ok(MigrationReport::default());
         }
-
-        // Phase A: new chunks at a temporary address, data copied there.
         let mut report = MigrationReport::default();
         let mut tmp = backend.reserve(total, self.granularity)?;
-        // (offset, bytes, new chunk, target)
-        let mut staged: Vec<(usize, usize, B::Chunk, Location)> = Vec::with_capacity(targets.len());
-        let mut tmp_mapped = 0usize;
-        let staging = (|| -> Result<()> {
-            let t = Instant::now();
-            for (&offset, &to) in targets {
-                let bytes = size_of(table, offset);
-                staged.push((offset, bytes, self.take(to, bytes)?, to));
-            }
-            report.acquire_time = t.elapsed();
-            let t = Instant::now();
-            for (_, bytes, chunk, _) in &staged {
-                backend.map(&mut tmp, tmp_mapped, chunk)?;
-                tmp_mapped += bytes;
-            }
-            backend.set_access(
-                &mut tmp,
-                0,
-                total,
-                &[AccessDesc::new(home, Access::ReadWrite)],
-            )?;
-            report.stage_time = t.elapsed();
-            let t = Instant::now();
-            let mut at = 0usize;
-            let mut run: Option<(usize, usize, usize, Location, Location)> = None; // (src, dst, bytes, from, to)
-            for &(offset, bytes, _, to) in &staged {
-                let from = table.get(offset).map_or(to, |e| e.placement);
-                match &mut run {
-                    Some((src, _, n, f, t)) if *src + *n == offset && *f == from && *t == to => {
-                        *n += bytes;
+
+        // Every new chunk first: failing here changes nothing.
+        let t = Instant::now();
+        let mut staged: Vec<Option<Staged<B::Chunk>>> = Vec::with_capacity(targets.len());
+        let mut at = 0usize;
+        for (&offset, &to) in targets {
+            let bytes = size_of(table, offset);
+            match self.take(to, bytes) {
+                Ok(chunk) => staged.push(Some(Staged {
+                    offset,
+                    bytes,
+                    chunk,
+                    to,
+                    at,
+                })),
+                Err(e) => {
+                    for c in staged.into_iter().flatten() {
+                        self.dispose(c.chunk, c.bytes, c.to);
                     }
-                    _ => {
-                        if let Some((src, dst, n, _, _)) = run.take() {
-                            backend.copy(&mut tmp, dst, res, src, n)?;
-                        }
-                        run = Some((offset, at, bytes, from, to));
-                    }
-                }
-                at += bytes;
-            }
-            if let Some((src, dst, n, _, _)) = run {
-                backend.copy(&mut tmp, dst, res, src, n)?;
-            }
-            backend.wait_copies()?;
-            report.copy_time = t.elapsed();
-            let t = Instant::now();
-            backend.unmap(&mut tmp, 0, tmp_mapped)?;
-            tmp_mapped = 0;
-            report.swap_time = t.elapsed();
-            Ok(())
-        })();
-        if let Err(e) = staging {
-            let mut unmapped = true;
-            if tmp_mapped > 0 {
-                // Copies may still be in flight into the temporary mapping.
-                let _ = backend.wait_copies();
-                unmapped = backend.unmap(&mut tmp, 0, tmp_mapped).is_ok();
-            }
-            // If the unmap failed, the token unmaps what it holds as it drops.
-            let _ = backend.free(tmp);
-            for (_, bytes, chunk, to) in staged {
-                if unmapped {
-                    self.dispose(chunk, bytes, to);
-                } else {
-                    // Perhaps still mapped: released, never pooled.
-                    let _ = backend.release(chunk);
+                    let _ = backend.free(tmp);
+                    return Err(e.into());
                 }
             }
-            tracing::debug!(error = %e, "vmmbuf: migration staging failed; nothing moved");
-            return Err(e.into());
+            at += bytes;
         }
-        if let Err(e) = backend.free(tmp) {
-            tracing::warn!(error = %e, "vmmbuf: freeing the temporary reservation failed");
+        report.acquire_time = t.elapsed();
+
+        // The pipeline. `[tmp_lo, tmp_hi)` of the temporary reservation is
+        // mapped (chunks staged and not yet swapped).
+        let n = staged.len();
+        let (mut tmp_lo, mut tmp_hi) = (0usize, 0usize);
+        let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
+        let mut in_flight: Option<(usize, B::Fence)> = None;
+        let rw = [AccessDesc::new(home, Access::ReadWrite)];
+        let mut failure: Option<Failed<B::Chunk>> = None;
+        for i in 0..=n {
+            if i < n {
+                let c = staged[i].as_ref().expect("not swapped yet");
+                let t = Instant::now();
+                let r = backend
+                    .map(&mut tmp, c.at, &c.chunk)
+                    .inspect(|_| tmp_hi = c.at + c.bytes)
+                    .and_then(|_| backend.set_access(&mut tmp, c.at, c.bytes, &rw))
+                    .and_then(|_| backend.copy(&mut tmp, c.at, res, c.offset, c.bytes))
+                    .and_then(|_| backend.copies_fence());
+                report.stage_time += t.elapsed();
+                match r {
+                    Ok(f) => {
+                        let before = in_flight.replace((i, f));
+                        // The previous chunk's copy ran meanwhile: swap it.
+                        let Some(prev) = before else { continue };
+                        if let Err(f) = self.swap(
+                            prev,
+                            &mut staged,
+                            &mut tmp,
+                            &mut tmp_lo,
+                            res,
+                            table,
+                            &mut done,
+                            &mut report,
+                        ) {
+                            failure = Some(f);
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        failure = Some(Failed::Before(e));
+                        break;
+                    }
+                }
+            } else if let Some(last) = in_flight.take() {
+                if let Err(f) = self.swap(
+                    last,
+                    &mut staged,
+                    &mut tmp,
+                    &mut tmp_lo,
+                    res,
+                    table,
+                    &mut done,
+                    &mut report,
+                ) {
+                    failure = Some(f);
+                }
+            }
         }
 
-        // Phase B: swap each chunk at its own address. Each chunk keeps its
-        // own access list; the driver gets what the new placement takes.
-        let t = Instant::now();
-        let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
-        let mut staged = staged.into_iter();
-        while let Some((offset, bytes, new, to)) = staged.next() {
-            let entry = table.get(offset).expect("a staged chunk is in the table");
-            // Chunks moved to the host get the GPUs' access only; a CPU view
-            // asks for the host's when it needs it.
-            let cpu = to != Location::Host || home == Location::Host;
-            let list = driver_access_for(&entry.access, to, cpu);
-            let Err((e, stage)) = swap_in(backend, res, offset, bytes, &new, &list) else {
-                let entry = table
-                    .get_mut(offset)
-                    .expect("a staged chunk is in the table");
-                let old = std::mem::replace(&mut entry.chunk, new);
-                let old_place = entry.placement;
-                let old_cpu = std::mem::replace(&mut entry.cpu, cpu);
-                table.set_placement(offset, to);
-                done.push((offset, old, old_place, old_cpu));
-                report.chunks_moved += 1;
-                report.bytes_moved += bytes;
-                continue;
-            };
-            // Undo: this chunk, then the swapped ones in reverse. A chunk
-            // that cannot be put back, and every token that may still be
-            // mapped, stays out of the pool.
-            let mut stuck: Vec<B::Chunk> = Vec::new();
-            let mut why = None;
-            let entry = table.get(offset).expect("a staged chunk is in the table");
-            let old_list = entry.driver_access();
-            match undo_swap(backend, res, offset, bytes, &entry.chunk, &old_list, stage) {
-                Ok(()) => self.dispose(new, bytes, to),
-                Err(u) => {
-                    why = Some(format!("undoing a failed migration at {offset:#x}: {u}"));
-                    stuck.push(new);
-                }
+        let Some(failure) = failure else {
+            if let Err(e) = backend.free(tmp) {
+                tracing::warn!(error = %e, "vmmbuf: freeing the temporary reservation failed");
             }
-            for (_, b, c, t) in staged {
-                self.dispose(c, b, t); // unmapped since staging
+            // Every swap succeeded: the old chunks go (to the pool, if any).
+            let t = Instant::now();
+            for (o, old, old_place, _) in done {
+                self.dispose(old, size_of(table, o), old_place);
             }
-            for (o, old, old_place, old_cpu) in done.into_iter().rev() {
-                let bytes = size_of(table, o);
-                let entry = table.get(o).expect("a swapped chunk is in the table");
-                let old_list = driver_access_for(&entry.access, old_place, old_cpu);
-                match undo_swap(backend, res, o, bytes, &old, &old_list, 2) {
-                    Ok(()) => {
-                        table.set_placement(o, old_place);
-                        let entry = table.get_mut(o).expect("a swapped chunk is in the table");
-                        entry.cpu = old_cpu;
-                        let new = std::mem::replace(&mut entry.chunk, old);
-                        let new_place = *targets.get(&o).expect("a swapped chunk had a target");
-                        self.dispose(new, bytes, new_place);
-                    }
+            report.dispose_time = t.elapsed();
+            return Ok(report);
+        };
+
+        // Undo. Copies may still be in flight into the temporary mapping.
+        let _ = backend.wait_copies();
+        let mut stuck: Vec<B::Chunk> = Vec::new();
+        let mut why: Option<String> = None;
+        let error = match failure {
+            Failed::Before(e) => e,
+            Failed::Swap { error, stage, c } => {
+                // This chunk: put its old chunk back.
+                let entry = table.get(c.offset).expect("a staged chunk is in the table");
+                let old_list = entry.driver_access();
+                match undo_swap(
+                    backend,
+                    res,
+                    c.offset,
+                    c.bytes,
+                    &entry.chunk,
+                    &old_list,
+                    stage,
+                ) {
+                    Ok(()) => self.dispose(c.chunk, c.bytes, c.to),
                     Err(u) => {
-                        why.get_or_insert(format!("undoing a failed migration at {o:#x}: {u}"));
-                        stuck.push(old);
+                        why = Some(format!(
+                            "undoing a failed migration at {:#x}: {u}",
+                            c.offset
+                        ));
+                        stuck.push(c.chunk);
                     }
                 }
+                error
             }
-            tracing::debug!(error = %e, "vmmbuf: migration failed and was undone");
-            return Err(MoveFailure {
-                error: e,
-                poison: why.map(|w| (w, stuck)),
-            });
+        };
+        // Chunks staged and not swapped: unmapped from the temporary range,
+        // then pooled; if that unmap fails, released (never pooled).
+        let unmapped = tmp_hi <= tmp_lo || backend.unmap(&mut tmp, tmp_lo, tmp_hi - tmp_lo).is_ok();
+        for c in staged.into_iter().flatten() {
+            if unmapped || c.at >= tmp_hi {
+                self.dispose(c.chunk, c.bytes, c.to);
+            } else {
+                let _ = backend.release(c.chunk);
+            }
         }
-        report.swap_time += t.elapsed();
-        // Every swap succeeded: the old chunks go (to the pool, if any).
-        let t = Instant::now();
-        for (o, old, old_place, _) in done {
-            self.dispose(old, size_of(table, o), old_place);
+        // If an unmap failed, the token unmaps what it holds as it drops.
+        let _ = backend.free(tmp);
+        for (o, old, old_place, old_cpu) in done.into_iter().rev() {
+            let bytes = size_of(table, o);
+            let entry = table.get(o).expect("a swapped chunk is in the table");
+            let old_list = driver_access_for(&entry.access, old_place, old_cpu);
+            match undo_swap(backend, res, o, bytes, &old, &old_list, 2) {
+                Ok(()) => {
+                    table.set_placement(o, old_place);
+                    let entry = table.get_mut(o).expect("a swapped chunk is in the table");
+                    entry.cpu = old_cpu;
+                    let new = std::mem::replace(&mut entry.chunk, old);
+                    let new_place = *targets.get(&o).expect("a swapped chunk had a target");
+                    self.dispose(new, bytes, new_place);
+                }
+                Err(u) => {
+                    why.get_or_insert(format!("undoing a failed migration at {o:#x}: {u}"));
+                    stuck.push(old);
+                }
+            }
         }
-        report.dispose_time = t.elapsed();
-        Ok(report)
+        tracing::debug!(error = %error, "vmmbuf: migration failed and was undone");
+        Err(MoveFailure {
+            error,
+            poison: why.map(|w| (w, stuck)),
+        })
     }
+
+    /// Waits for staged chunk `i`'s copy, unmaps it from the temporary
+    /// range and swaps it in at its own address.
+    #[allow(clippy::too_many_arguments)]
+    fn swap(
+        &self,
+        (i, fence): (usize, B::Fence),
+        staged: &mut [Option<Staged<B::Chunk>>],
+        tmp: &mut B::Reservation,
+        tmp_lo: &mut usize,
+        res: &mut B::Reservation,
+        table: &mut ChunkTable<B::Chunk>,
+        done: &mut Vec<Swapped<B::Chunk>>,
+        report: &mut MigrationReport,
+    ) -> std::result::Result<(), Failed<B::Chunk>> {
+        let backend = self.backend;
+        let t = Instant::now();
+        backend.wait(&fence).map_err(Failed::Before)?;
+        report.copy_time += t.elapsed();
+        let t = Instant::now();
+        let c = staged[i].as_ref().expect("swapped once");
+        backend.unmap(tmp, c.at, c.bytes).map_err(Failed::Before)?;
+        *tmp_lo = c.at + c.bytes;
+        let c = staged[i].take().expect("swapped once");
+        let entry = table.get(c.offset).expect("a staged chunk is in the table");
+        // Chunks moved to the host get the GPUs' access only; a CPU view
+        // asks for the host's when it needs it.
+        let cpu = c.to != Location::Host || backend.home() == Location::Host;
+        let list = driver_access_for(&entry.access, c.to, cpu);
+        if let Err((error, stage)) = swap_in(backend, res, c.offset, c.bytes, &c.chunk, &list) {
+            return Err(Failed::Swap { error, stage, c });
+        }
+        let entry = table
+            .get_mut(c.offset)
+            .expect("a staged chunk is in the table");
+        let old = std::mem::replace(&mut entry.chunk, c.chunk);
+        let old_place = entry.placement;
+        let old_cpu = std::mem::replace(&mut entry.cpu, cpu);
+        table.set_placement(c.offset, c.to);
+        done.push((c.offset, old, old_place, old_cpu));
+        report.chunks_moved += 1;
+        report.bytes_moved += c.bytes;
+        report.swap_time += t.elapsed();
+        Ok(())
+    }
+}
+
+/// A new chunk on its way: where it goes (`offset`, `to`) and where it sits
+/// in the temporary range (`at`).
+struct Staged<C> {
+    offset: usize,
+    bytes: usize,
+    chunk: C,
+    to: Location,
+    at: usize,
+}
+
+/// Why the pipeline stopped: before chunk `c` was unmapped from its own
+/// address (nothing of it to undo), or in its swap at `stage`.
+enum Failed<C> {
+    Before(Error),
+    Swap {
+        error: Error,
+        stage: u8,
+        c: Staged<C>,
+    },
 }
 
 /// Unmaps the chunk at `offset` and maps `new` there with `access`. On

@@ -416,8 +416,9 @@ impl<C> ChunkTable<C> {
                 offset,
                 bytes: e.bytes,
                 placement: e.placement,
-                access: e
-                    .driver_access()
+                // What the chunk grants: a host-placed chunk's CPU entry is
+                // given to the driver on the first CPU view, not before.
+                access: driver_access(&e.access, e.placement)
                     .iter()
                     .map(|d| (d.location, d.access))
                     .collect(),

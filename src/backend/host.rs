@@ -380,6 +380,10 @@ impl Backend for HostBackend {
         Ok(()) // host copies are done when `copy` returns
     }
 
+    fn copies_fence(&self) -> Result<HostFence> {
+        Ok(HostFence) // done already
+    }
+
     fn copy(
         &self,
         dst: &mut HostReservation,

@@ -116,6 +116,10 @@ pub trait Backend: Send + Sync + 'static {
     /// have finished.
     fn wait_copies(&self) -> Result<()>;
 
+    /// A fence after the copies this backend has issued so far: wait on it
+    /// for those, while later copies run on.
+    fn copies_fence(&self) -> Result<Self::Fence>;
+
     /// Copies `bytes` from `src` at `src_offset` to `dst` at `dst_offset`,
     /// ordered on the backend's own stream: complete once
     /// [`Backend::wait_copies`] returns. Both ranges must be mapped; the

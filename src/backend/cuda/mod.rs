@@ -529,6 +529,10 @@ impl Backend for CudaBackend {
         driver::stream_synchronize(&self.stream)
     }
 
+    fn copies_fence(&self) -> Result<CudaFence> {
+        self.fence(&self.stream)
+    }
+
     fn copy(
         &self,
         dst: &mut CudaReservation,
