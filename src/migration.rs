@@ -398,3 +398,29 @@ fn undo_swap<B: Backend>(
     }
     Ok(())
 }
+
+/// Gives the driver the host's access entry for every host-placed chunk in
+/// `[offset, offset + bytes)` that was left without one (see
+/// `Entry::cpu`): before a CPU view, and before a synchronous copy to or
+/// from host memory, which the driver does with the CPU (without the entry
+/// it faults inside libcuda).
+pub(crate) fn grant_cpu<B: Backend>(
+    backend: &B,
+    res: &mut B::Reservation,
+    table: &mut ChunkTable<B::Chunk>,
+    offset: usize,
+    bytes: usize,
+) -> Result<()> {
+    let lazy: Vec<(usize, usize, Vec<AccessDesc>)> = table
+        .overlapping(offset..offset.saturating_add(bytes))
+        .filter(|(_, e)| e.placement == Location::Host && !e.cpu)
+        .map(|(o, e)| (o, e.bytes, driver_access_for(&e.access, e.placement, true)))
+        .collect();
+    for (o, b, list) in lazy {
+        backend.set_access(res, o, b, &list)?;
+        if let Some(e) = table.get_mut(o) {
+            e.cpu = true;
+        }
+    }
+    Ok(())
+}

@@ -65,18 +65,25 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// synchronising the allocation's stream).
     pub fn write(&mut self, at: usize, src: &[u8]) -> Result<()> {
         self.check(at, src.len())?;
-        let mut st = self.arena.state.lock();
+        let mut guard = self.arena.state.lock();
+        let st = &mut *guard;
         let res = st.res.as_mut().expect("the reservation lives until drop");
-        self.arena.backend.write(res, self.offset + at, src)
+        // The driver copies host memory (an offloaded arena) with the CPU.
+        let (o, b) = (self.offset + at, src.len());
+        crate::migration::grant_cpu(&*self.arena.backend, res, &mut st.table, o, b)?;
+        self.arena.backend.write(res, o, src)
     }
 
     /// Copies bytes of the allocation from `at` into `dst` (synchronous, as
     /// [`write`](Self::write)).
     pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
         self.check(at, dst.len())?;
-        let st = self.arena.state.lock();
-        let res = st.res.as_ref().expect("the reservation lives until drop");
-        self.arena.backend.read(res, self.offset + at, dst)
+        let mut guard = self.arena.state.lock();
+        let st = &mut *guard;
+        let res = st.res.as_mut().expect("the reservation lives until drop");
+        let (o, b) = (self.offset + at, dst.len());
+        crate::migration::grant_cpu(&*self.arena.backend, res, &mut st.table, o, b)?;
+        self.arena.backend.read(res, o, dst)
     }
 
     fn check(&self, at: usize, n: usize) -> Result<()> {

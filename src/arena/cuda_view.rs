@@ -20,6 +20,7 @@ impl Allocation<CudaBackend, Arc<CudaStream>> {
     /// copies and kernel arguments on `stream` (its own stream, or another
     /// of the same device or of a peer the arena's memory is shared with).
     pub fn view<T: Element>(&self, stream: &Arc<CudaStream>) -> Result<View<'_, T>> {
+        self.grant_cpu()?;
         Ok(View::new(
             self.address(),
             self.elements::<T>()?,
@@ -32,7 +33,23 @@ impl Allocation<CudaBackend, Arc<CudaStream>> {
     /// a time per allocation, any number of allocations at once.
     pub fn view_mut<T: Element>(&mut self, stream: &Arc<CudaStream>) -> Result<ViewMut<'_, T>> {
         let n = self.elements::<T>()?;
+        self.grant_cpu()?;
         Ok(ViewMut::new(self.address(), n, stream.clone(), &self.uses))
+    }
+
+    /// cudarc's copies of host memory (an offloaded arena) run on the CPU
+    /// inside the driver: host-placed chunks need the host's access entry.
+    fn grant_cpu(&self) -> Result<()> {
+        let mut guard = self.arena.state.lock();
+        let st = &mut *guard;
+        let res = st.res.as_mut().expect("the reservation lives until drop");
+        crate::migration::grant_cpu(
+            &*self.arena.backend,
+            res,
+            &mut st.table,
+            self.offset,
+            self.size,
+        )
     }
 
     fn elements<T>(&self) -> Result<usize> {

@@ -8,8 +8,9 @@ use super::blocks::{Free, StreamKey};
 use super::{Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::location::Location;
 use crate::plan::round_up;
-use crate::table::{driver_access, Entry};
+use crate::table::{driver_access_for, Entry};
 
 impl<B: Backend> Shared<B> {
     /// A free block of `size` for `key`: from the index, after settling
@@ -110,7 +111,10 @@ impl<B: Backend> Shared<B> {
                 self.backend.map(res, at + mapped_now, c)?;
                 mapped_now += bytes;
             }
-            let list = driver_access(&self.access, placement);
+            // Host-placed chunks (an offloaded arena): the GPUs' entries
+            // only, until a copy needs the CPU's.
+            let cpu = placement != Location::Host || self.backend.home() == Location::Host;
+            let list = driver_access_for(&self.access, placement, cpu);
             self.backend.set_access(res, at, need, &list)
         })();
         if let Err(e) = attempt {
@@ -133,6 +137,7 @@ impl<B: Backend> Shared<B> {
         for (c, bytes) in chunks {
             let mut entry = Entry::new(c, bytes, placement);
             entry.access = self.access.as_slice().into();
+            entry.cpu = placement != Location::Host || self.backend.home() == Location::Host;
             st.table
                 .insert(o, entry)
                 .expect("mapped where the table had a hole");

@@ -274,9 +274,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", desc.max_bytes)))?;
         let chunk_bytes = round_up(desc.max_chunk_bytes.max(1), g)
             .ok_or_else(|| Error::invalid("max_chunk_bytes overflows"))?;
-        // Kernels and copies reach an arena's memory, never CPU pointers: no
-        // host entry (on host-placed chunks it costs ~40 ms per GiB to set).
-        let access = vec![AccessDesc::new(backend.home(), Access::ReadWrite)];
+        // The host's entry reaches the driver only when a synchronous copy
+        // needs it (`migration::grant_cpu`): on host-placed chunks it costs
+        // ~40 ms per GiB to set, and kernels do not need it.
+        let mut access = vec![AccessDesc::new(backend.home(), Access::ReadWrite)];
+        if backend.home() != Location::Host {
+            access.push(AccessDesc::new(Location::Host, Access::ReadWrite));
+        }
         let table = ChunkTable::new(reserved, g)?;
         let res = backend.reserve(reserved, g)?;
         let base = backend.base(&res);

@@ -8,7 +8,7 @@ use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
-use crate::table::{driver_access, driver_access_for};
+use crate::table::driver_access;
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Sets `location`'s access to the chunks touching `range` (rounded out
@@ -163,26 +163,15 @@ impl<B: Backend> GrowableBuffer<B> {
         Ok(())
     }
 
-    /// Gives the driver the host's access entry for every host-placed chunk
+    /// Gives the driver the host's access entry for the host-placed chunks
     /// in `[offset, offset + bytes)` that migration left without one, so
-    /// that the CPU may touch it: what a CPU view does first.
+    /// that the CPU may touch them: what a CPU view does first.
     pub(super) fn grant_cpu(&self, offset: usize, bytes: usize) -> Result<()> {
         let backend = self.backend().clone();
         let mut guard = self.inner.lock();
         let g = &mut *guard;
-        let lazy: Vec<(usize, usize, Vec<AccessDesc>)> = g
-            .table
-            .overlapping(offset..offset + bytes)
-            .filter(|(_, e)| e.placement == Location::Host && !e.cpu)
-            .map(|(o, e)| (o, e.bytes, driver_access_for(&e.access, e.placement, true)))
-            .collect();
-        for (o, b, list) in lazy {
-            backend.set_access(g.res(), o, b, &list)?;
-            if let Some(e) = g.table.get_mut(o) {
-                e.cpu = true;
-            }
-        }
-        Ok(())
+        let res = g.res.as_mut().expect("the reservation lives until drop");
+        crate::migration::grant_cpu(&*backend, res, &mut g.table, offset, bytes)
     }
 
     /// Checks that `[offset, offset + bytes)` is in use and that every chunk

@@ -52,6 +52,11 @@ impl GrowableBuffer<CudaBackend> {
                 split_at: runs[1].0,
             });
         }
+        // cudarc's copies of host memory run on the CPU inside the driver:
+        // host-placed chunks need the host's access entry first.
+        if runs.first().is_some_and(|r| r.2 == Location::Host) {
+            self.grant_cpu(offset_bytes, bytes)?;
+        }
         Ok(self.base() + offset_bytes as u64)
     }
 

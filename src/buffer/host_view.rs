@@ -17,10 +17,14 @@ impl<B: Backend> GrowableBuffer<B> {
     /// ordered after every recorded use (it waits for them first).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.wait_uses()?;
-        let mut g = self.inner.lock();
+        let mut guard = self.inner.lock();
+        let g = &mut *guard;
         g.check_poison()?;
         Self::check_span(g.table.len(), offset, dst.len())?;
-        self.backend.read(g.res(), offset, dst)
+        let res = g.res.as_mut().expect("the reservation lives until drop");
+        // The driver copies host memory with the CPU.
+        crate::migration::grant_cpu(&*self.backend, res, &mut g.table, offset, dst.len())?;
+        self.backend.read(res, offset, dst)
     }
 
     /// Copies `src` into the bytes in use, from `offset`. Synchronous, and
@@ -30,7 +34,9 @@ impl<B: Backend> GrowableBuffer<B> {
         let g = self.inner.get_mut();
         g.check_poison()?;
         Self::check_span(g.table.len(), offset, src.len())?;
-        self.backend.write(g.res(), offset, src)
+        let res = g.res.as_mut().expect("the reservation lives until drop");
+        crate::migration::grant_cpu(&*self.backend, res, &mut g.table, offset, src.len())?;
+        self.backend.write(res, offset, src)
     }
 
     /// The byte range `range` names within the bytes in use.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use vmmbuf::{Allocation, Arena, ArenaDesc, ArenaStream, Backend, CudaBackend, HostBackend};
 
 use crate::common::{gpu, host, random_bytes};
-use crate::cuda_only::Kernels;
+use crate::cuda_only::{pattern, Kernels};
 use crate::fault::{fail_each_call, injected, FaultBackend, TestFence};
 
 crate::register! {
@@ -259,6 +259,15 @@ fn sleep_gives_the_device_memory_back_and_kernels_still_read() {
             0,
             "a kernel reads allocation {i} in host memory"
         );
+    }
+    // A synchronous copy from host memory runs on the CPU inside the
+    // driver: the arena grants the host's entry first (it segfaulted in
+    // libcuda without it).
+    let mut bytes = vec![0u8; 4096];
+    live[2].read(0, &mut bytes).unwrap();
+    for (i, w) in bytes.chunks_exact(4).enumerate() {
+        let w = u32::from_ne_bytes(w.try_into().unwrap());
+        assert_eq!(w, pattern(i as u64, 1002), "word {i} read asleep");
     }
     // A kernel writes one asleep; the write survives the wake.
     k.fill(live[1].address(), 0, words[1], 77);
