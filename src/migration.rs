@@ -158,26 +158,66 @@ impl<B: Backend> Mover<'_, B> {
         let n = staged.len();
         let (mut tmp_lo, mut tmp_hi) = (0usize, 0usize);
         let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
-        let mut in_flight: Option<(usize, B::Fence)> = None;
+        let mut in_flight: Option<InFlight<B::Fence>> = None;
         let rw = [AccessDesc::new(home, Access::ReadWrite)];
         let mut failure: Option<Failed<B::Chunk>> = None;
         for i in 0..=n {
             if i < n {
                 let c = staged[i].as_ref().expect("not swapped yet");
+                let from = table.get(c.offset).map_or(c.to, |e| e.placement);
+                // To the host from a GPU: stage the *old* (device) chunk at
+                // the temporary address, swap the new one in at once and
+                // copy across. Access on a device chunk is cheap to set; on
+                // a host chunk it is not, and this sets it once, not twice.
+                let source = c.to == Location::Host
+                    && from != Location::Host
+                    && home != Location::Host
+                    && backend.maps_a_chunk_twice();
+                let (at, bytes) = (c.at, c.bytes);
                 let t = Instant::now();
-                let r = backend
-                    .map(&mut tmp, c.at, &c.chunk)
-                    .inspect(|_| tmp_hi = c.at + c.bytes)
-                    .and_then(|_| backend.set_access(&mut tmp, c.at, c.bytes, &rw))
-                    .and_then(|_| backend.copy(&mut tmp, c.at, res, c.offset, c.bytes))
-                    .and_then(|_| backend.copies_fence());
+                let r = if source {
+                    let old = &table
+                        .get(c.offset)
+                        .expect("a staged chunk is in the table")
+                        .chunk;
+                    backend
+                        .map(&mut tmp, at, old)
+                        .inspect(|_| tmp_hi = at + bytes)
+                        .and_then(|_| backend.set_access(&mut tmp, at, bytes, &rw))
+                } else {
+                    backend
+                        .map(&mut tmp, at, &c.chunk)
+                        .inspect(|_| tmp_hi = at + bytes)
+                        .and_then(|_| backend.set_access(&mut tmp, at, bytes, &rw))
+                        .and_then(|_| backend.copy(&mut tmp, at, res, c.offset, bytes))
+                };
                 report.stage_time += t.elapsed();
+                if let Err(e) = r {
+                    failure = Some(Failed::Before(e));
+                    break;
+                }
+                if source {
+                    let t = Instant::now();
+                    let c = staged[i].take().expect("not swapped yet");
+                    if let Err(f) = self.swap_in_place(c, res, table, &mut done, &mut report) {
+                        failure = Some(f);
+                        break;
+                    }
+                    report.swap_time += t.elapsed();
+                }
+                let offset = table_offset(&staged, i, &done, source);
+                let r = if source {
+                    backend.copy(res, offset, &tmp, at, bytes)
+                } else {
+                    Ok(())
+                }
+                .and_then(|_| backend.copies_fence());
                 match r {
                     Ok(f) => {
-                        let before = in_flight.replace((i, f));
-                        // The previous chunk's copy ran meanwhile: swap it.
+                        let before = in_flight.replace((i, f, source, at, bytes));
+                        // The previous chunk's copy ran meanwhile: finish it.
                         let Some(prev) = before else { continue };
-                        if let Err(f) = self.swap(
+                        if let Err(f) = self.finish(
                             prev,
                             &mut staged,
                             &mut tmp,
@@ -197,7 +237,7 @@ impl<B: Backend> Mover<'_, B> {
                     }
                 }
             } else if let Some(last) = in_flight.take() {
-                if let Err(f) = self.swap(
+                if let Err(f) = self.finish(
                     last,
                     &mut staged,
                     &mut tmp,
@@ -294,12 +334,13 @@ impl<B: Backend> Mover<'_, B> {
         })
     }
 
-    /// Waits for staged chunk `i`'s copy, unmaps it from the temporary
-    /// range and swaps it in at its own address.
+    /// Finishes chunk `i` once its copy is done: unmaps what sits at its
+    /// temporary address, and (unless the old chunk was staged there and the
+    /// new one is in place already) swaps the new chunk in at its own.
     #[allow(clippy::too_many_arguments)]
-    fn swap(
+    fn finish(
         &self,
-        (i, fence): (usize, B::Fence),
+        (i, fence, source, at, bytes): InFlight<B::Fence>,
         staged: &mut [Option<Staged<B::Chunk>>],
         tmp: &mut B::Reservation,
         tmp_lo: &mut usize,
@@ -313,13 +354,30 @@ impl<B: Backend> Mover<'_, B> {
         backend.wait(&fence).map_err(Failed::Before)?;
         report.copy_time += t.elapsed();
         let t = Instant::now();
-        let c = staged[i].as_ref().expect("swapped once");
-        backend.unmap(tmp, c.at, c.bytes).map_err(Failed::Before)?;
-        *tmp_lo = c.at + c.bytes;
-        let c = staged[i].take().expect("swapped once");
+        backend.unmap(tmp, at, bytes).map_err(Failed::Before)?;
+        *tmp_lo = at + bytes;
+        if !source {
+            let c = staged[i].take().expect("finished once");
+            self.swap_in_place(c, res, table, done, report)?;
+        }
+        report.swap_time += t.elapsed();
+        Ok(())
+    }
+
+    /// Swaps `c`'s new chunk in at its own address (unmap the old, map,
+    /// access) and records the old one in `done`.
+    fn swap_in_place(
+        &self,
+        c: Staged<B::Chunk>,
+        res: &mut B::Reservation,
+        table: &mut ChunkTable<B::Chunk>,
+        done: &mut Vec<Swapped<B::Chunk>>,
+        report: &mut MigrationReport,
+    ) -> std::result::Result<(), Failed<B::Chunk>> {
+        let backend = self.backend;
         let entry = table.get(c.offset).expect("a staged chunk is in the table");
-        // Chunks moved to the host get the GPUs' access only; a CPU view
-        // asks for the host's when it needs it.
+        // Chunks moved to the host get the GPUs' access only; a CPU view or
+        // a synchronous copy asks for the host's when it needs it.
         let cpu = c.to != Location::Host || backend.home() == Location::Host;
         let list = driver_access_for(&entry.access, c.to, cpu);
         if let Err((error, stage)) = swap_in(backend, res, c.offset, c.bytes, &c.chunk, &list) {
@@ -335,8 +393,27 @@ impl<B: Backend> Mover<'_, B> {
         done.push((c.offset, old, old_place, old_cpu));
         report.chunks_moved += 1;
         report.bytes_moved += c.bytes;
-        report.swap_time += t.elapsed();
         Ok(())
+    }
+}
+
+/// A chunk whose copy is queued: its index, the fence after the copy,
+/// whether its old chunk was staged (source) or its new one, and its place
+/// in the temporary range.
+type InFlight<F> = (usize, F, bool, usize, usize);
+
+/// The offset of staged chunk `i` in the buffer: from `done` once it was
+/// swapped in (source staging), else from its staging record.
+fn table_offset<C>(
+    staged: &[Option<Staged<C>>],
+    i: usize,
+    done: &[Swapped<C>],
+    source: bool,
+) -> usize {
+    if source {
+        done.last().expect("just swapped in").0
+    } else {
+        staged[i].as_ref().expect("not swapped yet").offset
     }
 }
 

@@ -120,6 +120,13 @@ pub trait Backend: Send + Sync + 'static {
     /// for those, while later copies run on.
     fn copies_fence(&self) -> Result<Self::Fence>;
 
+    /// Whether one chunk may be mapped at two addresses at once (CUDA: yes;
+    /// the host backend maps a chunk once). Migration then stages the old
+    /// chunk instead of the new one where that is cheaper.
+    fn maps_a_chunk_twice(&self) -> bool {
+        false
+    }
+
     /// Copies `bytes` from `src` at `src_offset` to `dst` at `dst_offset`,
     /// ordered on the backend's own stream: complete once
     /// [`Backend::wait_copies`] returns. Both ranges must be mapped; the

@@ -216,6 +216,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.step("wait_copies", 0)?;
         self.inner.wait_copies()
     }
+    fn maps_a_chunk_twice(&self) -> bool {
+        self.inner.maps_a_chunk_twice()
+    }
     fn copies_fence(&self) -> Result<TestFence> {
         self.step("copies_fence", 0)?;
         self.inner.wait_copies()?;

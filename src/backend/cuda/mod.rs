@@ -533,6 +533,10 @@ impl Backend for CudaBackend {
         self.fence(&self.stream)
     }
 
+    fn maps_a_chunk_twice(&self) -> bool {
+        true
+    }
+
     fn copy(
         &self,
         dst: &mut CudaReservation,
