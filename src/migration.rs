@@ -162,7 +162,7 @@ impl<B: Backend> Mover<'_, B> {
         let rw = [AccessDesc::new(home, Access::ReadWrite)];
         let mut failure: Option<Failed<B::Chunk>> = None;
         for i in 0..=n {
-            if i < n {
+            let prev = if i < n {
                 let c = staged[i].as_ref().expect("not swapped yet");
                 let from = table.get(c.offset).map_or(c.to, |e| e.placement);
                 // To the host from a GPU: stage the *old* (device) chunk at
@@ -173,24 +173,26 @@ impl<B: Backend> Mover<'_, B> {
                     && from != Location::Host
                     && home != Location::Host
                     && backend.maps_a_chunk_twice();
-                let (at, bytes) = (c.at, c.bytes);
+                let (at, bytes, offset) = (c.at, c.bytes, c.offset);
                 let t = Instant::now();
-                let r = if source {
-                    let old = &table
-                        .get(c.offset)
+                // What sits at the temporary address: the old chunk (to copy
+                // from), or the new one (to copy into).
+                let staged_here = if source {
+                    &table
+                        .get(offset)
                         .expect("a staged chunk is in the table")
-                        .chunk;
-                    backend
-                        .map(&mut tmp, at, old)
-                        .inspect(|_| tmp_hi = at + bytes)
-                        .and_then(|_| backend.set_access(&mut tmp, at, bytes, &rw))
+                        .chunk
                 } else {
-                    backend
-                        .map(&mut tmp, at, &c.chunk)
-                        .inspect(|_| tmp_hi = at + bytes)
-                        .and_then(|_| backend.set_access(&mut tmp, at, bytes, &rw))
-                        .and_then(|_| backend.copy(&mut tmp, at, res, c.offset, bytes))
+                    &c.chunk
                 };
+                let r = backend
+                    .map(&mut tmp, at, staged_here)
+                    .inspect(|_| tmp_hi = at + bytes)
+                    .and_then(|_| backend.set_access(&mut tmp, at, bytes, &rw))
+                    .and_then(|_| match source {
+                        true => Ok(()), // copied once the new chunk is in place
+                        false => backend.copy(&mut tmp, at, res, offset, bytes),
+                    });
                 report.stage_time += t.elapsed();
                 if let Err(e) = r {
                     failure = Some(Failed::Before(e));
@@ -205,7 +207,6 @@ impl<B: Backend> Mover<'_, B> {
                     }
                     report.swap_time += t.elapsed();
                 }
-                let offset = table_offset(&staged, i, &done, source);
                 let r = if source {
                     backend.copy(res, offset, &tmp, at, bytes)
                 } else {
@@ -213,32 +214,19 @@ impl<B: Backend> Mover<'_, B> {
                 }
                 .and_then(|_| backend.copies_fence());
                 match r {
-                    Ok(f) => {
-                        let before = in_flight.replace((i, f, source, at, bytes));
-                        // The previous chunk's copy ran meanwhile: finish it.
-                        let Some(prev) = before else { continue };
-                        if let Err(f) = self.finish(
-                            prev,
-                            &mut staged,
-                            &mut tmp,
-                            &mut tmp_lo,
-                            res,
-                            table,
-                            &mut done,
-                            &mut report,
-                        ) {
-                            failure = Some(f);
-                            break;
-                        }
-                    }
+                    Ok(f) => in_flight.replace((i, f, source, at, bytes)),
                     Err(e) => {
                         failure = Some(Failed::Before(e));
                         break;
                     }
                 }
-            } else if let Some(last) = in_flight.take() {
+            } else {
+                in_flight.take()
+            };
+            // The previous chunk's copy ran meanwhile: finish it.
+            if let Some(prev) = prev {
                 if let Err(f) = self.finish(
-                    last,
+                    prev,
                     &mut staged,
                     &mut tmp,
                     &mut tmp_lo,
@@ -248,6 +236,7 @@ impl<B: Backend> Mover<'_, B> {
                     &mut report,
                 ) {
                     failure = Some(f);
+                    break;
                 }
             }
         }
@@ -401,21 +390,6 @@ impl<B: Backend> Mover<'_, B> {
 /// whether its old chunk was staged (source) or its new one, and its place
 /// in the temporary range.
 type InFlight<F> = (usize, F, bool, usize, usize);
-
-/// The offset of staged chunk `i` in the buffer: from `done` once it was
-/// swapped in (source staging), else from its staging record.
-fn table_offset<C>(
-    staged: &[Option<Staged<C>>],
-    i: usize,
-    done: &[Swapped<C>],
-    source: bool,
-) -> usize {
-    if source {
-        done.last().expect("just swapped in").0
-    } else {
-        staged[i].as_ref().expect("not swapped yet").offset
-    }
-}
 
 /// A new chunk on its way: where it goes (`offset`, `to`) and where it sits
 /// in the temporary range (`at`).
