@@ -110,27 +110,29 @@ fn breakdown(backend: &std::sync::Arc<vmmbuf::CudaBackend>, n: usize, desc: &Buf
         n / MIB
     );
     let home = Location::Device(0);
-    let mut plain = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();
-    plain.grow_to(n).unwrap();
-    plain.migrate(0..n, Location::Host).unwrap();
-    plain.migrate(0..n, home).unwrap();
-    show(
-        "no pool, to host",
-        &plain.migrate(0..n, Location::Host).unwrap(),
+    // A warm-up round trip, then one timed move each way.
+    let round_trip = |what: &str, mut buf: GrowableBuffer<vmmbuf::CudaBackend>| {
+        buf.grow_to(n).unwrap();
+        buf.migrate(0..n, Location::Host).unwrap();
+        buf.migrate(0..n, home).unwrap();
+        show(
+            &format!("{what}, to host"),
+            &buf.migrate(0..n, Location::Host).unwrap(),
+        );
+        show(
+            &format!("{what}, to device"),
+            &buf.migrate(0..n, home).unwrap(),
+        );
+    };
+    round_trip(
+        "no pool",
+        GrowableBuffer::new(backend.clone(), desc.clone()).unwrap(),
     );
-    show("no pool, to device", &plain.migrate(0..n, home).unwrap());
-    drop(plain);
     let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
-    let mut pooled = GrowableBuffer::with_pool(&pool, desc.clone()).unwrap();
-    pooled.grow_to(n).unwrap();
-    pooled.migrate(0..n, Location::Host).unwrap();
-    pooled.migrate(0..n, home).unwrap();
-    show(
-        "warm pool, to host",
-        &pooled.migrate(0..n, Location::Host).unwrap(),
+    round_trip(
+        "warm pool",
+        GrowableBuffer::with_pool(&pool, desc.clone()).unwrap(),
     );
-    show("warm pool, to device", &pooled.migrate(0..n, home).unwrap());
-    drop(pooled);
     drop(pool);
     let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
     let t = Instant::now();

@@ -14,7 +14,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::pool::ChunkPool;
-use crate::table::{driver_access_for, ChunkTable};
+use crate::table::{cpu_at_once, driver_access_for, ChunkTable};
 
 /// What a migration did, and where its time went.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,6 +45,22 @@ impl MigrationReport {
     pub fn total_time(&self) -> Duration {
         self.acquire_time + self.stage_time + self.copy_time + self.swap_time + self.dispose_time
     }
+}
+
+/// Checks that chunks of a reservation of `granularity` can be placed at
+/// `to`: its granularity must divide theirs.
+pub(crate) fn check_placement<B: Backend>(
+    backend: &B,
+    granularity: usize,
+    to: Location,
+) -> Result<()> {
+    let g = backend.granularity(to)?;
+    if !granularity.is_multiple_of(g) {
+        return Err(Error::Unsupported {
+            what: format!("placement {to}: its granularity {g} does not divide {granularity}"),
+        });
+    }
+    Ok(())
 }
 
 /// A failed move: the error, and, when undoing it failed too, why and the
@@ -92,8 +108,8 @@ impl<B: Backend> Mover<'_, B> {
     }
 
     fn take(&self, to: Location, bytes: usize) -> Result<B::Chunk> {
-        match self.pool.and_then(|p| p.take_exact(to, bytes)) {
-            Some(c) => Ok(c),
+        match self.pool {
+            Some(pool) => pool.take_or_create(to, bytes),
             None => self.backend.create(bytes, to),
         }
     }
@@ -365,9 +381,7 @@ impl<B: Backend> Mover<'_, B> {
     ) -> std::result::Result<(), Failed<B::Chunk>> {
         let backend = self.backend;
         let entry = table.get(c.offset).expect("a staged chunk is in the table");
-        // Chunks moved to the host get the GPUs' access only; a CPU view or
-        // a synchronous copy asks for the host's when it needs it.
-        let cpu = c.to != Location::Host || backend.home() == Location::Host;
+        let cpu = cpu_at_once(backend.home(), c.to);
         let list = driver_access_for(&entry.access, c.to, cpu);
         if let Err((error, stage)) = swap_in(backend, res, c.offset, c.bytes, &c.chunk, &list) {
             return Err(Failed::Swap { error, stage, c });

@@ -248,6 +248,14 @@ impl<B: Backend> ChunkPool<B> {
         Some(chunk)
     }
 
+    /// A pooled chunk of exactly `bytes` at `placement`, or a new one.
+    pub(crate) fn take_or_create(&self, placement: Location, bytes: usize) -> Result<B::Chunk> {
+        match self.take_exact(placement, bytes) {
+            Some(c) => Ok(c),
+            None => self.backend.create(bytes, placement),
+        }
+    }
+
     /// Keeps a chunk of `bytes` at `placement`; past the high watermark, gives
     /// the largest chunks back until at most the low watermark is held.
     pub(crate) fn put(&self, placement: Location, bytes: usize, chunk: B::Chunk) {

@@ -66,6 +66,14 @@ impl<C> Entry<C> {
     }
 }
 
+/// Whether a chunk mapped at `placement`, on a backend whose home is `home`,
+/// gets the host's access entry at once (`Entry::cpu`): not for host memory
+/// beside a GPU, where the entry costs ~40 ms per GiB and only the CPU needs
+/// it (a CPU view or a synchronous copy grants it then).
+pub(crate) fn cpu_at_once(home: Location, placement: Location) -> bool {
+    placement != Location::Host || home == Location::Host
+}
+
 /// `list` as the driver takes it for a chunk placed at `placement`.
 pub(crate) fn driver_access(list: &[AccessDesc], placement: Location) -> Vec<AccessDesc> {
     driver_access_for(list, placement, true)
@@ -134,6 +142,11 @@ impl<C> ChunkTable<C> {
     /// Bytes in use: `[0, len)` is mapped without a hole.
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes mapped in host memory (constant time).
+    pub(crate) fn host_bytes(&self) -> usize {
+        self.host_bytes
     }
 
     /// Bytes mapped (constant time).

@@ -65,25 +65,32 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// synchronising the allocation's stream).
     pub fn write(&mut self, at: usize, src: &[u8]) -> Result<()> {
         self.check(at, src.len())?;
-        let mut guard = self.arena.state.lock();
-        let st = &mut *guard;
-        let res = st.res.as_mut().expect("the reservation lives until drop");
-        // The driver copies host memory (an offloaded arena) with the CPU.
-        let (o, b) = (self.offset + at, src.len());
-        crate::migration::grant_cpu(&*self.arena.backend, res, &mut st.table, o, b)?;
-        self.arena.backend.write(res, o, src)
+        self.with_cpu_access(at, src.len(), |b, res, o| b.write(res, o, src))
     }
 
     /// Copies bytes of the allocation from `at` into `dst` (synchronous, as
     /// [`write`](Self::write)).
     pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
         self.check(at, dst.len())?;
+        self.with_cpu_access(at, dst.len(), |b, res, o| b.read(res, o, dst))
+    }
+
+    /// Runs `f(backend, reservation, offset)` under the arena's lock once
+    /// the host-placed chunks of `[at, at + n)` grant the CPU access: the
+    /// driver copies host memory (an offloaded arena) with the CPU, and so
+    /// do cudarc's copies through views.
+    pub(super) fn with_cpu_access<T>(
+        &self,
+        at: usize,
+        n: usize,
+        f: impl FnOnce(&B, &mut B::Reservation, usize) -> Result<T>,
+    ) -> Result<T> {
         let mut guard = self.arena.state.lock();
         let st = &mut *guard;
         let res = st.res.as_mut().expect("the reservation lives until drop");
-        let (o, b) = (self.offset + at, dst.len());
-        crate::migration::grant_cpu(&*self.arena.backend, res, &mut st.table, o, b)?;
-        self.arena.backend.read(res, o, dst)
+        let o = self.offset + at;
+        crate::migration::grant_cpu(&*self.arena.backend, res, &mut st.table, o, n)?;
+        f(&self.arena.backend, res, o)
     }
 
     fn check(&self, at: usize, n: usize) -> Result<()> {

@@ -40,16 +40,7 @@ impl Allocation<CudaBackend, Arc<CudaStream>> {
     /// cudarc's copies of host memory (an offloaded arena) run on the CPU
     /// inside the driver: host-placed chunks need the host's access entry.
     fn grant_cpu(&self) -> Result<()> {
-        let mut guard = self.arena.state.lock();
-        let st = &mut *guard;
-        let res = st.res.as_mut().expect("the reservation lives until drop");
-        crate::migration::grant_cpu(
-            &*self.arena.backend,
-            res,
-            &mut st.table,
-            self.offset,
-            self.size,
-        )
+        self.with_cpu_access(0, self.size, |_, _, _| Ok(()))
     }
 
     fn elements<T>(&self) -> Result<usize> {

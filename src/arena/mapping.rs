@@ -8,9 +8,8 @@ use super::blocks::{Free, StreamKey};
 use super::{Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::location::Location;
 use crate::plan::round_up;
-use crate::table::{driver_access_for, Entry};
+use crate::table::{cpu_at_once, driver_access_for, Entry};
 
 impl<B: Backend> Shared<B> {
     /// A free block of `size` for `key`: from the index, after settling
@@ -93,17 +92,14 @@ impl<B: Backend> Shared<B> {
         // Chunks of at most `chunk_bytes`, pooled ones first, placed where
         // the arena is now (the host, while offloaded).
         let placement = st.placement;
+        let cpu = cpu_at_once(self.backend.home(), placement);
         let mut chunks: Vec<(B::Chunk, usize)> = Vec::new();
         let mut mapped_now = 0usize;
         let attempt = (|| -> Result<()> {
             let mut left = need;
             while left > 0 {
                 let bytes = left.min(self.chunk_bytes);
-                let chunk = match self.pool.take_exact(placement, bytes) {
-                    Some(c) => c,
-                    None => self.backend.create(bytes, placement)?,
-                };
-                chunks.push((chunk, bytes));
+                chunks.push((self.pool.take_or_create(placement, bytes)?, bytes));
                 left -= bytes;
             }
             let res = st.res.as_mut().expect("the reservation lives until drop");
@@ -111,9 +107,6 @@ impl<B: Backend> Shared<B> {
                 self.backend.map(res, at + mapped_now, c)?;
                 mapped_now += bytes;
             }
-            // Host-placed chunks (an offloaded arena): the GPUs' entries
-            // only, until a copy needs the CPU's.
-            let cpu = placement != Location::Host || self.backend.home() == Location::Host;
             let list = driver_access_for(&self.access, placement, cpu);
             self.backend.set_access(res, at, need, &list)
         })();
@@ -137,7 +130,7 @@ impl<B: Backend> Shared<B> {
         for (c, bytes) in chunks {
             let mut entry = Entry::new(c, bytes, placement);
             entry.access = self.access.as_slice().into();
-            entry.cpu = placement != Location::Host || self.backend.home() == Location::Host;
+            entry.cpu = cpu;
             st.table
                 .insert(o, entry)
                 .expect("mapped where the table had a hole");
@@ -254,7 +247,7 @@ impl<B: Backend> Shared<B> {
         };
         s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
         s.pooled_bytes = self.pool.stats().pooled_bytes;
-        let host = st.table.stats().host_bytes;
+        let host = st.table.host_bytes();
         st.stats.host_bytes = host;
         st.stats.device_bytes = mapped - host;
     }

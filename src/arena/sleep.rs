@@ -51,15 +51,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     fn move_all(&self, to: Location, streams: &[S]) -> Result<MigrationReport> {
         let sh = &*self.shared;
         let backend = &*sh.backend;
-        let g = backend.granularity(to)?;
-        if !sh.granularity.is_multiple_of(g) {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "placement {to}: its granularity {g} does not divide {}",
-                    sh.granularity
-                ),
-            });
-        }
+        crate::migration::check_placement(backend, sh.granularity, to)?;
         let fences = streams
             .iter()
             .map(|s| s.fence(backend))

@@ -83,16 +83,7 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Checks that chunks of this buffer can be placed at `to`.
     fn check_placement(&self, to: Location) -> Result<()> {
-        let g = self.backend().granularity(to)?;
-        if !self.granularity().is_multiple_of(g) {
-            return Err(Error::Unsupported {
-                what: format!(
-                    "placement {to}: its granularity {g} does not divide {}",
-                    self.granularity()
-                ),
-            });
-        }
-        Ok(())
+        crate::migration::check_placement(&**self.backend(), self.granularity(), to)
     }
 
     /// The migration policy set for the whole buffer: where new chunks go.

@@ -2,14 +2,11 @@
 //! (scripts/torch_trace.py on an H100), replayed on the host backend with
 //! CUDA's 2 MiB granularity, so it runs in CI.
 
-use std::io::BufReader;
-
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, PushKernelArg};
 use vmmbuf::{
-    parse_trace, replay_trace, Arena, ArenaDesc, Backend, CudaBackend, HostBackend, HostStream,
-    TraceEvent,
+    replay_trace, Arena, ArenaDesc, Backend, CudaBackend, HostBackend, HostStream, TraceEvent,
 };
 
 use crate::common::gpu;
@@ -63,12 +60,7 @@ fn a_pytorch_training_trace_takes_at_most_1_01x_its_peak() {
 }
 
 fn torch_trace() -> Vec<TraceEvent> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/traces/torch-transformer-h100.csv.gz"
-    );
-    let file = std::fs::File::open(path).unwrap();
-    let events = parse_trace(BufReader::new(flate2::read::GzDecoder::new(file))).unwrap();
+    let events = crate::lag::trace("torch-transformer-h100.csv.gz");
     assert!(events.len() > 40_000, "{} events", events.len());
     events
 }

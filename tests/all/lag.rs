@@ -51,6 +51,7 @@ impl ArenaStream<Fb> for Lag {
     }
 }
 
+/// A trace of `traces/` (gzipped CSV), parsed.
 pub fn trace(name: &str) -> Vec<TraceEvent> {
     let path = format!("{}/traces/{name}", env!("CARGO_MANIFEST_DIR"));
     let file = std::fs::File::open(path).unwrap();
