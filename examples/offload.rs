@@ -83,6 +83,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     plan.add(0..8 * BLOCK, Location::Host)
         .add(8 * BLOCK..12 * BLOCK, Location::Host);
     let rep = cache.execute(&plan)?;
+    // The device chunks went to the backend's default pool, which keeps them
+    // for a quick restore; hand them to the driver to free the memory.
+    if let Some(pool) = cache.pool() {
+        println!("the default pool keeps the old device chunks: {}", pool.stats());
+        pool.trim_at(Location::Device(backend.device()))?;
+    }
     println!(
         "offloaded {} blocks ({}): device free {}; {}",
         rep.chunks_moved,

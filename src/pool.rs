@@ -37,6 +37,24 @@ impl Default for PoolDesc {
 }
 
 impl PoolDesc {
+    /// A pool that keeps at most `bytes`, as `cudaMallocAsync`'s release
+    /// threshold bounds its pool: both watermarks at `bytes`. 0 keeps nothing;
+    /// `usize::MAX` (the default) keeps everything, as PyTorch and JAX keep
+    /// theirs, until [`ChunkPool::trim`].
+    pub fn release_threshold(bytes: usize) -> Self {
+        Self::watermarks(bytes, bytes)
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.low_water_bytes > self.high_water_bytes {
+            return Err(Error::invalid(format!(
+                "pool low watermark {} is above the high watermark {}",
+                self.low_water_bytes, self.high_water_bytes
+            )));
+        }
+        Ok(())
+    }
+
     /// A pool that keeps up to `high` bytes and sheds down to `low` past it.
     pub fn watermarks(low_water_bytes: usize, high_water_bytes: usize) -> Self {
         Self {
@@ -80,28 +98,61 @@ impl fmt::Display for PoolStats {
 }
 
 struct PoolInner<C> {
+    desc: PoolDesc,
     /// (placement, bytes) -> chunks of exactly that size.
     free: BTreeMap<(Location, usize), Vec<C>>,
     stats: PoolStats,
 }
 
+/// Where a pool keeps its chunks: owned by one [`ChunkPool`], or by a
+/// backend for its default pool (see [`Backend::default_pool`]). Chunks
+/// still here when it drops free themselves (their tokens do, in `Drop`).
+pub(crate) struct Shelf<C> {
+    inner: Mutex<PoolInner<C>>,
+}
+
+impl<C> Shelf<C> {
+    pub(crate) fn new(desc: PoolDesc) -> Result<Self> {
+        desc.check()?;
+        Ok(Self {
+            inner: Mutex::new(PoolInner {
+                desc,
+                free: BTreeMap::new(),
+                stats: PoolStats::default(),
+            }),
+        })
+    }
+}
+
+impl<C> fmt::Debug for Shelf<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let g = self.inner.lock();
+        f.debug_struct("Shelf")
+            .field("desc", &g.desc)
+            .field("stats", &g.stats)
+            .finish()
+    }
+}
+
 /// Physical chunks kept for reuse, keyed by placement and size.
 ///
-/// Share one pool between buffers of the same backend (`Arc`); create buffers
-/// in it with [`GrowableBuffer::with_pool`](crate::GrowableBuffer::with_pool).
+/// Every backend has a default pool ([`Backend::default_pool`]), which
+/// [`GrowableBuffer::new`](crate::GrowableBuffer::new) uses unless
+/// [`BufferDesc::pooled`](crate::BufferDesc::pooled) says otherwise. A pool of
+/// one's own ([`ChunkPool::new`]) is shared between buffers of the same backend
+/// (`Arc`) through [`GrowableBuffer::with_pool`](crate::GrowableBuffer::with_pool).
 /// Chunks a pooled buffer trims go to the pool; its growth takes pooled
 /// chunks before it creates new ones; a growth that runs out of memory empties
 /// the pool and tries once more.
 pub struct ChunkPool<B: Backend> {
     backend: Arc<B>,
-    desc: PoolDesc,
-    inner: Mutex<PoolInner<B::Chunk>>,
+    shelf: Arc<Shelf<B::Chunk>>,
 }
 
 impl<B: Backend> fmt::Debug for ChunkPool<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ChunkPool")
-            .field("desc", &self.desc)
+            .field("desc", &self.desc())
             .field("stats", &self.stats())
             .finish()
     }
@@ -111,20 +162,44 @@ impl<B: Backend> ChunkPool<B> {
     /// An empty pool over `backend`. [`Error::InvalidArgument`] if the low
     /// watermark is above the high one.
     pub fn new(backend: Arc<B>, desc: PoolDesc) -> Result<Arc<Self>> {
-        if desc.low_water_bytes > desc.high_water_bytes {
-            return Err(Error::invalid(format!(
-                "pool low watermark {} is above the high watermark {}",
-                desc.low_water_bytes, desc.high_water_bytes
-            )));
-        }
-        Ok(Arc::new(Self {
-            backend,
-            desc,
-            inner: Mutex::new(PoolInner {
-                free: BTreeMap::new(),
-                stats: PoolStats::default(),
-            }),
-        }))
+        let shelf = Arc::new(Shelf::new(desc)?);
+        Ok(Arc::new(Self { backend, shelf }))
+    }
+
+    /// A pool over a backend's own shelf: its default pool. Every such
+    /// handle shares the chunks, the bounds and the counters.
+    pub(crate) fn over(backend: Arc<B>, shelf: Arc<Shelf<B::Chunk>>) -> Arc<Self> {
+        Arc::new(Self { backend, shelf })
+    }
+
+    fn lock(&self) -> parking_lot::MutexGuard<'_, PoolInner<B::Chunk>> {
+        self.shelf.inner.lock()
+    }
+
+    /// How the pool bounds what it keeps now.
+    pub fn desc(&self) -> PoolDesc {
+        self.lock().desc
+    }
+
+    /// Changes how the pool bounds what it keeps; if it holds more than the
+    /// new high watermark, it gives chunks back at once (largest first)
+    /// down to the low one. [`Error::InvalidArgument`] if the low watermark
+    /// is above the high one (nothing changes then).
+    pub fn set_desc(&self, desc: PoolDesc) -> Result<()> {
+        desc.check()?;
+        let shed = {
+            let mut g = self.lock();
+            g.desc = desc;
+            g.shed()
+        };
+        self.release_all(shed)
+    }
+
+    /// Keeps at most `bytes` pooled, as `cudaMallocAsync`'s release
+    /// threshold does: `set_desc(PoolDesc::release_threshold(bytes))`.
+    /// 0 gives every chunk back as soon as it is returned.
+    pub fn set_release_threshold(&self, bytes: usize) -> Result<()> {
+        self.set_desc(PoolDesc::release_threshold(bytes))
     }
 
     /// The backend the pool's chunks belong to.
@@ -134,7 +209,7 @@ impl<B: Backend> ChunkPool<B> {
 
     /// The pool's counters.
     pub fn stats(&self) -> PoolStats {
-        self.inner.lock().stats
+        self.lock().stats
     }
 
     /// Gives every pooled chunk back to the driver. On error the remaining
@@ -142,7 +217,7 @@ impl<B: Backend> ChunkPool<B> {
     /// returned.
     pub fn trim(&self) -> Result<()> {
         let all = {
-            let mut g = self.inner.lock();
+            let mut g = self.lock();
             g.stats.pooled_bytes = 0;
             g.stats.pooled_chunks = 0;
             std::mem::take(&mut g.free)
@@ -178,7 +253,7 @@ impl<B: Backend> ChunkPool<B> {
                 }
             }
         }
-        let mut inner = self.inner.lock();
+        let mut inner = self.lock();
         inner.stats.pooled_bytes += n * chunk;
         inner.stats.pooled_chunks += n;
         inner
@@ -193,7 +268,7 @@ impl<B: Backend> ChunkPool<B> {
     /// and keeps the others, as [`trim`](Self::trim) does for all.
     pub fn trim_at(&self, placement: Location) -> Result<()> {
         let gone: Vec<B::Chunk> = {
-            let mut g = self.inner.lock();
+            let mut g = self.lock();
             let keys: Vec<(Location, usize)> = g
                 .free
                 .keys()
@@ -222,20 +297,20 @@ impl<B: Backend> ChunkPool<B> {
                 first.get_or_insert(e);
             }
         }
-        self.inner.lock().stats.released += n;
+        self.lock().stats.released += n;
         first.map_or(Ok(()), Err)
     }
 
     /// What the pool holds now: how many chunks of each (placement, size),
     /// for the growth plan.
     pub(crate) fn offer(&self) -> PoolOffer {
-        let g = self.inner.lock();
+        let g = self.lock();
         g.free.iter().map(|(&k, v)| (k, v.len())).collect()
     }
 
     /// A pooled chunk of exactly `bytes` at `placement`, if there is one.
     pub(crate) fn take_exact(&self, placement: Location, bytes: usize) -> Option<B::Chunk> {
-        let mut g = self.inner.lock();
+        let mut g = self.lock();
         let key = (placement, bytes);
         let list = g.free.get_mut(&key)?;
         let chunk = list.pop()?;
@@ -260,29 +335,12 @@ impl<B: Backend> ChunkPool<B> {
     /// the largest chunks back until at most the low watermark is held.
     pub(crate) fn put(&self, placement: Location, bytes: usize, chunk: B::Chunk) {
         let shed = {
-            let mut g = self.inner.lock();
+            let mut g = self.lock();
             g.free.entry((placement, bytes)).or_default().push(chunk);
             g.stats.returns += 1;
             g.stats.pooled_bytes += bytes;
             g.stats.pooled_chunks += 1;
-            let mut shed = Vec::new();
-            if g.stats.pooled_bytes > self.desc.high_water_bytes {
-                while g.stats.pooled_bytes > self.desc.low_water_bytes {
-                    let Some(key) = g.free.keys().max_by_key(|k| k.1).copied() else {
-                        break;
-                    };
-                    let size = key.1;
-                    let list = g.free.get_mut(&key).expect("the key was just found");
-                    let c = list.pop().expect("pool lists are never empty");
-                    if list.is_empty() {
-                        g.free.remove(&key);
-                    }
-                    g.stats.pooled_bytes -= size;
-                    g.stats.pooled_chunks -= 1;
-                    shed.push(c);
-                }
-            }
-            shed
+            g.shed()
         };
         if !shed.is_empty() {
             let _ = self.release_all(shed); // logged inside
@@ -293,7 +351,7 @@ impl<B: Backend> ChunkPool<B> {
     /// there was anything to give back.
     pub(crate) fn drain_for_oom(&self) -> bool {
         let had = {
-            let mut g = self.inner.lock();
+            let mut g = self.lock();
             g.stats.oom_drains += 1;
             g.stats.pooled_chunks > 0
         };
@@ -304,8 +362,37 @@ impl<B: Backend> ChunkPool<B> {
     }
 }
 
+impl<C> PoolInner<C> {
+    /// Past the high watermark, takes out the largest chunks until at most
+    /// the low watermark is held: the chunks to give back.
+    fn shed(&mut self) -> Vec<C> {
+        let mut shed = Vec::new();
+        if self.stats.pooled_bytes > self.desc.high_water_bytes {
+            while self.stats.pooled_bytes > self.desc.low_water_bytes {
+                let Some(key) = self.free.keys().max_by_key(|k| k.1).copied() else {
+                    break;
+                };
+                let list = self.free.get_mut(&key).expect("the key was just found");
+                let c = list.pop().expect("pool lists are never empty");
+                if list.is_empty() {
+                    self.free.remove(&key);
+                }
+                self.stats.pooled_bytes -= key.1;
+                self.stats.pooled_chunks -= 1;
+                shed.push(c);
+            }
+        }
+        shed
+    }
+}
+
 impl<B: Backend> Drop for ChunkPool<B> {
     fn drop(&mut self) {
-        let _ = self.trim();
+        // The last handle on a pool's own shelf gives its chunks back through
+        // the backend (counted, errors logged). A backend's default shelf
+        // outlives its handles.
+        if Arc::strong_count(&self.shelf) == 1 {
+            let _ = self.trim();
+        }
     }
 }

@@ -18,6 +18,7 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use super::{Backend, Counters, LiveCounts};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
+use crate::pool::{ChunkPool, PoolDesc, Shelf};
 use crate::table::{ChunkTable, Entry};
 
 /// The host's virtual memory as a [`Backend`]. Places memory on [`Location::Host`]
@@ -26,6 +27,8 @@ use crate::table::{ChunkTable, Entry};
 pub struct HostBackend {
     granularity: usize,
     counters: Arc<Counters>,
+    /// The default pool's chunks (see [`Backend::default_pool`]).
+    shelf: Arc<Shelf<HostChunk>>,
 }
 
 impl HostBackend {
@@ -34,6 +37,7 @@ impl HostBackend {
         Arc::new(Self {
             granularity: rustix::param::page_size(),
             counters: Arc::default(),
+            shelf: Arc::new(Shelf::new(PoolDesc::default()).expect("the default bounds are valid")),
         })
     }
 
@@ -49,6 +53,7 @@ impl HostBackend {
         Ok(Arc::new(Self {
             granularity,
             counters: Arc::default(),
+            shelf: Arc::new(Shelf::new(PoolDesc::default())?),
         }))
     }
 
@@ -448,6 +453,10 @@ impl Backend for HostBackend {
             std::ptr::copy_nonoverlapping(src.as_ptr(), res.addr(offset) as *mut u8, src.len())
         };
         Ok(())
+    }
+
+    fn default_pool(self: &Arc<Self>) -> Option<Arc<ChunkPool<Self>>> {
+        Some(ChunkPool::over(self.clone(), self.shelf.clone()))
     }
 
     fn live(&self) -> LiveCounts {

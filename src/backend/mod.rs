@@ -159,6 +159,24 @@ pub trait Backend: Send + Sync + 'static {
     fn device_memory(&self) -> Option<(usize, usize)> {
         None
     }
+
+    /// The backend's own chunk pool, which
+    /// [`GrowableBuffer::new`](crate::GrowableBuffer::new) gives every buffer
+    /// (unless [`BufferDesc::pooled`](crate::BufferDesc::pooled) is false), so
+    /// that regrowth after a shrink, or one buffer's growth into what another
+    /// gave up, maps pooled chunks instead of creating them. Every call returns
+    /// a handle on the same chunks, bounds and counters; they live as long as
+    /// the backend. By default it keeps everything, as PyTorch's and JAX's
+    /// allocators keep theirs; [`ChunkPool::trim`](crate::ChunkPool::trim)
+    /// gives it all back, [`ChunkPool::set_release_threshold`](crate::ChunkPool::set_release_threshold)
+    /// bounds it, and a growth that runs out of memory empties it first.
+    /// `None` for a backend without one (the trait's default).
+    fn default_pool(self: &std::sync::Arc<Self>) -> Option<std::sync::Arc<crate::ChunkPool<Self>>>
+    where
+        Self: Sized,
+    {
+        None
+    }
 }
 
 /// The last recorded use of a buffer per queue (stream): what must finish

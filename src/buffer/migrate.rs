@@ -136,8 +136,12 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     /// Moves every chunk to host memory: the device memory is given back
-    /// (to the pool, if the buffer has one) while the data and every address
-    /// stay. The job of an inference server's sleep mode.
+    /// while the data and every address stay. The job of an inference
+    /// server's sleep mode. The device chunks go to the buffer's pool if it
+    /// has one (by default the backend's, which keeps them for a fast
+    /// [`restore`](Self::restore)); to hand them to the driver, follow with
+    /// `pool.trim_at(Location::Device(d))` or build the buffer with
+    /// [`BufferDesc::pooled`](crate::BufferDesc::pooled)`(false)`.
     pub fn offload(&mut self) -> Result<MigrationReport> {
         self.migrate_all(Location::Host)
     }

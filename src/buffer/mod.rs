@@ -54,6 +54,13 @@ pub struct BufferDesc {
     /// Alignment of the sub-ranges [`GrowableBuffer::claim`] hands out: a power
     /// of two, 256 by default (what cuBLAS, cuDNN and vectorised kernels want).
     pub alignment: usize,
+    /// Whether [`GrowableBuffer::new`] gives the buffer the backend's default
+    /// pool ([`Backend::default_pool`](crate::Backend::default_pool)): true by
+    /// default. Chunks a pooled buffer gives up (shrinking, migrating, drop)
+    /// stay in the pool for the next growth, of this buffer or another, until
+    /// the pool's release threshold or [`ChunkPool::trim`] gives them back to the
+    /// driver. False: they go back to the driver at once.
+    pub pooled: bool,
 }
 
 impl BufferDesc {
@@ -66,7 +73,15 @@ impl BufferDesc {
             growth: GrowthPolicy::default(),
             access: Access::ReadWrite,
             alignment: 256,
+            pooled: true,
         }
+    }
+
+    /// Whether [`GrowableBuffer::new`] uses the backend's default pool (see
+    /// [`BufferDesc::pooled`](Self::pooled)).
+    pub fn pooled(mut self, pooled: bool) -> Self {
+        self.pooled = pooled;
+        self
     }
 
     /// Sets the alignment of sub-ranges handed out by `claim`.
@@ -189,7 +204,8 @@ impl<B: Backend> Inner<B> {
 /// Names follow `Vec`: the length (bytes in use) is at most the capacity
 /// (bytes mapped), which is at most the reservation;
 /// [`truncate`](Self::truncate) keeps memory, [`shrink_to_fit`](Self::shrink_to_fit)
-/// gives it back. New bytes are not zeroed by contract.
+/// gives it back (to the pool the buffer has, by default its backend's, or to
+/// the driver). New bytes are not zeroed by contract.
 pub struct GrowableBuffer<B: Backend> {
     backend: Arc<B>,
     base: u64,
@@ -225,14 +241,23 @@ impl<B: Backend> std::fmt::Debug for GrowableBuffer<B> {
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Reserves the address range described by `desc`. No physical memory is
-    /// mapped until the buffer grows.
+    /// mapped until the buffer grows. The buffer uses the backend's default
+    /// pool ([`Backend::default_pool`]) unless
+    /// [`desc.pooled`](BufferDesc::pooled) is false: chunks it gives up are
+    /// kept for the next growth until the pool is trimmed.
     pub fn new(backend: Arc<B>, desc: BufferDesc) -> Result<Self> {
-        Self::build(backend, desc, None)
+        let pool = if desc.pooled {
+            backend.default_pool()
+        } else {
+            None
+        };
+        Self::build(backend, desc, pool)
     }
 
     /// Like [`new`](Self::new), in `pool`'s backend: growth takes pooled
     /// chunks before creating new ones, and chunks given back (and, at drop,
-    /// all of them) go to the pool instead of back to the driver.
+    /// all of them) go to `pool` instead of back to the driver. `desc.pooled`
+    /// is not read.
     pub fn with_pool(pool: &Arc<ChunkPool<B>>, desc: BufferDesc) -> Result<Self> {
         Self::build(pool.backend().clone(), desc, Some(pool.clone()))
     }

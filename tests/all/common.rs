@@ -15,9 +15,25 @@ pub fn serial() -> parking_lot::MutexGuard<'static, ()> {
 }
 
 /// A host backend with a 64 KiB granularity: fine enough to exercise many
-/// chunks, coarse enough to keep the number of memfds small.
+/// chunks, coarse enough to keep the number of memfds small. Its default pool
+/// keeps nothing (see [`keep_nothing`]).
 pub fn host() -> Arc<HostBackend> {
-    HostBackend::with_granularity(64 << 10).expect("64 KiB is a valid host granularity")
+    keep_nothing(
+        HostBackend::with_granularity(64 << 10).expect("64 KiB is a valid host granularity"),
+    )
+}
+
+/// Sets `backend`'s default pool to keep nothing (release threshold 0), so
+/// that what a buffer gives up goes straight back to the driver and the
+/// tests' checks of live chunks against a baseline mean what they say. The
+/// pooled paths are tested with pools of their own (`pool.rs`) and with the
+/// default pool kept (`pool.rs`'s `default_pool_*` tests).
+pub fn keep_nothing<B: Backend>(backend: Arc<B>) -> Arc<B> {
+    if let Some(pool) = backend.default_pool() {
+        pool.set_release_threshold(0)
+            .expect("0 is a valid threshold");
+    }
+    backend
 }
 
 /// What a test needs to run. Tests whose needs this machine does not meet are
@@ -79,7 +95,7 @@ pub fn trial(module: &str, name: &str, needs: Needs, f: impl FnOnce() + Send + '
 /// The CUDA backend on GPU 0. Only GPU tests call it: they run where there
 /// is a GPU, or under `VMMBUF_REQUIRE_GPU=1`, where a missing GPU fails them.
 pub fn gpu() -> Arc<CudaBackend> {
-    CudaBackend::new(0).unwrap_or_else(|e| panic!("this GPU test cannot run: {e}"))
+    keep_nothing(CudaBackend::new(0).unwrap_or_else(|e| panic!("this GPU test cannot run: {e}")))
 }
 
 /// `len` bytes of seeded random data (never all zeros).

@@ -18,7 +18,10 @@ crate::register! {
 /// `VMMBUF_REQUIRE_PEERS=1`, where their absence fails it).
 fn two_gpus() -> (Arc<CudaBackend>, Arc<CudaBackend>) {
     match CudaBackend::new(0).and_then(|a| Ok((a, CudaBackend::new(1)?))) {
-        Ok(p) => p,
+        Ok((a, b)) => (
+            crate::common::keep_nothing(a),
+            crate::common::keep_nothing(b),
+        ),
         Err(e) => panic!("the peer test needs two GPUs: {e}"),
     }
 }

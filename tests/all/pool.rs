@@ -7,7 +7,172 @@ use crate::fault::{FaultBackend, TestFence};
 use vmmbuf::{Backend, BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, PoolDesc};
 
 crate::register! {
-    generic: [pooled_chunks_are_reused_across_buffers, regrowth_after_shrink_takes_pooled_chunks, the_pool_sheds_past_its_high_watermark, out_of_memory_drains_the_pool_and_retries_once, deferred_release_waits_for_its_fence, deferred_release_never_frees_what_was_regrown, a_reserved_pool_serves_growth_without_creating, a_failed_reserve_keeps_nothing],
+    generic: [pooled_chunks_are_reused_across_buffers, regrowth_after_shrink_takes_pooled_chunks, the_pool_sheds_past_its_high_watermark, out_of_memory_drains_the_pool_and_retries_once, deferred_release_waits_for_its_fence, deferred_release_never_frees_what_was_regrown, a_reserved_pool_serves_growth_without_creating, a_failed_reserve_keeps_nothing, default_pool_serves_regrowth_without_asking, default_pool_bounds_and_trim_give_memory_back],
+    host: [default_pool_chunks_go_back_to_the_kernel_when_the_backend_drops],
+}
+
+/// `GrowableBuffer::new` takes the backend's default pool: chunks a shrink
+/// gives up stay pooled and the next growth (of this buffer or another)
+/// maps them again, creating nothing; every handle on the default pool sees
+/// the same chunks; an unpooled buffer's chunks go straight back.
+fn default_pool_serves_regrowth_without_asking<B: Backend>(backend: Arc<B>) {
+    let g = backend.granularity(backend.home()).unwrap();
+    let pool = backend
+        .default_pool()
+        .expect("both backends have a default pool");
+    pool.set_desc(PoolDesc::default()).unwrap(); // the helpers set 0
+    let baseline = backend.live();
+    let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(256 * g)).unwrap();
+    assert!(buf.pool().is_some(), "new() gives the default pool");
+    let steps: Vec<usize> = (1..=24).map(|i| i * 3 * g + 7 * i).collect();
+    for &s in &steps {
+        buf.grow_to(s).unwrap();
+    }
+    let data = random_bytes(41, buf.len());
+    buf.write(0, &data).unwrap();
+    let (chunks, created) = (buf.chunk_count(), backend.live().chunks - baseline.chunks);
+    assert_eq!(chunks, created);
+
+    // Shrink to a prefix: the chunks past it stay pooled, none released.
+    let keep = steps[5];
+    buf.truncate(keep);
+    buf.shrink_to_fit().unwrap();
+    let pooled = chunks - buf.chunk_count();
+    assert!(pooled > 0);
+    let other = backend.default_pool().unwrap();
+    assert_eq!(
+        other.stats().pooled_chunks,
+        pooled,
+        "one pool behind every handle"
+    );
+    assert_eq!(
+        backend.live().chunks,
+        baseline.chunks + chunks,
+        "pooled, not released"
+    );
+    assert!(contents(&buf) == data[..keep], "the kept prefix is intact");
+
+    // Regrow along the same steps: every chunk comes from the pool.
+    let hits = pool.stats().hits;
+    for &s in &steps {
+        buf.grow_to(s).unwrap();
+    }
+    assert_eq!(pool.stats().hits - hits, pooled as u64, "{}", pool.stats());
+    assert_eq!(
+        backend.live().chunks,
+        baseline.chunks + chunks,
+        "nothing created"
+    );
+    let fresh = random_bytes(42, buf.len() - keep);
+    buf.write(keep, &fresh).unwrap();
+    let all = contents(&buf);
+    assert!(all[..keep] == data[..keep] && all[keep..] == fresh[..]);
+
+    // Another buffer grows into what this one gives up at drop.
+    drop(buf);
+    assert_eq!(pool.stats().pooled_chunks, chunks);
+    let b2 = GrowableBuffer::new(backend.clone(), BufferDesc::new(256 * g)).unwrap();
+    for &s in &steps {
+        b2.grow_to(s).unwrap();
+    }
+    assert_eq!(
+        backend.live().chunks,
+        baseline.chunks + chunks,
+        "all reused"
+    );
+    drop(b2);
+
+    // An unpooled buffer gives its chunks straight back.
+    let mut own =
+        GrowableBuffer::new(backend.clone(), BufferDesc::new(64 * g).pooled(false)).unwrap();
+    assert!(own.pool().is_none());
+    own.grow_to(40 * g).unwrap(); // more than the pool holds in one size
+    let before = backend.live().chunks;
+    own.truncate(0);
+    own.shrink_to_fit().unwrap();
+    assert!(backend.live().chunks < before, "released, not pooled");
+    assert_eq!(
+        pool.stats().pooled_chunks,
+        chunks,
+        "the pool did not take them"
+    );
+    drop(own);
+
+    pool.trim().unwrap();
+    assert_eq!(backend.live(), baseline, "trim gave every chunk back");
+}
+
+/// A release threshold bounds the default pool at once and from then on;
+/// bad bounds are refused and change nothing; trim empties it.
+fn default_pool_bounds_and_trim_give_memory_back<B: Backend>(backend: Arc<B>) {
+    let g = backend.granularity(backend.home()).unwrap();
+    let pool = backend.default_pool().unwrap();
+    pool.set_desc(PoolDesc::default()).unwrap();
+    let baseline = backend.live();
+    let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Exact);
+    let buf = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();
+    buf.grow_to(10 * g).unwrap();
+    drop(buf);
+    assert_eq!(pool.stats().pooled_bytes, 10 * g);
+    assert!(pool.set_desc(PoolDesc::watermarks(3 * g, g)).is_err());
+    assert_eq!(
+        pool.desc(),
+        PoolDesc::default(),
+        "a refused bound changes nothing"
+    );
+    assert_eq!(pool.stats().pooled_bytes, 10 * g);
+
+    pool.set_release_threshold(4 * g).unwrap();
+    assert_eq!(pool.desc(), PoolDesc::release_threshold(4 * g));
+    let s = pool.stats();
+    assert_eq!((s.pooled_bytes, s.released), (4 * g, 6), "{s}");
+    assert_eq!(backend.live().chunks, baseline.chunks + 4);
+
+    // Growth takes the 4, creates 2; giving 6 back keeps 4 again.
+    let mut buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
+    buf.grow_to(6 * g).unwrap();
+    assert_eq!(pool.stats().pooled_chunks, 0);
+    let data = random_bytes(43, 6 * g);
+    buf.write(0, &data).unwrap();
+    assert!(contents(&buf) == data);
+    buf.truncate(0);
+    buf.shrink_to_fit().unwrap();
+    assert_eq!(pool.stats().pooled_bytes, 4 * g, "{}", pool.stats());
+    assert_eq!(backend.live().chunks, baseline.chunks + 4);
+
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().pooled_chunks, 0);
+    assert_eq!(backend.live().chunks, baseline.chunks);
+    drop(buf);
+    assert_eq!(backend.live(), baseline);
+}
+
+/// The default pool lives as long as its backend: when the backend (and
+/// every buffer, which holds it) is gone, the kernel has its memfds back.
+fn default_pool_chunks_go_back_to_the_kernel_when_the_backend_drops() {
+    let count = || {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|t| t.to_string_lossy().contains("memfd:vmmbuf"))
+            .count()
+    };
+    let fds = count();
+    let backend = vmmbuf::HostBackend::with_granularity(64 << 10).unwrap();
+    let buf = GrowableBuffer::new(
+        backend.clone(),
+        BufferDesc::new(1 << 24).growth(GrowthPolicy::Exact),
+    )
+    .unwrap();
+    buf.grow_to(7 << 16).unwrap();
+    drop(buf);
+    let pool = backend.default_pool().unwrap();
+    assert_eq!(pool.stats().pooled_chunks, 7);
+    assert_eq!(count(), fds + 7, "pooled chunks keep their memfds");
+    drop(pool);
+    assert_eq!(count(), fds + 7, "the backend still holds its pool");
+    drop(backend);
+    assert_eq!(count(), fds, "the backend's drop gave them back");
 }
 
 fn pooled_chunks_are_reused_across_buffers<B: Backend>(backend: Arc<B>) {

@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use super::{Backend, Counters, LiveCounts};
 use crate::error::{Error, Result};
 use crate::location::{AccessDesc, Location};
+use crate::pool::{ChunkPool, PoolDesc, Shelf};
 use crate::table::{ChunkTable, Entry};
 
 /// CUDA VMM on one device's primary context.
@@ -42,6 +43,8 @@ pub struct CudaBackend {
     /// Events of dropped fences, recorded again by the next ones.
     spare_events: Arc<Mutex<Vec<CudaEvent>>>,
     counters: Arc<Counters>,
+    /// The default pool's chunks (see [`Backend::default_pool`]).
+    shelf: Arc<Shelf<CudaChunk>>,
 }
 
 impl CudaBackend {
@@ -89,6 +92,7 @@ impl CudaBackend {
             spare_events: Arc::default(),
             host_numa,
             counters: Arc::default(),
+            shelf: Arc::new(Shelf::new(PoolDesc::default())?),
         };
         this.granularity(Location::Device(device))?;
         Ok(Arc::new(this))
@@ -611,6 +615,10 @@ impl Backend for CudaBackend {
             unsafe { driver::memcpy_htod(res.addr(at), s) }?;
         }
         Ok(())
+    }
+
+    fn default_pool(self: &Arc<Self>) -> Option<Arc<ChunkPool<Self>>> {
+        Some(ChunkPool::over(self.clone(), self.shelf.clone()))
     }
 
     fn live(&self) -> LiveCounts {
