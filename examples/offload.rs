@@ -86,7 +86,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The device chunks went to the backend's default pool, which keeps them
     // for a quick restore; hand them to the driver to free the memory.
     if let Some(pool) = cache.pool() {
-        println!("the default pool keeps the old device chunks: {}", pool.stats());
+        println!(
+            "the default pool keeps the old device chunks: {}",
+            pool.stats()
+        );
         pool.trim_at(Location::Device(backend.device()))?;
     }
     println!(

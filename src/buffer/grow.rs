@@ -1,4 +1,4 @@
-//! Growing: `grow_to`, `grow_by`, `claim`, `resize`. All take `&self` (a lock
+//! Growing: `grow_to`, `grow_by`, `claim`, `resize`, `reserve`. All take `&self` (a lock
 //! serialises them) and are all or nothing.
 
 use std::time::Instant;
@@ -66,30 +66,10 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     fn grow_locked(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
-        g.check_poison()?;
-        if bytes > self.reserved {
-            return Err(Error::ReservationExhausted {
-                requested_bytes: bytes,
-                reserved_bytes: self.reserved,
-            });
-        }
         if bytes <= g.table.len() {
-            return Ok(());
+            return g.check_poison();
         }
-        if bytes > g.capacity() {
-            match self.map_more(g, bytes) {
-                // Out of memory with chunks idle in the pool: give them back
-                // to the driver and try once more.
-                Err(e)
-                    if e.is_transient()
-                        && self.pool.as_ref().is_some_and(|p| p.drain_for_oom()) =>
-                {
-                    tracing::debug!(error = %e, "vmmbuf: grow out of memory; drained the pool, retrying");
-                    self.map_more(g, bytes)?
-                }
-                r => r?,
-            }
-        }
+        self.capacity_locked(g, bytes)?;
         g.table
             .set_len(bytes)
             .expect("the capacity covers the new length");
@@ -100,6 +80,55 @@ impl<B: Backend> GrowableBuffer<B> {
             tracing::warn!(error = %e, "vmmbuf: deferred release failed; retried at the next shrink or drop");
         }
         Ok(())
+    }
+
+    /// Maps chunks, as the policy says, until the capacity is at least
+    /// `len() + additional`, leaving the length as it is (as
+    /// [`Vec::reserve`]). A later growth within that capacity makes no
+    /// driver call. Since growth takes `&self`, another thread can call
+    /// this ahead of need while one grows, so that the growing thread does
+    /// not wait for mapping: reserving one policy-sized chunk ahead of the
+    /// length at most doubles the policy's over-commit bound (with the
+    /// default `Proportional { divisor: 8 }`, use 16 to keep 12.5%). A
+    /// deferred release ([`shrink_to_fit_after`](Self::shrink_to_fit_after))
+    /// spares what this maps. Errors and all-or-nothing as
+    /// [`grow_to`](Self::grow_to).
+    pub fn reserve(&self, additional: usize) -> Result<()> {
+        let mut g = self.inner.lock();
+        let target = g.table.len().checked_add(additional).ok_or_else(|| {
+            Error::invalid(format!(
+                "reserving {additional} bytes past the length overflows"
+            ))
+        })?;
+        self.capacity_locked(&mut g, target)?;
+        for p in &mut g.pending {
+            p.high_water = p.high_water.max(target);
+        }
+        Ok(())
+    }
+
+    /// Maps chunks until the capacity is at least `bytes` (within the
+    /// reservation); on out of memory, drains the pool and tries once more.
+    fn capacity_locked(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
+        g.check_poison()?;
+        if bytes > self.reserved {
+            return Err(Error::ReservationExhausted {
+                requested_bytes: bytes,
+                reserved_bytes: self.reserved,
+            });
+        }
+        if bytes <= g.capacity() {
+            return Ok(());
+        }
+        match self.map_more(g, bytes) {
+            // Out of memory with chunks idle in the pool: give them back
+            // to the driver and try once more.
+            Err(e) if e.is_transient() && self.pool.as_ref().is_some_and(|p| p.drain_for_oom()) => {
+                tracing::debug!(error = %e, "vmmbuf: grow out of memory; drained the pool, retrying");
+                self.map_more(g, bytes)
+            }
+            r => r,
+        }
     }
 
     /// Maps chunks until the capacity reaches `bytes`, as the one growth plan

@@ -18,6 +18,7 @@ mod peer;
 mod placement;
 mod pool;
 mod props;
+mod reserve;
 mod sleep;
 mod soak;
 mod soundness;
@@ -46,6 +47,7 @@ fn main() {
         peer::trials(),
         placement::trials(),
         pool::trials(),
+        reserve::trials(),
         props::trials(),
         sleep::trials(),
         soak::trials(),
