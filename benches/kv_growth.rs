@@ -1,10 +1,26 @@
-//! A KV cache filling up: grow to 2 GiB in 2 MiB steps. vmmbuf's default
-//! policy, the exact 2 MiB policy, and Vec-style doubling with
-//! cuMemAlloc + copy. Besides criterion's totals, prints the worst step, the
-//! peak physical memory and the over-commit of each.
+//! A KV cache filling up: grow to 2 GiB in 2 MiB steps.
+//!
+//! - `vmmbuf_default_pool`: the default policy (chunks of len/8) in the
+//!   backend's default pool, warm from the run before (what a server that
+//!   frees and refills caches sees);
+//! - `vmmbuf_no_pool`: the same, every chunk created (the first fill);
+//! - `vmmbuf_exact_2MiB`: one 2 MiB chunk per step, default pool;
+//! - `vmmbuf_map_ahead`: chunks of len/16, default pool, and a helper thread
+//!   that maps the next chunk (`GrowableBuffer::reserve`) once less than one
+//!   chunk is left, so the growing thread rarely calls the driver; the
+//!   times are the growing thread's;
+//! - `cuMemAlloc_doubling`: Vec-style doubling with cuMemAlloc + copy;
+//! - `cuMemAllocAsync_warm_doubling`: the same from a stream-ordered pool
+//!   that keeps memory (release threshold at max), warm from the run before.
+//!
+//! Between steps every variant runs `GAP` of other work (a spin, untimed),
+//! as a decode step would; only the growth itself is timed. Besides
+//! criterion's totals, one plain pass prints the worst step, the peak
+//! physical memory and the over-commit.
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, Raw, GIB, MIB};
@@ -12,6 +28,8 @@ use vmmbuf::{BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy};
 
 const STEP: usize = 2 * MIB;
 const TOTAL: usize = 2 * GIB;
+/// Other work between two growth steps.
+const GAP: Duration = Duration::from_micros(20);
 
 struct Run {
     total: Duration,
@@ -21,20 +39,60 @@ struct Run {
     mappings: usize,
 }
 
-fn vmmbuf_run(backend: &std::sync::Arc<CudaBackend>, policy: GrowthPolicy) -> Run {
+fn spin(d: Duration) {
+    let t = Instant::now();
+    while t.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Vmm {
+    Pool(GrowthPolicy),
+    NoPool,
+    MapAhead,
+}
+
+fn vmmbuf_run(backend: &Arc<CudaBackend>, how: Vmm) -> Run {
     // Reserve twice the target, as a real cache would, so the last chunk is not
     // cut to fit and the peak shows the policy's true over-commit.
-    let buf =
-        GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * TOTAL).growth(policy)).unwrap();
+    let desc = BufferDesc::new(2 * TOTAL);
+    let desc = match how {
+        Vmm::Pool(p) => desc.growth(p),
+        Vmm::NoPool => desc.pooled(false),
+        Vmm::MapAhead => desc.growth(GrowthPolicy::Proportional { divisor: 16 }),
+    };
+    let buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
     let (mut total, mut worst, mut max_over) = (Duration::ZERO, Duration::ZERO, 0f64);
-    for len in (STEP..=TOTAL).step_by(STEP) {
-        let t = Instant::now();
-        buf.grow_to(len).unwrap();
-        let d = t.elapsed();
-        total += d;
-        worst = worst.max(d);
-        max_over = max_over.max((buf.capacity() - len) as f64 / len as f64);
-    }
+    let (tx, rx) = std::sync::mpsc::channel::<usize>();
+    std::thread::scope(|s| {
+        if matches!(how, Vmm::MapAhead) {
+            let buf = &buf;
+            s.spawn(move || {
+                for want in rx {
+                    buf.reserve(want).unwrap();
+                }
+            });
+        } else {
+            drop(rx);
+        }
+        for len in (STEP..=TOTAL).step_by(STEP) {
+            spin(GAP);
+            let t = Instant::now();
+            buf.grow_to(len).unwrap();
+            if matches!(how, Vmm::MapAhead) {
+                let chunk = STEP.max(len / 16);
+                if buf.capacity() - len < chunk {
+                    tx.send(chunk).unwrap();
+                }
+            }
+            let d = t.elapsed();
+            total += d;
+            worst = worst.max(d);
+            max_over = max_over.max((buf.capacity() - len) as f64 / len as f64);
+        }
+        drop(tx);
+    });
     let s = buf.stats();
     Run {
         total,
@@ -45,20 +103,37 @@ fn vmmbuf_run(backend: &std::sync::Arc<CudaBackend>, policy: GrowthPolicy) -> Ru
     }
 }
 
-fn doubling_run(raw: &Raw) -> Run {
+fn doubling_run(raw: &Raw, stream_ordered: bool) -> Run {
+    let alloc = |b| {
+        if stream_ordered {
+            raw.alloc_async(b)
+        } else {
+            raw.alloc(b)
+        }
+    };
     let (mut total, mut worst, mut peak) = (Duration::ZERO, Duration::ZERO, 0usize);
     let mut cap = STEP;
     let t = Instant::now();
-    let mut ptr = raw.alloc(cap);
+    let mut ptr = alloc(cap);
+    if stream_ordered {
+        raw.stream_sync();
+    }
     total += t.elapsed();
     let mut allocs = 1;
     for len in (2 * STEP..=TOTAL).step_by(STEP) {
+        spin(GAP);
         let t = Instant::now();
         if len > cap {
-            let new = raw.alloc(2 * cap);
-            raw.copy(new, ptr, len - STEP);
-            raw.sync();
-            raw.free(ptr);
+            let new = alloc(2 * cap);
+            if stream_ordered {
+                raw.copy_async(new, ptr, len - STEP);
+                raw.free_async(ptr);
+                raw.stream_sync();
+            } else {
+                raw.copy(new, ptr, len - STEP);
+                raw.sync();
+                raw.free(ptr);
+            }
             peak = peak.max(3 * cap);
             ptr = new;
             cap *= 2;
@@ -68,7 +143,12 @@ fn doubling_run(raw: &Raw) -> Run {
         total += d;
         worst = worst.max(d);
     }
-    raw.free(ptr);
+    if stream_ordered {
+        raw.free_async(ptr);
+        raw.stream_sync();
+    } else {
+        raw.free(ptr);
+    }
     Run {
         total,
         worst,
@@ -96,29 +176,47 @@ fn main() {
         return;
     };
     let raw = Raw::new(backend.clone());
-    // One plain pass of each, for the figures criterion does not keep.
-    report(
-        "vmmbuf_default",
-        &vmmbuf_run(&backend, GrowthPolicy::default()),
-    );
-    report(
-        "vmmbuf_exact_2MiB",
-        &vmmbuf_run(&backend, GrowthPolicy::Exact),
-    );
-    report("cuMemAlloc_doubling", &doubling_run(&raw));
+    raw.keep_pool_memory();
+    let pool = backend.default_pool();
+    let default = Vmm::Pool(GrowthPolicy::default());
+    let exact = Vmm::Pool(GrowthPolicy::Exact);
+    // One plain pass of each, warm where a pool is involved, for the figures
+    // criterion does not keep.
+    report("vmmbuf_no_pool", &vmmbuf_run(&backend, Vmm::NoPool));
+    for (name, how) in [
+        ("vmmbuf_default_pool", default),
+        ("vmmbuf_map_ahead", Vmm::MapAhead),
+        ("vmmbuf_exact_2MiB", exact),
+    ] {
+        vmmbuf_run(&backend, how); // warms the pool with this policy's sizes
+        let hits = pool.stats().hits;
+        report(name, &vmmbuf_run(&backend, how));
+        assert!(pool.stats().hits > hits, "the warm run took pooled chunks");
+    }
+    report("cuMemAlloc_doubling", &doubling_run(&raw, false));
+    doubling_run(&raw, true);
+    report("cuMemAllocAsync_warm_doubling", &doubling_run(&raw, true));
+    println!("kv_growth: default pool {}", pool.stats());
 
     let mut c = common::criterion(10, 4);
     let mut g = c.benchmark_group("kv_growth");
     let sum =
         |f: &mut dyn FnMut() -> Run, iters: u64| (0..iters).map(|_| f().total).sum::<Duration>();
-    g.bench_function("vmmbuf_default", |b| {
-        b.iter_custom(|i| sum(&mut || vmmbuf_run(&backend, GrowthPolicy::default()), i))
-    });
-    g.bench_function("vmmbuf_exact_2MiB", |b| {
-        b.iter_custom(|i| sum(&mut || vmmbuf_run(&backend, GrowthPolicy::Exact), i))
-    });
+    for (name, how) in [
+        ("vmmbuf_default_pool", default),
+        ("vmmbuf_map_ahead", Vmm::MapAhead),
+        ("vmmbuf_no_pool", Vmm::NoPool),
+        ("vmmbuf_exact_2MiB", exact),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter_custom(|i| sum(&mut || vmmbuf_run(&backend, how), i))
+        });
+    }
     g.bench_function("cuMemAlloc_doubling", |b| {
-        b.iter_custom(|i| sum(&mut || doubling_run(&raw), i))
+        b.iter_custom(|i| sum(&mut || doubling_run(&raw, false), i))
+    });
+    g.bench_function("cuMemAllocAsync_warm_doubling", |b| {
+        b.iter_custom(|i| sum(&mut || doubling_run(&raw, true), i))
     });
     g.finish();
     c.final_summary();

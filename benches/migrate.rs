@@ -2,9 +2,12 @@
 //! host memory and back with vmmbuf (new chunks, copy, remap, release, all at
 //! the same addresses), against a plain cuMemcpy between cuMemAlloc'd memory
 //! and pinned host memory of the same size, in the same run. Criterion
-//! reports the throughput (bytes per second). The pooled variant takes its new
-//! chunks from a pool (after the first round trip), so it measures copy and
-//! remap without acquiring memory from the driver.
+//! reports the throughput (bytes per second). The default-pool variant (what
+//! `GrowableBuffer::new` gives) takes its new chunks from the backend's pool
+//! after the first round trip, so it measures copy and remap without
+//! acquiring memory from the driver; the no-pool variant creates and releases
+//! every chunk. After criterion: where one migration's time goes, and what
+//! each driver call costs on device and host-NUMA chunks of 64 MiB.
 
 mod common;
 
@@ -12,7 +15,10 @@ use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, Raw, GIB, MIB};
 use criterion::Throughput;
-use vmmbuf::{BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, Location, PoolDesc};
+use vmmbuf::{
+    Access, AccessDesc, Backend, BufferDesc, ChunkPool, CudaBackend, GrowableBuffer, GrowthPolicy,
+    Location, PoolDesc,
+};
 
 fn main() {
     let Some(backend) = gpu_or_skip("migrate") else {
@@ -28,10 +34,9 @@ fn main() {
         chunk_bytes: 64 * MIB,
     });
     let home = Location::Device(0);
-    let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
-    let plain = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();
-    let pooled = GrowableBuffer::with_pool(&pool, desc).unwrap();
-    for (prefix, mut buf) in [("vmmbuf", plain), ("vmmbuf_pooled", pooled)] {
+    let plain = GrowableBuffer::new(backend.clone(), desc.clone().pooled(false)).unwrap();
+    let pooled = GrowableBuffer::new(backend.clone(), desc).unwrap();
+    for (prefix, mut buf) in [("vmmbuf_no_pool", plain), ("vmmbuf_default_pool", pooled)] {
         buf.grow_to(n).unwrap();
         for (dir, to, back) in [
             ("to_host", Location::Host, home),
@@ -79,7 +84,113 @@ fn main() {
     raw.free_pinned(host);
     g.finish();
     c.final_summary();
+    backend.default_pool().trim().unwrap();
     breakdown(&backend, n, &desc_for(n));
+    calls(&backend);
+}
+
+/// What each driver call of a migration costs on 16 chunks of 64 MiB, in
+/// ms per GiB (the sum over the 16 calls): on device chunks and host-NUMA
+/// chunks, access for the device alone or for the device and the host, one
+/// call per chunk or one over all; and the device calls again while a
+/// device-to-host copy of another 1 GiB is in flight.
+fn calls(backend: &std::sync::Arc<CudaBackend>) {
+    const N: usize = 16;
+    const CHUNK: usize = 64 * MIB;
+    let b = &**backend;
+    let home = b.home();
+    let dev_rw = [AccessDesc::new(home, Access::ReadWrite)];
+    let both_rw = [
+        AccessDesc::new(home, Access::ReadWrite),
+        AccessDesc::new(Location::Host, Access::ReadWrite),
+    ];
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 * (GIB as f64 / (N * CHUNK) as f64);
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed()
+    };
+    // A source of copies to keep the copy engine busy: 1 GiB on the device,
+    // 1 GiB of host chunks, both mapped and accessible.
+    let mut src = b.reserve(GIB, CHUNK).unwrap();
+    let mut dst = b.reserve(GIB, CHUNK).unwrap();
+    let sd: Vec<_> = (0..GIB / CHUNK)
+        .map(|_| b.create(CHUNK, home).unwrap())
+        .collect();
+    let dh: Vec<_> = (0..GIB / CHUNK)
+        .map(|_| b.create(CHUNK, Location::Host).unwrap())
+        .collect();
+    for (i, (c, h)) in sd.iter().zip(&dh).enumerate() {
+        b.map(&mut src, i * CHUNK, c).unwrap();
+        b.map(&mut dst, i * CHUNK, h).unwrap();
+    }
+    b.set_access(&mut src, 0, GIB, &dev_rw).unwrap();
+    b.set_access(&mut dst, 0, GIB, &dev_rw).unwrap();
+
+    for (what, place) in [("device", home), ("host", Location::Host)] {
+        let chunks: Vec<_> = (0..N).map(|_| b.create(CHUNK, place).unwrap()).collect();
+        for busy in [false, true] {
+            let mut res = b.reserve(N * CHUNK, CHUNK).unwrap();
+            if busy {
+                // ~60 ms of copying at PCIe 5 speed: longer than the calls.
+                for _ in 0..3 {
+                    b.copy(&mut dst, 0, &src, 0, GIB).unwrap();
+                }
+            }
+            let tag = if busy { ", copy in flight" } else { "" };
+            let map = time(&mut || {
+                for (i, c) in chunks.iter().enumerate() {
+                    b.map(&mut res, i * CHUNK, c).unwrap();
+                }
+            });
+            let each = time(&mut || {
+                for i in 0..N {
+                    b.set_access(&mut res, i * CHUNK, CHUNK, &dev_rw).unwrap();
+                }
+            });
+            let once = time(&mut || b.set_access(&mut res, 0, N * CHUNK, &dev_rw).unwrap());
+            let host_too = (place == Location::Host).then(|| {
+                time(&mut || {
+                    for i in 0..N {
+                        b.set_access(&mut res, i * CHUNK, CHUNK, &both_rw).unwrap();
+                    }
+                })
+            });
+            let unmap = time(&mut || {
+                for i in 0..N {
+                    b.unmap(&mut res, i * CHUNK, CHUNK).unwrap();
+                }
+            });
+            // Again, unmapped in one call.
+            for (i, c) in chunks.iter().enumerate() {
+                b.map(&mut res, i * CHUNK, c).unwrap();
+            }
+            b.set_access(&mut res, 0, N * CHUNK, &dev_rw).unwrap();
+            let unmap_once = time(&mut || b.unmap(&mut res, 0, N * CHUNK).unwrap());
+            let wait = time(&mut || b.wait_copies().unwrap());
+            println!(
+                "calls {what:<6}{tag:<18} map {:6.2}  access/chunk {:6.2}  access once {:6.2}  access+host/chunk {}  unmap/chunk {:6.2}  unmap once {:6.2}  (copy wait after {:6.2})",
+                ms(map),
+                ms(each),
+                ms(once),
+                host_too.map_or("   n/a".into(), |d| format!("{:6.2}", ms(d))),
+                ms(unmap),
+                ms(unmap_once),
+                ms(wait),
+            );
+            b.free(res).unwrap();
+        }
+        for c in chunks {
+            b.release(c).unwrap();
+        }
+    }
+    b.unmap(&mut src, 0, GIB).unwrap();
+    b.unmap(&mut dst, 0, GIB).unwrap();
+    b.free(src).unwrap();
+    b.free(dst).unwrap();
+    for c in sd.into_iter().chain(dh) {
+        b.release(c).unwrap();
+    }
 }
 
 fn desc_for(n: usize) -> BufferDesc {
@@ -126,7 +237,7 @@ fn breakdown(backend: &std::sync::Arc<vmmbuf::CudaBackend>, n: usize, desc: &Buf
     };
     round_trip(
         "no pool",
-        GrowableBuffer::new(backend.clone(), desc.clone()).unwrap(),
+        GrowableBuffer::new(backend.clone(), desc.clone().pooled(false)).unwrap(),
     );
     let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
     round_trip(

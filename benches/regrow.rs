@@ -1,5 +1,6 @@
-//! Shrink to zero, then grow back to 1 GiB in 64 MiB steps: with and without
-//! a chunk pool. Without one, every cycle releases and re-creates each chunk.
+//! Shrink to zero, then grow back to 1 GiB in 64 MiB steps: without a pool
+//! (every cycle releases and re-creates each chunk), with the backend's
+//! default pool (what `GrowableBuffer::new` gives), and with a pool of its own.
 
 mod common;
 
@@ -26,6 +27,10 @@ fn main() {
     for (name, mut buf) in [
         (
             "no_pool",
+            GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * GIB).pooled(false)).unwrap(),
+        ),
+        (
+            "default_pool",
             GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * GIB)).unwrap(),
         ),
         (

@@ -109,19 +109,31 @@ impl Raw {
     /// at its maximum), as PyTorch and JAX keep theirs: the warm-pool
     /// baseline a user would pick for `cuMemAllocAsync`.
     pub fn keep_pool_memory(&self) {
+        self.set_pool_release_threshold(u64::MAX);
+    }
+
+    /// The device default pool's release threshold: 0 (CUDA's default, which
+    /// candle and cubecl keep) returns freed memory at every synchronisation.
+    /// Lowering it also trims the pool down to it.
+    pub fn set_pool_release_threshold(&self, mut threshold: u64) {
         let (mut pool, dev) = (std::ptr::null_mut(), self.backend.device() as i32);
         // SAFETY: valid out-pointer and device ordinal; a context is bound.
         ok("cuDeviceGetDefaultMemPool", unsafe {
             sys::cuDeviceGetDefaultMemPool(&mut pool, dev)
         });
-        let mut max = u64::MAX;
-        // SAFETY: the attribute takes a u64 threshold; `max` outlives the call.
+        // SAFETY: the attribute takes a u64 threshold; it outlives the call.
         ok("cuMemPoolSetAttribute", unsafe {
             sys::cuMemPoolSetAttribute(
                 pool,
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut max as *mut u64).cast(),
+                (&mut threshold as *mut u64).cast(),
             )
+        });
+        self.stream_sync();
+        // SAFETY: the pool is the device's default one; trimming keeps what
+        // is in use.
+        ok("cuMemPoolTrimTo", unsafe {
+            sys::cuMemPoolTrimTo(pool, threshold.min(usize::MAX as u64) as usize)
         });
     }
 
@@ -200,6 +212,45 @@ impl Raw {
             sys::cuMemSetAccess(va, bytes, &desc, 1)
         });
         h
+    }
+
+    /// A device chunk of `bytes` (cuMemCreate).
+    pub fn create(&self, bytes: usize) -> sys::CUmemGenericAllocationHandle {
+        let prop = Self::prop();
+        let mut h = 0;
+        // SAFETY: valid out-pointer and properties.
+        ok("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, bytes, &prop, 0)
+        });
+        h
+    }
+
+    /// cuMemMap + cuMemSetAccess (device read-write) of a handle kept.
+    pub fn map_access(&self, va: u64, bytes: usize, h: sys::CUmemGenericAllocationHandle) {
+        // SAFETY: va..va+bytes lies in a reservation of ours and is unmapped;
+        // h is a live handle of `bytes`.
+        ok("cuMemMap", unsafe { sys::cuMemMap(va, bytes, 0, h, 0) });
+        // SAFETY: plain C data, then filled in.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range is exactly the mapping just made; one descriptor.
+        ok("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(va, bytes, &desc, 1)
+        });
+    }
+
+    /// cuMemUnmap of one mapping, after the device is idle.
+    pub fn unmap(&self, va: u64, bytes: usize) {
+        self.sync();
+        // SAFETY: (va, bytes) is exactly one mapping of ours; nothing uses it.
+        ok("cuMemUnmap", unsafe { sys::cuMemUnmap(va, bytes) });
+    }
+
+    /// cuMemRelease of a handle no longer mapped.
+    pub fn release(&self, h: sys::CUmemGenericAllocationHandle) {
+        // SAFETY: h came from cuMemCreate and is released once.
+        ok("cuMemRelease", unsafe { sys::cuMemRelease(h) });
     }
 
     /// Undoes `create_map_access`.

@@ -190,6 +190,15 @@ impl Drop for HostChunk {
     }
 }
 
+impl HostBackend {
+    /// The backend's default chunk pool, which [`GrowableBuffer::new`](crate::GrowableBuffer::new)
+    /// gives every buffer: see [`Backend::default_pool`]. Every call returns a
+    /// handle on the same pool; it lives as long as the backend.
+    pub fn default_pool(self: &Arc<Self>) -> Arc<ChunkPool<Self>> {
+        ChunkPool::over(self.clone(), self.shelf.clone())
+    }
+}
+
 impl Backend for HostBackend {
     type Reservation = HostReservation;
     type Chunk = HostChunk;
@@ -456,7 +465,7 @@ impl Backend for HostBackend {
     }
 
     fn default_pool(self: &Arc<Self>) -> Option<Arc<ChunkPool<Self>>> {
-        Some(ChunkPool::over(self.clone(), self.shelf.clone()))
+        Some(Self::default_pool(self))
     }
 
     fn live(&self) -> LiveCounts {

@@ -369,6 +369,15 @@ impl Drop for CudaChunk {
     }
 }
 
+impl CudaBackend {
+    /// The backend's default chunk pool, which [`GrowableBuffer::new`](crate::GrowableBuffer::new)
+    /// gives every buffer: see [`Backend::default_pool`]. Every call returns a
+    /// handle on the same pool; it lives as long as the backend.
+    pub fn default_pool(self: &Arc<Self>) -> Arc<ChunkPool<Self>> {
+        ChunkPool::over(self.clone(), self.shelf.clone())
+    }
+}
+
 impl Backend for CudaBackend {
     type Reservation = CudaReservation;
     type Chunk = CudaChunk;
@@ -618,7 +627,7 @@ impl Backend for CudaBackend {
     }
 
     fn default_pool(self: &Arc<Self>) -> Option<Arc<ChunkPool<Self>>> {
-        Some(ChunkPool::over(self.clone(), self.shelf.clone()))
+        Some(Self::default_pool(self))
     }
 
     fn live(&self) -> LiveCounts {
