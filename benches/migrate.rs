@@ -132,8 +132,8 @@ fn calls(backend: &std::sync::Arc<CudaBackend>) {
         for busy in [false, true] {
             let mut res = b.reserve(N * CHUNK, CHUNK).unwrap();
             if busy {
-                // ~60 ms of copying at PCIe 5 speed: longer than the calls.
-                for _ in 0..3 {
+                // ~160 ms of copying at PCIe 5 speed: longer than the calls.
+                for _ in 0..8 {
                     b.copy(&mut dst, 0, &src, 0, GIB).unwrap();
                 }
             }
@@ -148,19 +148,42 @@ fn calls(backend: &std::sync::Arc<CudaBackend>) {
                     b.set_access(&mut res, i * CHUNK, CHUNK, &dev_rw).unwrap();
                 }
             });
+            // Once over all 16, on fresh mappings (access already set would
+            // cost the driver nothing).
+            b.unmap(&mut res, 0, N * CHUNK).unwrap();
+            for (i, c) in chunks.iter().enumerate() {
+                b.map(&mut res, i * CHUNK, c).unwrap();
+            }
             let once = time(&mut || b.set_access(&mut res, 0, N * CHUNK, &dev_rw).unwrap());
             let host_too = (place == Location::Host).then(|| {
+                b.unmap(&mut res, 0, N * CHUNK).unwrap();
+                for (i, c) in chunks.iter().enumerate() {
+                    b.map(&mut res, i * CHUNK, c).unwrap();
+                }
                 time(&mut || {
                     for i in 0..N {
                         b.set_access(&mut res, i * CHUNK, CHUNK, &both_rw).unwrap();
                     }
                 })
             });
-            let unmap = time(&mut || {
-                for i in 0..N {
-                    b.unmap(&mut res, i * CHUNK, CHUNK).unwrap();
+            // Unmapped chunk by chunk: after the host's entry too (host chunks),
+            // then after the device's alone; then in one call.
+            let unmap_each = |res: &mut vmmbuf::CudaReservation| {
+                time(&mut || {
+                    for i in 0..N {
+                        b.unmap(res, i * CHUNK, CHUNK).unwrap();
+                    }
+                })
+            };
+            let unmap_host = host_too.map(|_| {
+                let d = unmap_each(&mut res);
+                for (i, c) in chunks.iter().enumerate() {
+                    b.map(&mut res, i * CHUNK, c).unwrap();
                 }
+                b.set_access(&mut res, 0, N * CHUNK, &dev_rw).unwrap();
+                d
             });
+            let unmap = unmap_each(&mut res);
             // Again, unmapped in one call.
             for (i, c) in chunks.iter().enumerate() {
                 b.map(&mut res, i * CHUNK, c).unwrap();
@@ -169,11 +192,12 @@ fn calls(backend: &std::sync::Arc<CudaBackend>) {
             let unmap_once = time(&mut || b.unmap(&mut res, 0, N * CHUNK).unwrap());
             let wait = time(&mut || b.wait_copies().unwrap());
             println!(
-                "calls {what:<6}{tag:<18} map {:6.2}  access/chunk {:6.2}  access once {:6.2}  access+host/chunk {}  unmap/chunk {:6.2}  unmap once {:6.2}  (copy wait after {:6.2})",
+                "calls {what:<6}{tag:<18} map {:6.2}  access/chunk {:6.2}  access once {:6.2}  access+host/chunk {}  unmap/chunk after it {}  unmap/chunk {:6.2}  unmap once {:6.2}  (copy wait after {:6.2})",
                 ms(map),
                 ms(each),
                 ms(once),
                 host_too.map_or("   n/a".into(), |d| format!("{:6.2}", ms(d))),
+                unmap_host.map_or("   n/a".into(), |d| format!("{:6.2}", ms(d))),
                 ms(unmap),
                 ms(unmap_once),
                 ms(wait),

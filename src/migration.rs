@@ -169,52 +169,78 @@ impl<B: Backend> Mover<'_, B> {
         }
         report.acquire_time = t.elapsed();
 
-        // The pipeline. `[tmp_lo, tmp_hi)` of the temporary reservation is
-        // mapped (chunks staged and not yet swapped).
+        // To the host from a GPU, the *old* (device) chunk is staged at the
+        // temporary address, the new one swapped in at once and the copy runs
+        // across: access on a device chunk is cheap to set, on a host chunk it
+        // is not, and this sets it once, not twice.
         let n = staged.len();
-        let (mut tmp_lo, mut tmp_hi) = (0usize, 0usize);
-        let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
-        let mut in_flight: Option<InFlight<B::Fence>> = None;
-        let rw = [AccessDesc::new(home, Access::ReadWrite)];
-        let mut failure: Option<Failed<B::Chunk>> = None;
-        for i in 0..=n {
-            let prev = if i < n {
-                let c = staged[i].as_ref().expect("not swapped yet");
+        let source: Vec<bool> = staged
+            .iter()
+            .map(|c| {
+                let c = c.as_ref().expect("nothing swapped yet");
                 let from = table.get(c.offset).map_or(c.to, |e| e.placement);
-                // To the host from a GPU: stage the *old* (device) chunk at
-                // the temporary address, swap the new one in at once and
-                // copy across. Access on a device chunk is cheap to set; on
-                // a host chunk it is not, and this sets it once, not twice.
-                let source = c.to == Location::Host
+                c.to == Location::Host
                     && from != Location::Host
                     && home != Location::Host
-                    && backend.maps_a_chunk_twice();
-                let (at, bytes, offset) = (c.at, c.bytes, c.offset);
-                let t = Instant::now();
-                // What sits at the temporary address: the old chunk (to copy
-                // from), or the new one (to copy into).
-                let staged_here = if source {
-                    &table
-                        .get(offset)
+                    && backend.maps_a_chunk_twice()
+            })
+            .collect();
+        // Which staged chunks' temporary ranges are mapped now, and where.
+        let mut tmp_mapped = vec![false; n];
+        let staged_span: Vec<(usize, usize)> = staged
+            .iter()
+            .map(|c| c.as_ref().map_or((0, 0), |c| (c.at, c.bytes)))
+            .collect();
+        let rw = [AccessDesc::new(home, Access::ReadWrite)];
+        let mut failure: Option<Failed<B::Chunk>> = None;
+        // Every old chunk to stage goes to the temporary range before any copy
+        // is queued: setting access on device memory waits for the copies in
+        // flight (H100: 0.6 ms per GiB idle, 17 with a copy running).
+        let t = Instant::now();
+        let mut i = 0;
+        while i < n && failure.is_none() {
+            let j = (i..n).find(|&j| !source[j]).unwrap_or(n);
+            if i == j {
+                i += 1;
+                continue;
+            }
+            // Chunks i..j are sources, contiguous in the temporary range.
+            let r = (i..j)
+                .try_for_each(|k| {
+                    let c = staged[k].as_ref().expect("nothing swapped yet");
+                    let old = &table
+                        .get(c.offset)
                         .expect("a staged chunk is in the table")
-                        .chunk
-                } else {
-                    &c.chunk
-                };
-                let r = backend
-                    .map(&mut tmp, at, staged_here)
-                    .inspect(|_| tmp_hi = at + bytes)
-                    .and_then(|_| backend.set_access(&mut tmp, at, bytes, &rw))
-                    .and_then(|_| match source {
-                        true => Ok(()), // copied once the new chunk is in place
-                        false => backend.copy(&mut tmp, at, res, offset, bytes),
-                    });
-                report.stage_time += t.elapsed();
-                if let Err(e) = r {
-                    failure = Some(Failed::Before(e));
-                    break;
-                }
-                if source {
+                        .chunk;
+                    backend.map(&mut tmp, c.at, old)?;
+                    tmp_mapped[k] = true;
+                    Ok(())
+                })
+                .and_then(|()| {
+                    let at = staged[i].as_ref().expect("staged").at;
+                    let last = staged[j - 1].as_ref().expect("staged");
+                    backend.set_access(&mut tmp, at, last.at + last.bytes - at, &rw)
+                });
+            if let Err(e) = r {
+                failure = Some(Failed::Before(e));
+            }
+            i = j;
+        }
+        report.stage_time += t.elapsed();
+
+        // The pipeline: chunk i's copy is queued while chunk i-1, whose copy
+        // has finished, is finished.
+        let mut done: Vec<Swapped<B::Chunk>> = Vec::new();
+        let mut in_flight: Option<InFlight<B::Fence>> = None;
+        for i in 0..=n {
+            if failure.is_some() {
+                break;
+            }
+            let prev = if i < n {
+                let c = staged[i].as_ref().expect("not swapped yet");
+                let (at, bytes, offset) = (c.at, c.bytes, c.offset);
+                let r = if source[i] {
+                    // Staged already: swap the new chunk in, copy into it.
                     let t = Instant::now();
                     let c = staged[i].take().expect("not swapped yet");
                     if let Err(f) = self.swap_in_place(c, res, table, &mut done, &mut report) {
@@ -222,15 +248,20 @@ impl<B: Backend> Mover<'_, B> {
                         break;
                     }
                     report.swap_time += t.elapsed();
-                }
-                let r = if source {
                     backend.copy(res, offset, &tmp, at, bytes)
                 } else {
-                    Ok(())
-                }
-                .and_then(|_| backend.copies_fence());
-                match r {
-                    Ok(f) => in_flight.replace((i, f, source, at, bytes)),
+                    // Stage the new chunk and copy into it.
+                    let t = Instant::now();
+                    let r = backend
+                        .map(&mut tmp, at, &c.chunk)
+                        .inspect(|_| tmp_mapped[i] = true)
+                        .and_then(|_| backend.set_access(&mut tmp, at, bytes, &rw))
+                        .and_then(|_| backend.copy(&mut tmp, at, res, offset, bytes));
+                    report.stage_time += t.elapsed();
+                    r
+                };
+                match r.and_then(|_| backend.copies_fence()) {
+                    Ok(f) => in_flight.replace((i, f, source[i], at, bytes)),
                     Err(e) => {
                         failure = Some(Failed::Before(e));
                         break;
@@ -245,7 +276,7 @@ impl<B: Backend> Mover<'_, B> {
                     prev,
                     &mut staged,
                     &mut tmp,
-                    &mut tmp_lo,
+                    &mut tmp_mapped,
                     res,
                     table,
                     &mut done,
@@ -301,14 +332,23 @@ impl<B: Backend> Mover<'_, B> {
                 error
             }
         };
-        // Chunks staged and not swapped: unmapped from the temporary range,
-        // then pooled; if that unmap fails, released (never pooled).
-        let unmapped = tmp_hi <= tmp_lo || backend.unmap(&mut tmp, tmp_lo, tmp_hi - tmp_lo).is_ok();
-        for c in staged.into_iter().flatten() {
-            if unmapped || c.at >= tmp_hi {
-                self.dispose(c.chunk, c.bytes, c.to);
-            } else {
+        // The temporary range is unmapped chunk by chunk. A new chunk staged
+        // there and not swapped is then pooled; if its unmap fails, released
+        // (never pooled). An old chunk staged there (a source) stays in the
+        // table, and the temporary token unmaps it as it drops.
+        let mut stuck_at_tmp = vec![false; n];
+        for (k, mapped) in tmp_mapped.iter().enumerate() {
+            if *mapped {
+                let (at, bytes) = staged_span[k];
+                stuck_at_tmp[k] = backend.unmap(&mut tmp, at, bytes).is_err();
+            }
+        }
+        for (k, c) in staged.into_iter().enumerate() {
+            let Some(c) = c else { continue };
+            if stuck_at_tmp[k] && !source[k] {
                 let _ = backend.release(c.chunk);
+            } else {
+                self.dispose(c.chunk, c.bytes, c.to);
             }
         }
         // If an unmap failed, the token unmaps what it holds as it drops.
@@ -348,7 +388,7 @@ impl<B: Backend> Mover<'_, B> {
         (i, fence, source, at, bytes): InFlight<B::Fence>,
         staged: &mut [Option<Staged<B::Chunk>>],
         tmp: &mut B::Reservation,
-        tmp_lo: &mut usize,
+        tmp_mapped: &mut [bool],
         res: &mut B::Reservation,
         table: &mut ChunkTable<B::Chunk>,
         done: &mut Vec<Swapped<B::Chunk>>,
@@ -360,7 +400,7 @@ impl<B: Backend> Mover<'_, B> {
         report.copy_time += t.elapsed();
         let t = Instant::now();
         backend.unmap(tmp, at, bytes).map_err(Failed::Before)?;
-        *tmp_lo = at + bytes;
+        tmp_mapped[i] = false;
         if !source {
             let c = staged[i].take().expect("finished once");
             self.swap_in_place(c, res, table, done, report)?;

@@ -114,8 +114,10 @@ pub(crate) struct Planned {
 /// The one growth plan: the chunks to map so that the capacity reaches
 /// `target` from `at` without passing `limit`. Pooled chunks come first, as
 /// long as they keep the policy's over-commit bound (exact sizes for `Exact`
-/// and `Fixed`); the rest follows the policy, the last chunk cut to fit the
-/// reservation. Empty when `target <= at`.
+/// and `Fixed`; for `Proportional`, at least half the policy's chunk, so a
+/// pool full of small chunks cannot multiply the mappings); the rest follows
+/// the policy, the last chunk cut to fit the reservation. Empty when
+/// `target <= at`.
 ///
 /// Pure arithmetic, every step checked: bad or huge inputs are errors, never
 /// a panic or a wrap, and the plan's memory is bounded by
@@ -171,11 +173,25 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
             let size = match policy {
                 GrowthPolicy::Exact => Some(g),
                 GrowthPolicy::Fixed { chunk_bytes } => Some(chunk_bytes).filter(|s| *s <= room),
-                GrowthPolicy::Proportional { .. } => offer
-                    .range((place, need)..=(place, fit.max(need)))
-                    .next()
-                    .or_else(|| offer.range((place, 1)..(place, need)).next_back())
-                    .map(|(k, _)| k.1),
+                // The smallest pooled chunk that covers the need and keeps
+                // the bound, or else the largest smaller one (the growth then
+                // takes several). Chunks under half the policy's size stay
+                // pooled: each mapping costs ~20-40 us whatever its size, so
+                // small ones would turn a logarithmic count into one per step.
+                GrowthPolicy::Proportional { divisor } => {
+                    let floor = (target / divisor.max(1) / g * g / 2).max(g);
+                    let (lo, hi) = (need.max(floor), fit.max(need));
+                    let within = (lo <= hi)
+                        .then(|| offer.range((place, lo)..=(place, hi)).next())
+                        .flatten();
+                    within
+                        .or_else(|| {
+                            (floor < need)
+                                .then(|| offer.range((place, floor)..(place, need)).next_back())
+                                .flatten()
+                        })
+                        .map(|(k, _)| k.1)
+                }
             }?;
             let n = offer.get_mut(&(place, size))?;
             *n -= 1;
@@ -279,6 +295,41 @@ mod tests {
             worst <= 0.125 || cap - 1024 * G < G,
             "worst over-commit {worst}"
         );
+    }
+
+    #[test]
+    fn a_pool_of_small_chunks_keeps_proportional_mappings_logarithmic() {
+        // The pool holds what an exact-policy cache gave back: 1024 granules.
+        let p = GrowthPolicy::default();
+        let mut offer: PoolOffer = BTreeMap::from([((GPU, G), 1024)]);
+        let (mut cap, mut mappings, mut from_pool) = (0usize, 0usize, 0usize);
+        for step in 1..=1024usize {
+            let target = step * G;
+            let plan = plan_growth(&GrowthRequest {
+                policy: p,
+                granularity: G,
+                at: cap,
+                target,
+                limit: 1 << 40,
+                placement_at: &|_| GPU,
+                pool: Some(&offer),
+            })
+            .unwrap();
+            for c in &plan {
+                if c.pooled {
+                    from_pool += 1;
+                    let n = offer.get_mut(&(GPU, c.bytes)).unwrap();
+                    *n -= 1;
+                    // Only while a granule is at least half the policy's chunk.
+                    assert!(2 * c.bytes >= target / 8 / G * G, "step {step}: {c:?}");
+                }
+                cap += c.bytes;
+                mappings += 1;
+            }
+            assert!(cap >= target && cap - target < p.overcommit_bound(G, target));
+        }
+        assert!(from_pool > 0, "small growths still take pooled granules");
+        assert!(mappings < 80, "{mappings} mappings for 1024 steps");
     }
 
     #[test]
