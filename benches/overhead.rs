@@ -46,6 +46,7 @@ fn main() {
                         let v = t.elapsed();
                         buf.truncate(chunk);
                         buf.shrink_to_fit().unwrap();
+                        raw.sync(); // as the raw tail does: both leave the GPU idle
                         v
                     };
                     let theirs = || {
@@ -89,6 +90,7 @@ fn main() {
                         let v = t.elapsed();
                         buf.truncate(chunk);
                         buf.shrink_to_fit().unwrap();
+                        raw.sync(); // as the raw tail does: both leave the GPU idle
                         v
                     };
                     let theirs = || {

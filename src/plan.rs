@@ -173,24 +173,34 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
             let size = match policy {
                 GrowthPolicy::Exact => Some(g),
                 GrowthPolicy::Fixed { chunk_bytes } => Some(chunk_bytes).filter(|s| *s <= room),
-                // The smallest pooled chunk that covers the need and keeps
-                // the bound, or else the largest smaller one (the growth then
-                // takes several). Chunks under half the policy's size stay
-                // pooled: each mapping costs ~20-40 us whatever its size, so
-                // small ones would turn a logarithmic count into one per step.
+                // The pooled chunk closest to what the policy would create:
+                // the smallest at or above that size within the bound, else
+                // the largest below it that covers the need, else the
+                // largest smaller one (the growth then takes several).
+                // Chunks under half the policy's size stay pooled: each
+                // mapping costs ~20-40 us whatever its size, so small ones
+                // would turn a logarithmic count into one per step.
                 GrowthPolicy::Proportional { divisor } => {
-                    let floor = (target / divisor.max(1) / g * g / 2).max(g);
+                    let proportional = target / divisor.max(1) / g * g;
+                    let floor = (proportional / 2).max(g);
                     let (lo, hi) = (need.max(floor), fit.max(need));
-                    let within = (lo <= hi)
-                        .then(|| offer.range((place, lo)..=(place, hi)).next())
-                        .flatten();
-                    within
-                        .or_else(|| {
-                            (floor < need)
-                                .then(|| offer.range((place, floor)..(place, need)).next_back())
-                                .flatten()
-                        })
-                        .map(|(k, _)| k.1)
+                    let want = need.max(proportional).clamp(lo, hi.max(lo));
+                    let range = |a: usize, b: usize, up: bool| {
+                        (a < b)
+                            .then(|| {
+                                let mut r = offer.range((place, a)..(place, b));
+                                if up {
+                                    r.next()
+                                } else {
+                                    r.next_back()
+                                }
+                            })
+                            .flatten()
+                            .map(|(k, _)| k.1)
+                    };
+                    range(want, hi.saturating_add(1), true)
+                        .or_else(|| range(lo, want, false))
+                        .or_else(|| range(floor, need, false))
                 }
             }?;
             let n = offer.get_mut(&(place, size))?;
@@ -330,6 +340,55 @@ mod tests {
         }
         assert!(from_pool > 0, "small growths still take pooled granules");
         assert!(mappings < 80, "{mappings} mappings for 1024 steps");
+    }
+
+    #[test]
+    fn a_pool_of_mixed_sizes_serves_the_sizes_the_policy_would_create() {
+        // Fill a cache once with no pool: the policy's own chunk sizes.
+        let p = GrowthPolicy::default();
+        let fill = |offer: Option<&PoolOffer>| {
+            let (mut cap, mut sizes) = (0usize, Vec::new());
+            for step in 1..=1024usize {
+                let plan = plan_growth(&GrowthRequest {
+                    policy: p,
+                    granularity: G,
+                    at: cap,
+                    target: step * G,
+                    limit: 1 << 40,
+                    placement_at: &|_| GPU,
+                    pool: offer,
+                })
+                .unwrap();
+                for c in plan {
+                    cap += c.bytes;
+                    sizes.push((c.bytes, c.pooled));
+                }
+            }
+            sizes
+        };
+        let own = fill(None);
+        // A pool holding those sizes and, besides, every size a finer policy
+        // (len/16) would have made and a thousand granules.
+        let mut offer: PoolOffer = BTreeMap::new();
+        for &(b, _) in &own {
+            *offer.entry((GPU, b)).or_default() += 1;
+        }
+        let mut cap = 0;
+        for step in 1..=1024usize {
+            let c = (step * G / 16 / G * G).max(G);
+            if cap < step * G {
+                *offer.entry((GPU, c)).or_default() += 1;
+                cap += c;
+            }
+        }
+        *offer.entry((GPU, G)).or_default() += 1000;
+        let pooled = fill(Some(&offer));
+        // The same chunks as without a pool, all of them from the pool.
+        assert_eq!(
+            pooled.iter().map(|s| s.0).collect::<Vec<_>>(),
+            own.iter().map(|s| s.0).collect::<Vec<_>>()
+        );
+        assert!(pooled.iter().all(|s| s.1));
     }
 
     #[test]
