@@ -34,12 +34,13 @@ fn label(n: usize) -> String {
 }
 
 /// One growth N -> 2N of `buf` (holding N), timed; back to N untimed.
+/// Returns the growths made (1 when a filter skipped the bench).
 fn bench_vmmbuf(
     g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     id: BenchmarkId,
     mut buf: GrowableBuffer<CudaBackend>,
     n: usize,
-) {
+) -> u64 {
     buf.grow_to(n).unwrap();
     let base = buf.base();
     g.bench_function(id, |b| {
@@ -56,6 +57,7 @@ fn bench_vmmbuf(
         })
     });
     assert_eq!(buf.base(), base);
+    buf.stats().grows
 }
 
 /// `cuMemAllocAsync(2N)` + copy + `cuMemFreeAsync(old)` + sync, timed; back
@@ -102,11 +104,12 @@ fn main() {
         let desc = BufferDesc::new(2 * n);
         let pooled = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();
         let hits = pool.stats().hits;
-        bench_vmmbuf(&mut g, id("vmmbuf_default_pool"), pooled, n);
-        assert!(
-            pool.stats().hits > hits,
-            "the default pool served the growth"
-        );
+        if bench_vmmbuf(&mut g, id("vmmbuf_default_pool"), pooled, n) > 1 {
+            assert!(
+                pool.stats().hits > hits,
+                "the default pool served the growth"
+            );
+        }
         pool.trim().unwrap();
         let plain = GrowableBuffer::new(backend.clone(), desc.pooled(false)).unwrap();
         bench_vmmbuf(&mut g, id("vmmbuf_no_pool"), plain, n);
@@ -235,7 +238,16 @@ fn isolated(backend: &std::sync::Arc<CudaBackend>, raw: &Raw, n: usize) {
         buf.truncate(n);
         buf.shrink_to_fit().unwrap();
     }
+    // The same without the pause.
+    let mut cold_now = Vec::new();
+    for _ in 0..REPS {
+        raw.free(raw.alloc(2 * n));
+        cold_now.push(time(&mut || buf.grow_to(2 * n).unwrap()));
+        buf.truncate(n);
+        buf.shrink_to_fit().unwrap();
+    }
     drop(buf);
+    summary("vmmbuf_no_pool, no pause", n, cold_now);
     // Cold, cuMemAlloc + copy + free.
     let mut cold_alloc = Vec::new();
     for _ in 0..REPS {
@@ -250,6 +262,31 @@ fn isolated(backend: &std::sync::Arc<CudaBackend>, raw: &Raw, n: usize) {
             raw.free(new);
         }));
     }
+    // What makes an isolated growth slower than one in the churn: the same
+    // pooled growth with the pause alone (this buffer's own chunk back, no
+    // other buffer), and with the other buffer alone (no pause).
+    let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(2 * n)).unwrap();
+    buf.grow_to(n).unwrap();
+    let (mut pause_only, mut other_only) = (Vec::new(), Vec::new());
+    for _ in 0..REPS {
+        buf.grow_to(2 * n).unwrap();
+        buf.truncate(n);
+        buf.shrink_to_fit().unwrap();
+        std::thread::sleep(PAUSE);
+        pause_only.push(time(&mut || buf.grow_to(2 * n).unwrap()));
+        buf.truncate(n);
+        buf.shrink_to_fit().unwrap();
+        let other = GrowableBuffer::new(backend.clone(), BufferDesc::new(n)).unwrap();
+        other.grow_to(n).unwrap();
+        drop(other);
+        other_only.push(time(&mut || buf.grow_to(2 * n).unwrap()));
+        buf.truncate(n);
+        buf.shrink_to_fit().unwrap();
+    }
+    drop(buf);
+    pool.trim().unwrap();
+    summary("vmmbuf_default_pool, pause only", n, pause_only);
+    summary("vmmbuf_default_pool, other only", n, other_only);
     let a = summary("vmmbuf_default_pool", n, warm_vmm);
     let b = summary("cuMemAllocAsync_warm_copy_free", n, warm_async);
     let c = summary("vmmbuf_no_pool", n, cold_vmm);
