@@ -109,6 +109,33 @@ pub enum Error {
         /// What went wrong, in words.
         reason: String,
     },
+    /// The other process of a shared buffer is gone: its end of the socket
+    /// closed (it exited or dropped it) before a whole message went across.
+    /// Nothing was mapped or changed.
+    #[error("the peer process is gone: {reason}")]
+    PeerGone {
+        /// What the socket said.
+        reason: String,
+    },
+    /// What came over a shared buffer's socket is not a valid description of
+    /// a buffer: a bad header, chunks that do not tile, a count of file
+    /// descriptors that does not match, or a descriptor that is not the chunk
+    /// it claims to be. Nothing was mapped; the descriptors received were
+    /// closed.
+    #[error("invalid shared-buffer message: {reason}")]
+    Protocol {
+        /// What was wrong, in words.
+        reason: String,
+    },
+    /// A shared-buffer message older than what the importer already holds:
+    /// generations only move forward. Nothing changed.
+    #[error("stale generation {got}: the importer is at {have}")]
+    StaleGeneration {
+        /// The generation received.
+        got: u64,
+        /// The importer's generation.
+        have: u64,
+    },
     /// An operating-system call of the host backend failed.
     #[error("{call} failed: {source}")]
     Os {
@@ -131,5 +158,9 @@ impl Error {
 
     pub(crate) fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
+    }
+
+    pub(crate) fn protocol(msg: impl Into<String>) -> Self {
+        Error::Protocol { reason: msg.into() }
     }
 }

@@ -62,6 +62,8 @@ mod arena;
 mod backend;
 mod buffer;
 mod error;
+#[cfg(target_os = "linux")]
+mod ipc;
 mod location;
 mod migration;
 mod plan;
@@ -83,6 +85,8 @@ pub use backend::host::{HostBackend, HostChunk, HostFence, HostReservation};
 pub use backend::{Backend, HostMapped, LiveCounts};
 pub use buffer::{BufferDesc, GrowableBuffer, MigrationPlan, MigrationPolicy};
 pub use error::{Error, Result};
+#[cfg(target_os = "linux")]
+pub use ipc::{Exporter, SharedBuffer, FDS_PER_MESSAGE};
 pub use location::{Access, AccessDesc, Location};
 pub use migration::MigrationReport;
 pub use plan::GrowthPolicy;

@@ -88,6 +88,12 @@ pub(crate) struct Mover<'a, B: Backend> {
     /// Where new chunks come from first and old ones go; without a pool they
     /// are created and released.
     pub(crate) pool: Option<&'a ChunkPool<B>>,
+    /// New chunks are created exportable (a shareable buffer's).
+    pub(crate) shareable: bool,
+    /// The old chunks may be mapped by another process (the buffer was
+    /// shared): they are released, never pooled, so no other buffer here
+    /// gets memory a peer still reads.
+    pub(crate) release_old: bool,
 }
 
 /// A chunk swapped in: its offset, and the old chunk with its old placement
@@ -109,8 +115,20 @@ impl<B: Backend> Mover<'_, B> {
 
     fn take(&self, to: Location, bytes: usize) -> Result<B::Chunk> {
         match self.pool {
-            Some(pool) => pool.take_or_create(to, bytes),
+            Some(pool) => pool.take_or_create(self.shareable, to, bytes),
+            None if self.shareable => self.backend.create_shareable(bytes, to),
             None => self.backend.create(bytes, to),
+        }
+    }
+
+    /// Disposes of an old chunk once its move has succeeded.
+    fn dispose_old(&self, chunk: B::Chunk, bytes: usize, placement: Location) {
+        if self.release_old {
+            if let Err(e) = self.backend.release(chunk) {
+                tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
+            }
+        } else {
+            self.dispose(chunk, bytes, placement);
         }
     }
 
@@ -295,7 +313,7 @@ impl<B: Backend> Mover<'_, B> {
             // Every swap succeeded: the old chunks go (to the pool, if any).
             let t = Instant::now();
             for (o, old, old_place, _) in done {
-                self.dispose(old, size_of(table, o), old_place);
+                self.dispose_old(old, size_of(table, o), old_place);
             }
             report.dispose_time = t.elapsed();
             return Ok(report);

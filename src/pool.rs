@@ -99,8 +99,10 @@ impl fmt::Display for PoolStats {
 
 struct PoolInner<C> {
     desc: PoolDesc,
-    /// (placement, bytes) -> chunks of exactly that size.
-    free: BTreeMap<(Location, usize), Vec<C>>,
+    /// (placement, shareable, bytes) -> chunks of exactly that kind and
+    /// size. A shareable buffer takes only shareable chunks, and the others
+    /// only the others.
+    free: BTreeMap<(Location, bool, usize), Vec<C>>,
     stats: PoolStats,
 }
 
@@ -258,7 +260,7 @@ impl<B: Backend> ChunkPool<B> {
         inner.stats.pooled_chunks += n;
         inner
             .free
-            .entry((placement, chunk))
+            .entry((placement, false, chunk))
             .or_default()
             .extend(made);
         Ok(n * chunk)
@@ -269,7 +271,7 @@ impl<B: Backend> ChunkPool<B> {
     pub fn trim_at(&self, placement: Location) -> Result<()> {
         let gone: Vec<B::Chunk> = {
             let mut g = self.lock();
-            let keys: Vec<(Location, usize)> = g
+            let keys: Vec<(Location, bool, usize)> = g
                 .free
                 .keys()
                 .filter(|k| k.0 == placement)
@@ -278,7 +280,7 @@ impl<B: Backend> ChunkPool<B> {
             let mut gone = Vec::new();
             for k in keys {
                 let list = g.free.remove(&k).expect("the key was just listed");
-                g.stats.pooled_bytes -= k.1 * list.len();
+                g.stats.pooled_bytes -= k.2 * list.len();
                 g.stats.pooled_chunks -= list.len();
                 gone.extend(list);
             }
@@ -301,17 +303,27 @@ impl<B: Backend> ChunkPool<B> {
         first.map_or(Ok(()), Err)
     }
 
-    /// What the pool holds now: how many chunks of each (placement, size),
-    /// for the growth plan.
-    pub(crate) fn offer(&self) -> PoolOffer {
+    /// What the pool holds now of one kind (shareable or not): how many
+    /// chunks of each (placement, size), for the growth plan.
+    pub(crate) fn offer(&self, shareable: bool) -> PoolOffer {
         let g = self.lock();
-        g.free.iter().map(|(&k, v)| (k, v.len())).collect()
+        g.free
+            .iter()
+            .filter(|(k, _)| k.1 == shareable)
+            .map(|(&(place, _, bytes), v)| ((place, bytes), v.len()))
+            .collect()
     }
 
-    /// A pooled chunk of exactly `bytes` at `placement`, if there is one.
-    pub(crate) fn take_exact(&self, placement: Location, bytes: usize) -> Option<B::Chunk> {
+    /// A pooled chunk of exactly `bytes` at `placement`, shareable or not,
+    /// if there is one.
+    pub(crate) fn take_exact(
+        &self,
+        shareable: bool,
+        placement: Location,
+        bytes: usize,
+    ) -> Option<B::Chunk> {
         let mut g = self.lock();
-        let key = (placement, bytes);
+        let key = (placement, shareable, bytes);
         let list = g.free.get_mut(&key)?;
         let chunk = list.pop()?;
         if list.is_empty() {
@@ -323,10 +335,17 @@ impl<B: Backend> ChunkPool<B> {
         Some(chunk)
     }
 
-    /// A pooled chunk of exactly `bytes` at `placement`, or a new one.
-    pub(crate) fn take_or_create(&self, placement: Location, bytes: usize) -> Result<B::Chunk> {
-        match self.take_exact(placement, bytes) {
+    /// A pooled chunk of exactly `bytes` at `placement`, shareable or not,
+    /// or a new one.
+    pub(crate) fn take_or_create(
+        &self,
+        shareable: bool,
+        placement: Location,
+        bytes: usize,
+    ) -> Result<B::Chunk> {
+        match self.take_exact(shareable, placement, bytes) {
             Some(c) => Ok(c),
+            None if shareable => self.backend.create_shareable(bytes, placement),
             None => self.backend.create(bytes, placement),
         }
     }
@@ -335,8 +354,12 @@ impl<B: Backend> ChunkPool<B> {
     /// the largest chunks back until at most the low watermark is held.
     pub(crate) fn put(&self, placement: Location, bytes: usize, chunk: B::Chunk) {
         let shed = {
+            let kind = self.backend.is_shareable(&chunk);
             let mut g = self.lock();
-            g.free.entry((placement, bytes)).or_default().push(chunk);
+            g.free
+                .entry((placement, kind, bytes))
+                .or_default()
+                .push(chunk);
             g.stats.returns += 1;
             g.stats.pooled_bytes += bytes;
             g.stats.pooled_chunks += 1;
@@ -369,7 +392,7 @@ impl<C> PoolInner<C> {
         let mut shed = Vec::new();
         if self.stats.pooled_bytes > self.desc.high_water_bytes {
             while self.stats.pooled_bytes > self.desc.low_water_bytes {
-                let Some(key) = self.free.keys().max_by_key(|k| k.1).copied() else {
+                let Some(key) = self.free.keys().max_by_key(|k| k.2).copied() else {
                     break;
                 };
                 let list = self.free.get_mut(&key).expect("the key was just found");
@@ -377,7 +400,7 @@ impl<C> PoolInner<C> {
                 if list.is_empty() {
                     self.free.remove(&key);
                 }
-                self.stats.pooled_bytes -= key.1;
+                self.stats.pooled_bytes -= key.2;
                 self.stats.pooled_chunks -= 1;
                 shed.push(c);
             }

@@ -99,7 +99,7 @@ impl<B: Backend> Shared<B> {
             let mut left = need;
             while left > 0 {
                 let bytes = left.min(self.chunk_bytes);
-                chunks.push((self.pool.take_or_create(placement, bytes)?, bytes));
+                chunks.push((self.pool.take_or_create(false, placement, bytes)?, bytes));
                 left -= bytes;
             }
             let res = st.res.as_mut().expect("the reservation lives until drop");

@@ -87,6 +87,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             backend,
             granularity: sh.granularity,
             pool: Some(&*sh.pool),
+            shareable: false,
+            release_old: false,
         };
         let res = st.res.as_mut().expect("the reservation lives until drop");
         match mover.run(res, &mut st.table, &targets) {

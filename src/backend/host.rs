@@ -57,6 +57,41 @@ impl HostBackend {
         }))
     }
 
+    /// A memfd chunk of `bytes`; `sealed`: sealed against resizing, so that
+    /// another process may map it.
+    fn memfd_chunk(&self, bytes: usize, placement: Location, sealed: bool) -> Result<HostChunk> {
+        use rustix::fs::{MemfdFlags, SealFlags};
+        self.check_host(placement)?;
+        super::check_chunk(bytes, self.granularity)?;
+        let flags = if sealed {
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING
+        } else {
+            MemfdFlags::CLOEXEC
+        };
+        let fd =
+            rustix::fs::memfd_create("vmmbuf", flags).map_err(|e| os("memfd_create", e, bytes))?;
+        rustix::fs::ftruncate(&fd, bytes as u64).map_err(|e| os("ftruncate", e, bytes))?;
+        if sealed {
+            rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+                .map_err(|e| os("fcntl(F_ADD_SEALS)", e, bytes))?;
+        }
+        let id = rustix::fs::fstat(&fd)
+            .map_err(|e| os("fstat", e, bytes))?
+            .st_ino as u64;
+        self.counters.update(|c| {
+            c.chunks += 1;
+            c.chunk_bytes += bytes;
+        });
+        Ok(HostChunk {
+            fd,
+            bytes,
+            mapped: MappedFlag::default(),
+            counters: self.counters.clone(),
+            sealed,
+            id,
+        })
+    }
+
     fn check_host(&self, placement: Location) -> Result<()> {
         match placement {
             Location::Host => Ok(()),
@@ -178,6 +213,11 @@ pub struct HostChunk {
     bytes: usize,
     mapped: MappedFlag,
     counters: Arc<Counters>,
+    /// Sealed against shrinking and growing, so that another process may
+    /// map it: an importer's mapping cannot lose its pages under it.
+    sealed: bool,
+    /// The memfd's inode number: unique among the live chunks.
+    id: u64,
 }
 
 impl Drop for HostChunk {
@@ -271,21 +311,67 @@ impl Backend for HostBackend {
     }
 
     fn create(&self, bytes: usize, placement: Location) -> Result<HostChunk> {
-        self.check_host(placement)?;
-        super::check_chunk(bytes, self.granularity)?;
-        let fd = rustix::fs::memfd_create("vmmbuf", rustix::fs::MemfdFlags::CLOEXEC)
-            .map_err(|e| os("memfd_create", e, bytes))?;
-        rustix::fs::ftruncate(&fd, bytes as u64).map_err(|e| os("ftruncate", e, bytes))?;
+        self.memfd_chunk(bytes, placement, false)
+    }
+
+    fn create_shareable(&self, bytes: usize, placement: Location) -> Result<HostChunk> {
+        self.memfd_chunk(bytes, placement, true)
+    }
+
+    fn is_shareable(&self, chunk: &HostChunk) -> bool {
+        chunk.sealed
+    }
+
+    fn export(&self, chunk: &HostChunk) -> Result<OwnedFd> {
+        if !chunk.sealed {
+            return Err(Error::invalid("exporting a chunk not created shareable"));
+        }
+        chunk.fd.try_clone().map_err(|e| Error::Os {
+            call: "dup",
+            source: e,
+        })
+    }
+
+    fn import(&self, fd: OwnedFd, bytes: usize, placement: Location) -> Result<HostChunk> {
+        if placement != Location::Host {
+            return Err(Error::protocol(format!(
+                "a chunk placed at {placement} sent to the host backend"
+            )));
+        }
+        super::check_chunk(bytes, self.granularity).map_err(|e| Error::protocol(e.to_string()))?;
+        let st = rustix::fs::fstat(&fd)
+            .map_err(|e| Error::protocol(format!("fstat of a received descriptor: {e}")))?;
+        if st.st_size as u64 != bytes as u64 {
+            return Err(Error::protocol(format!(
+                "a received descriptor holds {} bytes, not the {bytes} described",
+                st.st_size
+            )));
+        }
+        // Only a memfd sealed against shrinking is safe to map: the peer
+        // could otherwise truncate it and fault every access here.
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|e| Error::protocol(format!("a received descriptor is not a memfd: {e}")))?;
+        if !seals.contains(rustix::fs::SealFlags::SHRINK) {
+            return Err(Error::protocol(
+                "a received memfd is not sealed against shrinking",
+            ));
+        }
         self.counters.update(|c| {
             c.chunks += 1;
             c.chunk_bytes += bytes;
         });
         Ok(HostChunk {
+            id: st.st_ino as u64,
             fd,
             bytes,
             mapped: MappedFlag::default(),
             counters: self.counters.clone(),
+            sealed: true,
         })
+    }
+
+    fn chunk_id(&self, chunk: &HostChunk) -> u64 {
+        chunk.id
     }
 
     fn release(&self, chunk: HostChunk) -> Result<()> {

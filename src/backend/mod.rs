@@ -160,6 +160,59 @@ pub trait Backend: Send + Sync + 'static {
         None
     }
 
+    /// Creates a chunk as [`Backend::create`] does, but exportable to another
+    /// process as a file descriptor ([`Backend::export`]). CUDA asks for a
+    /// POSIX-fd handle type at creation (it cannot be added later). The
+    /// default: [`Error::Unsupported`](crate::Error::Unsupported).
+    fn create_shareable(&self, bytes: usize, placement: Location) -> Result<Self::Chunk> {
+        let _ = (bytes, placement);
+        Err(crate::Error::Unsupported {
+            what: format!("shareable chunks with the {} backend", self.name()),
+        })
+    }
+
+    /// Whether `chunk` can be exported ([`Backend::create_shareable`] made it,
+    /// or it was imported).
+    fn is_shareable(&self, chunk: &Self::Chunk) -> bool {
+        let _ = chunk;
+        false
+    }
+
+    /// A new file descriptor for `chunk`, which another process imports
+    /// with [`Backend::import`]. The memory stays alive while any process
+    /// holds the chunk, a descriptor of it, or a mapping.
+    #[cfg(unix)]
+    fn export(&self, chunk: &Self::Chunk) -> Result<std::os::fd::OwnedFd> {
+        let _ = chunk;
+        Err(crate::Error::Unsupported {
+            what: format!("exporting chunks with the {} backend", self.name()),
+        })
+    }
+
+    /// The chunk behind a descriptor that another process exported, said to
+    /// hold `bytes` at `placement`. [`Error::Protocol`](crate::Error::Protocol)
+    /// when the descriptor is not such a chunk. The descriptor is consumed
+    /// (closed) either way.
+    #[cfg(unix)]
+    fn import(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        bytes: usize,
+        placement: Location,
+    ) -> Result<Self::Chunk> {
+        let _ = (fd, bytes, placement);
+        Err(crate::Error::Unsupported {
+            what: format!("importing chunks with the {} backend", self.name()),
+        })
+    }
+
+    /// A number that tells `chunk` apart from every other chunk alive in this
+    /// process (a shared buffer's exporter uses it to send each chunk once).
+    fn chunk_id(&self, chunk: &Self::Chunk) -> u64 {
+        let _ = chunk;
+        0
+    }
+
     /// The backend's own chunk pool, which
     /// [`GrowableBuffer::new`](crate::GrowableBuffer::new) gives every buffer
     /// (unless [`BufferDesc::pooled`](crate::BufferDesc::pooled) is false), so

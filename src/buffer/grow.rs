@@ -138,7 +138,7 @@ impl<B: Backend> GrowableBuffer<B> {
         let span = tracing::debug_span!("vmmbuf.grow", from = g.table.len(), to = bytes).entered();
         let backend = &*self.backend;
         let at = g.capacity();
-        let offer = self.pool.as_ref().map(|p| p.offer());
+        let offer = self.pool.as_ref().map(|p| p.offer(self.shareable));
         let plan = plan_growth(&GrowthRequest {
             policy: self.growth_policy,
             granularity: self.granularity,
@@ -157,11 +157,16 @@ impl<B: Backend> GrowableBuffer<B> {
                 // A pooled chunk another buffer took meanwhile is created anew.
                 let pooled = c
                     .pooled
-                    .then(|| self.pool.as_ref()?.take_exact(c.placement, c.bytes))
+                    .then(|| {
+                        self.pool
+                            .as_ref()?
+                            .take_exact(self.shareable, c.placement, c.bytes)
+                    })
                     .flatten();
                 reused += pooled.is_some() as usize;
                 let chunk = match pooled {
                     Some(chunk) => chunk,
+                    None if self.shareable => backend.create_shareable(c.bytes, c.placement)?,
                     None => backend.create(c.bytes, c.placement)?,
                 };
                 chunks.push((chunk, c.bytes, c.placement));

@@ -205,6 +205,8 @@ impl<B: Backend> GrowableBuffer<B> {
             backend: &*backend,
             granularity: self.granularity(),
             pool: self.pool().map(|p| &**p),
+            shareable: self.shareable,
+            release_old: self.is_published(),
         };
         let res = g.res.as_mut().expect("the reservation lives until drop");
         match mover.run(res, &mut g.table, &targets) {

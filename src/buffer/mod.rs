@@ -2,8 +2,9 @@
 //!
 //! This file holds the type, its construction, getters and drop; each job
 //! has its own child file: `grow.rs`, `shrink.rs`, `migrate.rs`,
-//! `access.rs`, `host_view.rs` (CPU reads, writes and slices) and
-//! `cuda_view.rs` (cudarc views). The chunk table, the growth plan and the
+//! `access.rs`, `host_view.rs` (CPU reads, writes and slices),
+//! `cuda_view.rs` (cudarc views) and `share.rs` (publishing to other
+//! processes). The chunk table, the growth plan and the
 //! pool are separate, pure modules; only the backend touches memory.
 
 mod access;
@@ -11,6 +12,8 @@ mod cuda_view;
 mod grow;
 mod host_view;
 mod migrate;
+#[cfg(target_os = "linux")]
+mod share;
 mod shrink;
 mod uses;
 
@@ -61,6 +64,11 @@ pub struct BufferDesc {
     /// the pool's release threshold or [`ChunkPool::trim`] gives them back to the
     /// driver. False: they go back to the driver at once.
     pub pooled: bool,
+    /// Whether every chunk is created exportable, so that the buffer can be
+    /// shared with other processes ([`GrowableBuffer::publish`]). False by
+    /// default: CUDA must be asked at creation, and the backend must support
+    /// it ([`Error::Unsupported`] at the first growth otherwise).
+    pub shareable: bool,
 }
 
 impl BufferDesc {
@@ -74,7 +82,15 @@ impl BufferDesc {
             access: Access::ReadWrite,
             alignment: 256,
             pooled: true,
+            shareable: false,
         }
+    }
+
+    /// Whether every chunk is created exportable (see
+    /// [`BufferDesc::shareable`](Self::shareable)).
+    pub fn shareable(mut self, shareable: bool) -> Self {
+        self.shareable = shareable;
+        self
     }
 
     /// Whether [`GrowableBuffer::new`] uses the backend's default pool (see
@@ -223,6 +239,11 @@ pub struct GrowableBuffer<B: Backend> {
     /// driver refuses it on device chunks).
     grants: Vec<AccessDesc>,
     pool: Option<Arc<ChunkPool<B>>>,
+    /// Chunks are created exportable.
+    shareable: bool,
+    /// Set once a chunk was sent to another process: from then on chunks the
+    /// buffer gives up are released, never pooled (a peer may still map them).
+    published: std::sync::atomic::AtomicBool,
     /// The last recorded use per stream (its own lock: views record as they
     /// drop, whatever else holds the buffer's lock).
     uses: Uses<B::Fence>,
@@ -317,6 +338,8 @@ impl<B: Backend> GrowableBuffer<B> {
             alignment: desc.alignment,
             grants,
             pool,
+            shareable: desc.shareable,
+            published: std::sync::atomic::AtomicBool::new(false),
             uses: Uses::default(),
             inner: Mutex::new(Inner {
                 res: Some(res),
@@ -435,14 +458,20 @@ impl<B: Backend> GrowableBuffer<B> {
         self.range_placements.to_vec()
     }
 
-    /// Gives an unmapped chunk to the pool, or back to the driver.
+    /// Whether a chunk of this buffer was ever sent to another process.
+    pub(crate) fn is_published(&self) -> bool {
+        self.published.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Gives an unmapped chunk to the pool, or back to the driver (always
+    /// once the buffer was shared: a peer may still map it).
     fn dispose(&self, chunk: B::Chunk, bytes: usize, placement: Location) -> Result<()> {
         match &self.pool {
-            Some(pool) => {
+            Some(pool) if !self.is_published() => {
                 pool.put(placement, bytes, chunk);
                 Ok(())
             }
-            None => self.backend.release(chunk).inspect_err(|e| {
+            _ => self.backend.release(chunk).inspect_err(|e| {
                 tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
             }),
         }

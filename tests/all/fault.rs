@@ -152,6 +152,29 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.step("release", 0)?;
         self.inner.release(chunk)
     }
+    fn create_shareable(&self, bytes: usize, placement: Location) -> Result<Self::Chunk> {
+        self.step("create", bytes)?;
+        self.inner.create_shareable(bytes, self.placed(placement)?)
+    }
+    fn is_shareable(&self, chunk: &Self::Chunk) -> bool {
+        self.inner.is_shareable(chunk)
+    }
+    fn export(&self, chunk: &Self::Chunk) -> Result<std::os::fd::OwnedFd> {
+        self.step("export", 0)?;
+        self.inner.export(chunk)
+    }
+    fn import(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        bytes: usize,
+        placement: Location,
+    ) -> Result<Self::Chunk> {
+        self.step("import", bytes)?;
+        self.inner.import(fd, bytes, self.placed(placement)?)
+    }
+    fn chunk_id(&self, chunk: &Self::Chunk) -> u64 {
+        self.inner.chunk_id(chunk)
+    }
     fn map(&self, res: &mut Self::Reservation, offset: usize, chunk: &Self::Chunk) -> Result<()> {
         self.step("map", 0)?;
         self.inner.map(res, offset, chunk)

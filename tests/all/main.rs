@@ -19,6 +19,7 @@ mod placement;
 mod pool;
 mod props;
 mod reserve;
+mod share;
 mod sleep;
 mod soak;
 mod soundness;
@@ -49,6 +50,7 @@ fn main() {
         pool::trials(),
         reserve::trials(),
         props::trials(),
+        share::trials(),
         sleep::trials(),
         soak::trials(),
         soundness::trials(),

@@ -222,6 +222,102 @@ pub(crate) fn access_flags(a: Access) -> sys::CUmemAccess_flags {
     }
 }
 
+/// The type and id of a `CUmemLocation`.
+pub(crate) fn location_parts(loc: sys::CUmemLocation) -> (sys::CUmemLocationType, i32) {
+    // SAFETY: as in `location`, the other way.
+    let raw = unsafe { std::mem::transmute::<sys::CUmemLocation, RawLocation>(loc) };
+    (raw.type_, raw.id)
+}
+
+/// Properties of a pinned allocation at `location` that exports as a POSIX
+/// file descriptor.
+pub(crate) fn shareable_prop(location: sys::CUmemLocation) -> sys::CUmemAllocationProp {
+    let mut prop = allocation_prop(location);
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop
+}
+
+/// `cuMemExportToShareableHandle` as a POSIX file descriptor, owned by the
+/// caller.
+///
+/// # Safety
+/// `handle` is live (from [`mem_create`] with [`shareable_prop`], or
+/// imported).
+#[cfg(unix)]
+pub(crate) unsafe fn mem_export_fd(
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: a valid out-pointer for an int, as the POSIX-fd handle type
+    // writes; the handle is live (the caller's promise).
+    check(
+        "cuMemExportToShareableHandle",
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        },
+        0,
+    )?;
+    if fd < 0 {
+        return Err(Error::protocol(
+            "cuMemExportToShareableHandle gave no descriptor",
+        ));
+    }
+    // SAFETY: the driver just opened `fd` for us; nothing else owns it.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// `cuMemImportFromShareableHandle` of a POSIX file descriptor: a new
+/// handle to release with [`mem_release`]. The descriptor stays the
+/// caller's.
+#[cfg(unix)]
+pub(crate) fn mem_import_fd(
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    use std::os::fd::AsRawFd;
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: a valid out-pointer; the POSIX-fd handle type passes the
+    // descriptor's number as the pointer value, and the descriptor is open
+    // for the whole call (borrowed). A descriptor that is no chunk is the
+    // driver's error to report.
+    check(
+        "cuMemImportFromShareableHandle",
+        unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        },
+        0,
+    )?;
+    Ok(handle)
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle`.
+///
+/// # Safety
+/// `handle` is live.
+pub(crate) unsafe fn mem_properties(
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<sys::CUmemAllocationProp> {
+    // SAFETY: plain C data, all-zero valid; filled in by the driver.
+    let mut prop: sys::CUmemAllocationProp = unsafe { MaybeUninit::zeroed().assume_init() };
+    // SAFETY: a valid out-pointer; the handle is live (the caller's promise).
+    check(
+        "cuMemGetAllocationPropertiesFromHandle",
+        unsafe { sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, handle) },
+        0,
+    )?;
+    Ok(prop)
+}
+
 /// Properties of a pinned allocation at `location`, no handle types.
 pub(crate) fn allocation_prop(location: sys::CUmemLocation) -> sys::CUmemAllocationProp {
     // SAFETY: `CUmemAllocationProp` is plain C data for which all-zero is the
@@ -288,10 +384,12 @@ pub(crate) fn mem_create(
     Ok(handle)
 }
 
-/// `cuMemRelease`. The memory goes back once nothing maps it.
+/// `cuMemRelease`. The memory goes back once nothing maps it (and no other
+/// process holds it).
 ///
 /// # Safety
-/// `handle` came from [`mem_create`] and is released once.
+/// `handle` came from [`mem_create`] or [`mem_import_fd`] and is released
+/// once.
 pub(crate) unsafe fn mem_release(
     handle: sys::CUmemGenericAllocationHandle,
     bytes: usize,

@@ -338,6 +338,8 @@ pub struct CudaChunk {
     handle: sys::CUmemGenericAllocationHandle,
     bytes: usize,
     placement: Location,
+    /// Created with the POSIX-fd handle type, or imported: exportable.
+    shareable: bool,
     released: bool,
     ctx: Arc<CudaContext>,
     counters: Arc<Counters>,
@@ -375,6 +377,32 @@ impl CudaBackend {
     /// handle on the same pool; it lives as long as the backend.
     pub fn default_pool(self: &Arc<Self>) -> Arc<ChunkPool<Self>> {
         ChunkPool::over(self.clone(), self.shelf.clone())
+    }
+
+    fn create_with(&self, bytes: usize, placement: Location, shareable: bool) -> Result<CudaChunk> {
+        let granularity = self.granularity(placement)?;
+        super::check_chunk(bytes, granularity)?;
+        let location = self.placement(placement)?;
+        let prop = if shareable {
+            driver::shareable_prop(location)
+        } else {
+            driver::allocation_prop(location)
+        };
+        driver::bind(&self.ctx)?;
+        let handle = driver::mem_create(bytes, &prop)?;
+        self.counters.update(|c| {
+            c.chunks += 1;
+            c.chunk_bytes += bytes;
+        });
+        Ok(CudaChunk {
+            handle,
+            bytes,
+            placement,
+            shareable,
+            released: false,
+            ctx: self.ctx.clone(),
+            counters: self.counters.clone(),
+        })
     }
 }
 
@@ -447,23 +475,70 @@ impl Backend for CudaBackend {
     }
 
     fn create(&self, bytes: usize, placement: Location) -> Result<CudaChunk> {
-        let granularity = self.granularity(placement)?;
-        super::check_chunk(bytes, granularity)?;
-        let prop = driver::allocation_prop(self.placement(placement)?);
+        self.create_with(bytes, placement, false)
+    }
+
+    fn create_shareable(&self, bytes: usize, placement: Location) -> Result<CudaChunk> {
+        self.create_with(bytes, placement, true)
+    }
+
+    fn is_shareable(&self, chunk: &CudaChunk) -> bool {
+        chunk.shareable
+    }
+
+    #[cfg(unix)]
+    fn export(&self, chunk: &CudaChunk) -> Result<std::os::fd::OwnedFd> {
+        if !chunk.shareable {
+            return Err(Error::invalid("exporting a chunk not created shareable"));
+        }
         driver::bind(&self.ctx)?;
-        let handle = driver::mem_create(bytes, &prop)?;
+        // SAFETY: the chunk's handle is live while the token is.
+        unsafe { driver::mem_export_fd(chunk.handle) }
+    }
+
+    #[cfg(unix)]
+    fn import(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        bytes: usize,
+        placement: Location,
+    ) -> Result<CudaChunk> {
+        use std::os::fd::AsFd;
+        let granularity = self.granularity(placement)?;
+        super::check_chunk(bytes, granularity).map_err(|e| Error::protocol(e.to_string()))?;
+        let want = self.placement(placement)?;
+        driver::bind(&self.ctx)?;
+        let handle = driver::mem_import_fd(fd.as_fd()).map_err(|e| {
+            Error::protocol(format!("a received descriptor is not a CUDA chunk: {e}"))
+        })?;
+        drop(fd); // the handle holds the memory now
         self.counters.update(|c| {
             c.chunks += 1;
             c.chunk_bytes += bytes;
         });
-        Ok(CudaChunk {
+        let chunk = CudaChunk {
             handle,
             bytes,
             placement,
+            shareable: true,
             released: false,
             ctx: self.ctx.clone(),
             counters: self.counters.clone(),
-        })
+        };
+        // SAFETY: the handle was just imported and is live.
+        let prop = unsafe { driver::mem_properties(handle) }?;
+        if driver::location_parts(prop.location) != driver::location_parts(want) {
+            // Dropping the token releases the handle.
+            return Err(Error::protocol(format!(
+                "a chunk described as placed at {placement} is placed elsewhere ({:?})",
+                driver::location_parts(prop.location)
+            )));
+        }
+        Ok(chunk)
+    }
+
+    fn chunk_id(&self, chunk: &CudaChunk) -> u64 {
+        chunk.handle
     }
 
     fn release(&self, mut chunk: CudaChunk) -> Result<()> {

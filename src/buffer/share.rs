@@ -1,0 +1,109 @@
+//! Sharing with other processes: `publish`, the exporter's side of
+//! [`crate::ipc`].
+
+use std::os::fd::OwnedFd;
+
+use super::GrowableBuffer;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::ipc::{
+    placement_code, send_frame, Exporter, Head, Record, FDS_PER_MESSAGE, KIND_DESC, KIND_FDS, MAGIC,
+};
+
+impl<B: Backend> GrowableBuffer<B> {
+    /// Sends the buffer's current layout to the importer on `to`, as its
+    /// next generation, and returns that generation. Only the chunks `to`
+    /// has not had yet go with a descriptor each; the importer's
+    /// [`SharedBuffer::sync`] maps them and unmaps what the buffer gave up.
+    /// From the first call on, chunks the buffer gives up are released,
+    /// never pooled (see the module's rule for shrinking).
+    ///
+    /// The bytes the importer sees are the buffer's memory itself: what was
+    /// written before `publish` returns is there to read (synchronous writes;
+    /// order kernels before it yourself).
+    ///
+    /// Errors: [`Error::Unsupported`] for a buffer not created
+    /// [`shareable`](crate::BufferDesc::shareable); [`Error::PeerGone`] when
+    /// the importer's end is closed (after which `to` stays unusable);
+    /// the buffer is unchanged either way.
+    pub fn publish(&self, to: &mut Exporter) -> Result<u64> {
+        if to.broken {
+            return Err(Error::PeerGone {
+                reason: "an earlier publish to this peer failed part-way".into(),
+            });
+        }
+        if !self.shareable {
+            return Err(Error::Unsupported {
+                what: "publishing a buffer not created shareable (BufferDesc::shareable)".into(),
+            });
+        }
+        let g = self.inner.lock();
+        g.check_poison()?;
+        self.published
+            .store(true, std::sync::atomic::Ordering::Release);
+        let mut records = Vec::with_capacity(g.table.chunk_count());
+        let mut fds = Vec::new();
+        let mut fresh_at = Vec::new();
+        for (offset, e) in g.table.iter() {
+            let id = self.backend.chunk_id(&e.chunk);
+            let (o, b) = (offset as u64, e.bytes as u64);
+            let fresh = to.sent.get(&o) != Some(&(b, id));
+            if fresh {
+                fds.push(self.backend.export(&e.chunk)?);
+                fresh_at.push(records.len() as u64);
+            }
+            records.push(Record {
+                offset: o,
+                bytes: b,
+                placement: placement_code(e.placement),
+                id,
+                fresh: fresh as u64,
+            });
+        }
+        let generation = to.generation + 1;
+        let head = Head {
+            magic: MAGIC,
+            kind: KIND_DESC,
+            generation,
+            reserved: self.reserved as u64,
+            granularity: self.granularity as u64,
+            len: g.table.len() as u64,
+            count: records.len() as u64,
+            fds: fds.len() as u64,
+        };
+        drop(g);
+        let result = (|| {
+            send_frame(&to.socket, &head, bytemuck::cast_slice(&records), &[])?;
+            let mut fds = fds.into_iter();
+            for batch in fresh_at.chunks(FDS_PER_MESSAGE) {
+                let these: Vec<OwnedFd> = fds.by_ref().take(batch.len()).collect();
+                let h = Head {
+                    magic: MAGIC,
+                    kind: KIND_FDS,
+                    generation,
+                    count: batch.len() as u64,
+                    ..Head::default()
+                };
+                send_frame(&to.socket, &h, bytemuck::cast_slice(batch), &these)?;
+                // Our copies close here; the peer holds its own.
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            to.broken = true;
+            return Err(e);
+        }
+        to.sent = records
+            .iter()
+            .map(|r| (r.offset, (r.bytes, r.id)))
+            .collect();
+        to.generation = generation;
+        tracing::debug!(
+            generation,
+            chunks = records.len(),
+            fresh = fresh_at.len(),
+            "vmmbuf: published"
+        );
+        Ok(generation)
+    }
+}
