@@ -228,7 +228,19 @@ fn recv_frame(
 }
 
 /// One connection to an importer: the socket, what this peer already holds
-/// and the generation last sent. See [`GrowableBuffer::publish`].
+/// and the generation last sent. See [`GrowableBuffer::publish`](crate::GrowableBuffer::publish).
+///
+/// # Wire format
+/// Every message starts with a head of eight little-endian `u64`s: the magic
+/// `b"vmmbufv1"`, the kind (1: a description, 2: a descriptor batch), the
+/// generation, the reservation's bytes, the granularity, the length in use,
+/// a count, and (descriptions) how many descriptors follow. A description
+/// carries `count` records of five `u64`s: offset, bytes, placement
+/// (`u64::MAX` for host memory, else the GPU's ordinal), the exporter's chunk
+/// id, and 1 if the chunk's descriptor follows. A batch carries `count`
+/// record indices, one per descriptor attached to it (SCM_RIGHTS, at most
+/// [`FDS_PER_MESSAGE`]). A publish is one description and the batches of
+/// its new chunks' descriptors.
 #[derive(Debug)]
 pub struct Exporter {
     pub(crate) socket: UnixStream,
