@@ -16,7 +16,7 @@ use vmmbuf::{
 };
 
 crate::register! {
-    generic: [a_shareable_buffer_never_takes_unexportable_pooled_chunks, errors_change_nothing_and_leak_no_descriptor],
+    generic: [a_shareable_buffer_never_takes_unexportable_pooled_chunks, errors_change_nothing_and_leak_no_descriptor, more_chunks_than_one_message_holds],
     host: [host_importer_in_another_process_follows_twenty_growths_and_a_shrink],
     gpu: [gpu_importer_in_another_process_follows_twenty_growths_and_a_shrink],
     two_gpus: [an_importer_on_the_second_gpu_follows_the_first],
@@ -423,7 +423,14 @@ fn errors_change_nothing_and_leak_no_descriptor<B: Backend>(backend: Arc<B>) {
     let mut xex = Exporter::new(x);
     other.publish(&mut xex).unwrap();
     let mut fwd = Some(recv_one_fd(&y));
-    let fds = open_fds() - 1; // the forwarded descriptor goes away when sent
+    let (x2, y2) = UnixStream::pair().unwrap();
+    let mut xex2 = Exporter::new(x2);
+    other.publish(&mut xex2).unwrap();
+    let mut fwd2 = Some(recv_one_fd(&y2));
+    drop((xex2, y2));
+    // The two forwarded descriptors are open until their cases send them.
+    let fds = open_fds() - 2;
+    let mut held_fds = 2;
     let held = |s: &mut SharedBuffer<B>| {
         let mut got = vec![0u8; s.len()];
         s.read(0, &mut got).unwrap();
@@ -436,35 +443,58 @@ fn errors_change_nothing_and_leak_no_descriptor<B: Backend>(backend: Arc<B>) {
         vmmbuf::Location::Host => u64::MAX,
         vmmbuf::Location::Device(d) => d as u64,
     };
-    let check = |shared: &mut SharedBuffer<B>, what: &str, ok: fn(&Error) -> bool| {
-        match shared.sync() {
-            Err(e) if ok(&e) => eprintln!("  {what}: {e}"),
-            other => panic!("{what}: {other:?}"),
-        }
-        assert_eq!(held(shared), start, "{what} changed the importer");
-        assert_eq!(open_fds(), fds, "{what} leaked a descriptor");
-    };
+    let check =
+        |shared: &mut SharedBuffer<B>, what: &str, ok: fn(&Error) -> bool, held_fds: usize| {
+            match shared.sync() {
+                Err(e) if ok(&e) => eprintln!("  {what}: {e}"),
+                other => panic!("{what}: {other:?}"),
+            }
+            assert_eq!(held(shared), start, "{what} changed the importer");
+            assert_eq!(open_fds(), fds + held_fds, "{what} leaked a descriptor");
+        };
     let protocol = |e: &Error| matches!(e, Error::Protocol { .. });
     let mut batch = head(2, 2, 0, 0, 0, 1, 0);
     batch.extend(0u64.to_le_bytes());
 
     // A real chunk (another buffer's) described with the wrong size.
-    let fwd = fwd.take().unwrap(); // sent, then closed: the count's -1
+    let fwd = fwd.take().unwrap(); // sent, then closed
+    held_fds -= 1;
     let mut wrong = head(1, 2, reserved, g, 2 * g, 1, 1);
     wrong.extend(record(0, 2 * g, placement, 5, 1));
     send_raw(&raw, &wrong, &[]);
     send_raw(&raw, &batch, &[fwd]);
-    check(&mut shared, "a chunk of the wrong size", |e| {
-        matches!(e, Error::Protocol { .. } | Error::Driver { .. })
-    });
+    check(
+        &mut shared,
+        "a chunk of the wrong size",
+        |e| matches!(e, Error::Protocol { .. } | Error::Driver { .. }),
+        held_fds,
+    );
+    // A real chunk described as placed elsewhere: on the host for CUDA (the
+    // driver's properties say GPU), on a GPU for the host backend.
+    let fwd2 = fwd2.take().unwrap(); // sent, then closed
+    held_fds -= 1;
+    let elsewhere = if placement == u64::MAX { 0 } else { u64::MAX };
+    let mut moved = head(1, 2, reserved, g, g, 1, 1);
+    moved.extend(record(0, g, elsewhere, 6, 1));
+    send_raw(&raw, &moved, &[]);
+    send_raw(&raw, &batch, &[fwd2]);
+    check(
+        &mut shared,
+        "a chunk described as placed elsewhere",
+        |e| matches!(e, Error::Protocol { .. } | Error::Unsupported { .. }),
+        held_fds,
+    );
     // Garbage.
     (&raw).write_all(&[0xAB; 64]).unwrap();
-    check(&mut shared, "garbage", protocol);
+    check(&mut shared, "garbage", protocol, held_fds);
     // A stale generation: a second exporter on the same stream starts at 1.
     buf.publish(&mut second).unwrap();
-    check(&mut shared, "stale generation", |e| {
-        matches!(e, Error::StaleGeneration { got: 1, have: 1 })
-    });
+    check(
+        &mut shared,
+        "stale generation",
+        |e| matches!(e, Error::StaleGeneration { got: 1, have: 1 }),
+        held_fds,
+    );
     // A descriptor that is no chunk: a socket's end.
     let (p, q) = UnixStream::pair().unwrap();
     drop(q);
@@ -473,18 +503,23 @@ fn errors_change_nothing_and_leak_no_descriptor<B: Backend>(backend: Arc<B>) {
     msg.extend(record(0, 4 * g, placement, 99, 1));
     send_raw(&raw, &msg, &[]);
     send_raw(&raw, &batch, &[p]);
-    check(&mut shared, "a socket for a chunk", protocol);
+    check(&mut shared, "a socket for a chunk", protocol, held_fds);
     // A memfd not sealed (host), or any memfd (CUDA): not a chunk to map.
     let m = rustix::fs::memfd_create("not-a-chunk", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
     rustix::fs::ftruncate(&m, 4 * g).unwrap();
     send_raw(&raw, &msg, &[]);
     send_raw(&raw, &batch, &[m]);
-    check(&mut shared, "an unsealed memfd", protocol);
+    check(&mut shared, "an unsealed memfd", protocol, held_fds);
     // A chunk placed on a GPU this process has no such device for.
     let mut far = head(1, 2, reserved, g, g, 1, 0);
     far.extend(record(0, g, 4242, 5, 0));
     send_raw(&raw, &far, &[]);
-    check(&mut shared, "a chunk on a device out of reach", protocol);
+    check(
+        &mut shared,
+        "a chunk on a device out of reach",
+        protocol,
+        held_fds,
+    );
     // Layouts: past the reservation, overlapping, a length past the chunks,
     // a record claiming to be held that is not, a different reservation.
     for (what, m) in [
@@ -515,7 +550,7 @@ fn errors_change_nothing_and_leak_no_descriptor<B: Backend>(backend: Arc<B>) {
         }),
     ] {
         send_raw(&raw, &m, &[]);
-        check(&mut shared, what, protocol);
+        check(&mut shared, what, protocol, held_fds);
     }
 
     // The exporter's publish still works after all that: a real growth.
@@ -578,4 +613,41 @@ fn recv_one_fd(y: &UnixStream) -> OwnedFd {
         }
     }
     found.expect("the publish carried a descriptor")
+}
+
+/// A layout of more chunks than one message may carry descriptors for: the
+/// descriptors go in batches, and every byte arrives.
+fn more_chunks_than_one_message_holds<B: Backend>(backend: Arc<B>) {
+    let g = backend.granularity(backend.home()).unwrap();
+    let n = 2 * vmmbuf::FDS_PER_MESSAGE + 17;
+    let mut buf = GrowableBuffer::new(
+        backend.clone(),
+        BufferDesc::new((n + 8) * g)
+            .growth(GrowthPolicy::Exact)
+            .shareable(true),
+    )
+    .unwrap();
+    buf.grow_to(n * g - 5).unwrap();
+    let data: Vec<u8> = (0..buf.len()).map(|o| pattern(o, 9)).collect();
+    buf.write(0, &data).unwrap();
+    let fds = open_fds();
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut ex = Exporter::new(a);
+    // The importer runs beside: the socket's buffer holds less than the
+    // publish writes.
+    let importer = std::thread::spawn({
+        let backend = backend.clone();
+        move || {
+            let mut shared = SharedBuffer::import(backend, b, Access::Read).unwrap();
+            let mut got = vec![0u8; shared.len()];
+            shared.read(0, &mut got).unwrap();
+            (shared.chunk_count(), got)
+        }
+    });
+    buf.publish(&mut ex).unwrap();
+    let (chunks, got) = importer.join().unwrap();
+    assert_eq!(chunks, n);
+    assert!(got == data, "every byte of {n} chunks arrived");
+    drop(ex);
+    assert_eq!(open_fds(), fds, "no descriptor left open");
 }
