@@ -30,76 +30,69 @@ fn main() {
     buf.grow_to(chunk).unwrap();
     let va = raw.reserve(64 * MIB);
     let raw_at = va + chunk as u64;
-    for timed_vmmbuf in [true, false] {
-        let name = if timed_vmmbuf {
-            "vmmbuf_map_2MiB"
-        } else {
-            "raw_map_2MiB"
-        };
-        g.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for k in 0..iters {
-                    let mut ours = || {
-                        let t = Instant::now();
-                        buf.grow_to(2 * chunk).unwrap();
-                        let v = t.elapsed();
-                        buf.truncate(chunk);
-                        buf.shrink_to_fit().unwrap();
-                        raw.sync(); // as the raw tail does: both leave the GPU idle
-                        v
-                    };
-                    let theirs = || {
-                        let t = Instant::now();
-                        let h = raw.create_map_access(raw_at, chunk);
-                        let r = t.elapsed();
-                        raw.unmap_release(raw_at, chunk, h);
-                        r
-                    };
-                    let (v, r) = if k % 2 == 0 {
-                        let v = ours();
-                        (v, theirs())
-                    } else {
-                        let r = theirs();
-                        (ours(), r)
-                    };
-                    total += if timed_vmmbuf { v } else { r };
-                }
-                total
-            })
-        });
-    }
+    pair(
+        &mut g,
+        ("vmmbuf_map_2MiB", "raw_map_2MiB"),
+        || grow_one(&mut buf, &raw, chunk),
+        || {
+            let t = Instant::now();
+            let h = raw.create_map_access(raw_at, chunk);
+            let r = t.elapsed();
+            raw.unmap_release(raw_at, chunk, h);
+            r
+        },
+    );
     // With the default pool: the chunk a shrink gives up comes back at the
     // next growth, so the floor is map + access of a handle kept.
     let mut buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
     buf.grow_to(chunk).unwrap();
     let kept = raw.create(chunk);
-    for timed_vmmbuf in [true, false] {
-        let name = if timed_vmmbuf {
-            "vmmbuf_pooled_map_2MiB"
-        } else {
-            "raw_map_access_2MiB"
-        };
+    pair(
+        &mut g,
+        ("vmmbuf_pooled_map_2MiB", "raw_map_access_2MiB"),
+        || grow_one(&mut buf, &raw, chunk),
+        || {
+            let t = Instant::now();
+            raw.map_access(raw_at, chunk, kept);
+            let r = t.elapsed();
+            raw.unmap(raw_at, chunk);
+            r
+        },
+    );
+    assert!(buf.pool().unwrap().stats().hits > 0);
+    raw.release(kept);
+    raw.address_free(va, 64 * MIB);
+    g.finish();
+    c.final_summary();
+}
+
+/// One timed growth of `buf` by `chunk`, then (untimed) back, with the GPU
+/// left idle as the raw tails leave it.
+fn grow_one(buf: &mut GrowableBuffer<vmmbuf::CudaBackend>, raw: &Raw, chunk: usize) -> Duration {
+    let t = Instant::now();
+    buf.grow_to(2 * chunk).unwrap();
+    let v = t.elapsed();
+    buf.truncate(chunk);
+    buf.shrink_to_fit().unwrap();
+    raw.sync();
+    v
+}
+
+/// Benches `ours` and `theirs` as the two `names`: every iteration of either
+/// runs both (each returns the time of its own timed part), alternating which
+/// goes first, and counts one.
+fn pair(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    names: (&str, &str),
+    mut ours: impl FnMut() -> Duration,
+    mut theirs: impl FnMut() -> Duration,
+) {
+    for timed_ours in [true, false] {
+        let name = if timed_ours { names.0 } else { names.1 };
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
                 for k in 0..iters {
-                    let mut ours = || {
-                        let t = Instant::now();
-                        buf.grow_to(2 * chunk).unwrap();
-                        let v = t.elapsed();
-                        buf.truncate(chunk);
-                        buf.shrink_to_fit().unwrap();
-                        raw.sync(); // as the raw tail does: both leave the GPU idle
-                        v
-                    };
-                    let theirs = || {
-                        let t = Instant::now();
-                        raw.map_access(raw_at, chunk, kept);
-                        let r = t.elapsed();
-                        raw.unmap(raw_at, chunk);
-                        r
-                    };
                     let (v, r) = if k % 2 == 0 {
                         let v = ours();
                         (v, theirs())
@@ -107,15 +100,10 @@ fn main() {
                         let r = theirs();
                         (ours(), r)
                     };
-                    total += if timed_vmmbuf { v } else { r };
+                    total += if timed_ours { v } else { r };
                 }
                 total
             })
         });
     }
-    assert!(buf.pool().unwrap().stats().hits > 0);
-    raw.release(kept);
-    raw.address_free(va, 64 * MIB);
-    g.finish();
-    c.final_summary();
 }

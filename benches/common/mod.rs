@@ -195,22 +195,8 @@ impl Raw {
 
     /// The VMM floor for one chunk: cuMemCreate + cuMemMap + cuMemSetAccess.
     pub fn create_map_access(&self, va: u64, bytes: usize) -> sys::CUmemGenericAllocationHandle {
-        let prop = Self::prop();
-        let mut h = 0;
-        // SAFETY: valid out-pointer and properties.
-        ok("cuMemCreate", unsafe {
-            sys::cuMemCreate(&mut h, bytes, &prop, 0)
-        });
-        // SAFETY: va..va+bytes lies in a reservation of ours and is unmapped.
-        ok("cuMemMap", unsafe { sys::cuMemMap(va, bytes, 0, h, 0) });
-        // SAFETY: plain C data, then filled in.
-        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // SAFETY: the range is exactly the mapping just made; one descriptor.
-        ok("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(va, bytes, &desc, 1)
-        });
+        let h = self.create(bytes);
+        self.map_access(va, bytes, h);
         h
     }
 
@@ -255,11 +241,8 @@ impl Raw {
 
     /// Undoes `create_map_access`.
     pub fn unmap_release(&self, va: u64, bytes: usize, h: sys::CUmemGenericAllocationHandle) {
-        self.sync();
-        // SAFETY: (va, bytes) is exactly one mapping of ours; nothing uses it.
-        ok("cuMemUnmap", unsafe { sys::cuMemUnmap(va, bytes) });
-        // SAFETY: h came from cuMemCreate and is released once.
-        ok("cuMemRelease", unsafe { sys::cuMemRelease(h) });
+        self.unmap(va, bytes);
+        self.release(h);
     }
 }
 

@@ -321,7 +321,17 @@ fn out_of_memory_drains_the_pool_and_retries_once<B: Backend>(real: Arc<B>) {
     assert_consistent(&buf, baseline);
 }
 
-fn deferred_release_waits_for_its_fence<B: Backend>(real: Arc<B>) {
+/// A buffer of 8 granules in `Exact` chunks over a fault backend, filled
+/// with seeded data: what the deferred-release tests start from.
+pub(crate) struct Fenced<B: Backend> {
+    pub(crate) g: usize,
+    pub(crate) fb: Arc<FaultBackend<B>>,
+    pub(crate) baseline: vmmbuf::LiveCounts,
+    pub(crate) buf: GrowableBuffer<FaultBackend<B>>,
+    pub(crate) data: Vec<u8>,
+}
+
+pub(crate) fn eight_granules<B: Backend>(real: Arc<B>, seed: u64) -> Fenced<B> {
     let g = real.granularity(real.home()).unwrap();
     let fb = FaultBackend::new(real.clone());
     let baseline = fb.live();
@@ -331,8 +341,25 @@ fn deferred_release_waits_for_its_fence<B: Backend>(real: Arc<B>) {
     )
     .unwrap();
     buf.grow_to(8 * g).unwrap();
-    let data = random_bytes(9, 8 * g);
+    let data = random_bytes(seed, 8 * g);
     buf.write(0, &data).unwrap();
+    Fenced {
+        g,
+        fb,
+        baseline,
+        buf,
+        data,
+    }
+}
+
+fn deferred_release_waits_for_its_fence<B: Backend>(real: Arc<B>) {
+    let Fenced {
+        g,
+        fb,
+        baseline,
+        mut buf,
+        data,
+    } = eight_granules(real, 9);
     let fence = TestFence::default();
     let calls = fb.injected();
     buf.truncate(3 * g);
@@ -363,15 +390,13 @@ fn deferred_release_waits_for_its_fence<B: Backend>(real: Arc<B>) {
 }
 
 fn deferred_release_never_frees_what_was_regrown<B: Backend>(real: Arc<B>) {
-    let g = real.granularity(real.home()).unwrap();
-    let fb = FaultBackend::new(real.clone());
-    let baseline = fb.live();
-    let mut buf = GrowableBuffer::new(
-        fb.clone(),
-        BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
-    )
-    .unwrap();
-    buf.grow_to(8 * g).unwrap();
+    let Fenced {
+        g,
+        fb,
+        baseline,
+        mut buf,
+        ..
+    } = eight_granules(real, 10);
     let f1 = TestFence::default();
     buf.truncate(2 * g);
     buf.shrink_to_fit_after(f1.clone()).unwrap();

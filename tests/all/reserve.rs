@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, random_bytes};
-use crate::fault::{FaultBackend, TestFence};
+use crate::fault::TestFence;
 use vmmbuf::{Backend, BufferDesc, Error, GrowableBuffer, GrowthPolicy};
 
 crate::register! {
@@ -103,17 +103,13 @@ fn a_thread_mapping_ahead_keeps_a_growing_thread_off_the_driver<B: Backend>(back
 }
 
 fn a_deferred_release_spares_what_reserve_mapped<B: Backend>(real: Arc<B>) {
-    let g = real.granularity(real.home()).unwrap();
-    let fb = FaultBackend::new(real.clone());
-    let baseline = fb.live();
-    let mut buf = GrowableBuffer::new(
-        fb.clone(),
-        BufferDesc::new(64 * g).growth(GrowthPolicy::Exact),
-    )
-    .unwrap();
-    buf.grow_to(8 * g).unwrap();
-    let data = random_bytes(53, 8 * g);
-    buf.write(0, &data).unwrap();
+    let crate::pool::Fenced {
+        g,
+        baseline,
+        mut buf,
+        data,
+        ..
+    } = crate::pool::eight_granules(real, 53);
     let fence = TestFence::default();
     buf.truncate(2 * g);
     buf.shrink_to_fit_after(fence.clone()).unwrap();

@@ -392,14 +392,10 @@ fn send_raw(socket: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) {
 /// process's descriptors are as before.
 fn errors_change_nothing_and_leak_no_descriptor<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap() as u64;
-    let buf = GrowableBuffer::new(
-        backend.clone(),
-        BufferDesc::new(16 * g as usize)
-            .growth(GrowthPolicy::Exact)
-            .shareable(true),
-    )
-    .unwrap();
-    let mut buf = buf;
+    let desc = BufferDesc::new(16 * g as usize)
+        .growth(GrowthPolicy::Exact)
+        .shareable(true);
+    let mut buf = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();
     buf.grow_to(3 * g as usize).unwrap();
     let data: Vec<u8> = (0..3 * g as usize).map(|o| pattern(o, 7)).collect();
     buf.write(0, &data).unwrap();
@@ -411,13 +407,7 @@ fn errors_change_nothing_and_leak_no_descriptor<B: Backend>(backend: Arc<B>) {
     // What later cases need, made before the descriptors are counted: a
     // second exporter on the same stream, and another buffer's chunk.
     let mut second = Exporter::new(raw.try_clone().unwrap());
-    let other = GrowableBuffer::new(
-        backend.clone(),
-        BufferDesc::new(16 * g as usize)
-            .growth(GrowthPolicy::Exact)
-            .shareable(true),
-    )
-    .unwrap();
+    let other = GrowableBuffer::new(backend.clone(), desc).unwrap();
     other.grow_to(g as usize).unwrap();
     let (x, y) = UnixStream::pair().unwrap();
     let mut xex = Exporter::new(x);
