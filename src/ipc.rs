@@ -706,6 +706,34 @@ impl<B: Backend> SharedBuffer<B> {
     }
 }
 
+impl<B: Backend> SharedBuffer<B> {
+    /// Copies `src` into the bytes in use from `offset`: the exporter's
+    /// memory itself, which it reads at the same offset. Needs the buffer
+    /// imported with [`Access::ReadWrite`] (else [`Error::InvalidArgument`],
+    /// nothing written); waits for the recorded uses first.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_poison()?;
+        if self.grants[0].access != Access::ReadWrite {
+            return Err(Error::invalid(
+                "writing a shared buffer imported without Access::ReadWrite",
+            ));
+        }
+        match offset.checked_add(src.len()) {
+            Some(end) if end <= self.len() => {}
+            _ => {
+                return Err(Error::invalid(format!(
+                    "writing {} bytes at {offset} of {} in use",
+                    src.len(),
+                    self.len()
+                )))
+            }
+        }
+        self.wait_uses()?;
+        let res = self.res.as_mut().expect("the reservation lives until drop");
+        self.backend.write(res, offset, src)
+    }
+}
+
 impl<B: Backend> Drop for SharedBuffer<B> {
     fn drop(&mut self) {
         if let Err(e) = self.wait_uses() {

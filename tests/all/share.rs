@@ -16,7 +16,7 @@ use vmmbuf::{
 };
 
 crate::register! {
-    generic: [a_shareable_buffer_never_takes_unexportable_pooled_chunks, errors_change_nothing_and_leak_no_descriptor, more_chunks_than_one_message_holds],
+    generic: [a_shareable_buffer_never_takes_unexportable_pooled_chunks, errors_change_nothing_and_leak_no_descriptor, more_chunks_than_one_message_holds, a_read_write_importer_writes_what_the_exporter_reads],
     host: [host_importer_in_another_process_follows_twenty_growths_and_a_shrink],
     gpu: [gpu_importer_in_another_process_follows_twenty_growths_and_a_shrink],
     two_gpus: [an_importer_on_the_second_gpu_follows_the_first],
@@ -640,4 +640,43 @@ fn more_chunks_than_one_message_holds<B: Backend>(backend: Arc<B>) {
     assert!(got == data, "every byte of {n} chunks arrived");
     drop(ex);
     assert_eq!(open_fds(), fds, "no descriptor left open");
+}
+
+/// An importer granted read-write access writes the exporter's memory; one
+/// granted read access is refused, and nothing changes.
+fn a_read_write_importer_writes_what_the_exporter_reads<B: Backend>(backend: Arc<B>) {
+    let g = backend.granularity(backend.home()).unwrap();
+    let desc = BufferDesc::new(16 * g).shareable(true);
+    let buf = GrowableBuffer::new(backend.clone(), desc).unwrap();
+    buf.grow_to(3 * g + 100).unwrap();
+    let mut buf = buf;
+    let data: Vec<u8> = (0..buf.len()).map(|o| pattern(o, 11)).collect();
+    buf.write(0, &data).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let (c, d) = UnixStream::pair().unwrap();
+    let (mut ex_rw, mut ex_r) = (Exporter::new(a), Exporter::new(c));
+    buf.publish(&mut ex_rw).unwrap();
+    buf.publish(&mut ex_r).unwrap();
+    let mut rw = SharedBuffer::import(backend.clone(), b, Access::ReadWrite).unwrap();
+    let mut ro = SharedBuffer::import(backend.clone(), d, Access::Read).unwrap();
+    let patch: Vec<u8> = (0..g + 50).map(|o| pattern(o, 12)).collect();
+    let at = 2 * g - 20; // across a chunk boundary
+    rw.write(at, &patch).unwrap();
+    let mut expect = data.clone();
+    expect[at..at + patch.len()].copy_from_slice(&patch);
+    let mut seen = vec![0u8; buf.len()];
+    buf.read(0, &mut seen).unwrap();
+    assert!(seen == expect, "the exporter reads what the importer wrote");
+    ro.read(0, &mut seen).unwrap();
+    assert!(seen == expect, "and so does the other importer");
+    assert!(matches!(
+        ro.write(0, &[1, 2, 3]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        rw.write(buf.len() - 1, &[1, 2]),
+        Err(Error::InvalidArgument(_))
+    ));
+    buf.read(0, &mut seen).unwrap();
+    assert!(seen == expect, "refused writes changed nothing");
 }
