@@ -690,23 +690,12 @@ impl<B: Backend> SharedBuffer<B> {
     /// what the memory held when copied.
     pub fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check_poison()?;
-        match offset.checked_add(dst.len()) {
-            Some(end) if end <= self.len() => {}
-            _ => {
-                return Err(Error::invalid(format!(
-                    "reading {} bytes at {offset} of {} in use",
-                    dst.len(),
-                    self.len()
-                )))
-            }
-        }
+        self.table.check_in_use(offset, dst.len())?;
         self.wait_uses()?;
         let res = self.res.as_ref().expect("the reservation lives until drop");
         self.backend.read(res, offset, dst)
     }
-}
 
-impl<B: Backend> SharedBuffer<B> {
     /// Copies `src` into the bytes in use from `offset`: the exporter's
     /// memory itself, which it reads at the same offset. Needs the buffer
     /// imported with [`Access::ReadWrite`] (else [`Error::InvalidArgument`],
@@ -718,16 +707,7 @@ impl<B: Backend> SharedBuffer<B> {
                 "writing a shared buffer imported without Access::ReadWrite",
             ));
         }
-        match offset.checked_add(src.len()) {
-            Some(end) if end <= self.len() => {}
-            _ => {
-                return Err(Error::invalid(format!(
-                    "writing {} bytes at {offset} of {} in use",
-                    src.len(),
-                    self.len()
-                )))
-            }
-        }
+        self.table.check_in_use(offset, src.len())?;
         self.wait_uses()?;
         let res = self.res.as_mut().expect("the reservation lives until drop");
         self.backend.write(res, offset, src)

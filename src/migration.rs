@@ -116,8 +116,7 @@ impl<B: Backend> Mover<'_, B> {
     fn take(&self, to: Location, bytes: usize) -> Result<B::Chunk> {
         match self.pool {
             Some(pool) => pool.take_or_create(self.shareable, to, bytes),
-            None if self.shareable => self.backend.create_shareable(bytes, to),
-            None => self.backend.create(bytes, to),
+            None => crate::backend::create_chunk(self.backend, self.shareable, bytes, to),
         }
     }
 

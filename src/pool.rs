@@ -345,8 +345,7 @@ impl<B: Backend> ChunkPool<B> {
     ) -> Result<B::Chunk> {
         match self.take_exact(shareable, placement, bytes) {
             Some(c) => Ok(c),
-            None if shareable => self.backend.create_shareable(bytes, placement),
-            None => self.backend.create(bytes, placement),
+            None => crate::backend::create_chunk(&*self.backend, shareable, bytes, placement),
         }
     }
 

@@ -284,6 +284,17 @@ impl<C> ChunkTable<C> {
         }
     }
 
+    /// Checks that `[offset, offset + n)` lies within the bytes in use.
+    pub(crate) fn check_in_use(&self, offset: usize, n: usize) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "bytes {offset}+{n} are outside the {} bytes in use",
+                self.len
+            ))),
+        }
+    }
+
     /// Sets the length in use. [`Error::InvalidArgument`] unless `[0, len)`
     /// is mapped without a hole.
     pub(crate) fn set_len(&mut self, len: usize) -> Result<()> {

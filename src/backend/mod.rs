@@ -291,6 +291,22 @@ impl<F> Uses<F> {
     }
 }
 
+/// A new chunk of `bytes` at `placement`, exportable if `shareable`: the one
+/// place that chooses between [`Backend::create`] and
+/// [`Backend::create_shareable`].
+pub(crate) fn create_chunk<B: Backend>(
+    backend: &B,
+    shareable: bool,
+    bytes: usize,
+    placement: Location,
+) -> Result<B::Chunk> {
+    if shareable {
+        backend.create_shareable(bytes, placement)
+    } else {
+        backend.create(bytes, placement)
+    }
+}
+
 /// Checks a reservation request: a non-zero multiple of the granularity,
 /// aligned to a power of two.
 pub(crate) fn check_reserve(bytes: usize, align: usize, granularity: usize) -> Result<()> {

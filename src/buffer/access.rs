@@ -185,7 +185,7 @@ impl<B: Backend> GrowableBuffer<B> {
     ) -> Result<()> {
         let g = self.inner.lock();
         g.check_poison()?;
-        Self::check_span(g.table.len(), offset, bytes)?;
+        g.table.check_in_use(offset, bytes)?;
         g.table.check_access(offset, bytes, who, need)
     }
 }

@@ -166,8 +166,9 @@ impl<B: Backend> GrowableBuffer<B> {
                 reused += pooled.is_some() as usize;
                 let chunk = match pooled {
                     Some(chunk) => chunk,
-                    None if self.shareable => backend.create_shareable(c.bytes, c.placement)?,
-                    None => backend.create(c.bytes, c.placement)?,
+                    None => {
+                        crate::backend::create_chunk(backend, self.shareable, c.bytes, c.placement)?
+                    }
                 };
                 chunks.push((chunk, c.bytes, c.placement));
             }

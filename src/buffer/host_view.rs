@@ -20,7 +20,7 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut guard = self.inner.lock();
         let g = &mut *guard;
         g.check_poison()?;
-        Self::check_span(g.table.len(), offset, dst.len())?;
+        g.table.check_in_use(offset, dst.len())?;
         let res = g.res.as_mut().expect("the reservation lives until drop");
         // The driver copies host memory with the CPU.
         crate::migration::grant_cpu(&*self.backend, res, &mut g.table, offset, dst.len())?;
@@ -33,7 +33,7 @@ impl<B: Backend> GrowableBuffer<B> {
         self.wait_uses()?;
         let g = self.inner.get_mut();
         g.check_poison()?;
-        Self::check_span(g.table.len(), offset, src.len())?;
+        g.table.check_in_use(offset, src.len())?;
         let res = g.res.as_mut().expect("the reservation lives until drop");
         crate::migration::grant_cpu(&*self.backend, res, &mut g.table, offset, src.len())?;
         self.backend.write(res, offset, src)

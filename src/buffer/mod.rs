@@ -476,16 +476,6 @@ impl<B: Backend> GrowableBuffer<B> {
             }),
         }
     }
-
-    /// Checks that `[offset, offset + n)` lies within the `len` bytes in use.
-    fn check_span(len: usize, offset: usize, n: usize) -> Result<()> {
-        match offset.checked_add(n) {
-            Some(end) if end <= len => Ok(()),
-            _ => Err(Error::invalid(format!(
-                "bytes {offset}+{n} are outside the {len} bytes in use"
-            ))),
-        }
-    }
 }
 
 impl<B: Backend> Drop for GrowableBuffer<B> {
