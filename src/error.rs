@@ -50,9 +50,13 @@ pub enum Error {
     },
     /// An arena could not serve a request after giving back every cached
     /// chunk: the device is full, or the arena's budget or reservation is
-    /// spent. Existing allocations are untouched.
+    /// spent. Existing allocations are untouched. Transient
+    /// ([`Error::is_transient`]) unless `never_fits`: a request larger than
+    /// the budget, the arena's reservation or the device's total memory
+    /// fails however often it is retried.
     #[error(
-        "arena out of memory: {requested_bytes} bytes requested, {reserved_bytes} reserved by the arena, device free/total {free_bytes:?}/{total_bytes:?}"
+        "arena out of memory: {requested_bytes} bytes requested{}, {reserved_bytes} reserved by the arena, budget {budget_bytes:?}, device free/total {free_bytes:?}/{total_bytes:?}",
+        if *never_fits { " (more than the budget, the reservation or the device holds: no retry can succeed)" } else { "" }
     )]
     ArenaOutOfMemory {
         /// Bytes asked for.
@@ -63,6 +67,12 @@ pub enum Error {
         total_bytes: Option<usize>,
         /// Bytes the arena has mapped.
         reserved_bytes: usize,
+        /// The arena's budget, if it has one.
+        budget_bytes: Option<usize>,
+        /// True when no retry can succeed: the request exceeds the budget,
+        /// the arena's reservation (the part for its size) or the device's
+        /// total memory.
+        never_fits: bool,
     },
     /// The request can never fit in this buffer's reserved address range.
     /// Buffers never move; reserve more up front.
@@ -148,11 +158,17 @@ pub enum Error {
 }
 
 impl Error {
-    /// True for failures that may succeed on retry once memory is freed.
+    /// True for failures that may succeed on retry once memory is freed (an
+    /// [`Error::ArenaOutOfMemory`] that `never_fits` is not: a retry loop
+    /// on this ends).
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Error::OutOfMemory { .. } | Error::ArenaOutOfMemory { .. }
+            Error::OutOfMemory { .. }
+                | Error::ArenaOutOfMemory {
+                    never_fits: false,
+                    ..
+                }
         )
     }
 

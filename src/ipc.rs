@@ -55,6 +55,13 @@ use crate::table::{driver_access, ChunkTable, Entry};
 /// The most descriptors one message carries (the kernel's limit is 253).
 pub const FDS_PER_MESSAGE: usize = 250;
 
+/// The most chunk records one generation may carry (2^20: 2 TiB in 2 MiB
+/// chunks, past the driver's ceiling of about 2^19 mappings a process). An
+/// importer refuses a description with more, or with more than the
+/// reservation has granules, before reading its records
+/// ([`Error::Protocol`]); applying one is linear in its records.
+pub const MAX_RECORDS: u64 = 1 << 20;
+
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"vmmbufv1");
 pub(crate) const KIND_DESC: u64 = 1;
 pub(crate) const KIND_FDS: u64 = 2;
@@ -283,9 +290,9 @@ struct Generation {
 }
 
 fn recv_generation(socket: &UnixStream) -> Result<Generation> {
-    const LIMIT: u64 = 1 << 22; // records per description: far past any real buffer
     let (head, payload, stray) = recv_frame(socket, |h| {
-        if h.kind != KIND_DESC || h.count > LIMIT {
+        // Checked before the records are read.
+        if h.kind != KIND_DESC || h.count > MAX_RECORDS {
             return Err(Error::protocol(format!(
                 "expected a description, got kind {} with {} records",
                 h.kind, h.count
@@ -474,7 +481,10 @@ impl<B: Backend> SharedBuffer<B> {
         // placed where this device can reach; the length within them.
         let backend = &*self.backend;
         let mut end = 0u64;
-        let mut capacity = 0u64;
+        // Where the run of chunks from offset 0 without a hole ends: the
+        // length must lie within it (the table's rule), checked here, before
+        // anything is mapped.
+        let mut prefix = 0u64;
         for r in &gen.records {
             let place = placement_of(r.placement)?;
             let g = backend
@@ -501,7 +511,9 @@ impl<B: Backend> SharedBuffer<B> {
                 }
             }
             end = r.offset + r.bytes;
-            capacity += r.bytes;
+            if r.offset == prefix {
+                prefix = end;
+            }
         }
         for r in &gen.records {
             if r.fresh == 0 && self.ids.get(&(r.offset as usize)) != Some(&r.id) {
@@ -511,9 +523,9 @@ impl<B: Backend> SharedBuffer<B> {
                 )));
             }
         }
-        if h.len > end || h.len > capacity {
+        if h.len > prefix {
             return Err(Error::protocol(format!(
-                "length {} past the chunks' end {end}",
+                "length {} past {prefix}, where the chunks from offset 0 stop without a hole",
                 h.len
             )));
         }
@@ -547,12 +559,14 @@ impl<B: Backend> SharedBuffer<B> {
         if !gone.is_empty() {
             self.wait_uses()?;
         }
-        let bytes_at = |o: usize| {
-            gen.records
-                .iter()
-                .find(|r| r.offset as usize == o)
-                .map_or(0, |r| r.bytes as usize)
-        };
+        // Sizes by offset, looked up in log time: applying is linear in the
+        // records (up to a log factor).
+        let sizes: BTreeMap<usize, usize> = gen
+            .records
+            .iter()
+            .map(|r| (r.offset as usize, r.bytes as usize))
+            .collect();
+        let bytes_at = |o: usize| sizes.get(&o).copied().unwrap_or(0);
         let res = self.res.as_mut().expect("the reservation lives until drop");
         let table = &mut self.table;
         let grants = &self.grants;
@@ -617,7 +631,8 @@ impl<B: Backend> SharedBuffer<B> {
         }
         let table = &self.table;
         self.ids.retain(|o, _| table.get(*o).is_some());
-        // The importer's length is the exporter's: its table spans the chunks.
+        // The importer's length is the exporter's (checked above to lie
+        // within the chunks from offset 0, so this cannot fail).
         self.table
             .set_len(h.len as usize)
             .map_err(|e| Error::protocol(format!("length {}: {e}", h.len)))?;

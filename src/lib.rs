@@ -66,6 +66,7 @@ mod error;
 mod ipc;
 mod location;
 mod migration;
+mod order;
 mod plan;
 mod pool;
 mod ranges;
@@ -86,7 +87,7 @@ pub use backend::{Backend, HostMapped, LiveCounts};
 pub use buffer::{BufferDesc, GrowableBuffer, MigrationPlan, MigrationPolicy};
 pub use error::{Error, Result};
 #[cfg(target_os = "linux")]
-pub use ipc::{Exporter, SharedBuffer, FDS_PER_MESSAGE};
+pub use ipc::{Exporter, SharedBuffer, FDS_PER_MESSAGE, MAX_RECORDS};
 pub use location::{Access, AccessDesc, Location};
 pub use migration::MigrationReport;
 pub use plan::GrowthPolicy;

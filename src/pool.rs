@@ -234,7 +234,10 @@ impl<B: Backend> ChunkPool<B> {
     /// time: pinning host pages costs ~300-400 ms per GiB on an H100, which
     /// a first offload into a reserved pool does not pay. Returns the bytes
     /// added. All or nothing: on an error the chunks this call created are
-    /// released.
+    /// released. A total that overflows is [`Error::InvalidArgument`]; one
+    /// past the device's memory is [`Error::OutOfMemory`] before anything is
+    /// created; otherwise creation stops at the first failure (out of
+    /// memory, or the process's descriptor limit for host-backend chunks).
     pub fn reserve(
         &self,
         placement: Location,
@@ -245,7 +248,24 @@ impl<B: Backend> ChunkPool<B> {
         let chunk = crate::plan::round_up(chunk_bytes.max(1), g)
             .ok_or_else(|| Error::invalid(format!("chunk_bytes {chunk_bytes} overflows")))?;
         let n = total_bytes.div_ceil(chunk);
-        let mut made = Vec::with_capacity(n);
+        let total = n.checked_mul(chunk).ok_or_else(|| {
+            Error::invalid(format!(
+                "{total_bytes} bytes in chunks of {chunk} overflow the address space"
+            ))
+        })?;
+        // More than the device holds can never be created: say so before
+        // creating any (and before sizing anything by the request).
+        if let (Location::Device(_), Some((_, device_total))) =
+            (placement, self.backend.device_memory())
+        {
+            if total > device_total {
+                return Err(Error::OutOfMemory {
+                    call: "ChunkPool::reserve (more than the device's memory)",
+                    requested_bytes: total,
+                });
+            }
+        }
+        let mut made = Vec::new();
         for _ in 0..n {
             match self.backend.create(chunk, placement) {
                 Ok(c) => made.push(c),

@@ -9,6 +9,7 @@ use super::blocks::Free;
 use super::{ArenaStream, Shared};
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
+use crate::order::FenceSet;
 
 /// Memory from an [`Arena`](crate::Arena): the owned handle a tensor stores. Holds the
 /// arena alive; `Send + Sync`; freed on drop in stream order (see
@@ -22,7 +23,9 @@ pub struct Allocation<B: Backend, S: ArenaStream<B>> {
     pub(super) requested: usize,
     pub(super) stream: S,
     pub(super) extra: Mutex<Vec<S>>,
-    pub(super) uses: Uses<B::Fence>,
+    /// Uses recorded by views and [`record_use`](Self::record_use); the
+    /// arena holds the same list, so that offload waits for them.
+    pub(super) uses: Arc<Uses<B::Fence>>,
 }
 
 impl<B: Backend, S: ArenaStream<B>> fmt::Debug for Allocation<B, S> {
@@ -103,6 +106,18 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         }
     }
 
+    /// Records that work before `fence` uses this allocation (a kernel that
+    /// reaches it by address, a CUDA graph, a copy on a stream the arena does
+    /// not know of): its free waits for the fence before another stream gets
+    /// the bytes, and so do [`Arena::offload`](crate::Arena::offload),
+    /// [`Arena::restore`](crate::Arena::restore) and the arena's unmaps. A
+    /// later fence of the same queue replaces the earlier one: hand over one
+    /// queue's fences in the order they were recorded.
+    pub fn record_use(&self, fence: B::Fence) {
+        let key = self.arena.backend.fence_key(&fence);
+        self.uses.put(key, fence);
+    }
+
     /// Records that work on `stream` uses this allocation: its free waits
     /// for that stream's work queued up to the free, as PyTorch's
     /// `Tensor.record_stream`.
@@ -117,11 +132,14 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
 impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
     fn drop(&mut self) {
         let backend = &*self.arena.backend;
-        let mut fences = Vec::new();
+        // Each fence is recorded and numbered in one step (`order::record`),
+        // so that a block freed later on a stream always carries the larger
+        // number, whichever thread takes the arena's lock first.
+        let mut fences = FenceSet::default();
         let mut ok = true;
         for s in std::iter::once(&self.stream).chain(self.extra.get_mut().iter()) {
-            match s.fence(backend) {
-                Ok(f) => fences.push((s.key(), f)),
+            match crate::order::record(s.key(), || s.fence(backend)) {
+                Ok(f) => fences.add(f),
                 Err(e) => {
                     tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
                     ok = false;
@@ -133,17 +151,21 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
                 sink.line("free", self.id, self.requested, self.stream.key());
             }
         }
-        // Views on other streams recorded their own fences.
-        let view_fences = std::mem::take(&mut self.uses);
+        // Views and `record_use` recorded their own fences, numbered when
+        // recorded: on the allocation's own stream, the free's fence is later
+        // and stays.
+        fences.merge(self.uses.take());
         let mut st = self.arena.state.lock();
         st.live.remove(&self.offset);
         st.stats.num_frees += 1;
         st.allocated -= self.size;
         st.requested -= self.requested;
-        self.arena.count(&mut st);
+        st.note_free(self.offset, self.size);
         if ok {
-            fences.extend(view_fences.into_fences());
-            let stream = self.extra.get_mut().is_empty().then(|| self.stream.key());
+            // Only the allocation's own stream may reuse the block before
+            // the fences pass, and only if no other stream used it.
+            let own = self.stream.key();
+            let stream = fences.only_on(own).then_some(own);
             let z = st.zone_of_offset(self.offset);
             st.zones[z].insert(
                 self.offset,
@@ -154,5 +176,6 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
                 },
             );
         }
+        self.arena.count(&mut st);
     }
 }

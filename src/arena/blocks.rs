@@ -12,8 +12,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// A stream's key: (context, stream handle) for CUDA.
-pub(crate) type StreamKey = (u64, u64);
+use crate::order::FenceSet;
+pub(crate) use crate::order::StreamKey;
 
 /// One free block.
 #[derive(Debug)]
@@ -23,8 +23,9 @@ pub(crate) struct Free<F> {
     /// settled, or when several streams used it (then none may).
     pub(crate) stream: Option<StreamKey>,
     /// What must pass before another stream may reuse it: at most one
-    /// fence per stream (a later fence on a stream covers an earlier one).
-    pub(crate) fences: Vec<(StreamKey, F)>,
+    /// fence per stream, the latest by the stream's sequence number (it
+    /// covers the earlier ones).
+    pub(crate) fences: FenceSet<F>,
 }
 
 impl<F> Free<F> {
@@ -57,6 +58,9 @@ pub(crate) struct Blocks<F> {
     by_offset: BTreeMap<usize, Free<F>>,
     by_size: BTreeSet<(usize, usize)>,
     free_bytes: usize,
+    /// Bytes of blocks whose fences have not all passed (PyTorch's active
+    /// but not allocated).
+    pending_bytes: usize,
     /// Whether a stream's pending block joins settled neighbours as it is
     /// inserted (see [`Blocks::joining`]).
     join_settled: bool,
@@ -68,6 +72,7 @@ impl<F> Default for Blocks<F> {
             by_offset: BTreeMap::new(),
             by_size: BTreeSet::new(),
             free_bytes: 0,
+            pending_bytes: 0,
             join_settled: false,
         }
     }
@@ -88,13 +93,19 @@ impl<F> Blocks<F> {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn free_bytes(&self) -> usize {
         self.free_bytes
     }
 
-    /// The largest free block's size (0 without any).
-    pub(crate) fn largest(&self) -> usize {
-        self.by_size.last().map_or(0, |&(s, _)| s)
+    /// Bytes of free blocks whose fences have not all passed.
+    pub(crate) fn pending_bytes(&self) -> usize {
+        self.pending_bytes
+    }
+
+    /// Whether any block waits for a fence.
+    pub(crate) fn any_pending(&self) -> bool {
+        self.pending_bytes > 0
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (usize, &Free<F>)> + '_ {
@@ -123,12 +134,18 @@ impl<F> Blocks<F> {
         let f = self.by_offset.remove(&offset)?;
         self.by_size.remove(&(f.size, offset));
         self.free_bytes -= f.size;
+        if !f.settled() {
+            self.pending_bytes -= f.size;
+        }
         Some(f)
     }
 
     fn link(&mut self, offset: usize, f: Free<F>) {
         self.by_size.insert((f.size, offset));
         self.free_bytes += f.size;
+        if !f.settled() {
+            self.pending_bytes += f.size;
+        }
         self.by_offset.insert(offset, f);
     }
 
@@ -140,7 +157,7 @@ impl<F> Blocks<F> {
             if left.mergeable(&f, self.join_settled) {
                 let left = self.unlink(lo).expect("just found");
                 offset = lo;
-                f = merge(left, f, Newer::Right);
+                f = merge(left, f);
             }
         }
         let end = offset + f.size;
@@ -150,7 +167,7 @@ impl<F> Blocks<F> {
             .is_some_and(|r| f.mergeable(r, self.join_settled))
         {
             let right = self.unlink(end).expect("just found");
-            f = merge(f, right, Newer::Left);
+            f = merge(f, right);
         }
         self.link(offset, f);
     }
@@ -229,12 +246,7 @@ impl<F> Blocks<F> {
             let (Some(l), Some(r)) = (self.unlink(left), self.unlink(right)) else {
                 unreachable!("both blocks were listed");
             };
-            let newer = if l.settled() {
-                Newer::Right
-            } else {
-                Newer::Left
-            };
-            self.link(left, merge(l, r, newer));
+            self.link(left, merge(l, r));
             joined += 1;
         }
         joined
@@ -246,7 +258,7 @@ impl<F> Blocks<F> {
         let ready: Vec<usize> = self
             .by_offset
             .iter()
-            .filter(|(_, f)| !f.settled() && f.fences.iter().all(|(_, x)| done(x)))
+            .filter(|(_, f)| !f.settled() && f.fences.iter().all(|x| done(&x.fence)))
             .map(|(&o, _)| o)
             .collect();
         // All out first: inserting one may merge it with a neighbour that
@@ -280,7 +292,7 @@ impl<F> Blocks<F> {
                 Free {
                     size: offset - o,
                     stream: None,
-                    fences: Vec::new(),
+                    fences: FenceSet::default(),
                 },
             );
         }
@@ -291,7 +303,7 @@ impl<F> Blocks<F> {
                 Free {
                     size: o + f.size - end,
                     stream: None,
-                    fences: Vec::new(),
+                    fences: FenceSet::default(),
                 },
             );
         }
@@ -323,36 +335,33 @@ impl<F> Blocks<F> {
         if self.by_size.len() != self.by_offset.len() || total != self.free_bytes {
             return Err("index sizes or the byte count disagree".into());
         }
+        let pending: usize = self
+            .iter()
+            .filter(|(_, f)| !f.settled())
+            .map(|(_, f)| f.size)
+            .sum();
+        if pending != self.pending_bytes {
+            return Err(format!(
+                "pending bytes {} counted as {}",
+                pending, self.pending_bytes
+            ));
+        }
         Ok(())
     }
 }
 
-/// Which of two merging blocks was freed later.
-enum Newer {
-    Left,
-    Right,
-}
-
-/// `left` and `right` as one block, with one fence per stream: the newer
-/// block's, since it was recorded later on the same stream.
-fn merge<F>(left: Free<F>, right: Free<F>, newer: Newer) -> Free<F> {
-    let (mut old, new) = match newer {
-        Newer::Right => (left, right),
-        Newer::Left => (right, left),
-    };
-    old.size += new.size;
-    for (key, fence) in new.fences {
-        match old.fences.iter_mut().find(|(k, _)| *k == key) {
-            Some(slot) => slot.1 = fence,
-            None => old.fences.push((key, fence)),
-        }
+/// `left` and `right` as one block, with one fence per stream: the later
+/// by sequence number, whichever block it came from.
+fn merge<F>(mut left: Free<F>, right: Free<F>) -> Free<F> {
+    left.size += right.size;
+    let right_stream = right.stream;
+    left.fences.merge(right.fences);
+    if left.fences.is_empty() {
+        left.stream = None;
+    } else if left.stream.is_none() {
+        left.stream = right_stream;
     }
-    if old.fences.is_empty() {
-        old.stream = None;
-    } else if old.stream.is_none() {
-        old.stream = new.stream;
-    }
-    old
+    left
 }
 
 #[cfg(test)]
@@ -363,11 +372,26 @@ mod tests {
     const S1: StreamKey = (1, 1);
     const S2: StreamKey = (1, 2);
 
+    /// Fences whose value is also their sequence number.
+    fn fs(v: &[(StreamKey, u32)]) -> FenceSet<u32> {
+        v.iter()
+            .map(|&(key, x)| crate::order::Stamped {
+                key,
+                seq: u64::from(x),
+                fence: x,
+            })
+            .collect()
+    }
+
+    fn listed(f: &FenceSet<u32>) -> Vec<(StreamKey, u32)> {
+        f.iter().map(|s| (s.key, s.fence)).collect()
+    }
+
     fn settled(size: usize) -> Free<u32> {
         Free {
             size,
             stream: None,
-            fences: Vec::new(),
+            fences: FenceSet::default(),
         }
     }
 
@@ -384,7 +408,7 @@ mod tests {
                 Free {
                     size: 16,
                     stream: Some(S1),
-                    fences: vec![(S1, 1)],
+                    fences: fs(&[(S1, 1)]),
                 },
             );
             b.insert(
@@ -392,12 +416,12 @@ mod tests {
                 Free {
                     size: 16,
                     stream: Some(S1),
-                    fences: vec![(S1, 2)],
+                    fences: fs(&[(S1, 2)]),
                 },
             );
             let (_, f) = b.iter().next().unwrap();
             assert_eq!(f.size, 32);
-            assert_eq!(f.fences, vec![(S1, 2)], "freed second at {second}");
+            assert_eq!(listed(&f.fences), vec![(S1, 2)], "freed second at {second}");
             assert_eq!(
                 b.settle(|&x| x == 1),
                 0,
@@ -417,7 +441,7 @@ mod tests {
             let pending = || Free {
                 size: 16,
                 stream: Some(S1),
-                fences: vec![(S1, 7)],
+                fences: fs(&[(S1, 7)]),
             };
             let (s_at, p_at) = if settled_first { (0, 16) } else { (16, 0) };
             b.insert(s_at, settled(16));
@@ -437,6 +461,51 @@ mod tests {
         }
     }
 
+    /// RT-3: pending(S1, older) | settled | pending(S1, newer), coalesced
+    /// for S1: the joined block keeps S1's newer fence, so the older one
+    /// passing settles nothing (before, it kept the older and handed the
+    /// newer free's bytes to S2).
+    #[test]
+    fn coalesce_keeps_the_newest_fence_of_the_stream() {
+        let mut b = Blocks::<u32>::default();
+        let pending = |x| Free {
+            size: 16,
+            stream: Some(S1),
+            fences: fs(&[(S1, x)]),
+        };
+        b.insert(0, pending(1));
+        b.insert(16, settled(16));
+        b.insert(32, pending(3));
+        assert_eq!(b.coalesce(S1), 2);
+        let (_, f) = b.iter().next().unwrap();
+        assert_eq!((f.size, listed(&f.fences)), (48, vec![(S1, 3)]));
+        assert_eq!(b.settle(|&x| x == 1), 0);
+        assert_eq!(b.take(48, S2), None, "S2 waits for S1's newer free");
+        assert_eq!(b.settle(|&x| x <= 3), 1);
+        assert_eq!(b.take(48, S2), Some(0));
+    }
+
+    /// RT-4: the block freed later on the stream may be inserted first (two
+    /// threads); the merge still keeps the later fence, by number.
+    #[test]
+    fn insertion_order_does_not_decide_which_fence_stays() {
+        for (first, second) in [((16, 5), (0, 4)), ((0, 5), (16, 4))] {
+            let mut b = Blocks::<u32>::default();
+            for (at, x) in [first, second] {
+                b.insert(
+                    at,
+                    Free {
+                        size: 16,
+                        stream: Some(S1),
+                        fences: fs(&[(S1, x)]),
+                    },
+                );
+            }
+            let (_, f) = b.iter().next().unwrap();
+            assert_eq!(listed(&f.fences), vec![(S1, 5)]);
+        }
+    }
+
     /// Joining blocks merge a stream's pending free with settled neighbours
     /// at once; plain blocks keep them apart.
     #[test]
@@ -448,7 +517,7 @@ mod tests {
                 Free {
                     size: 16,
                     stream: Some(S1),
-                    fences: vec![(S1, 3)],
+                    fences: fs(&[(S1, 3)]),
                 },
             );
             assert_eq!(b.check(), Ok(()));
@@ -488,14 +557,14 @@ mod tests {
                 Free {
                     size: 16,
                     stream: Some(S1),
-                    fences: vec![(S1, i as u32)],
+                    fences: fs(&[(S1, i as u32)]),
                 },
             );
         }
         let (o, f) = b.iter().next().unwrap();
         assert_eq!((o, f.size, b.iter().count()), (0, 16_000, 1));
         assert_eq!(
-            f.fences,
+            listed(&f.fences),
             vec![(S1, 999)],
             "the latest fence covers the rest"
         );
@@ -514,7 +583,7 @@ mod tests {
             Free {
                 size: 50,
                 stream: Some(S1),
-                fences: vec![(S1, 7)],
+                fences: fs(&[(S1, 7)]),
             },
         );
         b.check().unwrap();
@@ -527,7 +596,7 @@ mod tests {
             Free {
                 size: 50,
                 stream: Some(S1),
-                fences: vec![(S1, 8)],
+                fences: fs(&[(S1, 8)]),
             },
         );
         assert_eq!(b.settle(|&f| f == 8), 1);
@@ -579,7 +648,7 @@ mod tests {
                     Op::Free(i, s, p) => {
                         if !live.is_empty() {
                             let (at, n) = live.swap_remove(i % live.len());
-                            let fences = if p { vec![(key(s), 1)] } else { Vec::new() };
+                            let fences = if p { fs(&[(key(s), 1)]) } else { FenceSet::default() };
                             let stream = if p { Some(key(s)) } else { None };
                             for x in &mut owner[at..at + n] {
                                 *x = if p { Some(s as u8) } else { None };

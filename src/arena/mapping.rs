@@ -134,6 +134,7 @@ impl<B: Backend> Shared<B> {
             st.table
                 .insert(o, entry)
                 .expect("mapped where the table had a hole");
+            st.split.mapped(o, bytes);
             o += bytes;
         }
         // Fresh memory: any stream may use it; tagged with `key` so it merges
@@ -143,7 +144,7 @@ impl<B: Backend> Shared<B> {
             Free {
                 size: need,
                 stream: Some(key),
-                fences: Vec::new(),
+                fences: crate::order::FenceSet::default(),
             },
         );
         Ok(())
@@ -154,9 +155,16 @@ impl<B: Backend> Shared<B> {
     /// settle.
     pub(super) fn wait_pending_frees(&self, st: &State<B>) -> Result<()> {
         for (_, f) in st.free_blocks() {
-            for (_, fence) in &f.fences {
-                self.backend.wait(fence)?;
-            }
+            f.fences.each(|fence| self.backend.wait(fence))?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the uses recorded on live allocations (views,
+    /// `record_use`): before their chunks move.
+    pub(super) fn wait_live_uses(&self, st: &State<B>) -> Result<()> {
+        for l in st.live.values() {
+            l.uses.each(|fence| self.backend.wait(fence))?;
         }
         Ok(())
     }
@@ -184,6 +192,7 @@ impl<B: Backend> Shared<B> {
             if let Some(e) = st.table.remove(o) {
                 self.pool.put(e.placement, e.bytes, e.chunk);
             }
+            st.split.unmapped(o);
             released += b;
         }
         Ok(released)
@@ -197,54 +206,59 @@ impl<B: Backend> Shared<B> {
         requested: usize,
         device: Option<(usize, usize)>,
     ) -> Error {
+        // What the request needs mapped at least, against what could ever be.
+        let need = round_up(requested, self.granularity).unwrap_or(usize::MAX);
+        let zone = if State::<B>::zone_of_size(requested) == 0 {
+            st.small_end
+        } else {
+            st.table.reserved() - st.small_end
+        };
+        let never_fits = need > zone
+            || self.budget.is_some_and(|b| need > b)
+            || device.is_some_and(|(_, total)| need > total);
         Error::ArenaOutOfMemory {
             requested_bytes: requested,
             free_bytes: device.map(|d| d.0),
             total_bytes: device.map(|d| d.1),
             reserved_bytes: st.table.mapped_bytes(),
+            budget_bytes: self.budget,
+            never_fits,
         }
     }
 
-    /// Updates the counters every operation keeps (constant time).
+    /// Updates the counters at every operation (constant time): current
+    /// values and peaks alike, so allocated <= active <= reserved holds for
+    /// both.
     pub(super) fn count(&self, st: &mut State<B>) {
         let (allocated, requested) = (st.allocated, st.requested);
         let mapped = st.table.mapped_bytes();
+        let pending: usize = st.zones.iter().map(|z| z.pending_bytes()).sum();
+        let split = st.split.inactive_split();
         let s = &mut st.stats;
         s.allocated_bytes.set(allocated);
         s.requested_bytes.set(requested);
         s.reserved_bytes.set(mapped);
-    }
-
-    /// Recomputes every counter, the derived ones included (active,
-    /// inactive split, fragmentation: their peaks are over the times the
-    /// counters were read).
-    pub(super) fn refresh(&self, st: &mut State<B>) {
-        self.count(st);
-        let (allocated, mapped) = (st.allocated, st.table.mapped_bytes());
-        let pending: usize = st
-            .free_blocks()
-            .filter(|(_, f)| !f.settled())
-            .map(|(_, f)| f.size)
-            .sum();
-        // Free bytes in chunks that are not wholly free.
-        let whole_free: usize = st
-            .table
-            .iter()
-            .filter(|&(o, e)| st.zones[st.zone_of_offset(o)].covers(o, e.bytes, false))
-            .map(|(_, e)| e.bytes)
-            .sum();
-        let s = &mut st.stats;
         s.active_bytes.set(allocated + pending);
-        s.inactive_split_bytes
-            .set(mapped.saturating_sub(allocated + whole_free));
-        let free: usize = st.zones.iter().map(|z| z.free_bytes()).sum();
-        let largest = st.zones.iter().map(|z| z.largest()).max().unwrap_or(0);
-        let s = &mut st.stats;
-        s.fragmentation = if free == 0 {
+        s.inactive_split_bytes.set(split);
+        s.fragmentation = if mapped == 0 {
             0.0
         } else {
-            1.0 - largest as f64 / free as f64
+            split as f64 / mapped as f64
         };
+    }
+
+    /// Settles the frees whose fences have passed, then counts; and reads
+    /// what only a read needs (pool, placement, device syncs).
+    pub(super) fn refresh(&self, st: &mut State<B>) {
+        let backend = &*self.backend;
+        for z in &mut st.zones {
+            if z.any_pending() {
+                z.settle(|f| backend.fence_done(f).unwrap_or(false));
+            }
+        }
+        self.count(st);
+        let mapped = st.table.mapped_bytes();
+        let s = &mut st.stats;
         s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
         s.pooled_bytes = self.pool.stats().pooled_bytes;
         let host = st.table.host_bytes();
@@ -259,14 +273,18 @@ impl<B: Backend> Drop for Shared<B> {
         // every free block's fences are waited for before unmapping.
         let st = self.state.get_mut();
         let backend = &*self.backend;
+        let mut waited = true;
         for (_, f) in st.free_blocks() {
-            for (_, fence) in &f.fences {
-                let _ = backend.wait(fence);
+            for x in f.fences.iter() {
+                if let Err(e) = backend.wait(&x.fence) {
+                    tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");
+                    waited = false;
+                }
             }
         }
         let Some(mut res) = st.res.take() else { return };
         let keys: Vec<(usize, usize)> = st.table.iter().map(|(o, e)| (o, e.bytes)).collect();
-        let mut ok = st.poisoned.is_none();
+        let mut ok = st.poisoned.is_none() && waited;
         for &(o, b) in &keys {
             ok &= backend.unmap(&mut res, o, b).is_ok();
         }

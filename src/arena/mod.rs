@@ -11,6 +11,7 @@ mod stats;
 mod trace;
 
 pub use allocation::Allocation;
+use stats::SplitCount;
 pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
 
 pub use cuda_view::CudaAllocation;
@@ -149,12 +150,33 @@ impl<B: Backend> State<B> {
     fn free_blocks(&self) -> impl Iterator<Item = (usize, &Free<B::Fence>)> + '_ {
         self.zones.iter().flat_map(|z| z.iter())
     }
+
+    /// Bookkeeping of a free of `[offset, offset + size)`.
+    fn note_free(&mut self, offset: usize, size: usize) {
+        self.split.change(offset, size, false);
+    }
+
+    /// The per-chunk allocated bytes, recounted from the table and the live
+    /// allocations (after a move, which may change chunk boundaries).
+    fn recount_split(&mut self) {
+        let mut split = SplitCount::default();
+        for (o, e) in self.table.iter() {
+            split.mapped(o, e.bytes);
+        }
+        for (&o, l) in &self.live {
+            split.change(o, l.size, true);
+        }
+        self.split = split;
+    }
 }
 
-struct Live {
+struct Live<F> {
     size: usize,
     requested: usize,
     stream: StreamKey,
+    /// The allocation's recorded uses (views, `record_use`): offload and
+    /// restore wait for them.
+    uses: Arc<Uses<F>>,
 }
 
 struct State<B: Backend> {
@@ -168,7 +190,9 @@ struct State<B: Backend> {
     zones: [Blocks<B::Fence>; 2],
     /// Where the large zone starts: the small one is `[0, small_end)`.
     small_end: usize,
-    live: BTreeMap<usize, Live>,
+    live: BTreeMap<usize, Live<B::Fence>>,
+    /// Allocated bytes per chunk: the inactive split, kept per operation.
+    split: SplitCount,
     stats: ArenaStats,
     poisoned: Option<String>,
     /// Where new chunks go now: the arena's placement, or the host while
@@ -310,6 +334,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     },
                     small_end: round_up(reserved / 8, g).unwrap_or(reserved).min(reserved),
                     live: BTreeMap::new(),
+                    split: SplitCount::default(),
                     stats: ArenaStats::default(),
                     poisoned: None,
                     placement,
@@ -343,8 +368,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// waits for the arena's frees still in flight (on their streams, as
     /// PyTorch's allocator does before giving up), gives back whole free
     /// chunks and cached pool memory and tries once more; then
-    /// [`Error::ArenaOutOfMemory`]. Existing allocations are
-    /// never touched by a failure.
+    /// [`Error::ArenaOutOfMemory`], with the device's free and total bytes
+    /// where the backend knows them. A request larger than the budget, the
+    /// reservation or the device fails at once with `never_fits` set (not
+    /// [transient](Error::is_transient)). Existing allocations are never
+    /// touched by a failure.
     pub fn alloc(&self, bytes: usize, stream: &S) -> Result<Allocation<B, S>> {
         if bytes == 0 {
             return Err(Error::invalid("an allocation of 0 bytes"));
@@ -360,6 +388,15 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
         let offset = match self.shared.find(&mut st, size, key) {
             Ok(o) => o,
+            // Larger than the budget, the reservation or the device: no wait
+            // or release can help.
+            Err(Error::ArenaOutOfMemory {
+                never_fits: true, ..
+            }) => {
+                st.stats.num_ooms += 1;
+                let device = self.shared.backend.device_memory();
+                return Err(self.shared.out_of_memory(&st, bytes, device));
+            }
             // Out of memory, or out of budget or room: wait for the frees
             // still in flight (their streams only), give everything cached
             // back and try once more.
@@ -382,14 +419,17 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             }
             Err(e) => return Err(e),
         };
+        let uses = Arc::new(Uses::default());
         st.live.insert(
             offset,
             Live {
                 size,
                 requested: bytes,
                 stream: key,
+                uses: uses.clone(),
             },
         );
+        st.split.change(offset, size, true);
         st.stats.num_allocs += 1;
         st.allocated += size;
         st.requested += bytes;
@@ -411,7 +451,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             requested: bytes,
             stream: stream.clone(),
             extra: Mutex::new(Vec::new()),
-            uses: Uses::default(),
+            uses,
         })
     }
 

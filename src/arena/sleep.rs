@@ -23,9 +23,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// the driver instead of moving.
     ///
     /// First it waits for the work queued so far on each of `streams` (pass
-    /// every stream that may still use the arena's allocations) and for the
-    /// frees the arena holds fences for; never for the whole device. Work
-    /// on other streams must have finished.
+    /// every stream that may still use the arena's allocations), for the
+    /// uses recorded on live allocations (views on any stream,
+    /// [`Allocation::record_use`](crate::Allocation::record_use)) and for the
+    /// frees the arena holds fences for; never for the whole device. Other
+    /// work that reaches the allocations must have finished.
     ///
     /// All or nothing: on error nothing moved, unless undoing failed too,
     /// which poisons the arena ([`Error::Poisoned`]). A host-backend arena
@@ -66,7 +68,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         for f in &fences {
             backend.wait(f)?;
         }
-        // The frees the arena holds: their chunks move or go now.
+        // The uses recorded on live allocations (views, `record_use`) and the
+        // frees the arena holds: their chunks move or go now.
+        sh.wait_live_uses(st)?;
         sh.wait_pending_frees(st)?;
         sh.release_free_chunks(st)?;
         // Where chunks are now, and where new ones went: what the pool may
@@ -94,6 +98,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         match mover.run(res, &mut st.table, &targets) {
             Ok(report) => {
                 st.placement = to;
+                st.recount_split();
                 sh.count(st);
                 drop(guard);
                 // What was left behind goes back to the driver; the move

@@ -1,8 +1,71 @@
 //! The arena's counters and snapshots, as plain data with tables for people.
 
+use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::stats::Bytes;
+
+/// Allocated bytes per mapped chunk, kept at every alloc, free, map and
+/// unmap, so that the free bytes of chunks that also hold allocations
+/// (PyTorch's inactive split) are known at every operation, in time
+/// proportional to the chunks an allocation spans.
+#[derive(Debug, Default)]
+pub(super) struct SplitCount {
+    /// Chunk offset -> (chunk bytes, allocated bytes in it).
+    chunks: BTreeMap<usize, (usize, usize)>,
+    /// Sum over chunks holding allocated bytes of their free bytes.
+    inactive_split: usize,
+}
+
+impl SplitCount {
+    pub(super) fn inactive_split(&self) -> usize {
+        self.inactive_split
+    }
+
+    /// A chunk mapped at `offset` (nothing allocated in it yet).
+    pub(super) fn mapped(&mut self, offset: usize, bytes: usize) {
+        self.chunks.insert(offset, (bytes, 0));
+    }
+
+    /// The chunk at `offset` unmapped (nothing was allocated in it).
+    pub(super) fn unmapped(&mut self, offset: usize) {
+        if let Some((_, a)) = self.chunks.remove(&offset) {
+            debug_assert_eq!(a, 0, "a chunk with allocations unmapped");
+        }
+    }
+
+    /// `[offset, offset + size)` allocated (`add`) or freed.
+    pub(super) fn change(&mut self, offset: usize, size: usize, add: bool) {
+        let end = offset + size;
+        let first = self
+            .chunks
+            .range(..=offset)
+            .next_back()
+            .map_or(offset, |(&o, _)| o);
+        for (&o, (bytes, allocated)) in self.chunks.range_mut(first..end) {
+            let overlap = (o + *bytes).min(end).saturating_sub(o.max(offset));
+            if overlap == 0 {
+                continue;
+            }
+            let before = if *allocated > 0 {
+                *bytes - *allocated
+            } else {
+                0
+            };
+            if add {
+                *allocated += overlap;
+            } else {
+                *allocated -= overlap;
+            }
+            let after = if *allocated > 0 {
+                *bytes - *allocated
+            } else {
+                0
+            };
+            self.inactive_split = self.inactive_split + after - before;
+        }
+    }
+}
 
 /// A figure with its current value and its peak since creation (or the last
 /// [`Arena::reset_peak`](crate::Arena::reset_peak)).
@@ -33,9 +96,12 @@ pub struct ArenaStats {
     /// Bytes mapped (device memory taken by this arena, pool not counted).
     pub reserved_bytes: StatValue,
     /// Allocated bytes plus freed bytes whose stream uses have not passed.
+    /// At every operation, and for the peaks too: allocated <= active <=
+    /// reserved. A read settles the frees that have passed, so after every
+    /// allocation is freed and its streams are synchronised it reads 0.
     pub active_bytes: StatValue,
     /// Free bytes inside chunks that also hold allocations: memory the arena
-    /// cannot give back as it is.
+    /// cannot give back as it is. 0 when nothing is allocated.
     pub inactive_split_bytes: StatValue,
     /// Allocations that succeeded only after giving cached memory back.
     pub num_alloc_retries: u64,
@@ -48,7 +114,9 @@ pub struct ArenaStats {
     pub num_allocs: u64,
     /// Frees so far.
     pub num_frees: u64,
-    /// `1 - largest free block / free bytes` (0 without free bytes).
+    /// Inactive split bytes over reserved bytes (0 when nothing is
+    /// reserved): the share of mapped memory that is free but pinned by
+    /// allocations in the same chunks. 0 when nothing is allocated.
     pub fragmentation: f64,
     /// Bytes this arena's pool holds for reuse.
     pub pooled_bytes: usize,

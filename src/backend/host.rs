@@ -75,9 +75,7 @@ impl HostBackend {
             rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
                 .map_err(|e| os("fcntl(F_ADD_SEALS)", e, bytes))?;
         }
-        let id = rustix::fs::fstat(&fd)
-            .map_err(|e| os("fstat", e, bytes))?
-            .st_ino as u64;
+        let id = super::next_chunk_id();
         self.counters.update(|c| {
             c.chunks += 1;
             c.chunk_bytes += bytes;
@@ -216,7 +214,7 @@ pub struct HostChunk {
     /// Sealed against shrinking and growing, so that another process may
     /// map it: an importer's mapping cannot lose its pages under it.
     sealed: bool,
-    /// The memfd's inode number: unique among the live chunks.
+    /// Never reused in this process ([`super::next_chunk_id`]).
     id: u64,
 }
 
@@ -361,7 +359,7 @@ impl Backend for HostBackend {
             c.chunk_bytes += bytes;
         });
         Ok(HostChunk {
-            id: st.st_ino as u64,
+            id: super::next_chunk_id(),
             fd,
             bytes,
             mapped: MappedFlag::default(),

@@ -14,6 +14,7 @@
 
 use crate::error::Result;
 use crate::location::{AccessDesc, Location};
+use crate::order::{FenceSet, StreamKey};
 
 pub(crate) mod cuda;
 #[cfg(target_os = "linux")]
@@ -206,8 +207,11 @@ pub trait Backend: Send + Sync + 'static {
         })
     }
 
-    /// A number that tells `chunk` apart from every other chunk alive in this
-    /// process (a shared buffer's exporter uses it to send each chunk once).
+    /// A number that tells `chunk` apart from every other chunk this process
+    /// has created or imported, alive or gone: never reused (a shared
+    /// buffer's exporter uses it to send each chunk once; a driver handle or
+    /// an inode number, reused after a release, would let an importer keep
+    /// an old chunk in place of a new one).
     fn chunk_id(&self, chunk: &Self::Chunk) -> u64 {
         let _ = chunk;
         0
@@ -234,61 +238,66 @@ pub trait Backend: Send + Sync + 'static {
 
 /// The last recorded use of a buffer per queue (stream): what must finish
 /// before its memory may be unmapped. Bounded by the number of streams that
-/// ever used the buffer.
+/// ever used the buffer. Each fence carries its stream's sequence number
+/// ([`crate::order`]): of two on one stream, the later stays.
 #[derive(Debug)]
 pub(crate) struct Uses<F> {
-    fences: parking_lot::Mutex<Vec<((u64, u64), F)>>,
+    fences: parking_lot::Mutex<FenceSet<F>>,
 }
 
 impl<F> Default for Uses<F> {
     fn default() -> Self {
         Self {
-            fences: parking_lot::Mutex::new(Vec::new()),
+            fences: parking_lot::Mutex::new(FenceSet::default()),
         }
     }
 }
 
 impl<F> Uses<F> {
-    /// Records `fence` as the last use on queue `key`, replacing the one
-    /// before it there.
-    pub(crate) fn put(&self, key: (u64, u64), fence: F) {
+    /// Records `fence`, which the caller recorded on queue `key`, as the
+    /// last use there (a caller hands one queue's fences over in the order
+    /// it recorded them).
+    pub(crate) fn put(&self, key: StreamKey, fence: F) {
         let mut v = self.fences.lock();
-        match v.iter_mut().find(|(k, _)| *k == key) {
-            Some(slot) => slot.1 = fence,
-            None => v.push((key, fence)),
-        }
+        v.add(crate::order::given(key, fence));
     }
 
-    /// Runs `f` on the fence recorded for `key`, if any: `true` if there was one.
-    pub(crate) fn update(&self, key: (u64, u64), f: impl FnOnce(&F) -> Result<()>) -> Result<bool> {
-        match self.fences.lock().iter().find(|(k, _)| *k == key) {
-            Some((_, fence)) => f(fence).map(|()| true),
-            None => Ok(false),
+    /// Records a use on `key` now: re-records the fence held for `key` with
+    /// `rerecord` if there is one, else records a new one with `record`.
+    pub(crate) fn record(
+        &self,
+        key: StreamKey,
+        rerecord: impl FnOnce(&F) -> Result<()>,
+        record: impl FnOnce() -> Result<F>,
+    ) -> Result<()> {
+        let mut v = self.fences.lock();
+        if let Some(slot) = v.iter_mut().find(|s| s.key == key) {
+            return crate::order::rerecord(slot, rerecord);
         }
+        v.add(crate::order::record(key, record)?);
+        Ok(())
     }
 
     /// Calls `f` on every recorded fence, stopping at the first error.
-    pub(crate) fn each(&self, mut f: impl FnMut(&F) -> Result<()>) -> Result<()> {
-        self.fences
-            .lock()
-            .iter()
-            .try_for_each(|(_, fence)| f(fence))
+    pub(crate) fn each(&self, f: impl FnMut(&F) -> Result<()>) -> Result<()> {
+        self.fences.lock().each(f)
     }
 
-    /// Every recorded fence with its queue's key, taken out.
-    pub(crate) fn into_fences(self) -> Vec<((u64, u64), F)> {
-        self.fences.into_inner()
+    /// Every recorded fence, taken out, leaving none.
+    pub(crate) fn take(&self) -> FenceSet<F> {
+        std::mem::take(&mut *self.fences.lock())
     }
 
     /// True if `done` says so of every recorded fence.
-    pub(crate) fn all(&self, mut done: impl FnMut(&F) -> Result<bool>) -> Result<bool> {
-        for (_, fence) in self.fences.lock().iter() {
-            if !done(fence)? {
-                return Ok(false);
-            }
-        }
-        Ok(true)
+    pub(crate) fn all(&self, done: impl FnMut(&F) -> Result<bool>) -> Result<bool> {
+        self.fences.lock().all(done)
     }
+}
+
+/// A chunk id never handed out before in this process.
+pub(crate) fn next_chunk_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A new chunk of `bytes` at `placement`, exportable if `shareable`: the one

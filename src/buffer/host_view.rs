@@ -39,6 +39,18 @@ impl<B: Backend> GrowableBuffer<B> {
         self.backend.write(res, offset, src)
     }
 
+    /// Slices of a shareable buffer would alias memory an importer writes.
+    fn refuse_if_shareable(&self) -> Result<()> {
+        if self.shareable {
+            return Err(Error::Unsupported {
+                what: "host slices of a shareable buffer (an importer may write it at any time): \
+                       use read and write"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// The byte range `range` names within the bytes in use.
     fn in_use(&self, range: impl RangeBounds<usize>) -> Result<Range<usize>> {
         let len = self.len();
@@ -77,7 +89,15 @@ impl<B: HostMapped> GrowableBuffer<B> {
     /// writing it, and no safe API writes it while `&self` is
     /// borrowed (writes need `&mut self`). Kernels launched meanwhile (an
     /// `unsafe` act) must not write it.
+    ///
+    /// A [shareable](crate::BufferDesc::shareable) buffer gives no slices
+    /// ([`Error::Unsupported`]): an importer, in another process or in this
+    /// one, may write its pages at any time ([`SharedBuffer::write`](crate::SharedBuffer::write)
+    /// is safe), which would change bytes under a `&[u8]`; and a `&mut [u8]`
+    /// would be read under. Use [`read`](Self::read) and
+    /// [`write`](Self::write), which copy.
     pub fn host_slice(&self, range: impl RangeBounds<usize>) -> Result<&[u8]> {
+        self.refuse_if_shareable()?;
         let r = self.in_use(range)?;
         self.check_access(Location::Host, Access::Read, r.start, r.len())?;
         self.grant_cpu(r.start, r.len())?;
@@ -95,6 +115,7 @@ impl<B: HostMapped> GrowableBuffer<B> {
     /// The CPU's mutable view of the bytes in use in `range`; see
     /// [`host_slice`](Self::host_slice). Needs read-write host access.
     pub fn host_slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<&mut [u8]> {
+        self.refuse_if_shareable()?;
         let r = self.in_use(range)?;
         self.check_access(Location::Host, Access::ReadWrite, r.start, r.len())?;
         self.grant_cpu(r.start, r.len())?;

@@ -199,8 +199,9 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut guard = self.inner.lock();
         let g = &mut *guard;
 
-        // The copies read the old chunks: recorded writers first.
-        self.wait_uses()?;
+        // The copies read the old chunks, and the old mappings go: recorded
+        // uses and deferred releases' fences first.
+        self.wait_all(g)?;
         let mover = Mover {
             backend: &*backend,
             granularity: self.granularity(),

@@ -486,7 +486,17 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
             let g = self.inner.get_mut();
             g.res.is_some() && !g.table.is_empty() && g.poisoned.is_none()
         };
-        let waited = if busy { self.wait_uses() } else { Ok(()) };
+        // The fences of deferred releases too: work on the tail.
+        let waited = if busy {
+            let g = self.inner.get_mut();
+            let pending = std::mem::take(&mut g.pending);
+            pending
+                .iter()
+                .try_for_each(|p| backend.wait(&p.fence))
+                .and_then(|()| self.wait_uses())
+        } else {
+            Ok(())
+        };
         let g = self.inner.get_mut();
         let Some(mut res) = g.res.take() else { return };
         let mut unmapped = g.table.is_empty();

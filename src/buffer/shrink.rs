@@ -31,7 +31,9 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     /// Gives back every chunk that lies wholly past the length, after waiting
-    /// for every recorded use (see [`record_use`](Self::record_use); the host
+    /// for every recorded use and every fence an earlier
+    /// [`shrink_to_fit_after`](Self::shrink_to_fit_after) was given (see
+    /// [`record_use`](Self::record_use); the host
     /// blocks until they finish, or use
     /// [`shrink_to_fit_after`](Self::shrink_to_fit_after), which does not). A chunk that holds any byte in use stays.
     /// Chunks go to the pool if the buffer has one.
@@ -50,6 +52,8 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut g = self.inner.lock();
         g.check_poison()?;
         let keep_to = g.table.len().max(min_capacity);
+        // Every deferred fence is waited for (in `release_from`) before
+        // anything is unmapped; then none is left to keep.
         self.release_from(&mut g, keep_to, true)?;
         g.pending.clear();
         Ok(())
@@ -135,7 +139,7 @@ impl<B: Backend> GrowableBuffer<B> {
         let _span =
             tracing::debug_span!("vmmbuf.shrink", len = g.table.len(), from, bytes, wait).entered();
         if wait {
-            self.wait_uses()?;
+            self.wait_all(g)?;
         }
         self.backend.unmap(g.res(), from, bytes)?;
         let gone = g.table.split_off(from);

@@ -31,6 +31,18 @@ impl<B: Backend> GrowableBuffer<B> {
         self.uses.each(|f| self.backend.wait(f))
     }
 
+    /// Blocks until every recorded use and every fence given to a deferred
+    /// release ([`shrink_to_fit_after`](Self::shrink_to_fit_after)) has
+    /// passed: what must come before any unmap, remap or access change.
+    /// A deferred fence stands for work on the tail that the buffer does not
+    /// otherwise know of; forgetting it would unmap under that work.
+    pub(super) fn wait_all(&self, g: &super::Inner<B>) -> Result<()> {
+        for p in &g.pending {
+            self.backend.wait(&p.fence)?;
+        }
+        self.wait_uses()
+    }
+
     /// True once every recorded use has finished. Never blocks.
     pub(super) fn uses_done(&self) -> Result<bool> {
         self.uses.all(|f| self.backend.fence_done(f))

@@ -18,6 +18,7 @@ mod peer;
 mod placement;
 mod pool;
 mod props;
+mod redteam;
 mod reserve;
 mod share;
 mod sleep;
@@ -50,6 +51,7 @@ fn main() {
         pool::trials(),
         reserve::trials(),
         props::trials(),
+        redteam::trials(),
         share::trials(),
         sleep::trials(),
         soak::trials(),

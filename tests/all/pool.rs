@@ -418,10 +418,19 @@ fn deferred_release_never_frees_what_was_regrown<B: Backend>(real: Arc<B>) {
     buf.reclaim().unwrap();
     assert_eq!(buf.capacity(), g);
     assert_consistent(&buf, baseline);
-    // trim() forces what is still pending.
+    // shrink_to_fit waits for what is still pending (RT-5): a fence that
+    // has not passed is waited on, never dropped; here it never passes, so
+    // the wait fails and nothing changes.
     buf.truncate(0);
-    buf.shrink_to_fit_after(TestFence::default()).unwrap();
+    let f3 = TestFence::default();
+    buf.shrink_to_fit_after(f3.clone()).unwrap();
     assert_eq!(buf.capacity(), g);
+    assert!(
+        buf.shrink_to_fit().is_err(),
+        "waited on f3, which never passes"
+    );
+    assert_eq!(buf.capacity(), g, "nothing unmapped under f3");
+    f3.pass();
     buf.shrink_to_fit().unwrap();
     assert_eq!(buf.capacity(), 0);
     drop(buf);

@@ -258,17 +258,17 @@ impl super::Uses<CudaFence> {
     /// the stream's event when it has one (no event is created per use).
     pub(crate) fn record_stream(&self, stream: &CudaStream) -> Result<()> {
         let key = stream_key(stream);
-        if !self.update(key, |f| f.rerecord(stream))? {
-            self.put(
-                key,
-                CudaFence {
+        self.record(
+            key,
+            |f| f.rerecord(stream),
+            || {
+                Ok(CudaFence {
                     event: Some(driver::record_event(stream)?),
                     key,
                     spares: std::sync::Weak::new(),
-                },
-            );
-        }
-        Ok(())
+                })
+            },
+        )
     }
 }
 
@@ -336,6 +336,9 @@ impl Drop for CudaReservation {
 #[derive(Debug)]
 pub struct CudaChunk {
     handle: sys::CUmemGenericAllocationHandle,
+    /// Never reused in this process, unlike the handle (see
+    /// [`Backend::chunk_id`](super::Backend::chunk_id)).
+    id: u64,
     bytes: usize,
     placement: Location,
     /// Created with the POSIX-fd handle type, or imported: exportable.
@@ -396,6 +399,7 @@ impl CudaBackend {
         });
         Ok(CudaChunk {
             handle,
+            id: super::next_chunk_id(),
             bytes,
             placement,
             shareable,
@@ -518,6 +522,7 @@ impl Backend for CudaBackend {
         });
         let chunk = CudaChunk {
             handle,
+            id: super::next_chunk_id(),
             bytes,
             placement,
             shareable: true,
@@ -538,7 +543,7 @@ impl Backend for CudaBackend {
     }
 
     fn chunk_id(&self, chunk: &CudaChunk) -> u64 {
-        chunk.handle
+        chunk.id
     }
 
     fn release(&self, mut chunk: CudaChunk) -> Result<()> {
