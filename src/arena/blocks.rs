@@ -41,13 +41,21 @@ impl<F> Free<F> {
     /// Whether two touching blocks become one as they are inserted: both
     /// settled, or both pending on the same stream; with `join_settled`,
     /// also a settled one and a stream's pending one.
+    ///
+    /// A settled block tagged with a stream (fresh memory mapped for it)
+    /// joins only that stream's pending blocks: joined with another
+    /// stream's, it would become that stream's alone until the fences pass,
+    /// and the stream it was mapped for could not take it.
     fn mergeable(&self, other: &Free<F>, join_settled: bool) -> bool {
         let same_stream = self.stream.is_some() && self.stream == other.stream;
+        let joins = |settled: &Free<F>, pending: &Free<F>| {
+            join_settled && pending.stream.is_some() && settled.stream.is_none()
+        };
         match (self.settled(), other.settled()) {
             (true, true) => true,
             (false, false) => same_stream,
-            (true, false) => same_stream || (join_settled && other.stream.is_some()),
-            (false, true) => same_stream || (join_settled && self.stream.is_some()),
+            (true, false) => same_stream || joins(self, other),
+            (false, true) => same_stream || joins(other, self),
         }
     }
 }
@@ -157,7 +165,7 @@ impl<F> Blocks<F> {
             if left.mergeable(&f, self.join_settled) {
                 let left = self.unlink(lo).expect("just found");
                 offset = lo;
-                f = merge(left, f);
+                f = merge(left, f, self.join_settled);
             }
         }
         let end = offset + f.size;
@@ -167,7 +175,7 @@ impl<F> Blocks<F> {
             .is_some_and(|r| f.mergeable(r, self.join_settled))
         {
             let right = self.unlink(end).expect("just found");
-            f = merge(f, right);
+            f = merge(f, right, self.join_settled);
         }
         self.link(offset, f);
     }
@@ -246,7 +254,7 @@ impl<F> Blocks<F> {
             let (Some(l), Some(r)) = (self.unlink(left), self.unlink(right)) else {
                 unreachable!("both blocks were listed");
             };
-            self.link(left, merge(l, r));
+            self.link(left, merge(l, r, self.join_settled));
             joined += 1;
         }
         joined
@@ -351,16 +359,27 @@ impl<F> Blocks<F> {
 }
 
 /// `left` and `right` as one block, with one fence per stream: the later
-/// by sequence number, whichever block it came from.
-fn merge<F>(mut left: Free<F>, right: Free<F>) -> Free<F> {
+/// by sequence number, whichever block it came from. The stream that may
+/// reuse the whole before its fences pass is the one every pending part
+/// allows (a settled part restricts nothing); none if they differ.
+fn merge<F>(mut left: Free<F>, right: Free<F>, keep_tags: bool) -> Free<F> {
+    let stream = match (left.settled(), right.settled()) {
+        (false, false) if left.stream == right.stream => left.stream,
+        (false, false) => None,
+        (false, true) => left.stream,
+        (true, false) => right.stream,
+        // Settled: usable by any stream. The tag (fresh memory's stream)
+        // says which pending neighbour it joins: kept where settled blocks
+        // join pending ones as they are inserted, so that fresh memory is
+        // not taken over by another stream's pending block; dropped
+        // otherwise, where a tag would only keep settled memory from going
+        // back to the pool.
+        (true, true) if keep_tags => left.stream.or(right.stream),
+        (true, true) => None,
+    };
     left.size += right.size;
-    let right_stream = right.stream;
     left.fences.merge(right.fences);
-    if left.fences.is_empty() {
-        left.stream = None;
-    } else if left.stream.is_none() {
-        left.stream = right_stream;
-    }
+    left.stream = stream;
     left
 }
 

@@ -73,8 +73,9 @@ impl<B: Backend> GrowableBuffer<B> {
         g.table
             .set_len(bytes)
             .expect("the capacity covers the new length");
+        g.window = g.window.max(bytes);
         for p in &mut g.pending {
-            p.high_water = p.high_water.max(bytes);
+            p.window = p.window.max(bytes);
         }
         if let Err(e) = self.reclaim_locked(g) {
             tracing::warn!(error = %e, "vmmbuf: deferred release failed; retried at the next shrink or drop");
@@ -101,8 +102,9 @@ impl<B: Backend> GrowableBuffer<B> {
             ))
         })?;
         self.capacity_locked(&mut g, target)?;
+        g.window = g.window.max(target);
         for p in &mut g.pending {
-            p.high_water = p.high_water.max(target);
+            p.window = p.window.max(target);
         }
         Ok(())
     }

@@ -129,7 +129,11 @@ impl BufferDesc {
 /// use since the fence was given) may go once `fence` has passed.
 struct Pending<F> {
     fence: F,
-    high_water: usize,
+    /// The largest length (or capacity reserved ahead) since the deferred
+    /// release before this one: the fence's work may use bytes below it,
+    /// none above (bytes past the length are not in use). Raised by later
+    /// growth and `reserve`, which the release must spare.
+    window: usize,
 }
 
 /// What the lock guards: the reservation, its chunk table and the counters.
@@ -140,6 +144,9 @@ struct Inner<B: Backend> {
     table: ChunkTable<B::Chunk>,
     stats: Stats,
     pending: Vec<Pending<B::Fence>>,
+    /// The largest length (or capacity reserved ahead) since the last
+    /// deferred release: the window of the next one.
+    window: usize,
     /// Set when a failure could not be undone (a chunk that could not be
     /// unmapped): every later call answers [`Error::Poisoned`].
     poisoned: Option<String>,
@@ -349,6 +356,7 @@ impl<B: Backend> GrowableBuffer<B> {
                     ..Stats::default()
                 },
                 pending: Vec::new(),
+                window: 0,
                 poisoned: None,
                 quarantine: Vec::new(),
             }),

@@ -53,9 +53,11 @@ impl<B: Backend> GrowableBuffer<B> {
         g.check_poison()?;
         let keep_to = g.table.len().max(min_capacity);
         // Every deferred fence is waited for (in `release_from`) before
-        // anything is unmapped; then none is left to keep.
-        self.release_from(&mut g, keep_to, true)?;
-        g.pending.clear();
+        // anything is unmapped; then none is left to keep. If nothing was
+        // released, nothing waited: the deferred fences stay.
+        if self.release_from(&mut g, keep_to, true)? {
+            g.pending.clear();
+        }
         Ok(())
     }
 
@@ -70,27 +72,23 @@ impl<B: Backend> GrowableBuffer<B> {
     /// has passed. `fence` adds work the buffer does not know of (for CUDA,
     /// [`CudaBackend::fence`](crate::CudaBackend::fence) on that work's
     /// stream). Growing again before then simply reuses the chunks still
-    /// mapped; nothing that was in use since is ever released. On error
-    /// nothing has changed.
+    /// mapped; nothing that was in use since is ever released. The fence is
+    /// kept until it passes even when no chunk lies wholly past the length
+    /// now: every later unmap, migration, access change and drop waits for
+    /// it. On error nothing has changed.
     pub fn shrink_to_fit_after(&mut self, fence: B::Fence) -> Result<()> {
         let mut g = self.inner.lock();
         g.check_poison()?;
         // Earlier requests first: an error there leaves this one unrecorded.
         self.reclaim_locked(&mut g)?;
-        let len = g.table.len();
-        if g.table.iter().next_back().is_none_or(|(o, _)| o < len) {
-            return Ok(()); // nothing lies wholly past the length
-        }
-        if self.backend.fence_done(&fence)? && self.uses_done()? {
-            // Passed already: release now. On error nothing has changed.
-            self.release_from(&mut g, len, false)
-        } else {
-            g.pending.push(Pending {
-                fence,
-                high_water: len,
-            });
-            Ok(())
-        }
+        // A fence that cannot be asked is refused before it is recorded.
+        self.backend.fence_done(&fence)?;
+        let window = g.window.max(g.table.len());
+        g.pending.push(Pending { fence, window });
+        g.window = g.table.len();
+        // Passed already (and nothing earlier holds the tail): released now.
+        // On error the request stays, for a later call.
+        self.reclaim_locked(&mut g)
     }
 
     /// Gives back what earlier [`shrink_to_fit_after`](Self::shrink_to_fit_after)
@@ -101,38 +99,50 @@ impl<B: Backend> GrowableBuffer<B> {
         self.reclaim_locked(&mut g)
     }
 
-    /// Releases chunks past the length whose fences, and every recorded
-    /// use, have passed.
+    /// Releases the chunks past the length that no deferred release's
+    /// unpassed fence covers, once every recorded use has passed. An
+    /// unpassed fence covers the bytes below its window (the largest length
+    /// between the request before it and its own), and work since the last
+    /// request may use the bytes below the largest length since (its fence
+    /// comes with the next request): chunks from the largest of these up
+    /// go, whatever the order the fences pass in (on different streams they
+    /// pass in any order).
     pub(super) fn reclaim_locked(&self, g: &mut Inner<B>) -> Result<()> {
         if g.pending.is_empty() || !self.uses_done()? {
             return Ok(());
         }
-        let mut boundary: Option<usize> = None;
         let mut err = None;
+        let before = g.pending.len();
         g.pending
             .retain(|p| match self.backend.fence_done(&p.fence) {
-                Ok(true) => {
-                    boundary = Some(boundary.map_or(p.high_water, |b| b.min(p.high_water)));
-                    false
-                }
-                Ok(false) => true,
+                Ok(done) => !done,
                 Err(e) => {
                     err.get_or_insert(e);
                     true
                 }
             });
-        if let Some(b) = boundary {
-            self.release_from(g, b, false)?;
+        if g.pending.len() < before {
+            let boundary = g
+                .pending
+                .iter()
+                .map(|p| p.window)
+                .max()
+                .unwrap_or(0)
+                .max(g.window)
+                .max(g.table.len());
+            self.release_from(g, boundary, false)?;
         }
         err.map_or(Ok(()), Err)
     }
 
     /// Unmaps every chunk that starts at or past `keep_to` (at or past the
     /// length) and gives it to the pool or the driver; with `wait`, waits for
-    /// the recorded uses first.
-    fn release_from(&self, g: &mut Inner<B>, keep_to: usize, wait: bool) -> Result<()> {
+    /// the recorded uses and the deferred fences first. Returns whether
+    /// anything was there to release (and so, with `wait`, whether it
+    /// waited).
+    fn release_from(&self, g: &mut Inner<B>, keep_to: usize, wait: bool) -> Result<bool> {
         let Some((from, _)) = g.table.iter().find(|(o, _)| *o >= keep_to) else {
-            return Ok(());
+            return Ok(false);
         };
         let start = Instant::now();
         let bytes = g.capacity() - from;
@@ -159,6 +169,6 @@ impl<B: Backend> GrowableBuffer<B> {
             elapsed_us = start.elapsed().as_micros() as u64,
             "vmmbuf: gave chunks back"
         );
-        first_err.map_or(Ok(()), Err)
+        first_err.map_or(Ok(true), Err)
     }
 }

@@ -14,6 +14,7 @@ mod fuzz;
 mod host_only;
 mod interop;
 mod lag;
+mod oracle;
 mod peer;
 mod placement;
 mod pool;
@@ -50,6 +51,7 @@ fn main() {
         placement::trials(),
         pool::trials(),
         reserve::trials(),
+        oracle::trials(),
         props::trials(),
         redteam::trials(),
         share::trials(),

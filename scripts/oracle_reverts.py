@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Reverts one stream-order fix of issue 19 in a scratch copy of the tree, so
+that the oracle (tests/all/oracle.rs) can be shown to catch it.
+
+Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8.
+Run the oracle there afterwards:
+  cargo test --test all -- oracle_ redteam
+Never run it on the working tree you commit from.
+"""
+import sys
+
+tree, name = sys.argv[1], sys.argv[2]
+
+
+def edit(path, old, new):
+    p = f"{tree}/{path}"
+    s = open(p).read()
+    assert old in s, f"{name}: pattern not found in {path}"
+    open(p, "w").write(s.replace(old, new, 1))
+
+
+ADD_IF_ABSENT = '''    /// Adds every fence of `other` (see [`add`](Self::add)).'''
+ADD_IF_ABSENT_NEW = '''    /// (revert) Adds `f` only if its stream has no fence yet.
+    pub(crate) fn add_if_absent(&mut self, f: Stamped<F>) {
+        if !self.0.iter().any(|s| s.key == f.key) {
+            self.0.push(f);
+        }
+    }
+
+    /// Adds every fence of `other` (see [`add`](Self::add)).'''
+
+if name == "rt3":
+    # coalesce keeps the left (pending) block's fence per stream, as the
+    # position-based merge did.
+    edit("src/order.rs", ADD_IF_ABSENT, ADD_IF_ABSENT_NEW)
+    edit("src/arena/blocks.rs", "            self.link(left, merge(l, r, self.join_settled));",
+         """            let mut m = merge(l, Free { size: r.size, stream: r.stream, fences: FenceSet::default() }, self.join_settled);
+            let keep = std::mem::take(&mut m.fences);
+            for f in keep.into_vec() { m.fences.add_if_absent(f); }
+            for f in r.fences.into_vec() { m.fences.add_if_absent(f); }
+            self.link(left, m);""")
+    edit("src/order.rs", "    pub(crate) fn is_empty(&self) -> bool {",
+         "    pub(crate) fn into_vec(self) -> Vec<Stamped<F>> {\n        self.0\n    }\n\n    pub(crate) fn is_empty(&self) -> bool {")
+elif name == "rt4":
+    # The free's fence is recorded before it is numbered (outside the lock
+    # that orders them), as it was recorded before the arena's lock.
+    edit("src/arena/allocation.rs", "            match crate::order::record(s.key(), || s.fence(backend)) {\n                Ok(f) => fences.add(f),",
+         "            match s.fence(backend) {\n                Ok(f) => fences.add(crate::order::given(s.key(), f)),")
+elif name == "rt5":
+    # shrink_to_fit drops deferred fences unwaited.
+    edit("src/buffer/shrink.rs", "        if wait {\n            self.wait_all(g)?;\n        }",
+         "        if wait {\n            self.wait_uses()?;\n        }")
+    edit("src/buffer/shrink.rs", "        if self.release_from(&mut g, keep_to, true)? {\n            g.pending.clear();\n        }",
+         "        self.release_from(&mut g, keep_to, true)?;\n        g.pending.clear();")
+elif name == "rt6":
+    # drop does not wait for deferred fences.
+    edit("src/buffer/mod.rs", "                .try_for_each(|p| backend.wait(&p.fence))",
+         "                .try_for_each(|_p| Ok(()))")
+elif name == "rt8":
+    # A view's (older) fence on the allocation's own stream shadows the
+    # free's fence, as the duplicate-key list did on merge.
+    edit("src/order.rs", ADD_IF_ABSENT, ADD_IF_ABSENT_NEW)
+    edit("src/order.rs", "    pub(crate) fn is_empty(&self) -> bool {",
+         "    pub(crate) fn into_vec(self) -> Vec<Stamped<F>> {\n        self.0\n    }\n\n    pub(crate) fn is_empty(&self) -> bool {")
+    edit("src/arena/allocation.rs", "        fences.merge(self.uses.take());",
+         "        let own = std::mem::take(&mut fences);\n        fences = self.uses.take();\n        for f in own.into_vec() {\n            fences.add_if_absent(f);\n        }")
+else:
+    sys.exit(f"unknown revert {name}")
+print(f"reverted {name} in {tree}")
