@@ -4,7 +4,7 @@ that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
 Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8.
 Run the oracle there afterwards:
-  cargo test --test all -- oracle_ redteam
+  cargo test --test all -- oracle_; cargo test --test all -- redteam
 Never run it on the working tree you commit from.
 """
 import sys

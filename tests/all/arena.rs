@@ -14,7 +14,7 @@ use crate::cuda_only::{pattern, Kernels};
 
 crate::register! {
     host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena],
-    gpu: [cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
+    gpu: [gpu_statistics_keep_pytorchs_invariants_at_every_step, cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
 }
 
 fn a_pytorch_training_trace_takes_at_most_1_01x_its_peak() {
@@ -163,6 +163,27 @@ fn the_pytorch_trace_on_the_gpu() {
     );
     assert!(report.overhead() <= 1.01, "{:.4}x", report.overhead());
     assert_eq!(stats.num_device_syncs, 0);
+    // PyTorch's invariants (issue 19): peaks kept at every operation, not
+    // when read (before: peak active 517 MiB against peak allocated 4.0 GiB).
+    let (a, act, r) = (
+        stats.allocated_bytes,
+        stats.active_bytes,
+        stats.reserved_bytes,
+    );
+    assert!(a.peak <= act.peak && act.peak <= r.peak, "{stats}");
+    assert!(a.peak >= report.peak_allocated_bytes, "{stats}");
+    s.synchronize().unwrap();
+    let after = arena.stats();
+    assert_eq!(
+        (
+            after.allocated_bytes.current,
+            after.active_bytes.current,
+            after.inactive_split_bytes.current
+        ),
+        (0, 0, 0),
+        "all freed, the stream synchronised: {after}"
+    );
+    assert_eq!(after.fragmentation, 0.0);
     drop(arena);
     s.synchronize().unwrap();
     assert_eq!(b.live().chunks, 0, "every chunk released");
@@ -235,4 +256,83 @@ fn at_the_budget_the_arena_waits_for_frees_in_flight() {
     );
     drop(y);
     assert_eq!(arena.stats().num_device_syncs, 0);
+}
+
+/// Issue 19: the arena's statistics on the GPU, after every step of random
+/// allocs and frees over three streams with kernels in flight:
+/// allocated <= active <= reserved for current values and peaks; with
+/// nothing allocated and the streams synchronised, active, inactive split
+/// and fragmentation read 0.
+fn gpu_statistics_keep_pytorchs_invariants_at_every_step() {
+    use rand::{Rng, SeedableRng};
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let streams: Vec<_> = (0..3).map(|_| b.context().new_stream().unwrap()).collect();
+    for keep_mapped in [false, true] {
+        let mut desc = ArenaDesc::new(16 << 30);
+        desc.release_before_map = !keep_mapped;
+        let arena: CudaArena = Arena::new(b.clone(), desc).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(19 + keep_mapped as u64);
+        let mut live = Vec::new();
+        for step in 0..3000 {
+            if live.is_empty() || rng.gen_bool(0.55) {
+                let s = &streams[rng.gen_range(0..3)];
+                let bytes = if rng.gen_bool(0.8) {
+                    rng.gen_range(1..1 << 20)
+                } else {
+                    rng.gen_range(1 << 20..24 << 20)
+                };
+                let x = arena.alloc(bytes, s).unwrap();
+                // Work on it, so frees really wait on the stream.
+                let words = (bytes / 4).min(1 << 16) as u64;
+                if words > 0 {
+                    let mut l = s.launch_builder(&k.fill);
+                    let (p, zero, seed) = (x.address(), 0u64, step as u32);
+                    l.arg(&p).arg(&zero).arg(&words).arg(&seed);
+                    // SAFETY (test code): writes `words` u32s of x.
+                    unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+                }
+                live.push(x);
+            } else {
+                let i = rng.gen_range(0..live.len());
+                drop(live.swap_remove(i));
+            }
+            if step % 500 == 0 {
+                arena.release_cached().unwrap();
+            }
+            let st = arena.stats();
+            let (a, act, r) = (st.allocated_bytes, st.active_bytes, st.reserved_bytes);
+            assert!(
+                a.current <= act.current && act.current <= r.current,
+                "step {step}: {st}"
+            );
+            assert!(
+                a.peak <= act.peak && act.peak <= r.peak,
+                "step {step}: {st}"
+            );
+            assert!(
+                st.inactive_split_bytes.current <= r.current - a.current,
+                "step {step}: {st}"
+            );
+        }
+        live.clear();
+        for s in &streams {
+            s.synchronize().unwrap();
+        }
+        let st = arena.stats();
+        assert_eq!(
+            (
+                st.allocated_bytes.current,
+                st.active_bytes.current,
+                st.inactive_split_bytes.current
+            ),
+            (0, 0, 0),
+            "keep mapped {keep_mapped}: {st}"
+        );
+        assert_eq!(st.fragmentation, 0.0);
+        eprintln!(
+            "keep mapped {keep_mapped}: 3000 steps; peaks: allocated {}, active {}, reserved {}",
+            st.allocated_bytes.peak, st.active_bytes.peak, st.reserved_bytes.peak
+        );
+    }
 }

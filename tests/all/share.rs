@@ -16,7 +16,7 @@ use vmmbuf::{
 };
 
 crate::register! {
-    generic: [a_shareable_buffer_never_takes_unexportable_pooled_chunks, errors_change_nothing_and_leak_no_descriptor, more_chunks_than_one_message_holds, a_read_write_importer_writes_what_the_exporter_reads],
+    generic: [an_importer_never_reads_a_released_chunk_in_place_of_a_new_one, a_shareable_buffer_never_takes_unexportable_pooled_chunks, errors_change_nothing_and_leak_no_descriptor, more_chunks_than_one_message_holds, a_read_write_importer_writes_what_the_exporter_reads],
     host: [host_importer_in_another_process_follows_twenty_growths_and_a_shrink],
     gpu: [gpu_importer_in_another_process_follows_twenty_growths_and_a_shrink],
     two_gpus: [an_importer_on_the_second_gpu_follows_the_first],
@@ -679,4 +679,47 @@ fn a_read_write_importer_writes_what_the_exporter_reads<B: Backend>(backend: Arc
     ));
     buf.read(0, &mut seen).unwrap();
     assert!(seen == expect, "refused writes changed nothing");
+}
+
+/// Issue 19: the exporter sends each chunk once, known by its id. Ids were
+/// the driver's handle (CUDA) or the memfd's inode (host), both reused after
+/// a release: a new chunk with an old id was taken for one the importer
+/// held, and the importer kept mapping the old one. Each round releases the
+/// tail chunk (shrink_to_fit; a published buffer's chunks go to the driver),
+/// grows again with new data, publishes, syncs and reads every byte back.
+fn an_importer_never_reads_a_released_chunk_in_place_of_a_new_one<B: Backend>(backend: Arc<B>) {
+    let g = backend.granularity(backend.home()).unwrap();
+    let mut buf = GrowableBuffer::new(
+        backend.clone(),
+        BufferDesc::new(64 * g)
+            .growth(GrowthPolicy::Exact)
+            .shareable(true),
+    )
+    .unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut ex = Exporter::new(a);
+    buf.grow_to(2 * g).unwrap();
+    let first: Vec<u8> = (0..2 * g).map(|i| pattern(i, 0)).collect();
+    buf.write(0, &first).unwrap();
+    buf.publish(&mut ex).unwrap();
+    let mut imp = SharedBuffer::import(backend.clone(), b, Access::Read).unwrap();
+    let mut got = vec![0u8; g];
+    let rounds = if backend.name() == "cuda" { 1000 } else { 300 };
+    for round in 1..=rounds {
+        buf.truncate(g);
+        buf.shrink_to_fit().unwrap();
+        assert_eq!(buf.capacity(), g, "round {round}: the tail chunk went");
+        buf.grow_to(2 * g).unwrap();
+        let data: Vec<u8> = (0..g).map(|i| pattern(g + i, round)).collect();
+        buf.write(g, &data).unwrap();
+        buf.publish(&mut ex).unwrap();
+        imp.sync().unwrap();
+        imp.read(g, &mut got).unwrap();
+        assert!(
+            got == data,
+            "round {round}: the importer read old data at offset {g:#x}"
+        );
+    }
+    imp.read(0, &mut got).unwrap();
+    assert!(got[..] == first[..g], "the first chunk kept its bytes");
 }

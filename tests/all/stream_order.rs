@@ -9,7 +9,7 @@ use crate::common::gpu;
 use crate::cuda_only::Kernels;
 
 crate::register! {
-    gpu: [a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
+    gpu: [rt8_a_view_fence_never_shadows_the_free_fence, offload_waits_for_a_view_kernel_on_another_stream, a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
     two_gpus: [a_peer_copy_in_flight_holds_off_the_release],
 }
 
@@ -223,5 +223,145 @@ fn a_peer_copy_in_flight_holds_off_the_release() {
         );
         buf.reclaim().unwrap();
         assert_eq!(buf.capacity(), g);
+    }
+}
+
+type CudaArena = vmmbuf::Arena<CudaBackend, std::sync::Arc<CudaStream>>;
+
+/// RT-8 end to end (issue 19): A and B adjacent on stream s; B dropped; a
+/// kernel reads A through a view (its use recorded on s), then a 50 ms
+/// kernel reads and writes A by raw address on s; A dropped. A's block holds
+/// two fences of s: the free's (after the 50 ms kernel) and the view's
+/// (before it). Keeping the view's on the merge with B's block let s2 take
+/// A's bytes, and `release_cached` unmap them, under the running kernel.
+fn rt8_a_view_fence_never_shadows_the_free_fence() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let arena: CudaArena = vmmbuf::Arena::new(b.clone(), vmmbuf::ArenaDesc::new(8 << 30)).unwrap();
+    let (s, s2) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let words = 1u64 << 20; // 4 MiB
+    let bytes = words as usize * 4;
+    for round in 0..5u32 {
+        let x = arena.alloc(bytes, &s).unwrap();
+        let y = arena.alloc(bytes, &s).unwrap();
+        assert_eq!(y.address(), x.address() + bytes as u64, "adjacent");
+        let (at, raw) = (x.address(), x.address());
+        // Fill A, then drop B.
+        let mut l = s.launch_builder(&k.fill);
+        let zero = 0u64;
+        l.arg(&raw).arg(&zero).arg(&words).arg(&round);
+        // SAFETY (test code): writes `words` u32s of A.
+        unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        drop(y);
+        let mut bad = s.alloc_zeros::<u32>(1).unwrap();
+        {
+            // A short kernel through a view: the view's fence on s.
+            let v = x.view::<u32>(&s).unwrap();
+            let mut l = s.launch_builder(&k.spin_check);
+            let spin = 0u64;
+            l.arg(&v)
+                .arg(&zero)
+                .arg(&words)
+                .arg(&round)
+                .arg(&mut bad)
+                .arg(&spin);
+            // SAFETY (test code): reads `words` u32s of the view.
+            unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        }
+        // 50 ms, then a check, by raw address on s: covered by the free's
+        // fence only.
+        let mut l = s.launch_builder(&k.spin_check);
+        let spin = 50_000_000u64;
+        l.arg(&raw)
+            .arg(&zero)
+            .arg(&words)
+            .arg(&round)
+            .arg(&mut bad)
+            .arg(&spin);
+        // SAFETY (test code): reads `words` u32s of A, which is live now.
+        unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        drop(x);
+        // While the 50 ms kernel runs: nothing unmaps A, s2 gets none of it.
+        arena.release_cached().unwrap();
+        let z = arena.alloc(2 * bytes, &s2).unwrap();
+        let (z0, z1) = (z.address(), z.address() + 2 * bytes as u64);
+        assert!(
+            z1 <= at || z0 >= at + bytes as u64,
+            "round {round}: s2 got A's bytes before s's kernel finished"
+        );
+        let mut l = s2.launch_builder(&k.fill);
+        let (zw, seed) = (2 * words, round + 77);
+        l.arg(&z0).arg(&zero).arg(&zw).arg(&seed);
+        // SAFETY (test code): writes z's `2 * words` u32s.
+        unsafe { l.launch(Kernels::cfg(zw)) }.unwrap();
+        s.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: the kernel on s died: {e:?}"));
+        assert_eq!(
+            s.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: A read intact"
+        );
+        s2.synchronize().unwrap();
+        drop(z);
+    }
+}
+
+/// Issue 19: `Arena::offload` waits for the uses recorded on live
+/// allocations. A kernel on stream B reads an allocation of stream A through
+/// a view for 50 ms; the view drops (recording the use on B); offload is
+/// given A only. The chunk must not move under the kernel: it reads intact
+/// data, and every byte is there after restore.
+fn offload_waits_for_a_view_kernel_on_another_stream() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let arena: CudaArena = vmmbuf::Arena::new(b.clone(), vmmbuf::ArenaDesc::new(8 << 30)).unwrap();
+    let (sa, sb) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let words = 1u64 << 20;
+    for round in 0..3u32 {
+        let x = arena.alloc(words as usize * 4, &sa).unwrap();
+        let raw = x.address();
+        let zero = 0u64;
+        let mut l = sa.launch_builder(&k.fill);
+        l.arg(&raw).arg(&zero).arg(&words).arg(&round);
+        // SAFETY (test code): writes `words` u32s of x.
+        unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        sa.synchronize().unwrap();
+        let mut bad = sb.alloc_zeros::<u32>(1).unwrap();
+        {
+            let v = x.view::<u32>(&sb).unwrap();
+            let mut l = sb.launch_builder(&k.spin_check);
+            let spin = 50_000_000u64;
+            l.arg(&v)
+                .arg(&zero)
+                .arg(&words)
+                .arg(&round)
+                .arg(&mut bad)
+                .arg(&spin);
+            // SAFETY (test code): reads `words` u32s of the view.
+            unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        }
+        arena.offload(std::slice::from_ref(&sa)).unwrap();
+        sb.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: the kernel on B died: {e:?}"));
+        assert_eq!(
+            sb.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: it read intact data"
+        );
+        arena.restore(std::slice::from_ref(&sa)).unwrap();
+        let got = sa.clone_dtoh(&x.view::<u32>(&sa).unwrap()).unwrap();
+        assert!(
+            got.iter()
+                .enumerate()
+                .all(|(i, &v)| v == crate::cuda_only::pattern(i as u64, round)),
+            "round {round}: every word kept"
+        );
+        drop(x);
     }
 }

@@ -25,7 +25,9 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::Mutex;
-use vmmbuf::{Arena, ArenaDesc, ArenaStats, ChunkPool, CudaAllocation, CudaBackend, PoolDesc};
+use vmmbuf::{
+    Arena, ArenaDesc, ArenaStats, ArenaStream, ChunkPool, CudaAllocation, CudaBackend, PoolDesc,
+};
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
 
@@ -52,8 +54,12 @@ struct Global {
     budgets: HashMap<c_int, usize>,
     /// The tag new allocations are made under ("" for none).
     tag: String,
-    /// The last stats JSON handed out, kept alive for the caller to copy.
-    json: Option<CString>,
+}
+
+thread_local! {
+    /// The last stats JSON handed out on this thread, kept alive for the
+    /// caller to copy: another thread's call never frees it.
+    static JSON: std::cell::RefCell<Option<CString>> = const { std::cell::RefCell::new(None) };
 }
 
 fn global() -> &'static Mutex<Global> {
@@ -115,12 +121,6 @@ impl Device {
             self.arenas.insert(tag.to_owned(), arena);
         }
         Ok(&self.arenas[tag])
-    }
-
-    /// Every stream PyTorch has allocated on here: what may still use the
-    /// device's memory.
-    fn all_streams(&self) -> Vec<Arc<CudaStream>> {
-        self.streams.values().cloned().collect()
     }
 
     /// The sum of the device's arenas' counters (peaks too: exact with one
@@ -231,11 +231,12 @@ pub extern "C" fn vmmbuf_free(ptr: *mut c_void, size: isize, device: c_int, stre
 
 /// The device's arena statistics as a JSON object with PyTorch's key names
 /// (`allocated_bytes.all.current`, ...). The string stays valid until the
-/// next call; null if the device has no arena yet.
+/// next call on the same thread (each thread has its own); null if the
+/// device has no arena yet.
 #[no_mangle]
 pub extern "C" fn vmmbuf_stats_json(device: c_int) -> *const c_char {
     guard("vmmbuf_stats_json", std::ptr::null(), || {
-        let mut g = global().lock();
+        let g = global().lock();
         let Some(d) = g.devices.get(&device) else {
             return std::ptr::null();
         };
@@ -269,9 +270,13 @@ pub extern "C" fn vmmbuf_stats_json(device: c_int) -> *const c_char {
                 .collect::<Vec<_>>()
                 .into(),
         );
+        drop(g);
         let text = serde_json::Value::Object(m).to_string();
-        g.json = CString::new(text).ok();
-        g.json.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
+        JSON.with(|j| {
+            let mut j = j.borrow_mut();
+            *j = CString::new(text).ok();
+            j.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
+        })
     })
 }
 
@@ -349,8 +354,9 @@ pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
 
 /// Moves `tag`'s allocations (null: every tag's) on every device to pinned
 /// host memory at the same addresses and gives their device memory back.
-/// Waits for the work queued so far on every stream PyTorch allocated on,
-/// never for the whole device. Until `vmmbuf_wake`, new allocations under a
+/// Waits for the work queued so far on the streams of the tag's live
+/// allocations, for the fences of its frees and for the uses recorded on
+/// its allocations; never for the whole device. Until `vmmbuf_wake`, new allocations under a
 /// sleeping tag are made in host memory. Returns the bytes moved, or -1 on
 /// an error (logged; the arena that failed stays as it was).
 ///
@@ -371,6 +377,18 @@ pub unsafe extern "C" fn vmmbuf_wake(tag: *const c_char) -> i64 {
     guard("vmmbuf_wake", -1, || move_tag(tag, false))
 }
 
+/// The streams (once each) of the live allocations that lie in `arena`.
+fn live_streams(live: &HashMap<usize, CudaAllocation>, arena: &TorchArena) -> Vec<Arc<CudaStream>> {
+    let range = arena.base()..arena.base() + RESERVE as u64;
+    let mut seen = HashMap::new();
+    for a in live.values().filter(|a| range.contains(&a.address())) {
+        let s = a.stream();
+        let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key(s);
+        seen.entry(key).or_insert_with(|| s.clone());
+    }
+    seen.into_values().collect()
+}
+
 fn move_tag(tag: *const c_char, sleep: bool) -> i64 {
     let every = tag.is_null();
     let Some(tag) = tag_of(tag) else {
@@ -380,11 +398,16 @@ fn move_tag(tag: *const c_char, sleep: bool) -> i64 {
     let g = global().lock();
     let mut moved = 0i64;
     for d in g.devices.values() {
-        let streams = d.all_streams();
         for (t, arena) in &d.arenas {
             if !every && *t != tag {
                 continue;
             }
+            // The streams of the arena's live allocations: what may still
+            // use its memory. Not every stream ever seen: PyTorch may have
+            // destroyed one (an ExternalStream) since, and recording on a
+            // dead handle fails, or worse. Frees already made carry their
+            // own fences, which the arena waits for.
+            let streams = live_streams(&g.live, arena);
             let r = if sleep {
                 arena.offload(&streams)
             } else {
@@ -406,8 +429,76 @@ fn move_tag(tag: *const c_char, sleep: bool) -> i64 {
 mod tests {
     use super::*;
 
+    /// The plug-in's state is the process's: its tests take turns.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
+    /// A context on GPU 0, or `None` with the reason printed; with
+    /// `VMMBUF_REQUIRE_GPU=1` a missing GPU fails the test instead.
+    fn gpu() -> Option<Arc<cudarc::driver::CudaContext>> {
+        // CudaBackend::new checks for the driver library before cudarc
+        // touches it (cudarc panics without one).
+        let why = match CudaBackend::new(0) {
+            Ok(b) => return Some(b.context().clone()),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            std::env::var("VMMBUF_REQUIRE_GPU").as_deref() != Ok("1"),
+            "VMMBUF_REQUIRE_GPU=1 but no GPU: {why}"
+        );
+        eprintln!("skipped (needs a GPU): {why}");
+        None
+    }
+
+    /// Issue 19: sleep recorded a fence on every stream ever seen, one that
+    /// PyTorch had destroyed since included; now it waits on the streams of
+    /// live allocations. And the stats JSON of one thread was freed by the
+    /// next call of another: two threads call it 100,000 times each.
+    #[test]
+    fn gpu_sleep_skips_destroyed_streams_and_stats_json_is_per_thread() {
+        let _turn = SERIAL.lock();
+        let Some(ctx) = gpu() else { return };
+        let raw = |s: &Arc<CudaStream>| s.cu_stream() as *mut c_void;
+        let keep = ctx.new_stream().unwrap();
+        let gone = ctx.new_stream().unwrap();
+        let p = vmmbuf_malloc(1 << 20, 0, raw(&gone));
+        assert!(!p.is_null());
+        vmmbuf_free(p, 1 << 20, 0, raw(&gone));
+        gone.synchronize().unwrap();
+        drop(gone); // destroyed, as an ExternalStream's may be
+        let q = vmmbuf_malloc(4 << 20, 0, raw(&keep));
+        assert!(!q.is_null());
+        // SAFETY: null names every tag.
+        let (slept, woke) = unsafe {
+            (
+                vmmbuf_sleep(std::ptr::null()),
+                vmmbuf_wake(std::ptr::null()),
+            )
+        };
+        assert!(slept >= 0 && woke >= 0, "sleep {slept}, wake {woke}");
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                std::thread::spawn(|| {
+                    for _ in 0..100_000 {
+                        let p = vmmbuf_stats_json(0);
+                        assert!(!p.is_null());
+                        // SAFETY: valid until this thread's next call.
+                        let text = unsafe { CStr::from_ptr(p) }.to_str().unwrap();
+                        let v: serde_json::Value = serde_json::from_str(text).unwrap();
+                        assert!(v["allocated_bytes.all.current"].as_u64().unwrap() >= 4 << 20);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        vmmbuf_free(q, 4 << 20, 0, raw(&keep));
+        keep.synchronize().unwrap();
+    }
+
     #[test]
     fn bad_calls_are_answered_not_crashed() {
+        let _turn = SERIAL.lock();
         // No GPU needed: these never reach the driver.
         assert!(vmmbuf_malloc(0, 0, std::ptr::null_mut()).is_null());
         assert!(vmmbuf_malloc(-5, 0, std::ptr::null_mut()).is_null());
