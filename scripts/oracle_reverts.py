@@ -31,16 +31,15 @@ ADD_IF_ABSENT_NEW = '''    /// (revert) Adds `f` only if its stream has no fence
 
 if name == "rt3":
     # coalesce keeps the left (pending) block's fence per stream, as the
-    # position-based merge did.
-    edit("src/order.rs", ADD_IF_ABSENT, ADD_IF_ABSENT_NEW)
+    # position-based merge did (the left block's fences are made to win).
     edit("src/arena/blocks.rs", "            self.link(left, merge(l, r, self.join_settled));",
-         """            let mut m = merge(l, Free { size: r.size, stream: r.stream, fences: FenceSet::default() }, self.join_settled);
-            let keep = std::mem::take(&mut m.fences);
-            for f in keep.into_vec() { m.fences.add_if_absent(f); }
-            for f in r.fences.into_vec() { m.fences.add_if_absent(f); }
-            self.link(left, m);""")
-    edit("src/order.rs", "    pub(crate) fn is_empty(&self) -> bool {",
-         "    pub(crate) fn into_vec(self) -> Vec<Stamped<F>> {\n        self.0\n    }\n\n    pub(crate) fn is_empty(&self) -> bool {")
+         """            let mut l = l;
+            if !l.settled() {
+                for f in l.fences.iter_mut() {
+                    f.seq = u64::MAX;
+                }
+            }
+            self.link(left, merge(l, r, self.join_settled));""")
 elif name == "rt4":
     # The free's fence is recorded before it is numbered (outside the lock
     # that orders them), as it was recorded before the arena's lock.

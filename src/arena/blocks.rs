@@ -159,13 +159,40 @@ impl<F> Blocks<F> {
 
     /// Adds a free block (not overlapping any), merging it with mergeable
     /// neighbours that touch it.
-    pub(crate) fn insert(&mut self, mut offset: usize, mut f: Free<F>) {
+    pub(crate) fn insert(&mut self, offset: usize, f: Free<F>) {
+        self.insert_tagged(offset, f, false);
+    }
+
+    /// Adds fresh memory mapped for stream `key` (settled, tagged with
+    /// `key`): merged with neighbours as [`insert`](Self::insert) does, but
+    /// what it merges into stays tagged with `key` while settled, so that it
+    /// never joins another stream's pending block and `key` can take it.
+    pub(crate) fn insert_fresh(&mut self, offset: usize, size: usize, key: StreamKey) {
+        let f = Free {
+            size,
+            stream: Some(key),
+            fences: FenceSet::default(),
+        };
+        self.insert_tagged(offset, f, true);
+    }
+
+    fn insert_tagged(&mut self, mut offset: usize, mut f: Free<F>, keep_tag: bool) {
         debug_assert!(f.size > 0);
+        let tag = f.stream;
+        // Tags matter only where settled blocks join pending ones as they
+        // are inserted; elsewhere merges drop them (see `merge`).
+        let keep_tag = keep_tag && self.join_settled;
+        let retag = |m: &mut Free<F>| {
+            if keep_tag && m.settled() {
+                m.stream = tag;
+            }
+        };
         if let Some((lo, left)) = self.ending_at(offset) {
             if left.mergeable(&f, self.join_settled) {
                 let left = self.unlink(lo).expect("just found");
                 offset = lo;
                 f = merge(left, f, self.join_settled);
+                retag(&mut f);
             }
         }
         let end = offset + f.size;
@@ -176,6 +203,7 @@ impl<F> Blocks<F> {
         {
             let right = self.unlink(end).expect("just found");
             f = merge(f, right, self.join_settled);
+            retag(&mut f);
         }
         self.link(offset, f);
     }

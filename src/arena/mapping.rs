@@ -4,7 +4,7 @@
 //! lowest hole that fits (pooled ones first); and how whole free chunks go
 //! back to the pool. Every function runs under the arena's lock.
 
-use super::blocks::{Free, StreamKey};
+use super::blocks::StreamKey;
 use super::{Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -139,14 +139,7 @@ impl<B: Backend> Shared<B> {
         }
         // Fresh memory: any stream may use it; tagged with `key` so it merges
         // with `key`'s pending block before it.
-        st.zones[z].insert(
-            at,
-            Free {
-                size: need,
-                stream: Some(key),
-                fences: crate::order::FenceSet::default(),
-            },
-        );
+        st.zones[z].insert_fresh(at, need, key);
         Ok(())
     }
 

@@ -38,6 +38,7 @@ crate::register! {
         oracle_arena_keep_mapped,
         oracle_buffers,
         oracle_catches_a_release_under_running_work,
+        oracle_case_1,
     ],
 }
 
@@ -344,6 +345,11 @@ enum AOp {
         units: usize,
         s: usize,
     },
+    /// A request on `s` larger than any block (it coalesces `s`'s pending
+    /// blocks with settled neighbours, then maps), freed at once.
+    Miss {
+        s: usize,
+    },
     Use {
         which: usize,
         s: usize,
@@ -372,6 +378,7 @@ const STREAMS: usize = 3;
 fn aop() -> impl Strategy<Value = AOp> {
     prop_oneof![
         6 => (1..48usize, 0..STREAMS).prop_map(|(units, s)| AOp::Alloc { units, s }),
+        1 => (0..STREAMS).prop_map(|s| AOp::Miss { s }),
         5 => (0..64usize, 0..STREAMS, any::<bool>()).prop_map(|(which, s, record_use)| AOp::Use { which, s, record_use }),
         4 => (0..64usize).prop_map(|which| AOp::Free { which }),
         1 => (0..64usize, any::<bool>()).prop_map(|(which, work)| AOp::FreeRacing { which, work }),
@@ -467,6 +474,16 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
                     e
                 ),
             },
+            AOp::Miss { s } => {
+                let a = arena.alloc(200 * 4096, &streams[s]).unwrap();
+                model.lock().check(
+                    a.address(),
+                    a.capacity(),
+                    Some(streams[s].q.id),
+                    &format!("handing a large request to stream {}", streams[s].q.id),
+                );
+                drop(a);
+            }
             AOp::Use {
                 which,
                 s,
@@ -727,4 +744,67 @@ fn oracle_catches_a_release_under_running_work() {
     eprintln!("  the oracle reported: {v:?}");
     assert_eq!(v.len(), 1, "the unmap under unrecorded work is reported");
     assert!(v[0].contains("unmap") && v[0].contains("unrecorded work"));
+}
+
+/// A case the oracle printed (keep-mapped mode), kept as a regression test.
+fn oracle_case_1() {
+    let ops = vec![
+        AOp::Alloc { units: 20, s: 2 },
+        AOp::Alloc { units: 41, s: 0 },
+        AOp::Miss { s: 0 },
+        AOp::Alloc { units: 30, s: 0 },
+        AOp::Alloc { units: 12, s: 0 },
+        AOp::Alloc { units: 31, s: 0 },
+        AOp::Alloc { units: 25, s: 2 },
+        AOp::Alloc { units: 43, s: 0 },
+        AOp::Alloc { units: 22, s: 0 },
+        AOp::Alloc { units: 6, s: 0 },
+        AOp::Alloc { units: 47, s: 1 },
+        AOp::Alloc { units: 3, s: 2 },
+        AOp::Alloc { units: 1, s: 0 },
+        AOp::Alloc { units: 24, s: 0 },
+        AOp::Free { which: 10 },
+        AOp::Alloc { units: 1, s: 0 },
+        AOp::Alloc { units: 16, s: 1 },
+        AOp::FreeRacing {
+            which: 32,
+            work: false,
+        },
+        AOp::Release,
+        AOp::FreeRacing {
+            which: 10,
+            work: false,
+        },
+        AOp::Free { which: 48 },
+        AOp::Alloc { units: 1, s: 0 },
+        AOp::Alloc { units: 1, s: 0 },
+        AOp::Free { which: 38 },
+        AOp::Complete { s: 0, n: 1 },
+        AOp::FreeRacing {
+            which: 9,
+            work: false,
+        },
+        AOp::Use {
+            which: 1,
+            s: 1,
+            record_use: false,
+        },
+        AOp::Free { which: 27 },
+        AOp::Free { which: 7 },
+        AOp::Free { which: 62 },
+        AOp::Free { which: 2 },
+        AOp::Alloc { units: 31, s: 0 },
+        AOp::Alloc { units: 12, s: 0 },
+        AOp::Alloc { units: 30, s: 0 },
+        AOp::Release,
+        AOp::Alloc { units: 19, s: 1 },
+        AOp::Alloc { units: 19, s: 1 },
+        AOp::Alloc { units: 30, s: 1 },
+        AOp::Free { which: 7 },
+        AOp::Alloc { units: 23, s: 0 },
+        AOp::Alloc { units: 22, s: 0 },
+    ];
+    for _ in 0..20 {
+        run_arena(ops.clone(), true).unwrap();
+    }
 }
