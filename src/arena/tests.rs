@@ -171,8 +171,36 @@ fn out_of_memory_leaves_existing_allocations_intact() {
         }
         other => panic!("over the budget: {other:?}"),
     }
+    assert!(
+        a.alloc(8 * G, &s).unwrap_err().is_transient(),
+        "fits the budget once memory is freed: worth a retry"
+    );
+    // Larger than the budget: no retry can succeed, and the error says so.
+    match a.alloc(17 * G, &s) {
+        Err(
+            e @ Error::ArenaOutOfMemory {
+                never_fits: true,
+                budget_bytes: Some(b),
+                ..
+            },
+        ) => {
+            assert_eq!(b, 16 * G);
+            assert!(!e.is_transient());
+            assert!(e.to_string().contains("no retry can succeed"), "{e}");
+        }
+        other => panic!("over the budget, never fits: {other:?}"),
+    }
+    // Larger than the reservation's large zone too.
+    assert!(matches!(
+        a.alloc(2 << 30, &s),
+        Err(Error::ArenaOutOfMemory {
+            never_fits: true,
+            ..
+        })
+    ));
+    assert_eq!(a.stats().num_ooms, 4);
     let st = a.stats();
-    assert_eq!((st.num_ooms, st.allocated_bytes.current), (1, 12 * G));
+    assert_eq!((st.num_ooms, st.allocated_bytes.current), (4, 12 * G));
     for (i, al) in kept.iter().enumerate() {
         let mut back = vec![0u8; 4 * G];
         al.read(0, &mut back).unwrap();
