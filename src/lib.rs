@@ -35,6 +35,19 @@
 //! chunk sizes follow the buffer: the cost of growing is per mapping, not per
 //! byte, so the default policy sizes chunks with the buffer.
 //!
+//! For tensors, an [`Arena`] is a stream-ordered allocator over one
+//! reservation: many owned [`Allocation`]s of any size, freed on drop in
+//! stream order (the block goes to another stream only once every recorded
+//! use has passed), with PyTorch-named statistics ([`ArenaStats`]), traces,
+//! and sleep/wake to pinned host memory at the same addresses
+//! ([`Arena::offload`], [`Arena::restore`]). `vmmbuf-torch` makes it
+//! PyTorch's CUDA allocator.
+//!
+//! A buffer created [shareable](BufferDesc::shareable) can be followed by
+//! other processes: [`GrowableBuffer::publish`] sends each generation over a
+//! Unix socket ([`Exporter`]), and a [`SharedBuffer`] maps the same chunks at
+//! the same offsets in its own range, on the same or another GPU.
+//!
 //! Beyond growing:
 //! - **Placement and access** ([`Location`], [`Access`], [`MigrationPolicy`],
 //!   [`MigrationPlan`]): chunks live on a GPU or in pinned host memory and move
@@ -57,6 +70,12 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 #![deny(unsafe_op_in_unsafe_fn)]
+
+/// The README's Rust blocks, compiled (and, where they need no GPU, run) as
+/// doctests: the code a newcomer copies first must build.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 
 mod arena;
 mod backend;

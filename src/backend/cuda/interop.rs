@@ -41,6 +41,12 @@ use crate::backend::Uses;
 
 /// Element types a view may hold: any bit pattern is a valid value (so bytes
 /// the GPU wrote can be read back as `T`), and the type can cross to the device.
+///
+/// The primitive integers and floats qualify. `half::f16` and `half::bf16`
+/// qualify once two features are on in the user's `Cargo.toml`: cudarc's
+/// `f16` (its `DeviceRepr` for them) and half's `bytemuck` (`Pod`), e.g.
+/// `cudarc = { version = "0.19", features = ["f16"] }` and
+/// `half = { version = "2", features = ["bytemuck"] }`.
 pub trait Element: DeviceRepr + bytemuck::Pod {}
 impl<T: DeviceRepr + bytemuck::Pod> Element for T {}
 
