@@ -94,11 +94,12 @@ mod table;
 
 pub use arena::{
     parse_trace, replay_trace, Allocation, Arena, ArenaDesc, ArenaSnapshot, ArenaStats,
-    ArenaStream, BlockInfo, CudaAllocation, HostStream, ReplayReport, StatValue, TraceEvent,
-    TRACE_HEADER,
+    ArenaStream, BlockInfo, CudaAllocation, CudaArena, HostStream, ReplayReport, StatValue,
+    TraceEvent, TRACE_HEADER,
 };
 pub use backend::cuda::interop::{Element, SliceRef, View, ViewMut};
 pub use backend::cuda::probe::{probe, DeviceProbe, Probe};
+pub use backend::cuda::tensor::CudaTensor;
 pub use backend::cuda::{CudaBackend, CudaChunk, CudaFence, CudaReservation};
 #[cfg(target_os = "linux")]
 pub use backend::host::{HostBackend, HostChunk, HostFence, HostReservation};

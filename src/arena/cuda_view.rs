@@ -15,6 +15,11 @@ use crate::CudaBackend;
 /// An allocation of a CUDA arena.
 pub type CudaAllocation = Allocation<CudaBackend, Arc<CudaStream>>;
 
+/// An arena on one GPU, for cudarc's streams: owned typed tensors come from
+/// [`alloc_tensor`](CudaArena::alloc_tensor) and
+/// [`alloc_zeros`](CudaArena::alloc_zeros).
+pub type CudaArena = super::Arena<CudaBackend, Arc<CudaStream>>;
+
 impl Allocation<CudaBackend, Arc<CudaStream>> {
     /// The allocation as `len()/size_of::<T>()` elements of `T`, for cudarc
     /// copies and kernel arguments on `stream` (its own stream, or another
@@ -39,8 +44,13 @@ impl Allocation<CudaBackend, Arc<CudaStream>> {
 
     /// cudarc's copies of host memory (an offloaded arena) run on the CPU
     /// inside the driver: host-placed chunks need the host's access entry.
-    fn grant_cpu(&self) -> Result<()> {
+    pub(crate) fn grant_cpu(&self) -> Result<()> {
         self.with_cpu_access(0, self.size, |_, _, _| Ok(()))
+    }
+
+    /// The list views record their uses in.
+    pub(crate) fn uses_ref(&self) -> &crate::backend::Uses<crate::CudaFence> {
+        &self.uses
     }
 
     fn elements<T>(&self) -> Result<usize> {

@@ -14,7 +14,7 @@ pub use allocation::Allocation;
 use stats::SplitCount;
 pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
 
-pub use cuda_view::CudaAllocation;
+pub use cuda_view::{CudaAllocation, CudaArena};
 
 pub use trace::{parse_trace, replay_trace, ReplayReport, TraceEvent, TRACE_HEADER};
 
@@ -354,6 +354,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// The backend.
     pub fn backend(&self) -> &Arc<B> {
         &self.shared.backend
+    }
+
+    /// The alignment (and size multiple) of every allocation.
+    pub fn alignment(&self) -> usize {
+        self.shared.alignment
     }
 
     /// The pool whole free chunks go to.

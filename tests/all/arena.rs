@@ -14,7 +14,7 @@ use crate::cuda_only::{pattern, Kernels};
 
 crate::register! {
     host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena],
-    gpu: [gpu_statistics_keep_pytorchs_invariants_at_every_step, cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
+    gpu: [owned_typed_tensors_behave_as_cudarc_slices, gpu_statistics_keep_pytorchs_invariants_at_every_step, cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
 }
 
 fn a_pytorch_training_trace_takes_at_most_1_01x_its_peak() {
@@ -335,4 +335,83 @@ fn gpu_statistics_keep_pytorchs_invariants_at_every_step() {
             st.allocated_bytes.peak, st.active_bytes.peak, st.reserved_bytes.peak
         );
     }
+}
+
+/// Issue 20, item 6: `CudaTensor<T>`, the owned typed tensor, does what an
+/// engine does with a `CudaSlice<T>`: copies both ways (every element
+/// checked), kernel arguments, `slice`, `split_at_mut`, `alloc_zeros` (over
+/// memory that held data), copies on another stream, typed errors, and a
+/// stream-ordered free on drop.
+fn owned_typed_tensors_behave_as_cudarc_slices() {
+    use rand::{Rng, SeedableRng};
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let arena: vmmbuf::CudaArena = Arena::new(b.clone(), ArenaDesc::new(8 << 30)).unwrap();
+    let (s, other) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(20);
+    for round in 0..10u32 {
+        let n = rng.gen_range(1..3_000_000usize);
+        let data: Vec<u32> = (0..n).map(|_| rng.gen()).collect();
+        let mut t = arena.alloc_tensor::<u32>(n, &s).unwrap();
+        assert_eq!((t.len(), t.num_bytes()), (n, n * 4));
+        s.memcpy_htod(&data, &mut t).unwrap();
+        assert_eq!(
+            s.clone_dtoh(&t).unwrap(),
+            data,
+            "round {round}: a round trip"
+        );
+        let (a, z) = (n / 3, n - n / 7);
+        assert_eq!(s.clone_dtoh(&t.slice(a..z).unwrap()).unwrap(), data[a..z]);
+        assert_eq!(
+            other.clone_dtoh(&t).unwrap(),
+            data,
+            "a copy on another stream"
+        );
+        // Kernel argument: fill writes pattern(i, seed) through the tensor.
+        let mut l = s.launch_builder(&k.fill);
+        let (zero, words) = (0u64, n as u64);
+        l.arg(&mut t).arg(&zero).arg(&words).arg(&round);
+        // SAFETY (test code): writes `n` u32s of the tensor.
+        unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        let got = s.clone_dtoh(&t).unwrap();
+        assert!(got
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| v == pattern(i as u64, round)));
+        // Two halves written at once.
+        let mid = n / 2;
+        {
+            let (mut lo, mut hi) = t.split_at_mut(mid).unwrap();
+            s.memcpy_htod(&data[mid..], &mut hi).unwrap();
+            s.memcpy_htod(&data[..mid], &mut lo).unwrap();
+        }
+        assert_eq!(
+            s.clone_dtoh(&t).unwrap(),
+            data,
+            "round {round}: both halves"
+        );
+        assert!(t.split_at_mut(n + 1).is_err());
+        assert!(t.slice(..n + 1).is_err());
+        drop(t);
+        // s may reuse its free at once (memory that held data): cleared.
+        let zeros = arena.alloc_zeros::<u32>(n, &s).unwrap();
+        assert!(
+            s.clone_dtoh(&zeros).unwrap().iter().all(|&v| v == 0),
+            "round {round}: zeroed"
+        );
+    }
+    assert!(matches!(
+        arena.alloc_tensor::<u32>(0, &s),
+        Err(vmmbuf::Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        arena.alloc_tensor::<u64>(usize::MAX / 4, &s),
+        Err(vmmbuf::Error::InvalidArgument(_))
+    ));
+    s.synchronize().unwrap();
+    let st = arena.stats();
+    assert_eq!((st.allocated_bytes.current, st.num_device_syncs), (0, 0));
 }

@@ -464,6 +464,24 @@ pub(crate) unsafe fn memcpy_dtod_async(
     )
 }
 
+/// `cuMemsetD8Async` of `bytes` zero bytes at `dst`, queued on `stream`.
+///
+/// # Safety
+/// `[dst, dst + bytes)` is mapped with write access for the stream's device
+/// until the memset has finished.
+pub(crate) unsafe fn memset_zeros_async(
+    dst: sys::CUdeviceptr,
+    bytes: usize,
+    stream: &CudaStream,
+) -> Result<()> {
+    // SAFETY: forwarded to the caller.
+    check(
+        "cuMemsetD8Async",
+        unsafe { sys::cuMemsetD8Async(dst, 0, bytes, stream.cu_stream()) },
+        bytes,
+    )
+}
+
 /// `cuMemcpyDtoH` into `dst`: synchronous.
 ///
 /// # Safety

@@ -15,6 +15,7 @@
 pub(crate) mod driver;
 pub(crate) mod interop;
 pub(crate) mod probe;
+pub(crate) mod tensor;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
