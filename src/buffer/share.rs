@@ -6,9 +6,7 @@ use std::os::fd::OwnedFd;
 use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::ipc::{
-    placement_code, send_frame, Exporter, Head, Record, FDS_PER_MESSAGE, KIND_DESC, KIND_FDS, MAGIC,
-};
+use crate::ipc::{describe, send_frame, Chunk, Exporter, Head, FDS_PER_MESSAGE, KIND_FDS, MAGIC};
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Sends the buffer's current layout to the importer on `to`, as its
@@ -41,36 +39,29 @@ impl<B: Backend> GrowableBuffer<B> {
         g.check_poison()?;
         self.published
             .store(true, std::sync::atomic::Ordering::Release);
-        let mut records = Vec::with_capacity(g.table.chunk_count());
-        let mut fds = Vec::new();
-        let mut fresh_at = Vec::new();
-        for (offset, e) in g.table.iter() {
-            let id = self.backend.chunk_id(&e.chunk);
-            let (o, b) = (offset as u64, e.bytes as u64);
-            let fresh = to.sent.get(&o) != Some(&(b, id));
-            if fresh {
+        let d = describe(
+            to.generation + 1,
+            self.reserved as u64,
+            self.granularity as u64,
+            g.table.len() as u64,
+            g.table.iter().map(|(offset, e)| Chunk {
+                offset: offset as u64,
+                bytes: e.bytes as u64,
+                placement: e.placement,
+                id: self.backend.chunk_id(&e.chunk),
+            }),
+            &to.sent,
+        );
+        // The descriptors of the fresh chunks, in record order (one record
+        // per chunk of the table, in its order).
+        let mut fds = Vec::with_capacity(d.fresh_at.len());
+        for ((_, e), r) in g.table.iter().zip(&d.records) {
+            if r.fresh != 0 {
                 fds.push(self.backend.export(&e.chunk)?);
-                fresh_at.push(records.len() as u64);
             }
-            records.push(Record {
-                offset: o,
-                bytes: b,
-                placement: placement_code(e.placement),
-                id,
-                fresh: fresh as u64,
-            });
         }
-        let generation = to.generation + 1;
-        let head = Head {
-            magic: MAGIC,
-            kind: KIND_DESC,
-            generation,
-            reserved: self.reserved as u64,
-            granularity: self.granularity as u64,
-            len: g.table.len() as u64,
-            count: records.len() as u64,
-            fds: fds.len() as u64,
-        };
+        let (head, records, fresh_at, generation) =
+            (d.head, d.records, d.fresh_at, d.head.generation);
         drop(g);
         let result = (|| {
             send_frame(&to.socket, &head, bytemuck::cast_slice(&records), &[])?;

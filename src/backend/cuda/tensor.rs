@@ -69,7 +69,7 @@ impl CudaArena {
     /// An owned tensor of `len` elements of `T` for work on `stream`. Its
     /// contents are whatever the memory held (any bit pattern is a valid
     /// `T`); [`alloc_zeros`](Self::alloc_zeros) clears them. Errors as
-    /// [`alloc`](Arena::alloc); `len` of 0 or a size that overflows is
+    /// [`alloc`](crate::Arena::alloc); `len` of 0 or a size that overflows is
     /// [`Error::InvalidArgument`].
     pub fn alloc_tensor<T: Element>(
         &self,

@@ -1,0 +1,372 @@
+//! The importer's side of a shared buffer: [`SharedBuffer`]. A generation
+//! is validated first (`wire::validate`, no effect), then applied in named
+//! steps: import the fresh chunks, swap the mappings (undone on error),
+//! commit.
+
+use std::collections::BTreeMap;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use super::socket::{recv_generation, Generation};
+use super::wire::{validate, Held, Plan};
+use crate::backend::{Backend, Uses};
+use crate::error::{Error, Result};
+use crate::location::{Access, AccessDesc, Location};
+use crate::table::{driver_access, ChunkTable, Entry};
+
+/// A buffer another process shares: the importer's side.
+///
+/// [`import`](Self::import) receives the exporter's first generation over
+/// a Unix socket, reserves an address range of the same size and maps every
+/// chunk at its own offset, with access for this backend's device (and the
+/// host, for chunks in host memory). [`sync`](Self::sync) follows the
+/// exporter's growth. Offsets mean the same bytes in both processes; the base
+/// address is this process's own.
+///
+/// All or nothing: a failed import or sync maps nothing new and unmaps
+/// nothing; the descriptors received are closed. Kernels that read the
+/// buffer by address must be recorded ([`record_use`](Self::record_use))
+/// before a sync or drop unmaps what they read.
+pub struct SharedBuffer<B: Backend> {
+    backend: Arc<B>,
+    socket: UnixStream,
+    res: Option<B::Reservation>,
+    table: ChunkTable<B::Chunk>,
+    /// The exporter's chunk id at each offset.
+    ids: BTreeMap<usize, u64>,
+    base: u64,
+    reserved: usize,
+    granularity: usize,
+    generation: u64,
+    grants: Vec<AccessDesc>,
+    uses: Uses<B::Fence>,
+    poisoned: Option<String>,
+    /// Chunks an undo could not unmap: dropped after the reservation.
+    quarantine: Vec<B::Chunk>,
+}
+
+impl<B: Backend> std::fmt::Debug for SharedBuffer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBuffer")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("generation", &self.generation)
+            .field("len", &self.table.len())
+            .field("chunks", &self.table.chunk_count())
+            .finish()
+    }
+}
+
+impl<B: Backend> SharedBuffer<B> {
+    /// Receives the exporter's next generation on `socket` and maps it in a
+    /// reservation of its own, granting `access` to this backend's device
+    /// (and to the host for host-placed chunks).
+    ///
+    /// Errors: [`Error::PeerGone`], [`Error::Protocol`] (including a chunk
+    /// placed on a GPU this device cannot reach), driver errors; nothing
+    /// stays mapped and no descriptor stays open.
+    pub fn import(backend: Arc<B>, socket: UnixStream, access: Access) -> Result<Self> {
+        let gen = recv_generation(&socket)?;
+        let reserved = gen.head.reserved as usize;
+        let granularity = gen.head.granularity as usize;
+        let home = backend.home();
+        let g = backend.granularity(home)?;
+        if granularity == 0
+            || !granularity.is_power_of_two()
+            || !granularity.is_multiple_of(g)
+            || reserved == 0
+            || !reserved.is_multiple_of(granularity)
+        {
+            return Err(Error::protocol(format!(
+                "reservation {reserved} at granularity {granularity} (this device's is {g})"
+            )));
+        }
+        let table = ChunkTable::new(reserved, g)?;
+        let res = backend.reserve(reserved, granularity)?;
+        let base = backend.base(&res);
+        let mut grants = vec![AccessDesc::new(home, access)];
+        if home != Location::Host {
+            grants.push(AccessDesc::new(Location::Host, access));
+        }
+        let mut this = Self {
+            backend,
+            socket,
+            res: Some(res),
+            table,
+            ids: BTreeMap::new(),
+            base,
+            reserved,
+            granularity,
+            generation: 0,
+            grants,
+            uses: Uses::default(),
+            poisoned: None,
+            quarantine: Vec::new(),
+        };
+        this.apply(gen)?;
+        Ok(this)
+    }
+
+    /// Waits for the exporter's next generation and applies it: maps the
+    /// chunks that are new, unmaps those the exporter gave up (after the
+    /// recorded uses), and takes the new length. Returns the generation.
+    ///
+    /// Errors: [`Error::PeerGone`] when the exporter is gone,
+    /// [`Error::StaleGeneration`] for a generation not past this one,
+    /// [`Error::Protocol`] for anything malformed; the buffer is as before.
+    pub fn sync(&mut self) -> Result<u64> {
+        self.check_poison()?;
+        let gen = recv_generation(&self.socket)?;
+        self.apply(gen)?;
+        Ok(self.generation)
+    }
+
+    fn check_poison(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(reason) => Err(Error::Poisoned {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks a generation against what is held, imports its fresh chunks,
+    /// then swaps the mappings: all or nothing.
+    fn apply(&mut self, gen: Generation) -> Result<()> {
+        let backend = &*self.backend;
+        let held = Held {
+            generation: self.generation,
+            reserved: self.reserved,
+            granularity: self.granularity,
+            ids: &self.ids,
+        };
+        let plan = validate(
+            &gen.head,
+            &gen.records,
+            &held,
+            |place| backend.granularity(place),
+            |place| match (place, backend.home()) {
+                (Location::Device(d), Location::Device(me)) if d != me => {
+                    backend.can_access_peer(me, d)
+                }
+                _ => Ok(true),
+            },
+        )?;
+        let fresh = self.import_fresh(gen, &plan)?;
+        if !plan.gone.is_empty() {
+            // What goes may still be read by recorded work. On error the
+            // imported chunks drop, closing their handles.
+            self.wait_uses()?;
+        }
+        self.swap_mappings(&plan, fresh)?;
+        self.generation = plan.generation;
+        tracing::debug!(
+            generation = plan.generation,
+            chunks = self.table.chunk_count(),
+            "vmmbuf: synced"
+        );
+        Ok(())
+    }
+
+    /// Step 1: every fresh chunk of the plan, imported from its descriptor.
+    /// Failing here changes nothing (the descriptors and the chunks imported
+    /// so far close as they drop).
+    fn import_fresh(&self, mut gen: Generation, plan: &Plan) -> Result<Vec<B::Chunk>> {
+        plan.fresh
+            .iter()
+            .map(|f| {
+                let fd = gen
+                    .fds
+                    .remove(&f.index)
+                    .expect("one descriptor per fresh record (checked on receipt)");
+                self.backend.import(fd, f.bytes, f.placement)
+            })
+            .collect()
+    }
+
+    /// Step 2: unmaps what goes, maps and grants what comes, sets the
+    /// length; undone on error (an undo that fails poisons the buffer and
+    /// quarantines the chunks that may still be mapped).
+    fn swap_mappings(&mut self, plan: &Plan, fresh: Vec<B::Chunk>) -> Result<()> {
+        let backend = &*self.backend;
+        let res = self.res.as_mut().expect("the reservation lives until drop");
+        let table = &mut self.table;
+        let grants = &self.grants;
+        let mut removed: Vec<(usize, Entry<B::Chunk>)> = Vec::new();
+        let mut mapped: Vec<(usize, usize)> = Vec::new();
+        // The table keeps chunks in use; the new length is set at the end.
+        let old_len = table.len();
+        table.set_len(0).expect("0 is always a valid length");
+        let step = (|| {
+            for &o in &plan.gone {
+                let bytes = table.get(o).expect("held").bytes;
+                backend.unmap(res, o, bytes)?;
+                removed.push((o, table.remove(o).expect("held")));
+            }
+            for (f, chunk) in plan.fresh.iter().zip(&fresh) {
+                backend.map(res, f.offset, chunk)?;
+                mapped.push((f.offset, f.bytes));
+                backend.set_access(res, f.offset, f.bytes, &driver_access(grants, f.placement))?;
+            }
+            Ok::<(), Error>(())
+        })();
+        if let Err(e) = step {
+            // Put it back as it was; a failure here poisons.
+            let mut undo = Ok(());
+            for (o, bytes) in mapped.into_iter().rev() {
+                undo = undo.and(backend.unmap(res, o, bytes));
+            }
+            for (o, entry) in removed.into_iter().rev() {
+                let list = entry.driver_access();
+                undo = undo
+                    .and_then(|()| backend.map(res, o, &entry.chunk))
+                    .and_then(|()| backend.set_access(res, o, entry.bytes, &list));
+                table.insert(o, entry).expect("it was there");
+            }
+            table.set_len(old_len).expect("the old chunks are back");
+            match undo {
+                Ok(()) => {
+                    for chunk in fresh {
+                        let _ = backend.release(chunk);
+                    }
+                }
+                Err(u) => {
+                    // The first reason stays.
+                    self.poisoned
+                        .get_or_insert_with(|| format!("undoing a failed sync: {u}"));
+                    // They may still be mapped: kept until the reservation
+                    // is gone.
+                    self.quarantine.extend(fresh);
+                }
+            }
+            return Err(e);
+        }
+        // Step 3: commit (what went first: a fresh chunk may take the
+        // offset of one that went).
+        for (o, entry) in removed {
+            self.ids.remove(&o);
+            let _ = backend.release(entry.chunk);
+        }
+        for (f, chunk) in plan.fresh.iter().zip(fresh) {
+            let mut entry = Entry::new(chunk, f.bytes, f.placement);
+            entry.access = driver_access(grants, f.placement).into();
+            table
+                .insert(f.offset, entry)
+                .expect("validated: in order and unmapped");
+            self.ids.insert(f.offset, f.id);
+        }
+        table
+            .set_len(plan.len)
+            .expect("validated: the length lies within the chunks from offset 0");
+        Ok(())
+    }
+
+    fn wait_uses(&self) -> Result<()> {
+        self.uses.each(|f| self.backend.wait(f))
+    }
+
+    /// Records work that reads the buffer by address (a kernel on a stream):
+    /// a sync that unmaps, and drop, wait for it first.
+    pub fn record_use(&self, fence: B::Fence) {
+        self.uses.put(self.backend.fence_key(&fence), fence);
+    }
+
+    /// This process's address of offset 0.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// The exporter's length (bytes in use) as of the last generation.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// True when the length is 0.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes mapped here.
+    pub fn capacity(&self) -> usize {
+        self.table.mapped_bytes()
+    }
+
+    /// The size of the reservation (the exporter's).
+    pub fn reserved(&self) -> usize {
+        self.reserved
+    }
+
+    /// The generation held.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Chunks mapped here.
+    pub fn chunk_count(&self) -> usize {
+        self.table.chunk_count()
+    }
+
+    /// The backend this buffer is mapped in.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The socket, e.g. to answer the exporter.
+    pub fn socket(&self) -> &UnixStream {
+        &self.socket
+    }
+
+    /// Copies `dst.len()` bytes in use from `offset` into `dst` (after the
+    /// recorded uses). The exporter may be writing meanwhile: the bytes are
+    /// what the memory held when copied.
+    pub fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check_poison()?;
+        self.table.check_in_use(offset, dst.len())?;
+        self.wait_uses()?;
+        let res = self.res.as_ref().expect("the reservation lives until drop");
+        self.backend.read(res, offset, dst)
+    }
+
+    /// Copies `src` into the bytes in use from `offset`: the exporter's
+    /// memory itself, which it reads at the same offset. Needs the buffer
+    /// imported with [`Access::ReadWrite`] (else [`Error::InvalidArgument`],
+    /// nothing written); waits for the recorded uses first.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_poison()?;
+        if self.grants[0].access != Access::ReadWrite {
+            return Err(Error::invalid(
+                "writing a shared buffer imported without Access::ReadWrite",
+            ));
+        }
+        self.table.check_in_use(offset, src.len())?;
+        self.wait_uses()?;
+        let res = self.res.as_mut().expect("the reservation lives until drop");
+        self.backend.write(res, offset, src)
+    }
+}
+
+impl<B: Backend> Drop for SharedBuffer<B> {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait_uses() {
+            tracing::error!(error = %e, "vmmbuf: waiting for a shared buffer's uses failed");
+        }
+        let Some(mut res) = self.res.take() else {
+            return;
+        };
+        let offsets: Vec<(usize, usize)> = self.table.iter().map(|(o, e)| (o, e.bytes)).collect();
+        for (o, bytes) in offsets {
+            match self.backend.unmap(&mut res, o, bytes) {
+                Ok(()) => {
+                    if let Some(e) = self.table.remove(o) {
+                        let _ = self.backend.release(e.chunk);
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "vmmbuf: unmapping a shared chunk failed"),
+            }
+        }
+        if let Err(e) = self.backend.free(res) {
+            tracing::error!(error = %e, "vmmbuf: freeing a shared buffer's reservation failed");
+        }
+        // The token unmapped what it still held as it dropped.
+        self.quarantine.clear();
+    }
+}
