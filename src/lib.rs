@@ -89,6 +89,7 @@ mod order;
 mod plan;
 mod pool;
 mod ranges;
+mod region;
 mod stats;
 mod table;
 

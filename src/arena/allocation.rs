@@ -90,9 +90,9 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     ) -> Result<T> {
         let mut guard = self.arena.state.lock();
         let st = &mut *guard;
-        let res = st.res.as_mut().expect("the reservation lives until drop");
+        let (res, table) = st.region.parts();
         let o = self.offset + at;
-        crate::migration::grant_cpu(&*self.arena.backend, res, &mut st.table, o, n)?;
+        crate::migration::grant_cpu(&*self.arena.backend, res, table, o, n)?;
         f(&self.arena.backend, res, o)
     }
 

@@ -9,7 +9,8 @@ use super::{Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::plan::round_up;
-use crate::table::{cpu_at_once, driver_access_for, Entry};
+use crate::region::NewChunk;
+use crate::table::{cpu_at_once, driver_access_for};
 
 impl<B: Backend> Shared<B> {
     /// A free block of `size` for `key`: from the index, after settling
@@ -44,7 +45,8 @@ impl<B: Backend> Shared<B> {
         if self.release_before_map {
             return st.zones[z].take(size, key);
         }
-        let State { zones, table, .. } = st;
+        let State { zones, region, .. } = st;
+        let table = &region.table;
         zones[z].take_sparing(size, key, |end| {
             end < table.reserved() && table.overlapping(end..end + 1).next().is_none()
         })
@@ -65,13 +67,13 @@ impl<B: Backend> Shared<B> {
             self.release_free_chunks(st)?;
         }
         let g = self.granularity;
-        let reserved = st.table.reserved();
+        let reserved = st.region.table.reserved();
         let zone = if z == 0 {
             0..st.small_end
         } else {
             st.small_end..reserved
         };
-        let regions = st.table.gaps(zone);
+        let regions = st.region.table.gaps(zone);
         let (at, need) = regions
             .into_iter()
             .find_map(|h| {
@@ -85,7 +87,7 @@ impl<B: Backend> Shared<B> {
             .ok_or_else(|| self.out_of_memory(st, size, None))?;
         if self
             .budget
-            .is_some_and(|budget| st.table.mapped_bytes() + need > budget)
+            .is_some_and(|budget| st.region.table.mapped_bytes() + need > budget)
         {
             return Err(self.out_of_memory(st, size, None));
         }
@@ -93,47 +95,42 @@ impl<B: Backend> Shared<B> {
         // the arena is now (the host, while offloaded).
         let placement = st.placement;
         let cpu = cpu_at_once(self.backend.home(), placement);
-        let mut chunks: Vec<(B::Chunk, usize)> = Vec::new();
-        let mut mapped_now = 0usize;
-        let attempt = (|| -> Result<()> {
-            let mut left = need;
-            while left > 0 {
-                let bytes = left.min(self.chunk_bytes);
-                chunks.push((self.pool.take_or_create(false, placement, bytes)?, bytes));
-                left -= bytes;
-            }
-            let res = st.res.as_mut().expect("the reservation lives until drop");
-            for (c, bytes) in &chunks {
-                self.backend.map(res, at + mapped_now, c)?;
-                mapped_now += bytes;
-            }
-            let list = driver_access_for(&self.access, placement, cpu);
-            self.backend.set_access(res, at, need, &list)
-        })();
-        if let Err(e) = attempt {
-            let res = st.res.as_mut().expect("the reservation lives until drop");
-            if mapped_now > 0 {
-                if let Err(u) = self.backend.unmap(res, at, mapped_now) {
-                    st.poisoned = Some(format!("undoing a failed mapping: {u}"));
-                    for (c, _) in chunks {
-                        let _ = self.backend.release(c); // still mapped: never pooled
+        let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::new();
+        let mut left = need;
+        while left > 0 {
+            let bytes = left.min(self.chunk_bytes);
+            match self.pool.take_or_create(false, placement, bytes) {
+                Ok(chunk) => chunks.push(NewChunk {
+                    chunk,
+                    bytes,
+                    placement,
+                }),
+                Err(e) => {
+                    for c in chunks {
+                        self.pool.put(placement, c.bytes, c.chunk);
                     }
                     return Err(e);
                 }
             }
-            for (c, bytes) in chunks {
-                self.pool.put(placement, bytes, c);
+            left -= bytes;
+        }
+        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.access.as_slice().into();
+        let mapped = st.region.map_batch(
+            at,
+            chunks,
+            |p| driver_access_for(&self.access, p, cpu),
+            |_| recorded.clone(),
+            |_| cpu,
+        );
+        if let Err((e, back)) = mapped {
+            for c in back {
+                self.pool.put(c.placement, c.bytes, c.chunk);
             }
             return Err(e);
         }
         let mut o = at;
-        for (c, bytes) in chunks {
-            let mut entry = Entry::new(c, bytes, placement);
-            entry.access = self.access.as_slice().into();
-            entry.cpu = cpu;
-            st.table
-                .insert(o, entry)
-                .expect("mapped where the table had a hole");
+        while o < at + need {
+            let bytes = st.region.table.get(o).expect("just mapped").bytes;
             st.split.mapped(o, bytes);
             o += bytes;
         }
@@ -170,6 +167,7 @@ impl<B: Backend> Shared<B> {
             z.settle(|f| backend.fence_done(f).unwrap_or(false));
         }
         let whole: Vec<(usize, usize)> = st
+            .region
             .table
             .iter()
             .map(|(o, e)| (o, e.bytes))
@@ -177,14 +175,12 @@ impl<B: Backend> Shared<B> {
             .collect();
         let mut released = 0;
         for (o, b) in whole {
-            let res = st.res.as_mut().expect("the reservation lives until drop");
             // Settled: the uses of these bytes have passed, no wait needed.
-            backend.unmap(res, o, b)?;
-            let z = st.zone_of_offset(o);
-            st.zones[z].carve(o, b);
-            if let Some(e) = st.table.remove(o) {
+            for (_, e) in st.region.unmap(o, b)? {
                 self.pool.put(e.placement, e.bytes, e.chunk);
             }
+            let z = st.zone_of_offset(o);
+            st.zones[z].carve(o, b);
             st.split.unmapped(o);
             released += b;
         }
@@ -204,7 +200,7 @@ impl<B: Backend> Shared<B> {
         let zone = if State::<B>::zone_of_size(requested) == 0 {
             st.small_end
         } else {
-            st.table.reserved() - st.small_end
+            st.region.table.reserved() - st.small_end
         };
         let never_fits = need > zone
             || self.budget.is_some_and(|b| need > b)
@@ -213,7 +209,7 @@ impl<B: Backend> Shared<B> {
             requested_bytes: requested,
             free_bytes: device.map(|d| d.0),
             total_bytes: device.map(|d| d.1),
-            reserved_bytes: st.table.mapped_bytes(),
+            reserved_bytes: st.region.table.mapped_bytes(),
             budget_bytes: self.budget,
             never_fits,
         }
@@ -224,7 +220,7 @@ impl<B: Backend> Shared<B> {
     /// both.
     pub(super) fn count(&self, st: &mut State<B>) {
         let (allocated, requested) = (st.allocated, st.requested);
-        let mapped = st.table.mapped_bytes();
+        let mapped = st.region.table.mapped_bytes();
         let pending: usize = st.zones.iter().map(|z| z.pending_bytes()).sum();
         let split = st.split.inactive_split();
         let s = &mut st.stats;
@@ -250,11 +246,11 @@ impl<B: Backend> Shared<B> {
             }
         }
         self.count(st);
-        let mapped = st.table.mapped_bytes();
+        let mapped = st.region.table.mapped_bytes();
         let s = &mut st.stats;
         s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
         s.pooled_bytes = self.pool.stats().pooled_bytes;
-        let host = st.table.host_bytes();
+        let host = st.region.table.host_bytes();
         st.stats.host_bytes = host;
         st.stats.device_bytes = mapped - host;
     }
@@ -275,26 +271,10 @@ impl<B: Backend> Drop for Shared<B> {
                 }
             }
         }
-        let Some(mut res) = st.res.take() else { return };
-        let keys: Vec<(usize, usize)> = st.table.iter().map(|(o, e)| (o, e.bytes)).collect();
-        let mut ok = st.poisoned.is_none() && waited;
-        for &(o, b) in &keys {
-            ok &= backend.unmap(&mut res, o, b).is_ok();
-        }
-        for (o, _) in keys {
-            if let Some(e) = st.table.remove(o) {
-                if ok {
-                    self.pool.put(e.placement, e.bytes, e.chunk);
-                } else {
-                    let _ = backend.release(e.chunk);
-                }
-            }
-        }
-        for c in st.quarantine.drain(..) {
-            let _ = backend.release(c);
-        }
-        if ok {
-            let _ = backend.free(res);
-        }
+        // Unmapped by hand and pooled only if every fence was waited for.
+        let pool = &self.pool;
+        st.region.close(waited, |chunk, bytes, placement| {
+            pool.put(placement, bytes, chunk)
+        });
     }
 }

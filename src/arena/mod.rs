@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::plan::round_up;
 use crate::pool::{ChunkPool, PoolDesc};
-use crate::table::ChunkTable;
+use crate::region::Region;
 use blocks::{Blocks, Free, StreamKey};
 
 /// A queue of work an allocation belongs to: for CUDA an `Arc<CudaStream>`;
@@ -160,7 +160,7 @@ impl<B: Backend> State<B> {
     /// allocations (after a move, which may change chunk boundaries).
     fn recount_split(&mut self) {
         let mut split = SplitCount::default();
-        for (o, e) in self.table.iter() {
+        for (o, e) in self.region.table.iter() {
             split.mapped(o, e.bytes);
         }
         for (&o, l) in &self.live {
@@ -183,8 +183,8 @@ struct State<B: Backend> {
     /// Bytes of live allocations, and what was asked for them.
     allocated: usize,
     requested: usize,
-    res: Option<B::Reservation>,
-    table: ChunkTable<B::Chunk>,
+    /// The reservation, its chunks, poison and quarantine.
+    region: Region<B>,
     /// Free blocks of the small zone (requests up to [`SMALL`]) and of the
     /// large zone.
     zones: [Blocks<B::Fence>; 2],
@@ -194,13 +194,9 @@ struct State<B: Backend> {
     /// Allocated bytes per chunk: the inactive split, kept per operation.
     split: SplitCount,
     stats: ArenaStats,
-    poisoned: Option<String>,
     /// Where new chunks go now: the arena's placement, or the host while
     /// offloaded.
     placement: Location,
-    /// Chunks that may still be mapped after a failed undo: released only
-    /// with the reservation.
-    quarantine: Vec<B::Chunk>,
 }
 
 struct Shared<B: Backend> {
@@ -305,9 +301,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         if backend.home() != Location::Host {
             access.push(AccessDesc::new(Location::Host, Access::ReadWrite));
         }
-        let table = ChunkTable::new(reserved, g)?;
-        let res = backend.reserve(reserved, g)?;
-        let base = backend.base(&res);
+        let region = Region::reserve(&backend, reserved, g, g)?;
+        let base = region.base();
         let syncs_at_start = backend.live().device_syncs;
         Ok(Self {
             shared: Arc::new(Shared {
@@ -325,8 +320,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 state: Mutex::new(State {
                     allocated: 0,
                     requested: 0,
-                    res: Some(res),
-                    table,
+                    region,
                     zones: if desc.release_before_map {
                         [Blocks::default(), Blocks::default()]
                     } else {
@@ -336,9 +330,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     live: BTreeMap::new(),
                     split: SplitCount::default(),
                     stats: ArenaStats::default(),
-                    poisoned: None,
                     placement,
-                    quarantine: Vec::new(),
                 }),
                 trace: Mutex::new(None),
             }),
@@ -386,11 +378,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             .ok_or_else(|| Error::invalid(format!("{bytes} bytes overflow")))?;
         let key = stream.key();
         let mut st = self.shared.state.lock();
-        if let Some(reason) = &st.poisoned {
-            return Err(Error::Poisoned {
-                reason: reason.clone(),
-            });
-        }
+        st.region.check_poison()?;
         let offset = match self.shared.find(&mut st, size, key) {
             Ok(o) => o,
             // Larger than the budget, the reservation or the device: no wait
@@ -511,7 +499,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let st = self.shared.state.lock();
         (
             st.allocated,
-            st.table.mapped_bytes() + self.shared.pool.stats().pooled_bytes,
+            st.region.table.mapped_bytes() + self.shared.pool.stats().pooled_bytes,
         )
     }
 
@@ -542,7 +530,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut st = self.shared.state.lock();
         self.shared.refresh(&mut st);
         let mut segments: Vec<(usize, usize)> = Vec::new();
-        for (o, e) in st.table.iter() {
+        for (o, e) in st.region.table.iter() {
             match segments.last_mut() {
                 Some(s) if s.0 + s.1 == o => s.1 += e.bytes,
                 _ => segments.push((o, e.bytes)),

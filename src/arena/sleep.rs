@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Arena, ArenaStream};
 use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::location::Location;
 use crate::migration::{MigrationReport, MoveFailure, Mover};
 
@@ -30,7 +30,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// work that reaches the allocations must have finished.
     ///
     /// All or nothing: on error nothing moved, unless undoing failed too,
-    /// which poisons the arena ([`Error::Poisoned`]). A host-backend arena
+    /// which poisons the arena ([`Error::Poisoned`](crate::Error::Poisoned)). A host-backend arena
     /// is already in host memory: nothing moves.
     pub fn offload(&self, streams: &[S]) -> Result<MigrationReport> {
         self.move_all(Location::Host, streams)
@@ -60,11 +60,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             .collect::<Result<Vec<_>>>()?;
         let mut guard = sh.state.lock();
         let st = &mut *guard;
-        if let Some(reason) = &st.poisoned {
-            return Err(Error::Poisoned {
-                reason: reason.clone(),
-            });
-        }
+        st.region.check_poison()?;
         for f in &fences {
             backend.wait(f)?;
         }
@@ -77,6 +73,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         // hold that nobody here needs after the move.
         let mut from = BTreeSet::from([st.placement]);
         let targets: BTreeMap<usize, Location> = st
+            .region
             .table
             .iter()
             .filter(|(_, e)| e.placement != to)
@@ -94,8 +91,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             shareable: false,
             release_old: false,
         };
-        let res = st.res.as_mut().expect("the reservation lives until drop");
-        match mover.run(res, &mut st.table, &targets) {
+        let (res, table) = st.region.parts();
+        match mover.run(res, table, &targets) {
             Ok(report) => {
                 st.placement = to;
                 st.recount_split();
@@ -115,9 +112,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             }
             Err(MoveFailure { error, poison }) => {
                 if let Some((why, stuck)) = poison {
-                    tracing::error!(reason = %why, "vmmbuf: arena poisoned");
-                    st.poisoned = Some(why);
-                    st.quarantine.extend(stuck);
+                    st.region.poison(why, stuck);
                 }
                 Err(error)
             }

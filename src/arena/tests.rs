@@ -75,7 +75,7 @@ proptest! {
             prop_assert_eq!(s.allocated_bytes.current, allocated);
             prop_assert!(s.reserved_bytes.current >= allocated);
             let st = a.shared.state.lock();
-            st.table.check().map_err(TestCaseError::fail)?;
+            st.region.table.check().map_err(TestCaseError::fail)?;
         }
         for (al, data) in &live {
             let mut back = vec![0u8; data.len()];

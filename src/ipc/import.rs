@@ -12,7 +12,8 @@ use super::wire::{validate, Held, Plan};
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
-use crate::table::{driver_access, ChunkTable, Entry};
+use crate::region::Region;
+use crate::table::{driver_access, Entry};
 
 /// A buffer another process shares: the importer's side.
 ///
@@ -30,8 +31,8 @@ use crate::table::{driver_access, ChunkTable, Entry};
 pub struct SharedBuffer<B: Backend> {
     backend: Arc<B>,
     socket: UnixStream,
-    res: Option<B::Reservation>,
-    table: ChunkTable<B::Chunk>,
+    /// The reservation, the chunks mapped in it, poison and quarantine.
+    region: Region<B>,
     /// The exporter's chunk id at each offset.
     ids: BTreeMap<usize, u64>,
     base: u64,
@@ -40,9 +41,6 @@ pub struct SharedBuffer<B: Backend> {
     generation: u64,
     grants: Vec<AccessDesc>,
     uses: Uses<B::Fence>,
-    poisoned: Option<String>,
-    /// Chunks an undo could not unmap: dropped after the reservation.
-    quarantine: Vec<B::Chunk>,
 }
 
 impl<B: Backend> std::fmt::Debug for SharedBuffer<B> {
@@ -50,8 +48,8 @@ impl<B: Backend> std::fmt::Debug for SharedBuffer<B> {
         f.debug_struct("SharedBuffer")
             .field("base", &format_args!("{:#x}", self.base))
             .field("generation", &self.generation)
-            .field("len", &self.table.len())
-            .field("chunks", &self.table.chunk_count())
+            .field("len", &self.region.table.len())
+            .field("chunks", &self.region.table.chunk_count())
             .finish()
     }
 }
@@ -80,9 +78,8 @@ impl<B: Backend> SharedBuffer<B> {
                 "reservation {reserved} at granularity {granularity} (this device's is {g})"
             )));
         }
-        let table = ChunkTable::new(reserved, g)?;
-        let res = backend.reserve(reserved, granularity)?;
-        let base = backend.base(&res);
+        let region = Region::reserve(&backend, reserved, granularity, g)?;
+        let base = region.base();
         let mut grants = vec![AccessDesc::new(home, access)];
         if home != Location::Host {
             grants.push(AccessDesc::new(Location::Host, access));
@@ -90,8 +87,7 @@ impl<B: Backend> SharedBuffer<B> {
         let mut this = Self {
             backend,
             socket,
-            res: Some(res),
-            table,
+            region,
             ids: BTreeMap::new(),
             base,
             reserved,
@@ -99,8 +95,6 @@ impl<B: Backend> SharedBuffer<B> {
             generation: 0,
             grants,
             uses: Uses::default(),
-            poisoned: None,
-            quarantine: Vec::new(),
         };
         this.apply(gen)?;
         Ok(this)
@@ -121,12 +115,7 @@ impl<B: Backend> SharedBuffer<B> {
     }
 
     fn check_poison(&self) -> Result<()> {
-        match &self.poisoned {
-            Some(reason) => Err(Error::Poisoned {
-                reason: reason.clone(),
-            }),
-            None => Ok(()),
-        }
+        self.region.check_poison()
     }
 
     /// Checks a generation against what is held, imports its fresh chunks,
@@ -161,7 +150,7 @@ impl<B: Backend> SharedBuffer<B> {
         self.generation = plan.generation;
         tracing::debug!(
             generation = plan.generation,
-            chunks = self.table.chunk_count(),
+            chunks = self.region.table.chunk_count(),
             "vmmbuf: synced"
         );
         Ok(())
@@ -188,8 +177,7 @@ impl<B: Backend> SharedBuffer<B> {
     /// quarantines the chunks that may still be mapped).
     fn swap_mappings(&mut self, plan: &Plan, fresh: Vec<B::Chunk>) -> Result<()> {
         let backend = &*self.backend;
-        let res = self.res.as_mut().expect("the reservation lives until drop");
-        let table = &mut self.table;
+        let (res, table) = self.region.parts();
         let grants = &self.grants;
         let mut removed: Vec<(usize, Entry<B::Chunk>)> = Vec::new();
         let mut mapped: Vec<(usize, usize)> = Vec::new();
@@ -230,12 +218,9 @@ impl<B: Backend> SharedBuffer<B> {
                     }
                 }
                 Err(u) => {
-                    // The first reason stays.
-                    self.poisoned
-                        .get_or_insert_with(|| format!("undoing a failed sync: {u}"));
-                    // They may still be mapped: kept until the reservation
-                    // is gone.
-                    self.quarantine.extend(fresh);
+                    // They may still be mapped: quarantined (the one rule).
+                    self.region
+                        .poison(format!("undoing a failed sync: {u}"), fresh);
                 }
             }
             return Err(e);
@@ -277,7 +262,7 @@ impl<B: Backend> SharedBuffer<B> {
 
     /// The exporter's length (bytes in use) as of the last generation.
     pub fn len(&self) -> usize {
-        self.table.len()
+        self.region.table.len()
     }
 
     /// True when the length is 0.
@@ -287,7 +272,7 @@ impl<B: Backend> SharedBuffer<B> {
 
     /// Bytes mapped here.
     pub fn capacity(&self) -> usize {
-        self.table.mapped_bytes()
+        self.region.table.mapped_bytes()
     }
 
     /// The size of the reservation (the exporter's).
@@ -302,7 +287,7 @@ impl<B: Backend> SharedBuffer<B> {
 
     /// Chunks mapped here.
     pub fn chunk_count(&self) -> usize {
-        self.table.chunk_count()
+        self.region.table.chunk_count()
     }
 
     /// The backend this buffer is mapped in.
@@ -320,9 +305,9 @@ impl<B: Backend> SharedBuffer<B> {
     /// what the memory held when copied.
     pub fn read(&mut self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check_poison()?;
-        self.table.check_in_use(offset, dst.len())?;
+        self.region.table.check_in_use(offset, dst.len())?;
         self.wait_uses()?;
-        let res = self.res.as_ref().expect("the reservation lives until drop");
+        let res = self.region.res_ref();
         self.backend.read(res, offset, dst)
     }
 
@@ -337,36 +322,25 @@ impl<B: Backend> SharedBuffer<B> {
                 "writing a shared buffer imported without Access::ReadWrite",
             ));
         }
-        self.table.check_in_use(offset, src.len())?;
+        self.region.table.check_in_use(offset, src.len())?;
         self.wait_uses()?;
-        let res = self.res.as_mut().expect("the reservation lives until drop");
+        let res = self.region.res();
         self.backend.write(res, offset, src)
     }
 }
 
 impl<B: Backend> Drop for SharedBuffer<B> {
     fn drop(&mut self) {
-        if let Err(e) = self.wait_uses() {
+        // Unmapped by hand only once every recorded use has passed; else the
+        // reservation's token unmaps as it drops (the CUDA backend waits for
+        // the device first). Chunks go back to the driver either way.
+        let waited = self.wait_uses();
+        if let Err(e) = &waited {
             tracing::error!(error = %e, "vmmbuf: waiting for a shared buffer's uses failed");
         }
-        let Some(mut res) = self.res.take() else {
-            return;
-        };
-        let offsets: Vec<(usize, usize)> = self.table.iter().map(|(o, e)| (o, e.bytes)).collect();
-        for (o, bytes) in offsets {
-            match self.backend.unmap(&mut res, o, bytes) {
-                Ok(()) => {
-                    if let Some(e) = self.table.remove(o) {
-                        let _ = self.backend.release(e.chunk);
-                    }
-                }
-                Err(e) => tracing::error!(error = %e, "vmmbuf: unmapping a shared chunk failed"),
-            }
-        }
-        if let Err(e) = self.backend.free(res) {
-            tracing::error!(error = %e, "vmmbuf: freeing a shared buffer's reservation failed");
-        }
-        // The token unmapped what it still held as it dropped.
-        self.quarantine.clear();
+        let backend = self.backend.clone();
+        self.region.close(waited.is_ok(), |chunk, _, _| {
+            let _ = backend.release(chunk);
+        });
     }
 }

@@ -1,0 +1,253 @@
+//! [`Region`]: one reservation and the chunks mapped in it, with the rules
+//! every user of mapped memory shares: mapping a batch all or nothing,
+//! unmapping, poisoning when an undo fails (the first reason stays; chunks
+//! that may still be mapped are quarantined, never pooled), and one way to
+//! give everything back. Buffers, arenas and importers hold a `Region`; what
+//! differs between them (growth, free blocks, generations) stays with them.
+#![deny(unsafe_code)]
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::location::{AccessDesc, Location};
+use crate::table::{ChunkTable, Entry};
+
+/// A chunk about to be mapped: the chunk, its bytes and where it lives.
+pub(crate) struct NewChunk<C> {
+    pub(crate) chunk: C,
+    pub(crate) bytes: usize,
+    pub(crate) placement: Location,
+}
+
+/// One reservation of a backend and its chunk table.
+pub(crate) struct Region<B: Backend> {
+    backend: Arc<B>,
+    /// `None` once closed.
+    res: Option<B::Reservation>,
+    /// The mapped chunks (holes allowed).
+    pub(crate) table: ChunkTable<B::Chunk>,
+    /// Set when a failure could not be undone: every later call answers
+    /// [`Error::Poisoned`] with the first reason.
+    poisoned: Option<String>,
+    /// Chunks that may still be mapped: released only after the reservation
+    /// is gone, never pooled.
+    quarantine: Vec<B::Chunk>,
+}
+
+impl<B: Backend> Region<B> {
+    /// Reserves `bytes` aligned to `align`, with a table of `granularity`.
+    pub(crate) fn reserve(
+        backend: &Arc<B>,
+        bytes: usize,
+        align: usize,
+        granularity: usize,
+    ) -> Result<Self> {
+        let table = ChunkTable::new(bytes, granularity)?;
+        let res = backend.reserve(bytes, align)?;
+        Ok(Self {
+            backend: backend.clone(),
+            res: Some(res),
+            table,
+            poisoned: None,
+            quarantine: Vec::new(),
+        })
+    }
+
+    /// The reservation's first address.
+    pub(crate) fn base(&self) -> u64 {
+        self.backend.base(self.res_ref())
+    }
+
+    pub(crate) fn res(&mut self) -> &mut B::Reservation {
+        self.res
+            .as_mut()
+            .expect("a region's reservation lives until it closes")
+    }
+
+    pub(crate) fn res_ref(&self) -> &B::Reservation {
+        self.res
+            .as_ref()
+            .expect("a region's reservation lives until it closes")
+    }
+
+    /// The reservation and the table at once (for the mover and CPU grants).
+    pub(crate) fn parts(&mut self) -> (&mut B::Reservation, &mut ChunkTable<B::Chunk>) {
+        (
+            self.res
+                .as_mut()
+                .expect("a region's reservation lives until it closes"),
+            &mut self.table,
+        )
+    }
+
+    /// [`Error::Poisoned`] once a failure could not be undone.
+    pub(crate) fn check_poison(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(reason) => Err(Error::Poisoned {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The one rule for a failed undo: the region answers
+    /// [`Error::Poisoned`] from now on (the first reason stays), and `stuck`
+    /// (chunks that may still be mapped) is kept out of every pool and
+    /// released only after the reservation is gone.
+    pub(crate) fn poison(&mut self, what: String, stuck: impl IntoIterator<Item = B::Chunk>) {
+        tracing::error!(reason = %what, "vmmbuf: poisoned");
+        self.quarantine.extend(stuck);
+        self.poisoned.get_or_insert(what);
+    }
+
+    /// Maps `chunks` in order from `at`, grants each run of one placement
+    /// the driver list `driver(placement)`, and records them in the table
+    /// with `recorded(placement)` as their access and `cpu(placement)` as
+    /// whether the host's entry went to the driver. All or nothing: on an
+    /// error the chunks come back unmapped, for the caller to pool or
+    /// release; if the undo fails too the region is poisoned, the chunks are
+    /// quarantined and none come back.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn map_batch(
+        &mut self,
+        at: usize,
+        chunks: Vec<NewChunk<B::Chunk>>,
+        driver: impl Fn(Location) -> Vec<AccessDesc>,
+        recorded: impl Fn(Location) -> Arc<[AccessDesc]>,
+        cpu: impl Fn(Location) -> bool,
+    ) -> std::result::Result<(), (Error, Vec<NewChunk<B::Chunk>>)> {
+        let backend = self.backend.clone();
+        let res = self
+            .res
+            .as_mut()
+            .expect("a region's reservation lives until it closes");
+        let mut mapped = 0usize;
+        let attempt = (|| {
+            for c in &chunks {
+                backend.map(res, at + mapped, &c.chunk)?;
+                mapped += c.bytes;
+            }
+            // One access call per run of chunks with the same placement.
+            let mut run_at = at;
+            for run in chunks.chunk_by(|a, b| a.placement == b.placement) {
+                let run_bytes: usize = run.iter().map(|c| c.bytes).sum();
+                backend.set_access(res, run_at, run_bytes, &driver(run[0].placement))?;
+                run_at += run_bytes;
+            }
+            Ok(())
+        })();
+        if let Err(e) = attempt {
+            // Nothing can have used the new chunks (no access was granted, or
+            // the call granting it failed): unmapping them needs no wait.
+            if mapped > 0 {
+                if let Err(u) = backend.unmap(res, at, mapped) {
+                    self.poison(
+                        format!("undoing a failed mapping: unmap failed: {u}"),
+                        chunks.into_iter().map(|c| c.chunk),
+                    );
+                    return Err((e, Vec::new()));
+                }
+            }
+            return Err((e, chunks));
+        }
+        let mut o = at;
+        for c in chunks {
+            let mut entry = Entry::new(c.chunk, c.bytes, c.placement);
+            entry.access = recorded(c.placement);
+            entry.cpu = cpu(c.placement);
+            self.table
+                .insert(o, entry)
+                .expect("mapped where the table had a hole");
+            o += c.bytes;
+        }
+        Ok(())
+    }
+
+    /// Unmaps `[offset, offset + bytes)`, which must be whole chunks, in one
+    /// driver call, and takes them out of the table. The caller has waited
+    /// for every use. On error nothing changed.
+    pub(crate) fn unmap(
+        &mut self,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<Vec<(usize, Entry<B::Chunk>)>> {
+        let backend = self.backend.clone();
+        backend.unmap(self.res(), offset, bytes)?;
+        let end = offset + bytes;
+        let offsets: Vec<usize> = self
+            .table
+            .overlapping(offset..end)
+            .map(|(o, _)| o)
+            .collect();
+        Ok(offsets
+            .into_iter()
+            .map(|o| (o, self.table.remove(o).expect("listed")))
+            .collect())
+    }
+
+    /// Gives everything back. With `unmap` (the caller has waited for
+    /// every use), each chunk is unmapped and, if all went well, handed to
+    /// `dispose` (a pool, or the driver), and the reservation freed. Without
+    /// it, or if the region is poisoned or an unmap fails, no chunk is
+    /// pooled: each is released, and the reservation's own token unmaps what
+    /// it still holds as it drops (the CUDA backend waits for the device
+    /// first). Quarantined chunks are released last. Idempotent.
+    pub(crate) fn close(
+        &mut self,
+        unmap: bool,
+        mut dispose: impl FnMut(B::Chunk, usize, Location),
+    ) {
+        let backend = self.backend.clone();
+        let Some(mut res) = self.res.take() else {
+            return;
+        };
+        let _ = self.table.set_len(0);
+        let mut ok = unmap && self.poisoned.is_none();
+        if ok {
+            let keys: Vec<(usize, usize)> = self.table.iter().map(|(o, e)| (o, e.bytes)).collect();
+            for (o, b) in keys {
+                if let Err(e) = backend.unmap(&mut res, o, b) {
+                    tracing::error!(error = %e, "vmmbuf: unmapping a chunk while closing failed");
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        let gone = self.table.split_off(0);
+        if ok {
+            for (_, e) in gone {
+                dispose(e.chunk, e.bytes, e.placement);
+            }
+            if let Err(e) = backend.free(res) {
+                tracing::error!(error = %e, "vmmbuf: freeing a reservation failed");
+            }
+        } else {
+            drop(res);
+            for (_, e) in gone {
+                let _ = backend.release(e.chunk);
+            }
+        }
+        for c in self.quarantine.drain(..) {
+            let _ = backend.release(c);
+        }
+    }
+}
+
+impl<B: Backend> Drop for Region<B> {
+    /// A region its owner did not close: nothing is known to have finished
+    /// with its memory, so nothing is unmapped by hand or pooled.
+    fn drop(&mut self) {
+        self.close(false, |_, _, _| {});
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Region<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("chunks", &self.table.chunk_count())
+            .field("mapped", &self.table.mapped_bytes())
+            .field("poisoned", &self.poisoned)
+            .finish()
+    }
+}
