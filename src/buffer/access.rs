@@ -29,6 +29,7 @@ impl<B: Backend> GrowableBuffer<B> {
         if location == Location::Host && access != Access::None {
             let g = self.inner.lock();
             let on_gpu = g
+                .region
                 .table
                 .overlapping(range.clone())
                 .find(|(_, e)| e.placement != Location::Host);
@@ -138,6 +139,7 @@ impl<B: Backend> GrowableBuffer<B> {
         // touching the range.
         type Change = (usize, usize, Arc<[AccessDesc]>, Vec<AccessDesc>);
         let changes: Vec<Change> = g
+            .region
             .table
             .overlapping(range)
             .map(|(o, e)| {
@@ -154,7 +156,7 @@ impl<B: Backend> GrowableBuffer<B> {
             let bytes: usize = run.iter().map(|c| c.1).sum();
             backend.set_access(g.res(), run[0].0, bytes, &run[0].3)?;
             for (o, _, list, _) in run {
-                if let Some(e) = g.table.get_mut(*o) {
+                if let Some(e) = g.region.table.get_mut(*o) {
                     e.access = list.clone();
                     e.cpu = true;
                 }
@@ -170,8 +172,8 @@ impl<B: Backend> GrowableBuffer<B> {
         let backend = self.backend().clone();
         let mut guard = self.inner.lock();
         let g = &mut *guard;
-        let res = g.res.as_mut().expect("the reservation lives until drop");
-        crate::migration::grant_cpu(&*backend, res, &mut g.table, offset, bytes)
+        let (res, table) = g.region.parts();
+        crate::migration::grant_cpu(&*backend, res, table, offset, bytes)
     }
 
     /// Checks that `[offset, offset + bytes)` is in use and that every chunk
@@ -185,7 +187,7 @@ impl<B: Backend> GrowableBuffer<B> {
     ) -> Result<()> {
         let g = self.inner.lock();
         g.check_poison()?;
-        g.table.check_in_use(offset, bytes)?;
-        g.table.check_access(offset, bytes, who, need)
+        g.region.table.check_in_use(offset, bytes)?;
+        g.region.table.check_access(offset, bytes, who, need)
     }
 }

@@ -44,7 +44,12 @@ impl GrowableBuffer<CudaBackend> {
         // A copy over a range that spans a host-placed chunk and a GPU chunk
         // crashes the driver (SIGSEGV in 580.159.04, either direction), and a
         // view is handed to cudarc's copies: refuse it.
-        let runs = self.inner.lock().table.placement_runs(offset_bytes, bytes);
+        let runs = self
+            .inner
+            .lock()
+            .region
+            .table
+            .placement_runs(offset_bytes, bytes);
         if runs.len() > 1 {
             return Err(Error::MixedPlacement {
                 offset: offset_bytes,

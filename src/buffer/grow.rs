@@ -6,9 +6,9 @@ use std::time::Instant;
 use super::{GrowableBuffer, Inner};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::location::Location;
 use crate::plan::{plan_growth, round_up, GrowthRequest};
-use crate::table::{driver_access, Entry};
+use crate::region::NewChunk;
+use crate::table::driver_access;
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Grows the length to `bytes`, mapping chunks as the policy says. Keeps
@@ -26,7 +26,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// concurrently each get their own range. See [`grow_to`](Self::grow_to).
     pub fn grow_by(&self, additional: usize) -> Result<usize> {
         let mut g = self.inner.lock();
-        let at = g.table.len();
+        let at = g.region.table.len();
         self.grow_at_locked(&mut g, at, additional)
     }
 
@@ -38,7 +38,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// the base is.
     pub fn claim(&self, bytes: usize) -> Result<usize> {
         let mut g = self.inner.lock();
-        let len = g.table.len();
+        let len = g.region.table.len();
         let at = round_up(len, self.alignment)
             .ok_or_else(|| Error::invalid(format!("aligning {len} bytes overflows")))?;
         self.grow_at_locked(&mut g, at, bytes)
@@ -66,11 +66,12 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     fn grow_locked(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
-        if bytes <= g.table.len() {
+        if bytes <= g.region.table.len() {
             return g.check_poison();
         }
         self.capacity_locked(g, bytes)?;
-        g.table
+        g.region
+            .table
             .set_len(bytes)
             .expect("the capacity covers the new length");
         g.window = g.window.max(bytes);
@@ -96,11 +97,16 @@ impl<B: Backend> GrowableBuffer<B> {
     /// [`grow_to`](Self::grow_to).
     pub fn reserve(&self, additional: usize) -> Result<()> {
         let mut g = self.inner.lock();
-        let target = g.table.len().checked_add(additional).ok_or_else(|| {
-            Error::invalid(format!(
-                "reserving {additional} bytes past the length overflows"
-            ))
-        })?;
+        let target = g
+            .region
+            .table
+            .len()
+            .checked_add(additional)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "reserving {additional} bytes past the length overflows"
+                ))
+            })?;
         self.capacity_locked(&mut g, target)?;
         g.window = g.window.max(target);
         for p in &mut g.pending {
@@ -137,7 +143,8 @@ impl<B: Backend> GrowableBuffer<B> {
     /// says (pooled chunks first), all or nothing.
     fn map_more(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
         let start = Instant::now();
-        let span = tracing::debug_span!("vmmbuf.grow", from = g.table.len(), to = bytes).entered();
+        let span =
+            tracing::debug_span!("vmmbuf.grow", from = g.region.table.len(), to = bytes).entered();
         let backend = &*self.backend;
         let at = g.capacity();
         let offer = self.pool.as_ref().map(|p| p.offer(self.shareable));
@@ -151,70 +158,56 @@ impl<B: Backend> GrowableBuffer<B> {
             pool: offer.as_ref(),
         })?;
         // (chunk, bytes, placement), in address order from `at`.
-        let mut chunks: Vec<(B::Chunk, usize, Location)> = Vec::with_capacity(plan.len());
+        let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::with_capacity(plan.len());
         let mut reused = 0usize;
-        let mut mapped = 0usize;
-        let attempt = (|| {
-            for c in &plan {
-                // A pooled chunk another buffer took meanwhile is created anew.
-                let pooled = c
-                    .pooled
-                    .then(|| {
-                        self.pool
-                            .as_ref()?
-                            .take_exact(self.shareable, c.placement, c.bytes)
-                    })
-                    .flatten();
-                reused += pooled.is_some() as usize;
-                let chunk = match pooled {
-                    Some(chunk) => chunk,
-                    None => {
-                        crate::backend::create_chunk(backend, self.shareable, c.bytes, c.placement)?
+        for c in &plan {
+            // A pooled chunk another buffer took meanwhile is created anew.
+            let pooled = c
+                .pooled
+                .then(|| {
+                    self.pool
+                        .as_ref()?
+                        .take_exact(self.shareable, c.placement, c.bytes)
+                })
+                .flatten();
+            reused += pooled.is_some() as usize;
+            let chunk = match pooled {
+                Some(chunk) => Ok(chunk),
+                None => crate::backend::create_chunk(backend, self.shareable, c.bytes, c.placement),
+            };
+            match chunk {
+                Ok(chunk) => chunks.push(NewChunk {
+                    chunk,
+                    bytes: c.bytes,
+                    placement: c.placement,
+                }),
+                Err(e) => {
+                    for c in chunks {
+                        let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
                     }
-                };
-                chunks.push((chunk, c.bytes, c.placement));
-            }
-            for (chunk, size, _) in &chunks {
-                backend.map(g.res(), at + mapped, chunk)?;
-                mapped += size;
-            }
-            // One access call per run of chunks with the same placement.
-            let mut run_at = at;
-            for run in chunks.chunk_by(|a, b| a.2 == b.2) {
-                let run_bytes: usize = run.iter().map(|c| c.1).sum();
-                let list = driver_access(&self.grants, run[0].2);
-                backend.set_access(g.res(), run_at, run_bytes, &list)?;
-                run_at += run_bytes;
-            }
-            Ok(())
-        })();
-        if let Err(e) = attempt {
-            // Undo in reverse. Nothing can have used the new chunks: they never
-            // got access, so unmapping them needs no wait.
-            if mapped > 0 {
-                if let Err(u) = backend.unmap(g.res(), at, mapped) {
-                    // The chunks stay mapped: no pool or release may have them.
-                    let what = format!("undoing a failed grow: unmap failed: {u}");
-                    g.poison(what, chunks.into_iter().map(|c| c.0));
                     return Err(e);
                 }
             }
-            for (chunk, size, place) in chunks {
-                let _ = self.dispose(chunk, size, place); // logged inside
+        }
+        let n = chunks.len();
+        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.grants.as_slice().into();
+        let mapped = g.region.map_batch(
+            at,
+            chunks,
+            |p| driver_access(&self.grants, p),
+            |_| recorded.clone(),
+            |_| true,
+        );
+        if let Err((e, back)) = mapped {
+            // Unmapped again (or, if that failed, quarantined by the region):
+            // what came back goes to the pool or the driver.
+            for c in back {
+                let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
             }
             tracing::debug!(error = %e, "vmmbuf: grow failed and was undone");
             return Err(e);
         }
-        let n = chunks.len();
-        let mut offset = at;
-        for (chunk, bytes, placement) in chunks {
-            let mut entry = Entry::new(chunk, bytes, placement);
-            entry.access = self.grants.as_slice().into();
-            g.table
-                .insert(offset, entry)
-                .expect("the plan maps granular chunks past the capacity");
-            offset += bytes;
-        }
+        let offset = g.capacity();
         g.debug_check();
         g.stats.grows += 1;
         g.stats.chunks_mapped_total += n as u64;

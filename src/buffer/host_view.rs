@@ -20,10 +20,10 @@ impl<B: Backend> GrowableBuffer<B> {
         let mut guard = self.inner.lock();
         let g = &mut *guard;
         g.check_poison()?;
-        g.table.check_in_use(offset, dst.len())?;
-        let res = g.res.as_mut().expect("the reservation lives until drop");
+        g.region.table.check_in_use(offset, dst.len())?;
+        let (res, table) = g.region.parts();
         // The driver copies host memory with the CPU.
-        crate::migration::grant_cpu(&*self.backend, res, &mut g.table, offset, dst.len())?;
+        crate::migration::grant_cpu(&*self.backend, res, table, offset, dst.len())?;
         self.backend.read(res, offset, dst)
     }
 
@@ -33,9 +33,9 @@ impl<B: Backend> GrowableBuffer<B> {
         self.wait_uses()?;
         let g = self.inner.get_mut();
         g.check_poison()?;
-        g.table.check_in_use(offset, src.len())?;
-        let res = g.res.as_mut().expect("the reservation lives until drop");
-        crate::migration::grant_cpu(&*self.backend, res, &mut g.table, offset, src.len())?;
+        g.region.table.check_in_use(offset, src.len())?;
+        let (res, table) = g.region.parts();
+        crate::migration::grant_cpu(&*self.backend, res, table, offset, src.len())?;
         self.backend.write(res, offset, src)
     }
 

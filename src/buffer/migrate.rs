@@ -186,11 +186,11 @@ impl<B: Backend> GrowableBuffer<B> {
             for (range, to) in plan.moves() {
                 check_range(range)?;
                 self.check_placement(*to)?;
-                for (o, _) in g.table.overlapping(range.clone()) {
+                for (o, _) in g.region.table.overlapping(range.clone()) {
                     targets.insert(o, *to);
                 }
             }
-            targets.retain(|o, to| g.table.get(*o).is_some_and(|e| e.placement != *to));
+            targets.retain(|o, to| g.region.table.get(*o).is_some_and(|e| e.placement != *to));
         }
         if targets.is_empty() {
             return Ok(MigrationReport::default());
@@ -209,8 +209,8 @@ impl<B: Backend> GrowableBuffer<B> {
             shareable: self.shareable,
             release_old: self.is_published(),
         };
-        let res = g.res.as_mut().expect("the reservation lives until drop");
-        match mover.run(res, &mut g.table, &targets) {
+        let (res, table) = g.region.parts();
+        match mover.run(res, table, &targets) {
             Ok(report) => {
                 g.debug_check();
                 g.stats.chunks_migrated_total += report.chunks_moved as u64;

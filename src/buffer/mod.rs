@@ -30,8 +30,8 @@ use crate::location::{Access, AccessDesc, Location};
 use crate::plan::{round_up, GrowthPolicy};
 use crate::pool::ChunkPool;
 use crate::ranges::PlacementRanges;
+use crate::region::Region;
 use crate::stats::{Report, Stats};
-use crate::table::ChunkTable;
 
 /// How to create a [`GrowableBuffer`].
 ///
@@ -138,34 +138,27 @@ struct Pending<F> {
 
 /// What the lock guards: the reservation, its chunk table and the counters.
 struct Inner<B: Backend> {
-    /// `None` only while the buffer drops.
-    res: Option<B::Reservation>,
-    /// The mapped chunks; for a buffer they tile `[0, capacity)`.
-    table: ChunkTable<B::Chunk>,
+    /// The reservation and its chunks (for a buffer they tile
+    /// `[0, capacity)`), poison and quarantine.
+    region: Region<B>,
     stats: Stats,
     pending: Vec<Pending<B::Fence>>,
     /// The largest length (or capacity reserved ahead) since the last
     /// deferred release: the window of the next one.
     window: usize,
-    /// Set when a failure could not be undone (a chunk that could not be
-    /// unmapped): every later call answers [`Error::Poisoned`].
-    poisoned: Option<String>,
-    /// Chunks that may still be mapped, or hold data that could not be put
-    /// back: never released or pooled before drop, never pooled at all.
-    quarantine: Vec<B::Chunk>,
 }
 
 impl<B: Backend> Inner<B> {
     fn res(&mut self) -> &mut B::Reservation {
-        self.res.as_mut().expect("the reservation lives until drop")
+        self.region.res()
     }
 
     /// In debug builds, checks the chunk table's invariants and that a
     /// buffer's chunks tile `[0, capacity)` without a hole.
     fn debug_check(&self) {
-        debug_assert_eq!(self.table.check(), Ok(()));
+        debug_assert_eq!(self.region.table.check(), Ok(()));
         debug_assert_eq!(
-            self.table.mapped_prefix(),
+            self.region.table.mapped_prefix(),
             self.capacity(),
             "a buffer has no holes"
         );
@@ -173,25 +166,18 @@ impl<B: Backend> Inner<B> {
 
     /// [`Error::Poisoned`] once a failure could not be undone.
     fn check_poison(&self) -> Result<()> {
-        match &self.poisoned {
-            Some(reason) => Err(Error::Poisoned {
-                reason: reason.clone(),
-            }),
-            None => Ok(()),
-        }
+        self.region.check_poison()
     }
 
     /// Marks the buffer unusable after `what` could not be undone, keeping
     /// `chunks` (which may still be mapped) out of every pool until drop.
     fn poison(&mut self, what: String, chunks: impl IntoIterator<Item = B::Chunk>) {
-        tracing::error!(reason = %what, "vmmbuf: buffer poisoned");
-        self.quarantine.extend(chunks);
-        self.poisoned.get_or_insert(what);
+        self.region.poison(what, chunks);
     }
 
     /// Bytes mapped: the end of the last chunk.
     fn capacity(&self) -> usize {
-        self.table.span_end()
+        self.region.table.span_end()
     }
 }
 
@@ -310,17 +296,15 @@ impl<B: Backend> GrowableBuffer<B> {
         if home != Location::Host {
             grants.push(AccessDesc::new(Location::Host, desc.access));
         }
-        let table = ChunkTable::new(reserved, granularity)?;
-        let res = backend
-            .reserve(reserved, granularity)
-            .map_err(|e| match e {
+        let region =
+            Region::reserve(&backend, reserved, granularity, granularity).map_err(|e| match e {
                 Error::ReservationExhausted { .. } => Error::ReservationExhausted {
                     requested_bytes: reserved,
                     reserved_bytes: 0,
                 },
                 e => e,
             })?;
-        let base = backend.base(&res);
+        let base = region.base();
         tracing::debug!(
             backend = backend.name(),
             base,
@@ -349,16 +333,13 @@ impl<B: Backend> GrowableBuffer<B> {
             published: std::sync::atomic::AtomicBool::new(false),
             uses: Uses::default(),
             inner: Mutex::new(Inner {
-                res: Some(res),
-                table,
+                region,
                 stats: Stats {
                     reserved_bytes: reserved,
                     ..Stats::default()
                 },
                 pending: Vec::new(),
                 window: 0,
-                poisoned: None,
-                quarantine: Vec::new(),
             }),
         })
     }
@@ -370,7 +351,7 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Bytes in use.
     pub fn len(&self) -> usize {
-        self.inner.lock().table.len()
+        self.inner.lock().region.table.len()
     }
 
     /// True when no bytes are in use.
@@ -395,7 +376,7 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Number of chunks mapped.
     pub fn chunk_count(&self) -> usize {
-        self.inner.lock().table.chunk_count()
+        self.inner.lock().region.table.chunk_count()
     }
 
     /// The growth policy in force (a fixed size already rounded to the
@@ -432,9 +413,9 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     fn stats_of(g: &Inner<B>) -> Stats {
-        let t = g.table.stats();
+        let t = g.region.table.stats();
         Stats {
-            in_use_bytes: g.table.len(),
+            in_use_bytes: g.region.table.len(),
             mapped_bytes: t.mapped_bytes,
             chunks: t.chunks,
             host_bytes: t.host_bytes,
@@ -449,7 +430,7 @@ impl<B: Backend> GrowableBuffer<B> {
         Report {
             base: self.base,
             stats: Self::stats_of(&g),
-            chunks: g.table.report(),
+            chunks: g.region.table.report(),
         }
     }
 
@@ -474,30 +455,49 @@ impl<B: Backend> GrowableBuffer<B> {
     /// Gives an unmapped chunk to the pool, or back to the driver (always
     /// once the buffer was shared: a peer may still map it).
     fn dispose(&self, chunk: B::Chunk, bytes: usize, placement: Location) -> Result<()> {
-        match &self.pool {
-            Some(pool) if !self.is_published() => {
-                pool.put(placement, bytes, chunk);
-                Ok(())
-            }
-            _ => self.backend.release(chunk).inspect_err(|e| {
-                tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
-            }),
+        dispose(
+            self.pool.as_ref(),
+            self.is_published(),
+            &self.backend,
+            chunk,
+            bytes,
+            placement,
+        )
+    }
+}
+
+/// Gives an unmapped chunk to `pool`, or back to the driver (always once
+/// the buffer was published).
+fn dispose<B: Backend>(
+    pool: Option<&Arc<ChunkPool<B>>>,
+    published: bool,
+    backend: &B,
+    chunk: B::Chunk,
+    bytes: usize,
+    placement: Location,
+) -> Result<()> {
+    match pool {
+        Some(pool) if !published => {
+            pool.put(placement, bytes, chunk);
+            Ok(())
         }
+        _ => backend.release(chunk).inspect_err(|e| {
+            tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
+        }),
     }
 }
 
 impl<B: Backend> Drop for GrowableBuffer<B> {
     fn drop(&mut self) {
-        let backend = self.backend.clone();
-        // Work may still use the memory: wait for its recorded uses.
-        let busy = {
-            let g = self.inner.get_mut();
-            g.res.is_some() && !g.table.is_empty() && g.poisoned.is_none()
-        };
-        // The fences of deferred releases too: work on the tail.
+        // Work may still use the memory: wait for its recorded uses and the
+        // fences of deferred releases (work on the tail). Unmapped by hand,
+        // and the chunks pooled, only if that wait succeeded; else the
+        // region releases them and the reservation's token unmaps.
+        let g = self.inner.get_mut();
+        let pending = std::mem::take(&mut g.pending);
+        let busy = !g.region.table.is_empty() && g.region.check_poison().is_ok();
         let waited = if busy {
-            let g = self.inner.get_mut();
-            let pending = std::mem::take(&mut g.pending);
+            let backend = self.backend.clone();
             pending
                 .iter()
                 .try_for_each(|p| backend.wait(&p.fence))
@@ -505,40 +505,17 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
         } else {
             Ok(())
         };
-        let g = self.inner.get_mut();
-        let Some(mut res) = g.res.take() else { return };
-        let mut unmapped = g.table.is_empty();
-        if busy {
-            if let Err(e) = &waited {
-                tracing::error!(error = %e, "vmmbuf: waiting for recorded uses before drop failed");
-            }
-            match waited.and_then(|()| backend.unmap(&mut res, 0, g.capacity())) {
-                Ok(()) => unmapped = true,
-                Err(e) => tracing::error!(error = %e, "vmmbuf: unmap in drop failed"),
-            }
+        if let Err(e) = &waited {
+            tracing::error!(error = %e, "vmmbuf: waiting for recorded uses before drop failed");
         }
-        let _ = g.table.set_len(0);
-        let gone = g.table.split_off(0);
-        let quarantine = std::mem::take(&mut g.quarantine);
-        if unmapped {
-            for (_, e) in gone {
-                let _ = self.dispose(e.chunk, e.bytes, e.placement); // logged inside
-            }
-            if let Err(e) = backend.free(res) {
-                tracing::error!(error = %e, "vmmbuf: freeing the reservation in drop failed");
-            }
-        } else {
-            // Something may still be mapped: the reservation's own token
-            // unmaps what it holds when it drops (waiting for the device
-            // first), and no chunk goes to a pool, where another buffer could
-            // map memory this one still maps.
-            drop(res);
-            for (_, e) in gone {
-                let _ = backend.release(e.chunk);
-            }
-        }
-        for c in quarantine {
-            let _ = backend.release(c);
-        }
+        let (pool, published) = (self.pool.clone(), self.is_published());
+        let backend = self.backend.clone();
+        self.inner
+            .get_mut()
+            .region
+            .close(waited.is_ok(), |chunk, bytes, placement| {
+                // Logged inside.
+                let _ = dispose(pool.as_ref(), published, &*backend, chunk, bytes, placement);
+            });
     }
 }

@@ -43,8 +43,8 @@ impl<B: Backend> GrowableBuffer<B> {
             to.generation + 1,
             self.reserved as u64,
             self.granularity as u64,
-            g.table.len() as u64,
-            g.table.iter().map(|(offset, e)| Chunk {
+            g.region.table.len() as u64,
+            g.region.table.iter().map(|(offset, e)| Chunk {
                 offset: offset as u64,
                 bytes: e.bytes as u64,
                 placement: e.placement,
@@ -55,7 +55,7 @@ impl<B: Backend> GrowableBuffer<B> {
         // The descriptors of the fresh chunks, in record order (one record
         // per chunk of the table, in its order).
         let mut fds = Vec::with_capacity(d.fresh_at.len());
-        for ((_, e), r) in g.table.iter().zip(&d.records) {
+        for ((_, e), r) in g.region.table.iter().zip(&d.records) {
             if r.fresh != 0 {
                 fds.push(self.backend.export(&e.chunk)?);
             }

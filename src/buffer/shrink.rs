@@ -17,8 +17,9 @@ impl<B: Backend> GrowableBuffer<B> {
     /// [`Vec::truncate`].
     pub fn truncate(&mut self, bytes: usize) {
         let g = self.inner.get_mut();
-        if bytes < g.table.len() {
-            g.table
+        if bytes < g.region.table.len() {
+            g.region
+                .table
                 .set_len(bytes)
                 .expect("a shorter length is always mapped");
             g.stats.shrinks += 1;
@@ -51,7 +52,7 @@ impl<B: Backend> GrowableBuffer<B> {
     pub fn shrink_to(&mut self, min_capacity: usize) -> Result<()> {
         let mut g = self.inner.lock();
         g.check_poison()?;
-        let keep_to = g.table.len().max(min_capacity);
+        let keep_to = g.region.table.len().max(min_capacity);
         // Every deferred fence is waited for (in `release_from`) before
         // anything is unmapped; then none is left to keep. If nothing was
         // released, nothing waited: the deferred fences stay.
@@ -83,9 +84,9 @@ impl<B: Backend> GrowableBuffer<B> {
         self.reclaim_locked(&mut g)?;
         // A fence that cannot be asked is refused before it is recorded.
         self.backend.fence_done(&fence)?;
-        let window = g.window.max(g.table.len());
+        let window = g.window.max(g.region.table.len());
         g.pending.push(Pending { fence, window });
-        g.window = g.table.len();
+        g.window = g.region.table.len();
         // Passed already (and nothing earlier holds the tail): released now.
         // On error the request stays, for a later call.
         self.reclaim_locked(&mut g)
@@ -129,7 +130,7 @@ impl<B: Backend> GrowableBuffer<B> {
                 .max()
                 .unwrap_or(0)
                 .max(g.window)
-                .max(g.table.len());
+                .max(g.region.table.len());
             self.release_from(g, boundary, false)?;
         }
         err.map_or(Ok(()), Err)
@@ -141,18 +142,23 @@ impl<B: Backend> GrowableBuffer<B> {
     /// anything was there to release (and so, with `wait`, whether it
     /// waited).
     fn release_from(&self, g: &mut Inner<B>, keep_to: usize, wait: bool) -> Result<bool> {
-        let Some((from, _)) = g.table.iter().find(|(o, _)| *o >= keep_to) else {
+        let Some((from, _)) = g.region.table.iter().find(|(o, _)| *o >= keep_to) else {
             return Ok(false);
         };
         let start = Instant::now();
         let bytes = g.capacity() - from;
-        let _span =
-            tracing::debug_span!("vmmbuf.shrink", len = g.table.len(), from, bytes, wait).entered();
+        let _span = tracing::debug_span!(
+            "vmmbuf.shrink",
+            len = g.region.table.len(),
+            from,
+            bytes,
+            wait
+        )
+        .entered();
         if wait {
             self.wait_all(g)?;
         }
-        self.backend.unmap(g.res(), from, bytes)?;
-        let gone = g.table.split_off(from);
+        let gone = g.region.unmap(from, bytes)?;
         let released = gone.len();
         g.debug_check();
         g.stats.trims += 1;
