@@ -14,6 +14,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::pool::ChunkPool;
+use crate::region::Region;
 use crate::table::{cpu_at_once, driver_access_for, ChunkTable};
 
 /// What a migration did, and where its time went.
@@ -144,7 +145,28 @@ impl<B: Backend> Mover<'_, B> {
     ///
     /// All or nothing: on error every chunk is swapped back and the table
     /// is as before, unless undoing fails too (see [`MoveFailure`]).
+    /// Moves the chunks of `region` at the offsets `targets` names to their
+    /// placements, at the same addresses, with their data. All or nothing:
+    /// on error nothing moved, unless undoing failed too, which poisons the
+    /// region (the one rule for a failed undo: see [`Region::poison`]).
     pub(crate) fn run(
+        &self,
+        region: &mut Region<B>,
+        targets: &BTreeMap<usize, Location>,
+    ) -> Result<MigrationReport> {
+        let (res, table) = region.parts();
+        match self.run_parts(res, table, targets) {
+            Ok(report) => Ok(report),
+            Err(MoveFailure { error, poison }) => {
+                if let Some((why, stuck)) = poison {
+                    region.poison(why, stuck);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    fn run_parts(
         &self,
         res: &mut B::Reservation,
         table: &mut ChunkTable<B::Chunk>,

@@ -9,7 +9,7 @@ use super::{Arena, ArenaStream};
 use crate::backend::Backend;
 use crate::error::Result;
 use crate::location::Location;
-use crate::migration::{MigrationReport, MoveFailure, Mover};
+use crate::migration::{MigrationReport, Mover};
 
 impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// Moves every chunk of the arena, allocated or free, to pinned host
@@ -91,31 +91,21 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             shareable: false,
             release_old: false,
         };
-        let (res, table) = st.region.parts();
-        match mover.run(res, table, &targets) {
-            Ok(report) => {
-                st.placement = to;
-                st.recount_split();
-                sh.count(st);
-                drop(guard);
-                // What was left behind goes back to the driver; the move
-                // stands if that fails (logged by the pool).
-                for p in from.into_iter().filter(|&p| p != to) {
-                    let _ = sh.pool.trim_at(p);
-                }
-                tracing::debug!(
-                    chunks = report.chunks_moved,
-                    bytes = report.bytes_moved,
-                    "vmmbuf: arena moved to {to}"
-                );
-                Ok(report)
-            }
-            Err(MoveFailure { error, poison }) => {
-                if let Some((why, stuck)) = poison {
-                    st.region.poison(why, stuck);
-                }
-                Err(error)
-            }
+        let report = mover.run(&mut st.region, &targets)?;
+        st.placement = to;
+        st.recount_split();
+        sh.count(st);
+        drop(guard);
+        // What was left behind goes back to the driver; the move stands if
+        // that fails (logged by the pool).
+        for p in from.into_iter().filter(|&p| p != to) {
+            let _ = sh.pool.trim_at(p);
         }
+        tracing::debug!(
+            chunks = report.chunks_moved,
+            bytes = report.bytes_moved,
+            "vmmbuf: arena moved to {to}"
+        );
+        Ok(report)
     }
 }

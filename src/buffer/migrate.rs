@@ -14,7 +14,7 @@ use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, Location};
-use crate::migration::{MigrationReport, MoveFailure, Mover};
+use crate::migration::{MigrationReport, Mover};
 
 /// Where chunks should live, in VMM terms (the counterpart of unified
 /// memory's advice, which VMM memory does not take).
@@ -209,24 +209,14 @@ impl<B: Backend> GrowableBuffer<B> {
             shareable: self.shareable,
             release_old: self.is_published(),
         };
-        let (res, table) = g.region.parts();
-        match mover.run(res, table, &targets) {
-            Ok(report) => {
-                g.debug_check();
-                g.stats.chunks_migrated_total += report.chunks_moved as u64;
-                tracing::debug!(
-                    chunks = report.chunks_moved,
-                    bytes = report.bytes_moved,
-                    "vmmbuf: migrated"
-                );
-                Ok(report)
-            }
-            Err(MoveFailure { error, poison }) => {
-                if let Some((why, stuck)) = poison {
-                    g.poison(why, stuck);
-                }
-                Err(error)
-            }
-        }
+        let report = mover.run(&mut g.region, &targets)?;
+        g.debug_check();
+        g.stats.chunks_migrated_total += report.chunks_moved as u64;
+        tracing::debug!(
+            chunks = report.chunks_moved,
+            bytes = report.bytes_moved,
+            "vmmbuf: migrated"
+        );
+        Ok(report)
     }
 }

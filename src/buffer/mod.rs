@@ -169,12 +169,6 @@ impl<B: Backend> Inner<B> {
         self.region.check_poison()
     }
 
-    /// Marks the buffer unusable after `what` could not be undone, keeping
-    /// `chunks` (which may still be mapped) out of every pool until drop.
-    fn poison(&mut self, what: String, chunks: impl IntoIterator<Item = B::Chunk>) {
-        self.region.poison(what, chunks);
-    }
-
     /// Bytes mapped: the end of the last chunk.
     fn capacity(&self) -> usize {
         self.region.table.span_end()

@@ -13,9 +13,15 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod driver;
+mod fence;
 pub(crate) mod interop;
 pub(crate) mod probe;
 pub(crate) mod tensor;
+mod tokens;
+
+pub(crate) use fence::stream_key;
+pub use fence::CudaFence;
+pub use tokens::{CudaChunk, CudaReservation};
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -214,164 +220,6 @@ impl CudaBackend {
                 self.host_numa.unwrap_or(0),
             ),
         })
-    }
-}
-
-/// A point in a CUDA stream (an event recorded on it), made by
-/// [`CudaBackend::fence`].
-#[derive(Debug)]
-pub struct CudaFence {
-    /// `None` only while dropping.
-    event: Option<CudaEvent>,
-    key: (u64, u64),
-    spares: std::sync::Weak<Mutex<Vec<CudaEvent>>>,
-}
-
-impl Drop for CudaFence {
-    fn drop(&mut self) {
-        // Back to the backend for the next fence (at most a few hundred kept).
-        if let (Some(e), Some(spares)) = (self.event.take(), self.spares.upgrade()) {
-            let mut v = spares.lock();
-            if v.len() < 256 {
-                v.push(e);
-            }
-        }
-    }
-}
-
-impl CudaFence {
-    /// The event behind the fence.
-    pub fn event(&self) -> &CudaEvent {
-        self.event
-            .as_ref()
-            .expect("a fence has its event until it drops")
-    }
-
-    /// Records the fence again, now, on `stream` (its own stream): one event
-    /// per stream serves every later use.
-    pub(crate) fn rerecord(&self, stream: &CudaStream) -> Result<()> {
-        driver::event_record(self.event(), stream)
-    }
-}
-
-impl super::Uses<CudaFence> {
-    /// Records a use of everything queued on `stream` so far, re-recording
-    /// the stream's event when it has one (no event is created per use).
-    pub(crate) fn record_stream(&self, stream: &CudaStream) -> Result<()> {
-        let key = stream_key(stream);
-        self.record(
-            key,
-            |f| f.rerecord(stream),
-            || {
-                Ok(CudaFence {
-                    event: Some(driver::record_event(stream)?),
-                    key,
-                    spares: std::sync::Weak::new(),
-                })
-            },
-        )
-    }
-}
-
-/// The key of a stream's fences: its context and its handle (unique among
-/// live streams; every context's default stream is the null handle).
-pub(crate) fn stream_key(stream: &CudaStream) -> (u64, u64) {
-    (stream.context().cu_ctx() as u64, stream.cu_stream() as u64)
-}
-
-/// A reserved range of the process's unified (GPU) address space: the
-/// [`Backend::Reservation`] of [`CudaBackend`].
-#[derive(Debug)]
-pub struct CudaReservation {
-    ptr: sys::CUdeviceptr,
-    table: ChunkTable<()>,
-    ctx: Arc<CudaContext>,
-    counters: Arc<Counters>,
-}
-
-impl CudaReservation {
-    fn addr(&self, offset: usize) -> sys::CUdeviceptr {
-        self.ptr + offset as u64
-    }
-}
-
-impl Drop for CudaReservation {
-    fn drop(&mut self) {
-        if self.ptr == 0 {
-            return; // freed through Backend::free
-        }
-        let _ = driver::bind(&self.ctx);
-        // A token dropped with mappings left: wait for the GPU, then take them
-        // down before the range can be freed.
-        let mappings: Vec<(usize, usize)> = self.table.iter().map(|(o, e)| (o, e.bytes)).collect();
-        if !mappings.is_empty() {
-            self.counters.update(|c| c.device_syncs += 1);
-            let _ = driver::synchronize(&self.ctx);
-        }
-        for (off, bytes) in mappings {
-            // SAFETY: (ptr + off, bytes) is one live mapping of this token, and
-            // the device has been synchronised.
-            match unsafe { driver::mem_unmap(self.addr(off), bytes) } {
-                Ok(()) => self.counters.update(|c| c.mapped_bytes -= bytes),
-                Err(e) => tracing::error!(error = %e, "vmmbuf cuda: unmap in drop failed"),
-            }
-        }
-        // SAFETY: (ptr, bytes) is exactly this token's reservation.
-        match unsafe { driver::address_free(self.ptr, self.table.reserved()) } {
-            Ok(()) => {
-                let bytes = self.table.reserved();
-                self.counters.update(|c| {
-                    c.reservations -= 1;
-                    c.reserved_bytes -= bytes;
-                });
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "vmmbuf cuda: freeing a reservation in drop failed; the range leaks")
-            }
-        }
-    }
-}
-
-/// A physical allocation handle from `cuMemCreate`: the [`Backend::Chunk`] of
-/// [`CudaBackend`].
-#[derive(Debug)]
-pub struct CudaChunk {
-    handle: sys::CUmemGenericAllocationHandle,
-    /// Never reused in this process, unlike the handle (see
-    /// [`Backend::chunk_id`](super::Backend::chunk_id)).
-    id: u64,
-    bytes: usize,
-    placement: Location,
-    /// Created with the POSIX-fd handle type, or imported: exportable.
-    shareable: bool,
-    released: bool,
-    ctx: Arc<CudaContext>,
-    counters: Arc<Counters>,
-}
-
-impl CudaChunk {
-    fn release_now(&mut self) -> Result<()> {
-        // SAFETY: the handle came from cuMemCreate and has not been released
-        // (`released` is false); releasing while mapped is allowed.
-        unsafe { driver::mem_release(self.handle, self.bytes) }?;
-        self.released = true;
-        let bytes = self.bytes;
-        self.counters.update(|c| {
-            c.chunks -= 1;
-            c.chunk_bytes -= bytes;
-        });
-        Ok(())
-    }
-}
-
-impl Drop for CudaChunk {
-    fn drop(&mut self) {
-        if !self.released {
-            let _ = driver::bind(&self.ctx);
-            if let Err(e) = self.release_now() {
-                tracing::error!(error = %e, "vmmbuf cuda: releasing a chunk in drop failed");
-            }
-        }
     }
 }
 
