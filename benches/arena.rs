@@ -64,7 +64,7 @@ fn main() {
     );
     if let Ok(file) = std::fs::File::open(path) {
         let events =
-            vmmbuf::parse_trace(std::io::BufReader::new(flate2::read::GzDecoder::new(file)))
+            vmmbuf::trace::parse_trace(std::io::BufReader::new(flate2::read::GzDecoder::new(file)))
                 .unwrap();
         let mut g = c.benchmark_group("arena_replay");
         g.sample_size(10);
@@ -72,7 +72,7 @@ fn main() {
             b.iter(|| {
                 let a: Arena<CudaBackend, Arc<CudaStream>> =
                     Arena::new(backend.clone(), ArenaDesc::new(64 << 30)).unwrap();
-                vmmbuf::replay_trace(&a, &events, |_| stream.clone()).unwrap()
+                vmmbuf::trace::replay_trace(&a, &events, |_| stream.clone()).unwrap()
             })
         });
         g.finish();

@@ -168,7 +168,7 @@ fn calls(backend: &std::sync::Arc<CudaBackend>) {
             });
             // Unmapped chunk by chunk: after the host's entry too (host chunks),
             // then after the device's alone; then in one call.
-            let unmap_each = |res: &mut vmmbuf::CudaReservation| {
+            let unmap_each = |res: &mut vmmbuf::cuda::CudaReservation| {
                 time(&mut || {
                     for i in 0..N {
                         b.unmap(res, i * CHUNK, CHUNK).unwrap();

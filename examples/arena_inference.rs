@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use rand::{Rng, SeedableRng};
-use vmmbuf::{Arena, ArenaDesc, Backend, CudaAllocation, CudaBackend};
+use vmmbuf::{cuda::CudaAllocation, Arena, ArenaDesc, Backend, CudaBackend};
 
 const D: usize = 256; // model width
 const VOCAB: usize = 1024;

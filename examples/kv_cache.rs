@@ -10,7 +10,7 @@
 //!     cargo run --release --example kv_cache
 
 use rand::{Rng, SeedableRng};
-use vmmbuf::{BufferDesc, Bytes, CudaBackend, GrowableBuffer};
+use vmmbuf::{stats::Bytes, BufferDesc, CudaBackend, GrowableBuffer};
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 

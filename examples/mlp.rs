@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use vmmbuf::{Arena, ArenaDesc, CudaArena, CudaBackend, HostBackend, HostStream};
+use vmmbuf::{cuda::CudaArena, host::HostStream, Arena, ArenaDesc, CudaBackend, HostBackend};
 
 const BATCH: usize = 64;
 const D_IN: usize = 256;

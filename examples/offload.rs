@@ -6,7 +6,7 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use vmmbuf::{
-    BufferDesc, Bytes, CudaBackend, GrowableBuffer, GrowthPolicy, Location, MigrationPlan,
+    stats::Bytes, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy, Location, MigrationPlan,
 };
 
 const SRC: &str = r#"

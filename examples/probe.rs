@@ -4,7 +4,7 @@
 //!     cargo run --example probe
 
 fn main() {
-    match vmmbuf::probe() {
+    match vmmbuf::cuda::probe() {
         Ok(p) => print!("{p}"),
         Err(e) => println!("no usable CUDA driver here ({e}); vmmbuf's HostBackend still works"),
     }

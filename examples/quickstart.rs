@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use vmmbuf::{Backend, BufferDesc, Bytes, CudaBackend, GrowableBuffer, HostBackend};
+use vmmbuf::{stats::Bytes, Backend, BufferDesc, CudaBackend, GrowableBuffer, HostBackend};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     match CudaBackend::new(0) {

@@ -11,7 +11,10 @@
 use std::io::BufReader;
 use std::sync::Arc;
 
-use vmmbuf::{parse_trace, replay_trace, Arena, ArenaDesc, CudaBackend, HostBackend, HostStream};
+use vmmbuf::{
+    host::HostStream, trace::parse_trace, trace::replay_trace, Arena, ArenaDesc, CudaBackend,
+    HostBackend,
+};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args()

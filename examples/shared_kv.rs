@@ -13,8 +13,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 
 use vmmbuf::{
-    Access, Backend, BufferDesc, Bytes, CudaBackend, Exporter, GrowableBuffer, HostBackend,
-    SharedBuffer,
+    ipc::Exporter, ipc::SharedBuffer, stats::Bytes, Access, Backend, BufferDesc, CudaBackend,
+    GrowableBuffer, HostBackend,
 };
 
 /// Bytes per token (one layer's K and V of a small model, say).

@@ -38,14 +38,14 @@
 //! For tensors, an [`Arena`] is a stream-ordered allocator over one
 //! reservation: many owned [`Allocation`]s of any size, freed on drop in
 //! stream order (the block goes to another stream only once every recorded
-//! use has passed), with PyTorch-named statistics ([`ArenaStats`]), traces,
+//! use has passed), with PyTorch-named statistics ([`ArenaStats`](crate::stats::ArenaStats)), traces,
 //! and sleep/wake to pinned host memory at the same addresses
 //! ([`Arena::offload`], [`Arena::restore`]). `vmmbuf-torch` makes it
 //! PyTorch's CUDA allocator.
 //!
 //! A buffer created [shareable](BufferDesc::shareable) can be followed by
 //! other processes: [`GrowableBuffer::publish`] sends each generation over a
-//! Unix socket ([`Exporter`]), and a [`SharedBuffer`] maps the same chunks at
+//! Unix socket ([`Exporter`](crate::ipc::Exporter)), and a [`SharedBuffer`](crate::ipc::SharedBuffer) maps the same chunks at
 //! the same offsets in its own range, on the same or another GPU.
 //!
 //! Beyond growing:
@@ -56,10 +56,10 @@
 //! - **Reuse** ([`ChunkPool`]): released chunks kept for regrowth across
 //!   buffers; [`GrowableBuffer::shrink_to_fit_after`] releases in stream
 //!   order instead of blocking on the whole device.
-//! - **cudarc interop** ([`View`], [`ViewMut`], [`SliceRef`]):
+//! - **cudarc interop** ([`View`](crate::cuda::View), [`ViewMut`](crate::cuda::ViewMut), [`SliceRef`](crate::cuda::SliceRef)):
 //!   typed views that cudarc's copies and kernel launches accept, and a
 //!   non-owning `CudaSlice` for APIs that take nothing else.
-//! - **What the machine supports**: [`probe`].
+//! - **What the machine supports**: [`probe`](crate::cuda::probe).
 //!
 //! # Where things live
 //! `unsafe` is denied crate-wide and allowed only where memory meets the
@@ -82,7 +82,7 @@ mod backend;
 mod buffer;
 mod error;
 #[cfg(target_os = "linux")]
-mod ipc;
+pub mod ipc;
 mod location;
 mod migration;
 mod order;
@@ -90,27 +90,54 @@ mod plan;
 mod pool;
 mod ranges;
 mod region;
-mod stats;
+mod report;
 mod table;
 
-pub use arena::{
-    parse_trace, replay_trace, Allocation, Arena, ArenaDesc, ArenaSnapshot, ArenaStats,
-    ArenaStream, BlockInfo, CudaAllocation, CudaArena, HostStream, ReplayReport, StatValue,
-    TraceEvent, TRACE_HEADER,
-};
-pub use backend::cuda::interop::{Element, SliceRef, View, ViewMut};
-pub use backend::cuda::probe::{probe, DeviceProbe, Probe};
-pub use backend::cuda::tensor::CudaTensor;
-pub use backend::cuda::{CudaBackend, CudaChunk, CudaFence, CudaReservation};
+// About twenty names at the root: what most users name. The rest lives in
+// the modules below, one path each.
+pub use arena::{Allocation, Arena, ArenaDesc, ArenaStream};
+pub use backend::cuda::CudaBackend;
 #[cfg(target_os = "linux")]
-pub use backend::host::{HostBackend, HostChunk, HostFence, HostReservation};
-pub use backend::{Backend, HostMapped, LiveCounts};
+pub use backend::host::HostBackend;
+pub use backend::{Backend, HostMapped};
 pub use buffer::{BufferDesc, GrowableBuffer, MigrationPlan, MigrationPolicy};
 pub use error::{Error, Result};
-#[cfg(target_os = "linux")]
-pub use ipc::{Exporter, SharedBuffer, FDS_PER_MESSAGE, MAX_RECORDS};
 pub use location::{Access, AccessDesc, Location};
 pub use migration::MigrationReport;
+pub use order::StreamKey;
 pub use plan::GrowthPolicy;
-pub use pool::{ChunkPool, PoolDesc, PoolStats};
-pub use stats::{Bytes, ChunkInfo, Report, Stats};
+pub use pool::{ChunkPool, PoolDesc};
+pub use report::BufferStats;
+
+/// CUDA: the backend's tokens, cudarc interop (typed views, a non-owning
+/// `CudaSlice`, owned tensors), arenas for cudarc's streams, and the probe.
+pub mod cuda {
+    pub use crate::arena::{CudaAllocation, CudaArena};
+    pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
+    pub use crate::backend::cuda::probe::{probe, DeviceProbe, Probe};
+    pub use crate::backend::cuda::tensor::CudaTensor;
+    pub use crate::backend::cuda::{CudaBackend, CudaChunk, CudaFence, CudaReservation};
+}
+
+/// The host backend (Linux): the host's own virtual memory, the same code
+/// paths as CUDA's, for machines without a GPU and for tests.
+#[cfg(target_os = "linux")]
+pub mod host {
+    pub use crate::arena::HostStream;
+    pub use crate::backend::host::{HostBackend, HostChunk, HostFence, HostReservation};
+}
+
+/// Traces of an arena's allocs and frees: record with
+/// [`Arena::record_trace`](crate::Arena::record_trace), parse, replay.
+pub mod trace {
+    pub use crate::arena::{parse_trace, replay_trace, ReplayReport, TraceEvent, TRACE_HEADER};
+}
+
+/// Counters and reports: a buffer's, an arena's, a pool's, and the
+/// backend's live handles.
+pub mod stats {
+    pub use crate::arena::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
+    pub use crate::backend::LiveCounts;
+    pub use crate::pool::PoolStats;
+    pub use crate::report::{BufferStats, Bytes, ChunkInfo, Report};
+}

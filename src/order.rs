@@ -16,8 +16,9 @@ use parking_lot::Mutex;
 
 use crate::error::Result;
 
-/// A queue's key: (context, stream handle) for CUDA.
-pub(crate) type StreamKey = (u64, u64);
+/// A stream's key, what tells two queues apart: (context, stream handle)
+/// for CUDA; (0, n) for the host backend's streams.
+pub type StreamKey = (u64, u64);
 
 /// Locks (each with its counter) that order the recording of fences: a
 /// stream always maps to the same shard.

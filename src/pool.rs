@@ -11,7 +11,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
 use crate::plan::PoolOffer;
-use crate::stats::Bytes;
+use crate::report::Bytes;
 
 /// How a [`ChunkPool`] bounds what it keeps.
 ///

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
-use crate::stats::ChunkInfo;
+use crate::report::ChunkInfo;
 
 /// One mapped chunk.
 #[derive(Debug)]

@@ -49,7 +49,7 @@ impl Allocation<CudaBackend, Arc<CudaStream>> {
     }
 
     /// The list views record their uses in.
-    pub(crate) fn uses_ref(&self) -> &crate::backend::Uses<crate::CudaFence> {
+    pub(crate) fn uses_ref(&self) -> &crate::backend::Uses<crate::cuda::CudaFence> {
         &self.uses
     }
 

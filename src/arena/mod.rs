@@ -36,16 +36,16 @@ use blocks::{Blocks, Free, StreamKey};
 /// for the host backend a [`HostStream`].
 pub trait ArenaStream<B: Backend>: Clone + Send + Sync + 'static {
     /// Identifies the stream: the same key, the same queue.
-    fn key(&self) -> (u64, u64);
+    fn key(&self) -> crate::StreamKey;
     /// A fence after everything queued on the stream so far.
     fn fence(&self, backend: &B) -> Result<B::Fence>;
 }
 
 impl ArenaStream<crate::CudaBackend> for Arc<cudarc::driver::CudaStream> {
-    fn key(&self) -> (u64, u64) {
+    fn key(&self) -> crate::StreamKey {
         crate::backend::cuda::stream_key(self)
     }
-    fn fence(&self, backend: &crate::CudaBackend) -> Result<crate::CudaFence> {
+    fn fence(&self, backend: &crate::CudaBackend) -> Result<crate::cuda::CudaFence> {
         backend.fence(self)
     }
 }
@@ -58,11 +58,11 @@ pub struct HostStream(pub u64);
 
 #[cfg(target_os = "linux")]
 impl ArenaStream<crate::HostBackend> for HostStream {
-    fn key(&self) -> (u64, u64) {
+    fn key(&self) -> crate::StreamKey {
         (0, self.0)
     }
-    fn fence(&self, _backend: &crate::HostBackend) -> Result<crate::HostFence> {
-        Ok(crate::HostFence)
+    fn fence(&self, _backend: &crate::HostBackend) -> Result<crate::host::HostFence> {
+        Ok(crate::host::HostFence)
     }
 }
 

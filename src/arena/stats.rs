@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::stats::Bytes;
+use crate::report::Bytes;
 
 /// Allocated bytes per mapped chunk, kept at every alloc, free, map and
 /// unmap, so that the free bytes of chunks that also hold allocations
@@ -172,7 +172,7 @@ pub struct BlockInfo {
     /// Bytes asked for (allocations only).
     pub requested_bytes: usize,
     /// The stream that owns it (`None`: free for any stream).
-    pub stream: Option<(u64, u64)>,
+    pub stream: Option<crate::StreamKey>,
 }
 
 /// The arena at one moment: mapped segments and the blocks in them.

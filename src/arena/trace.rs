@@ -133,7 +133,7 @@ pub(crate) struct TraceSink {
 }
 
 impl TraceSink {
-    pub(crate) fn line(&mut self, op: &str, id: u64, bytes: usize, stream: (u64, u64)) {
+    pub(crate) fn line(&mut self, op: &str, id: u64, bytes: usize, stream: crate::StreamKey) {
         let t = self.start.elapsed().as_micros();
         // A stream's number: its handle (distinct among live streams).
         if let Err(e) = writeln!(self.out, "{op},{id},{bytes},{},{t}", stream.1) {

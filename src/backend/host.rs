@@ -470,7 +470,7 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn fence_key(&self, _fence: &HostFence) -> (u64, u64) {
+    fn fence_key(&self, _fence: &HostFence) -> crate::StreamKey {
         (0, 0)
     }
 

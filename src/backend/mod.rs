@@ -111,7 +111,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Which queue `fence` orders: of two fences with the same key, the later
     /// one covers the earlier (CUDA: the context and the stream; two
     /// contexts' default streams share the null handle).
-    fn fence_key(&self, fence: &Self::Fence) -> (u64, u64);
+    fn fence_key(&self, fence: &Self::Fence) -> crate::StreamKey;
 
     /// Blocks until the copies this backend issued itself ([`Backend::copy`])
     /// have finished.

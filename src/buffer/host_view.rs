@@ -92,7 +92,7 @@ impl<B: HostMapped> GrowableBuffer<B> {
     ///
     /// A [shareable](crate::BufferDesc::shareable) buffer gives no slices
     /// ([`Error::Unsupported`]): an importer, in another process or in this
-    /// one, may write its pages at any time ([`SharedBuffer::write`](crate::SharedBuffer::write)
+    /// one, may write its pages at any time ([`SharedBuffer::write`](crate::ipc::SharedBuffer::write)
     /// is safe), which would change bytes under a `&[u8]`; and a `&mut [u8]`
     /// would be read under. Use [`read`](Self::read) and
     /// [`write`](Self::write), which copy.

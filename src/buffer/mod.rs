@@ -31,7 +31,7 @@ use crate::plan::{round_up, GrowthPolicy};
 use crate::pool::ChunkPool;
 use crate::ranges::PlacementRanges;
 use crate::region::Region;
-use crate::stats::{Report, Stats};
+use crate::report::{BufferStats, Report};
 
 /// How to create a [`GrowableBuffer`].
 ///
@@ -141,7 +141,7 @@ struct Inner<B: Backend> {
     /// The reservation and its chunks (for a buffer they tile
     /// `[0, capacity)`), poison and quarantine.
     region: Region<B>,
-    stats: Stats,
+    stats: BufferStats,
     pending: Vec<Pending<B::Fence>>,
     /// The largest length (or capacity reserved ahead) since the last
     /// deferred release: the window of the next one.
@@ -328,9 +328,9 @@ impl<B: Backend> GrowableBuffer<B> {
             uses: Uses::default(),
             inner: Mutex::new(Inner {
                 region,
-                stats: Stats {
+                stats: BufferStats {
                     reserved_bytes: reserved,
-                    ..Stats::default()
+                    ..BufferStats::default()
                 },
                 pending: Vec::new(),
                 window: 0,
@@ -402,13 +402,13 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     /// The buffer's counters.
-    pub fn stats(&self) -> Stats {
+    pub fn stats(&self) -> BufferStats {
         Self::stats_of(&self.inner.lock())
     }
 
-    fn stats_of(g: &Inner<B>) -> Stats {
+    fn stats_of(g: &Inner<B>) -> BufferStats {
         let t = g.region.table.stats();
-        Stats {
+        BufferStats {
             in_use_bytes: g.region.table.len(),
             mapped_bytes: t.mapped_bytes,
             chunks: t.chunks,

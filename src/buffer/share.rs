@@ -12,7 +12,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// Sends the buffer's current layout to the importer on `to`, as its
     /// next generation, and returns that generation. Only the chunks `to`
     /// has not had yet go with a descriptor each; the importer's
-    /// [`SharedBuffer::sync`](crate::SharedBuffer::sync) maps them and unmaps what the buffer gave up.
+    /// [`SharedBuffer::sync`](crate::ipc::SharedBuffer::sync) maps them and unmaps what the buffer gave up.
     /// From the first call on, chunks the buffer gives up are released,
     /// never pooled (see the module's rule for shrinking).
     ///

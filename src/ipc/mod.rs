@@ -1,5 +1,5 @@
 //! Sharing a growing buffer with other processes: the exporter's side
-//! ([`Exporter`], [`GrowableBuffer::publish`]) and the importer's
+//! ([`Exporter`], [`GrowableBuffer::publish`](crate::GrowableBuffer::publish)) and the importer's
 //! ([`SharedBuffer`]).
 //!
 //! A shareable buffer ([`BufferDesc::shareable`](crate::BufferDesc::shareable))

@@ -410,15 +410,7 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
             let bytes = Self::bytes_at(table, o);
             let entry = table.get(o).expect("a swapped chunk is in the table");
             let old_list = driver_access_for(&entry.access, old_place, old_cpu);
-            match undo_swap(
-                backend,
-                res,
-                o,
-                bytes,
-                &old,
-                &old_list,
-                SwapStage::Granting,
-            ) {
+            match undo_swap(backend, res, o, bytes, &old, &old_list, SwapStage::Granting) {
                 Ok(()) => {
                     table.set_placement(o, old_place);
                     let entry = table.get_mut(o).expect("a swapped chunk is in the table");

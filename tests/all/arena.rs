@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, PushKernelArg};
 use vmmbuf::{
-    replay_trace, Arena, ArenaDesc, Backend, CudaBackend, HostBackend, HostStream, TraceEvent,
+    host::HostStream, trace::replay_trace, trace::TraceEvent, Arena, ArenaDesc, Backend,
+    CudaBackend, HostBackend,
 };
 
 use crate::common::gpu;
@@ -89,7 +90,7 @@ fn cuda_frees_are_stream_ordered() {
                 x.view_mut::<u32>(&sa).unwrap(),
                 y.view_mut::<u32>(&sa).unwrap(),
             );
-            let fill = |v: &mut vmmbuf::ViewMut<'_, u32>, seed: u32| {
+            let fill = |v: &mut vmmbuf::cuda::ViewMut<'_, u32>, seed: u32| {
                 let mut l = sa.launch_builder(&k.fill);
                 let zero = 0u64;
                 l.arg(v).arg(&zero).arg(&words).arg(&seed);
@@ -204,7 +205,7 @@ fn the_pytorch_trace_on_the_gpu() {
 fn allocations_are_send_and_sync_and_hold_the_arena() {
     fn check<T: Send + Sync + 'static>() {}
     check::<vmmbuf::Allocation<HostBackend, HostStream>>();
-    check::<vmmbuf::CudaAllocation>();
+    check::<vmmbuf::cuda::CudaAllocation>();
     check::<Arena<HostBackend, HostStream>>();
     let host = HostBackend::with_granularity(2 << 20).unwrap();
     let arena: Arena<HostBackend, HostStream> =
@@ -346,7 +347,7 @@ fn owned_typed_tensors_behave_as_cudarc_slices() {
     use rand::{Rng, SeedableRng};
     let b = gpu();
     let k = Kernels::load(&b);
-    let arena: vmmbuf::CudaArena = Arena::new(b.clone(), ArenaDesc::new(8 << 30)).unwrap();
+    let arena: vmmbuf::cuda::CudaArena = Arena::new(b.clone(), ArenaDesc::new(8 << 30)).unwrap();
     let (s, other) = (
         b.context().new_stream().unwrap(),
         b.context().new_stream().unwrap(),

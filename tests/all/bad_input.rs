@@ -145,7 +145,7 @@ fn bad_backend_arguments_are_typed_errors() {
     host.release(c).unwrap();
     assert_eq!(
         host.live(),
-        vmmbuf::LiveCounts::default(),
+        vmmbuf::stats::LiveCounts::default(),
         "the dropped token cleaned up"
     );
 }

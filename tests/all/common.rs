@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use libtest_mimic::Trial;
 use rand::{Rng, SeedableRng};
-use vmmbuf::{Backend, CudaBackend, GrowableBuffer, HostBackend, LiveCounts};
+use vmmbuf::{stats::LiveCounts, Backend, CudaBackend, GrowableBuffer, HostBackend};
 
 /// Tests in this binary run one at a time: the GPU ones read the device's
 /// free memory and the host ones read the process's maps and descriptors,

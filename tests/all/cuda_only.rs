@@ -210,7 +210,7 @@ fn a_thousand_grows_keep_the_base_and_every_device_written_byte() {
     let s = buf.stats();
     eprintln!(
         "1000 grows to {} in {} chunks ({} grows mapped)",
-        vmmbuf::Bytes(s.in_use_bytes),
+        vmmbuf::stats::Bytes(s.in_use_bytes),
         s.chunks,
         s.grows
     );
@@ -276,7 +276,7 @@ fn shrink_trim_and_drop_give_memory_back_to_the_driver() {
         start,
         "after drop, free memory is back to the start"
     );
-    assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
+    assert_eq!(backend.live(), vmmbuf::stats::LiveCounts::default());
 }
 
 fn exact_and_fixed_policies_on_the_device() {
@@ -388,7 +388,7 @@ fn release_waits_for_kernels_still_reading_the_tail() {
     drop(buf);
     // (The counters, not cuMemGetInfo: cudarc's stream-ordered allocations on
     // `side` come from a driver pool with its own retention.)
-    assert_eq!(backend.live(), vmmbuf::LiveCounts::default());
+    assert_eq!(backend.live(), vmmbuf::stats::LiveCounts::default());
 }
 
 fn kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times() {

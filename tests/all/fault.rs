@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use vmmbuf::{AccessDesc, Backend, Error, LiveCounts, Location, Result};
+use vmmbuf::{stats::LiveCounts, AccessDesc, Backend, Error, Location, Result};
 
 /// A fence the test opens by hand, to drive stream-ordered release on any
 /// backend; a broken one answers every query with an error.

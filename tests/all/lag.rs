@@ -8,7 +8,9 @@ use std::io::BufReader;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use vmmbuf::{parse_trace, Allocation, Arena, ArenaDesc, ArenaStream, HostBackend, TraceEvent};
+use vmmbuf::{
+    trace::parse_trace, trace::TraceEvent, Allocation, Arena, ArenaDesc, ArenaStream, HostBackend,
+};
 
 use crate::fault::{FaultBackend, TestFence};
 

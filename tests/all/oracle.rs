@@ -26,8 +26,8 @@ use parking_lot::Mutex;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use vmmbuf::{
-    AccessDesc, Arena, ArenaDesc, ArenaStream, Backend, BufferDesc, ChunkPool, Error,
-    GrowableBuffer, GrowthPolicy, HostBackend, LiveCounts, Location, PoolDesc, Result,
+    stats::LiveCounts, AccessDesc, Arena, ArenaDesc, ArenaStream, Backend, BufferDesc, ChunkPool,
+    Error, GrowableBuffer, GrowthPolicy, HostBackend, Location, PoolDesc, Result,
 };
 
 use crate::fault::FaultBackend;

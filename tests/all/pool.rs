@@ -261,9 +261,9 @@ fn regrowth_after_shrink_takes_pooled_chunks<B: Backend>(backend: Arc<B>) {
 
 /// The live counts a buffer is measured against when a pool holds chunks too.
 fn baseline_with_pool<B: Backend>(
-    mut base: vmmbuf::LiveCounts,
+    mut base: vmmbuf::stats::LiveCounts,
     pool: &ChunkPool<B>,
-) -> vmmbuf::LiveCounts {
+) -> vmmbuf::stats::LiveCounts {
     base.chunks += pool.stats().pooled_chunks;
     base
 }
@@ -326,7 +326,7 @@ fn out_of_memory_drains_the_pool_and_retries_once<B: Backend>(real: Arc<B>) {
 pub(crate) struct Fenced<B: Backend> {
     pub(crate) g: usize,
     pub(crate) fb: Arc<FaultBackend<B>>,
-    pub(crate) baseline: vmmbuf::LiveCounts,
+    pub(crate) baseline: vmmbuf::stats::LiveCounts,
     pub(crate) buf: GrowableBuffer<FaultBackend<B>>,
     pub(crate) data: Vec<u8>,
 }

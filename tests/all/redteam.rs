@@ -12,8 +12,8 @@ use std::sync::{Arc, Barrier};
 
 use parking_lot::Mutex;
 use vmmbuf::{
-    Access, Arena, ArenaDesc, ArenaStream, BufferDesc, ChunkPool, Exporter, GrowableBuffer,
-    GrowthPolicy, HostBackend, PoolDesc, SharedBuffer,
+    ipc::Exporter, ipc::SharedBuffer, Access, Arena, ArenaDesc, ArenaStream, BufferDesc, ChunkPool,
+    GrowableBuffer, GrowthPolicy, HostBackend, PoolDesc,
 };
 
 use crate::fault::{FaultBackend, TestFence};

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use crate::common::keep_nothing;
 use vmmbuf::{
-    Access, Backend, BufferDesc, CudaBackend, Error, Exporter, GrowableBuffer, GrowthPolicy,
-    HostBackend, SharedBuffer,
+    ipc::Exporter, ipc::SharedBuffer, Access, Backend, BufferDesc, CudaBackend, Error,
+    GrowableBuffer, GrowthPolicy, HostBackend,
 };
 
 crate::register! {
@@ -333,7 +333,7 @@ fn a_shareable_buffer_never_takes_unexportable_pooled_chunks<B: Backend>(backend
     pool.trim().unwrap();
 }
 
-/// Hand-made messages in the documented wire format (see `vmmbuf::Exporter`):
+/// Hand-made messages in the documented wire format (see `vmmbuf::ipc::Exporter`):
 /// a 64-byte head of eight little-endian u64s, then the records.
 fn head(
     kind: u64,
@@ -609,7 +609,7 @@ fn recv_one_fd(y: &UnixStream) -> OwnedFd {
 /// descriptors go in batches, and every byte arrives.
 fn more_chunks_than_one_message_holds<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
-    let n = 2 * vmmbuf::FDS_PER_MESSAGE + 17;
+    let n = 2 * vmmbuf::ipc::FDS_PER_MESSAGE + 17;
     let mut buf = GrowableBuffer::new(
         backend.clone(),
         BufferDesc::new((n + 8) * g)

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, random_bytes};
-use vmmbuf::{Backend, BufferDesc, Error, GrowableBuffer, GrowthPolicy, LiveCounts};
+use vmmbuf::{stats::LiveCounts, Backend, BufferDesc, Error, GrowableBuffer, GrowthPolicy};
 
 crate::register! {
     generic: [grow_keeps_data_and_base, truncate_keeps_trim_releases, policies_size_chunks_as_documented, concurrent_growth_through_shared_ref, reservation_is_a_hard_limit, stats_and_report_follow_operations, drop_gives_everything_back, claims_are_aligned_and_disjoint],

@@ -26,7 +26,8 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::Mutex;
 use vmmbuf::{
-    Arena, ArenaDesc, ArenaStats, ArenaStream, ChunkPool, CudaAllocation, CudaBackend, PoolDesc,
+    cuda::CudaAllocation, stats::ArenaStats, Arena, ArenaDesc, ArenaStream, ChunkPool, CudaBackend,
+    PoolDesc,
 };
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;

@@ -10,7 +10,7 @@ use super::*;
 pub struct CudaFence {
     /// `None` only while dropping.
     pub(super) event: Option<CudaEvent>,
-    pub(super) key: (u64, u64),
+    pub(super) key: crate::StreamKey,
     pub(super) spares: std::sync::Weak<Mutex<Vec<CudaEvent>>>,
 }
 
@@ -62,6 +62,6 @@ impl crate::backend::Uses<CudaFence> {
 
 /// The key of a stream's fences: its context and its handle (unique among
 /// live streams; every context's default stream is the null handle).
-pub(crate) fn stream_key(stream: &CudaStream) -> (u64, u64) {
+pub(crate) fn stream_key(stream: &CudaStream) -> crate::StreamKey {
     (stream.context().cu_ctx() as u64, stream.cu_stream() as u64)
 }

@@ -463,7 +463,7 @@ impl Backend for CudaBackend {
         driver::event_wait(fence.event())
     }
 
-    fn fence_key(&self, fence: &CudaFence) -> (u64, u64) {
+    fn fence_key(&self, fence: &CudaFence) -> crate::StreamKey {
         fence.key
     }
 

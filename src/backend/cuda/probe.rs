@@ -66,10 +66,10 @@ impl std::fmt::Display for Probe {
                 d.name,
                 d.compute_capability.0,
                 d.compute_capability.1,
-                crate::stats::Bytes(d.total_bytes),
+                crate::report::Bytes(d.total_bytes),
                 yes(d.vmm),
-                crate::stats::Bytes(d.granularity.0),
-                crate::stats::Bytes(d.granularity.1),
+                crate::report::Bytes(d.granularity.0),
+                crate::report::Bytes(d.granularity.1),
                 d.host_numa_node
                     .map_or("no".to_string(), |n| format!("yes (NUMA node {n})")),
                 yes(d.posix_fd_handles),

@@ -31,7 +31,8 @@ use crate::error::{Error, Result};
 /// freed in stream order when it drops. See the module docs.
 ///
 /// ```no_run
-/// use vmmbuf::{Arena, ArenaDesc, CudaArena, CudaBackend};
+/// use vmmbuf::cuda::CudaArena;
+/// use vmmbuf::{Arena, ArenaDesc, CudaBackend};
 ///
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let gpu = CudaBackend::new(0)?;

@@ -7,7 +7,7 @@ use crate::location::{Access, Location};
 /// Counters of one buffer, as plain data.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Stats {
+pub struct BufferStats {
     /// Bytes of address space reserved (fixed for the buffer's life).
     pub reserved_bytes: usize,
     /// Bytes of physical memory mapped now (the capacity).
@@ -37,7 +37,7 @@ pub struct Stats {
     pub peak_mapped_bytes: usize,
 }
 
-impl fmt::Display for Stats {
+impl fmt::Display for BufferStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -80,7 +80,7 @@ pub struct Report {
     /// The buffer's base address.
     pub base: u64,
     /// The buffer's counters.
-    pub stats: Stats,
+    pub stats: BufferStats,
     /// Every mapped chunk, in address order.
     pub chunks: Vec<ChunkInfo>,
 }
@@ -140,11 +140,11 @@ mod tests {
         assert_eq!(Bytes(3 << 20).to_string(), "3.0 MiB");
         let r = Report {
             base: 0x7000_0000,
-            stats: Stats {
+            stats: BufferStats {
                 in_use_bytes: 5,
                 mapped_bytes: 4096,
                 chunks: 1,
-                ..Stats::default()
+                ..BufferStats::default()
             },
             chunks: vec![ChunkInfo {
                 offset: 0,
