@@ -106,7 +106,7 @@ pub use location::{Access, AccessDesc, Location};
 pub use migration::MigrationReport;
 pub use order::StreamKey;
 pub use plan::GrowthPolicy;
-pub use pool::{ChunkPool, PoolDesc};
+pub use pool::{Budget, ChunkPool, PoolDesc};
 pub use report::BufferStats;
 
 /// CUDA: the backend's tokens, cudarc interop (typed views, a non-owning

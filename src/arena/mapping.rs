@@ -91,6 +91,18 @@ impl<B: Backend> Shared<B> {
         {
             return Err(self.out_of_memory(st, size, None));
         }
+        // The budget shared with other arenas and buffers: taken before any
+        // chunk is created, given back if the mapping fails.
+        if let Some(b) = &self.shared_budget {
+            if !b.try_take(need) {
+                return Err(self.out_of_memory(st, size, None));
+            }
+        }
+        let give_back = || {
+            if let Some(b) = &self.shared_budget {
+                b.give(need);
+            }
+        };
         // Chunks of at most `chunk_bytes`, pooled ones first, placed where
         // the arena is now (the host, while offloaded).
         let placement = st.placement;
@@ -109,6 +121,7 @@ impl<B: Backend> Shared<B> {
                     for c in chunks {
                         self.pool.put(placement, c.bytes, c.chunk);
                     }
+                    give_back();
                     return Err(e);
                 }
             }
@@ -126,6 +139,7 @@ impl<B: Backend> Shared<B> {
             for c in back {
                 self.pool.put(c.placement, c.bytes, c.chunk);
             }
+            give_back();
             return Err(e);
         }
         let mut o = at;
@@ -179,6 +193,9 @@ impl<B: Backend> Shared<B> {
             for (_, e) in st.region.unmap(o, b)? {
                 self.pool.put(e.placement, e.bytes, e.chunk);
             }
+            if let Some(sb) = &self.shared_budget {
+                sb.give(b);
+            }
             let z = st.zone_of_offset(o);
             st.zones[z].carve(o, b);
             st.split.unmapped(o);
@@ -204,6 +221,10 @@ impl<B: Backend> Shared<B> {
         };
         let never_fits = need > zone
             || self.budget.is_some_and(|b| need > b)
+            || self
+                .shared_budget
+                .as_ref()
+                .is_some_and(|b| need > b.limit())
             || device.is_some_and(|(_, total)| need > total);
         Error::ArenaOutOfMemory {
             requested_bytes: requested,
@@ -272,6 +293,11 @@ impl<B: Backend> Drop for Shared<B> {
             }
         }
         // Unmapped by hand and pooled only if every fence was waited for.
+        // The shared budget gets back what this arena mapped either way:
+        // the memory goes with the arena.
+        if let Some(b) = &self.shared_budget {
+            b.give(st.region.table.mapped_bytes());
+        }
         let pool = &self.pool;
         st.region.close(waited, |chunk, bytes, placement| {
             pool.put(placement, bytes, chunk)

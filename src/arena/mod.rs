@@ -28,7 +28,7 @@ use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::plan::round_up;
-use crate::pool::{ChunkPool, PoolDesc};
+use crate::pool::{Budget, ChunkPool, PoolDesc};
 use crate::region::Region;
 use blocks::{Blocks, Free, StreamKey};
 
@@ -87,6 +87,9 @@ pub struct ArenaDesc {
     pub max_chunk_bytes: usize,
     /// A budget: the arena never maps more than this many bytes.
     pub max_reserved_bytes: Option<usize>,
+    /// A budget shared with other arenas or buffers (see [`Budget`]): the
+    /// bytes all of them map together stay under its limit.
+    pub shared_budget: Option<Arc<Budget>>,
     /// Give whole free chunks to the pool before mapping new ones (true by
     /// default): memory taken follows memory allocated (the PyTorch trace:
     /// 1.0098x its peak). False keeps them mapped until `release_cached`,
@@ -109,8 +112,15 @@ impl ArenaDesc {
             alignment: 256,
             max_chunk_bytes: 2 << 20,
             max_reserved_bytes: None,
+            shared_budget: None,
             release_before_map: true,
         }
+    }
+
+    /// Shares `budget` with the other arenas and buffers given it.
+    pub fn shared_budget(mut self, budget: Arc<Budget>) -> Self {
+        self.shared_budget = Some(budget);
+        self
     }
 
     /// Sets the budget.
@@ -207,6 +217,7 @@ struct Shared<B: Backend> {
     chunk_bytes: usize,
     alignment: usize,
     budget: Option<usize>,
+    shared_budget: Option<Arc<Budget>>,
     release_before_map: bool,
     placement: Location,
     access: Vec<AccessDesc>,
@@ -313,6 +324,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 chunk_bytes,
                 alignment: desc.alignment,
                 budget: desc.max_reserved_bytes,
+                shared_budget: desc.shared_budget.clone(),
                 release_before_map: desc.release_before_map,
                 placement,
                 access,

@@ -243,3 +243,67 @@ fn stats_have_peaks_and_reset() {
     );
     drop(y);
 }
+
+/// A budget shared by two arenas and a buffer (a PyTorch process's tags on
+/// one device share one): together they never map past it; what one gives
+/// back the others can take; a request past the whole limit never fits.
+#[test]
+fn a_shared_budget_bounds_arenas_and_buffers_together() {
+    let b = HostBackend::with_granularity(G).unwrap();
+    let budget = crate::Budget::new(16 * G);
+    let desc = || {
+        ArenaDesc::new(1 << 30)
+            .max_chunk_bytes(4 * G)
+            .shared_budget(budget.clone())
+    };
+    let (a1, a2): (HostArena, HostArena) = (
+        Arena::new(b.clone(), desc()).unwrap(),
+        Arena::new(b.clone(), desc()).unwrap(),
+    );
+    let s = HostStream(0);
+    let mut x = a1.alloc(10 * G, &s).unwrap();
+    x.write(0, &pattern(1, 10 * G)).unwrap();
+    assert_eq!(budget.used(), 10 * G);
+    let r = a2.alloc(8 * G, &s);
+    assert!(
+        matches!(&r, Err(e @ Error::ArenaOutOfMemory { never_fits: false, .. }) if e.is_transient()),
+        "past the shared budget, for now: {r:?}"
+    );
+    let buf = crate::GrowableBuffer::new(
+        b.clone(),
+        crate::BufferDesc::new(64 * G)
+            .growth(crate::GrowthPolicy::Exact)
+            .pooled(false)
+            .budget(budget.clone()),
+    )
+    .unwrap();
+    buf.grow_to(4 * G).unwrap();
+    assert_eq!(budget.used(), 14 * G);
+    assert!(matches!(buf.grow_to(8 * G), Err(Error::OutOfMemory { .. })));
+    assert_eq!(
+        (buf.len(), buf.capacity()),
+        (4 * G, 4 * G),
+        "a failed growth changes nothing"
+    );
+    assert!(matches!(
+        a2.alloc(17 * G, &s),
+        Err(Error::ArenaOutOfMemory {
+            never_fits: true,
+            ..
+        })
+    ));
+    // a1 gives its memory back: a2 may take it.
+    let mut back = vec![0u8; 10 * G];
+    x.read(0, &mut back).unwrap();
+    assert!(back == pattern(1, 10 * G));
+    drop(x);
+    a1.release_cached().unwrap();
+    assert_eq!(budget.used(), 4 * G);
+    let y = a2.alloc(8 * G, &s).unwrap();
+    assert_eq!(budget.used(), 12 * G);
+    drop(y);
+    drop(buf);
+    drop((a1, a2));
+    assert_eq!(budget.used(), 0, "everything given back");
+    assert_eq!(b.live().chunks, 0);
+}

@@ -157,6 +157,21 @@ impl<B: Backend> GrowableBuffer<B> {
             placement_at: &|o| self.placement_at(o),
             pool: offer.as_ref(),
         })?;
+        // The shared budget first: nothing is created past it.
+        let total: usize = plan.iter().map(|c| c.bytes).sum();
+        if let Some(b) = &self.budget {
+            if !b.try_take(total) {
+                return Err(Error::OutOfMemory {
+                    call: "the shared budget",
+                    requested_bytes: total,
+                });
+            }
+        }
+        let give_back = || {
+            if let Some(b) = &self.budget {
+                b.give(total);
+            }
+        };
         // (chunk, bytes, placement), in address order from `at`.
         let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::with_capacity(plan.len());
         let mut reused = 0usize;
@@ -185,6 +200,7 @@ impl<B: Backend> GrowableBuffer<B> {
                     for c in chunks {
                         let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
                     }
+                    give_back();
                     return Err(e);
                 }
             }
@@ -204,6 +220,7 @@ impl<B: Backend> GrowableBuffer<B> {
             for c in back {
                 let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
             }
+            give_back();
             tracing::debug!(error = %e, "vmmbuf: grow failed and was undone");
             return Err(e);
         }

@@ -69,6 +69,11 @@ pub struct BufferDesc {
     /// default: CUDA must be asked at creation, and the backend must support
     /// it ([`Error::Unsupported`] at the first growth otherwise).
     pub shareable: bool,
+    /// A budget shared with other buffers and arenas (see
+    /// [`Budget`](crate::Budget)): growth past its limit fails with
+    /// [`Error::OutOfMemory`] and changes nothing; shrinking and drop give
+    /// back.
+    pub budget: Option<Arc<crate::Budget>>,
 }
 
 impl BufferDesc {
@@ -83,6 +88,7 @@ impl BufferDesc {
             alignment: 256,
             pooled: true,
             shareable: false,
+            budget: None,
         }
     }
 
@@ -90,6 +96,12 @@ impl BufferDesc {
     /// [`BufferDesc::shareable`](Self::shareable)).
     pub fn shareable(mut self, shareable: bool) -> Self {
         self.shareable = shareable;
+        self
+    }
+
+    /// Shares `budget` with the other buffers and arenas given it.
+    pub fn budget(mut self, budget: Arc<crate::Budget>) -> Self {
+        self.budget = Some(budget);
         self
     }
 
@@ -228,6 +240,8 @@ pub struct GrowableBuffer<B: Backend> {
     pool: Option<Arc<ChunkPool<B>>>,
     /// Chunks are created exportable.
     shareable: bool,
+    /// The budget shared with other buffers and arenas, if any.
+    budget: Option<Arc<crate::Budget>>,
     /// Set once a chunk was sent to another process: from then on chunks the
     /// buffer gives up are released, never pooled (a peer may still map them).
     published: std::sync::atomic::AtomicBool,
@@ -324,6 +338,7 @@ impl<B: Backend> GrowableBuffer<B> {
             grants,
             pool,
             shareable: desc.shareable,
+            budget: desc.budget.clone(),
             published: std::sync::atomic::AtomicBool::new(false),
             uses: Uses::default(),
             inner: Mutex::new(Inner {
@@ -501,6 +516,9 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
         };
         if let Err(e) = &waited {
             tracing::error!(error = %e, "vmmbuf: waiting for recorded uses before drop failed");
+        }
+        if let Some(b) = &self.budget {
+            b.give(self.inner.get_mut().region.table.mapped_bytes());
         }
         let (pool, published) = (self.pool.clone(), self.is_published());
         let backend = self.backend.clone();

@@ -159,6 +159,9 @@ impl<B: Backend> GrowableBuffer<B> {
             self.wait_all(g)?;
         }
         let gone = g.region.unmap(from, bytes)?;
+        if let Some(b) = &self.budget {
+            b.give(bytes);
+        }
         let released = gone.len();
         g.debug_check();
         g.stats.trims += 1;

@@ -2,9 +2,10 @@
 //! device and tag, stream-ordered frees on the stream PyTorch passes,
 //! PyTorch-named statistics as JSON, a memory budget, and sleep/wake.
 //!
-//! Tags: allocations made after `vmmbuf_set_tag("weights")` live in that
-//! tag's arena (untagged ones in the default arena; all of a device's arenas
-//! share one chunk pool). `vmmbuf_sleep(tag)` moves a tag's memory to pinned
+//! Tags: allocations a thread makes after `vmmbuf_set_tag("weights")` live
+//! in that tag's arena (untagged ones in the default arena; the tag is per
+//! thread; all of a device's arenas share one chunk pool and one budget).
+//! Failures are logged to stderr (`VMMBUF_LOG` sets the level). `vmmbuf_sleep(tag)` moves a tag's memory to pinned
 //! host memory at the same addresses and gives the device memory back;
 //! kernels still reach the tensors there, more slowly. `vmmbuf_wake(tag)`
 //! brings it back.
@@ -25,10 +26,9 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::Mutex;
-use vmmbuf::{
-    cuda::CudaAllocation, stats::ArenaStats, Arena, ArenaDesc, ArenaStream, ChunkPool, CudaBackend,
-    PoolDesc,
-};
+use vmmbuf::cuda::CudaAllocation;
+use vmmbuf::stats::ArenaStats;
+use vmmbuf::{Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, PoolDesc};
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
 
@@ -43,8 +43,8 @@ struct Device {
     backend: Arc<CudaBackend>,
     /// PyTorch's streams, wrapped (not owned) once each.
     streams: HashMap<usize, Arc<CudaStream>>,
-    /// The budget of each of the device's arenas.
-    budget: Option<usize>,
+    /// The device's budget, shared by all its tags' arenas.
+    budget: Option<Arc<Budget>>,
 }
 
 #[derive(Default)]
@@ -53,8 +53,12 @@ struct Global {
     /// Live allocations by address.
     live: HashMap<usize, CudaAllocation>,
     budgets: HashMap<c_int, usize>,
-    /// The tag new allocations are made under ("" for none).
-    tag: String,
+}
+
+thread_local! {
+    /// The tag this thread's allocations are made under ("" for none): per
+    /// thread, as `torch.cuda.use_mem_pool` scopes are.
+    static TAG: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
 }
 
 thread_local! {
@@ -65,7 +69,23 @@ thread_local! {
 
 fn global() -> &'static Mutex<Global> {
     static G: OnceLock<Mutex<Global>> = OnceLock::new();
-    G.get_or_init(Mutex::default)
+    G.get_or_init(|| {
+        init_logging();
+        Mutex::default()
+    })
+}
+
+/// Failures are visible: the plug-in logs to stderr, at the level
+/// `VMMBUF_LOG` names (`warn` by default; `off`, `error`, `info`, `debug`,
+/// `trace`, or a tracing filter such as `vmmbuf=debug`). A process that set
+/// a subscriber of its own keeps it.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("VMMBUF_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .try_init();
 }
 
 impl Global {
@@ -81,7 +101,7 @@ impl Global {
                     arenas: HashMap::new(),
                     pool,
                     backend,
-                    budget: self.budgets.get(&device).copied(),
+                    budget: self.budgets.get(&device).map(|&b| Budget::new(b)),
                     streams: HashMap::new(),
                 },
             );
@@ -104,8 +124,8 @@ impl Device {
             // turns the unmapping back on (tighter memory, slower).
             desc.release_before_map =
                 std::env::var("VMMBUF_TORCH_RELEASE_BEFORE_MAP").as_deref() == Ok("1");
-            if let Some(b) = self.budget {
-                desc = desc.max_reserved_bytes(b);
+            if let Some(b) = &self.budget {
+                desc = desc.shared_budget(b.clone());
             }
             let arena = Arena::with_pool(self.pool.clone(), desc)?;
             // VMMBUF_TORCH_TRACE=path records the default arena's allocs and
@@ -188,10 +208,23 @@ pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void)
             return std::ptr::null_mut();
         }
         let mut g = global().lock();
-        let tag = g.tag.clone();
+        let tag = TAG.with(|t| t.borrow().clone());
         let r = g.device(device).and_then(|d| {
             let s = d.stream(stream);
-            d.arena(&tag)?.alloc(size as usize, &s)
+            match d.arena(&tag)?.alloc(size as usize, &s) {
+                // At the device's budget, shared by every tag: the other
+                // tags' cached memory goes back too, then one more try (an
+                // arena gives back only its own before failing).
+                Err(e) if e.is_transient() && d.arenas.len() > 1 => {
+                    for a in d.arenas.values() {
+                        if let Err(e) = a.release_cached() {
+                            tracing::warn!(error = %e, "vmmbuf-torch: releasing cached memory failed");
+                        }
+                    }
+                    d.arena(&tag)?.alloc(size as usize, &s)
+                }
+                r => r,
+            }
         });
         match r {
             Ok(a) => {
@@ -291,9 +324,9 @@ pub extern "C" fn vmmbuf_reset_peak(device: c_int) {
     })
 }
 
-/// Sets the device's memory budget (bytes each of its arenas may map; one
-/// arena unless tags are used). Call it before the device's first
-/// allocation. Returns 0, or -1 if the device is in use already.
+/// Sets the device's memory budget: the bytes all of its arenas (one per
+/// tag) may map together. Call it before the device's first allocation.
+/// Returns 0, or -1 if the device is in use already.
 #[no_mangle]
 pub extern "C" fn vmmbuf_set_budget(device: c_int, bytes: u64) -> c_int {
     guard("vmmbuf_set_budget", -1, || {
@@ -337,8 +370,9 @@ fn tag_of(tag: *const c_char) -> Option<String> {
     s.to_str().ok().map(str::to_owned)
 }
 
-/// Makes `tag` the tag of allocations from now on (null or "" for none).
-/// Returns 0, or -1 for a tag that is not UTF-8.
+/// Makes `tag` the tag of this thread's allocations from now on (null or ""
+/// for none); other threads keep theirs. Returns 0, or -1 for a tag that is
+/// not UTF-8.
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string.
@@ -346,7 +380,7 @@ fn tag_of(tag: *const c_char) -> Option<String> {
 pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
     guard("vmmbuf_set_tag", -1, || match tag_of(tag) {
         Some(t) => {
-            global().lock().tag = t;
+            TAG.with(|tag| *tag.borrow_mut() = t);
             0
         }
         None => -1,
@@ -450,6 +484,17 @@ mod tests {
         None
     }
 
+    /// Runs `f` with this thread's tag set to `tag`, then back to none.
+    fn unsafe_tagged<T>(tag: &str, f: impl FnOnce() -> T) -> T {
+        let c = std::ffi::CString::new(tag).unwrap();
+        // SAFETY: a NUL-terminated string that lives across the call.
+        assert_eq!(unsafe { vmmbuf_set_tag(c.as_ptr()) }, 0);
+        let r = f();
+        // SAFETY: null is the default tag.
+        assert_eq!(unsafe { vmmbuf_set_tag(std::ptr::null()) }, 0);
+        r
+    }
+
     /// Issue 19: sleep recorded a fence on every stream ever seen, one that
     /// PyTorch had destroyed since included; now it waits on the streams of
     /// live allocations. And the stats JSON of one thread was freed by the
@@ -459,6 +504,42 @@ mod tests {
         let _turn = SERIAL.lock();
         let Some(ctx) = gpu() else { return };
         let raw = |s: &Arc<CudaStream>| s.cu_stream() as *mut c_void;
+        // One budget for the device, shared by every tag (was one per tag).
+        assert_eq!(vmmbuf_set_budget(0, 64 << 20), 0);
+        let st = ctx.new_stream().unwrap();
+        let p = unsafe_tagged("a", || vmmbuf_malloc(40 << 20, 0, raw(&st)));
+        assert!(!p.is_null());
+        let q = unsafe_tagged("b", || vmmbuf_malloc(40 << 20, 0, raw(&st)));
+        assert!(q.is_null(), "two tags share the 64 MiB budget");
+        vmmbuf_free(p, 40 << 20, 0, raw(&st));
+        st.synchronize().unwrap();
+        let q = unsafe_tagged("b", || vmmbuf_malloc(40 << 20, 0, raw(&st)));
+        assert!(!q.is_null(), "what tag a gave back, tag b may take");
+        vmmbuf_free(q, 40 << 20, 0, raw(&st));
+        st.synchronize().unwrap();
+        // SAFETY: null names every tag.
+        assert!(unsafe { vmmbuf_wake(std::ptr::null()) } >= 0);
+        // Tags are per thread: another thread's tag does not move this one's
+        // allocations, and sleeping that tag moves only its own.
+        let st2 = st.clone();
+        let other = std::thread::spawn(move || {
+            unsafe_tagged("t1", || {
+                vmmbuf_malloc(2 << 20, 0, st2.cu_stream() as *mut c_void)
+            }) as usize
+        })
+        .join()
+        .unwrap() as *mut c_void;
+        let mine = vmmbuf_malloc(2 << 20, 0, raw(&st));
+        assert!(!other.is_null() && !mine.is_null());
+        st.synchronize().unwrap();
+        // SAFETY: a NUL-terminated literal.
+        let moved = unsafe { vmmbuf_sleep(c"t1".as_ptr()) };
+        assert_eq!(moved, 2 << 20, "only the other thread's tag slept");
+        // SAFETY: as above.
+        assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr()) }, 2 << 20);
+        vmmbuf_free(other, 2 << 20, 0, raw(&st));
+        vmmbuf_free(mine, 2 << 20, 0, raw(&st));
+        st.synchronize().unwrap();
         let keep = ctx.new_stream().unwrap();
         let gone = ctx.new_stream().unwrap();
         let p = vmmbuf_malloc(1 << 20, 0, raw(&gone));
