@@ -99,7 +99,7 @@ pub use arena::{Allocation, Arena, ArenaDesc, ArenaStream};
 pub use backend::cuda::CudaBackend;
 #[cfg(target_os = "linux")]
 pub use backend::host::HostBackend;
-pub use backend::{Backend, HostMapped};
+pub use backend::{Backend, HostMapped, PoolSlot};
 pub use buffer::{BufferDesc, GrowableBuffer, MigrationPlan, MigrationPolicy};
 pub use error::{Error, Result};
 pub use location::{Access, AccessDesc, Location};

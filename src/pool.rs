@@ -107,7 +107,7 @@ struct PoolInner<C> {
 }
 
 /// Where a pool keeps its chunks: owned by one [`ChunkPool`], or by a
-/// backend for its default pool (see [`Backend::default_pool`]). Chunks
+/// backend's [`PoolSlot`](crate::backend::PoolSlot) for its default pool. Chunks
 /// still here when it drops free themselves (their tokens do, in `Drop`).
 pub(crate) struct Shelf<C> {
     inner: Mutex<PoolInner<C>>,
@@ -138,7 +138,7 @@ impl<C> fmt::Debug for Shelf<C> {
 
 /// Physical chunks kept for reuse, keyed by placement and size.
 ///
-/// Every backend has a default pool ([`Backend::default_pool`]), which
+/// A backend has a default pool ([`ChunkPool::default_for`]), which
 /// [`GrowableBuffer::new`](crate::GrowableBuffer::new) uses unless
 /// [`BufferDesc::pooled`](crate::BufferDesc::pooled) says otherwise. A pool of
 /// one's own ([`ChunkPool::new`]) is shared between buffers of the same backend
@@ -168,10 +168,27 @@ impl<B: Backend> ChunkPool<B> {
         Ok(Arc::new(Self { backend, shelf }))
     }
 
-    /// A pool over a backend's own shelf: its default pool. Every such
-    /// handle shares the chunks, the bounds and the counters.
-    pub(crate) fn over(backend: Arc<B>, shelf: Arc<Shelf<B::Chunk>>) -> Arc<Self> {
-        Arc::new(Self { backend, shelf })
+    /// The backend's default pool, which [`GrowableBuffer::new`](crate::GrowableBuffer::new)
+    /// gives every buffer (unless [`BufferDesc::pooled`](crate::BufferDesc::pooled)
+    /// is false), so that regrowth after a shrink, or one buffer's growth
+    /// into what another gave up, maps pooled chunks instead of creating
+    /// them. Every call returns a handle on the same chunks, bounds and
+    /// counters; they live as long as the backend (in its
+    /// [`Backend::pool_slot`]). By default it keeps everything, as PyTorch's
+    /// and JAX's allocators keep theirs; [`trim`](Self::trim) gives it all
+    /// back, [`set_release_threshold`](Self::set_release_threshold) bounds
+    /// it, and a growth that runs out of memory empties it first. `None` for
+    /// a backend without a slot.
+    pub fn default_for(backend: &Arc<B>) -> Option<Arc<Self>> {
+        let shelf = backend.pool_slot()?.get_or_init(|| {
+            Arc::new(
+                Shelf::<B::Chunk>::new(PoolDesc::default()).expect("the default bounds are valid"),
+            )
+        })?;
+        Some(Arc::new(Self {
+            backend: backend.clone(),
+            shelf: shelf.clone(),
+        }))
     }
 
     fn lock(&self) -> parking_lot::MutexGuard<'_, PoolInner<B::Chunk>> {
@@ -497,3 +514,18 @@ impl PartialEq for Budget {
 }
 
 impl Eq for Budget {}
+
+impl crate::CudaBackend {
+    /// The backend's default chunk pool: [`ChunkPool::default_for`].
+    pub fn default_pool(self: &Arc<Self>) -> Arc<ChunkPool<Self>> {
+        ChunkPool::default_for(self).expect("the CUDA backend lends a pool slot")
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl crate::HostBackend {
+    /// The backend's default chunk pool: [`ChunkPool::default_for`].
+    pub fn default_pool(self: &Arc<Self>) -> Arc<ChunkPool<Self>> {
+        ChunkPool::default_for(self).expect("the host backend lends a pool slot")
+    }
+}

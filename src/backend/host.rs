@@ -18,7 +18,6 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use super::{Backend, Counters, LiveCounts};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
-use crate::pool::{ChunkPool, PoolDesc, Shelf};
 use crate::table::{ChunkTable, Entry};
 
 /// The host's virtual memory as a [`Backend`]. Places memory on [`Location::Host`]
@@ -27,8 +26,8 @@ use crate::table::{ChunkTable, Entry};
 pub struct HostBackend {
     granularity: usize,
     counters: Arc<Counters>,
-    /// The default pool's chunks (see [`Backend::default_pool`]).
-    shelf: Arc<Shelf<HostChunk>>,
+    /// Where its default pool lives (see [`Backend::pool_slot`]).
+    pool_slot: super::PoolSlot,
 }
 
 impl HostBackend {
@@ -37,7 +36,7 @@ impl HostBackend {
         Arc::new(Self {
             granularity: rustix::param::page_size(),
             counters: Arc::default(),
-            shelf: Arc::new(Shelf::new(PoolDesc::default()).expect("the default bounds are valid")),
+            pool_slot: Default::default(),
         })
     }
 
@@ -53,7 +52,7 @@ impl HostBackend {
         Ok(Arc::new(Self {
             granularity,
             counters: Arc::default(),
-            shelf: Arc::new(Shelf::new(PoolDesc::default())?),
+            pool_slot: Default::default(),
         }))
     }
 
@@ -228,14 +227,7 @@ impl Drop for HostChunk {
     }
 }
 
-impl HostBackend {
-    /// The backend's default chunk pool, which [`GrowableBuffer::new`](crate::GrowableBuffer::new)
-    /// gives every buffer: see [`Backend::default_pool`]. Every call returns a
-    /// handle on the same pool; it lives as long as the backend.
-    pub fn default_pool(self: &Arc<Self>) -> Arc<ChunkPool<Self>> {
-        ChunkPool::over(self.clone(), self.shelf.clone())
-    }
-}
+impl HostBackend {}
 
 impl Backend for HostBackend {
     type Reservation = HostReservation;
@@ -548,8 +540,8 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn default_pool(self: &Arc<Self>) -> Option<Arc<ChunkPool<Self>>> {
-        Some(Self::default_pool(self))
+    fn pool_slot(&self) -> Option<&super::PoolSlot> {
+        Some(&self.pool_slot)
     }
 
     fn live(&self) -> LiveCounts {

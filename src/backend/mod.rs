@@ -217,22 +217,41 @@ pub trait Backend: Send + Sync + 'static {
         0
     }
 
-    /// The backend's own chunk pool, which
-    /// [`GrowableBuffer::new`](crate::GrowableBuffer::new) gives every buffer
-    /// (unless [`BufferDesc::pooled`](crate::BufferDesc::pooled) is false), so
-    /// that regrowth after a shrink, or one buffer's growth into what another
-    /// gave up, maps pooled chunks instead of creating them. Every call returns
-    /// a handle on the same chunks, bounds and counters; they live as long as
-    /// the backend. By default it keeps everything, as PyTorch's and JAX's
-    /// allocators keep theirs; [`ChunkPool::trim`](crate::ChunkPool::trim)
-    /// gives it all back, [`ChunkPool::set_release_threshold`](crate::ChunkPool::set_release_threshold)
-    /// bounds it, and a growth that runs out of memory empties it first.
-    /// `None` for a backend without one (the trait's default).
-    fn default_pool(self: &std::sync::Arc<Self>) -> Option<std::sync::Arc<crate::ChunkPool<Self>>>
-    where
-        Self: Sized,
-    {
+    /// Where vmmbuf keeps this backend's default chunk pool
+    /// ([`ChunkPool::default_for`](crate::ChunkPool::default_for)), which
+    /// [`GrowableBuffer::new`](crate::GrowableBuffer::new) gives every buffer:
+    /// the pool lives as long as the backend. `None` (the default): no
+    /// default pool. A backend that wants one holds a [`PoolSlot`] and
+    /// returns it.
+    fn pool_slot(&self) -> Option<&PoolSlot> {
         None
+    }
+}
+
+/// A place a backend lends for its default chunk pool: the pool module
+/// keeps it there (type-erased), so that the pool lives as long as the
+/// backend and the backend knows nothing of pools.
+#[derive(Default)]
+pub struct PoolSlot(std::sync::OnceLock<Box<dyn std::any::Any + Send + Sync>>);
+
+impl PoolSlot {
+    /// The value kept here, made with `init` on first use; `None` if a value
+    /// of another type is kept.
+    pub(crate) fn get_or_init<T: std::any::Any + Send + Sync>(
+        &self,
+        init: impl FnOnce() -> T,
+    ) -> Option<&T> {
+        self.0.get_or_init(|| Box::new(init())).downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for PoolSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "PoolSlot(in use)"
+        } else {
+            "PoolSlot(empty)"
+        })
     }
 }
 

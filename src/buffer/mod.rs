@@ -58,7 +58,7 @@ pub struct BufferDesc {
     /// of two, 256 by default (what cuBLAS, cuDNN and vectorised kernels want).
     pub alignment: usize,
     /// Whether [`GrowableBuffer::new`] gives the buffer the backend's default
-    /// pool ([`Backend::default_pool`](crate::Backend::default_pool)): true by
+    /// pool ([`ChunkPool::default_for`](crate::ChunkPool::default_for)): true by
     /// default. Chunks a pooled buffer gives up (shrinking, migrating, drop)
     /// stay in the pool for the next growth, of this buffer or another, until
     /// the pool's release threshold or [`ChunkPool::trim`] gives them back to the
@@ -264,12 +264,12 @@ impl<B: Backend> std::fmt::Debug for GrowableBuffer<B> {
 impl<B: Backend> GrowableBuffer<B> {
     /// Reserves the address range described by `desc`. No physical memory is
     /// mapped until the buffer grows. The buffer uses the backend's default
-    /// pool ([`Backend::default_pool`]) unless
+    /// pool ([`ChunkPool::default_for`](crate::ChunkPool::default_for)) unless
     /// [`desc.pooled`](BufferDesc::pooled) is false: chunks it gives up are
     /// kept for the next growth until the pool is trimmed.
     pub fn new(backend: Arc<B>, desc: BufferDesc) -> Result<Self> {
         let pool = if desc.pooled {
-            backend.default_pool()
+            ChunkPool::default_for(&backend)
         } else {
             None
         };

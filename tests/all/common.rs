@@ -29,7 +29,7 @@ pub fn host() -> Arc<HostBackend> {
 /// pooled paths are tested with pools of their own (`pool.rs`) and with the
 /// default pool kept (`pool.rs`'s `default_pool_*` tests).
 pub fn keep_nothing<B: Backend>(backend: Arc<B>) -> Arc<B> {
-    if let Some(pool) = backend.default_pool() {
+    if let Some(pool) = vmmbuf::ChunkPool::default_for(&backend) {
         pool.set_release_threshold(0)
             .expect("0 is a valid threshold");
     }

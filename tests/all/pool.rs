@@ -17,9 +17,7 @@ crate::register! {
 /// the same chunks; an unpooled buffer's chunks go straight back.
 fn default_pool_serves_regrowth_without_asking<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
-    let pool = backend
-        .default_pool()
-        .expect("both backends have a default pool");
+    let pool = vmmbuf::ChunkPool::default_for(&backend).expect("both backends have a default pool");
     pool.set_desc(PoolDesc::default()).unwrap(); // the helpers set 0
     let baseline = backend.live();
     let mut buf = GrowableBuffer::new(backend.clone(), BufferDesc::new(256 * g)).unwrap();
@@ -39,7 +37,7 @@ fn default_pool_serves_regrowth_without_asking<B: Backend>(backend: Arc<B>) {
     buf.shrink_to_fit().unwrap();
     let pooled = chunks - buf.chunk_count();
     assert!(pooled > 0);
-    let other = backend.default_pool().unwrap();
+    let other = vmmbuf::ChunkPool::default_for(&backend).unwrap();
     assert_eq!(
         other.stats().pooled_chunks,
         pooled,
@@ -109,7 +107,7 @@ fn default_pool_serves_regrowth_without_asking<B: Backend>(backend: Arc<B>) {
 /// bad bounds are refused and change nothing; trim empties it.
 fn default_pool_bounds_and_trim_give_memory_back<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
-    let pool = backend.default_pool().unwrap();
+    let pool = vmmbuf::ChunkPool::default_for(&backend).unwrap();
     pool.set_desc(PoolDesc::default()).unwrap();
     let baseline = backend.live();
     let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Exact);
@@ -169,7 +167,8 @@ fn default_pool_chunks_go_back_to_the_kernel_when_the_backend_drops() {
     .unwrap();
     buf.grow_to(7 << 16).unwrap();
     drop(buf);
-    let pool = backend.default_pool();
+    let pool =
+        vmmbuf::ChunkPool::default_for(&backend).expect("the host backend has a default pool");
     assert_eq!(pool.stats().pooled_chunks, 7);
     assert_eq!(count(), fds + 7, "pooled chunks keep their memfds");
     drop(pool);

@@ -61,7 +61,7 @@ fn expected(g: usize, offset: usize, step: usize) -> u8 {
 /// publishes after each step and waits for the importer's word.
 fn export_twenty<B: Backend>(backend: Arc<B>, mut peer: UnixStream) {
     let g = backend.granularity(backend.home()).unwrap();
-    let pool = backend.default_pool();
+    let pool = vmmbuf::ChunkPool::default_for(&backend);
     let mut buf = GrowableBuffer::new(
         backend.clone(),
         BufferDesc::new(64 * g)
@@ -286,7 +286,7 @@ fn import_twenty<B: Backend>(backend: Arc<B>, path: &str) -> usize {
 /// one only plain chunks.
 fn a_shareable_buffer_never_takes_unexportable_pooled_chunks<B: Backend>(backend: Arc<B>) {
     let g = backend.granularity(backend.home()).unwrap();
-    let pool = backend.default_pool().unwrap();
+    let pool = vmmbuf::ChunkPool::default_for(&backend).unwrap();
     pool.set_release_threshold(usize::MAX).unwrap();
     let desc = BufferDesc::new(64 * g).growth(GrowthPolicy::Exact);
     let plain = GrowableBuffer::new(backend.clone(), desc.clone()).unwrap();

@@ -32,7 +32,6 @@ use parking_lot::Mutex;
 use super::{Backend, Counters, LiveCounts};
 use crate::error::{Error, Result};
 use crate::location::{AccessDesc, Location};
-use crate::pool::{ChunkPool, PoolDesc, Shelf};
 use crate::table::{ChunkTable, Entry};
 
 /// CUDA VMM on one device's primary context.
@@ -50,8 +49,8 @@ pub struct CudaBackend {
     /// Events of dropped fences, recorded again by the next ones.
     spare_events: Arc<Mutex<Vec<CudaEvent>>>,
     counters: Arc<Counters>,
-    /// The default pool's chunks (see [`Backend::default_pool`]).
-    shelf: Arc<Shelf<CudaChunk>>,
+    /// Where its default pool lives (see [`Backend::pool_slot`]).
+    pool_slot: super::PoolSlot,
 }
 
 impl CudaBackend {
@@ -99,7 +98,7 @@ impl CudaBackend {
             spare_events: Arc::default(),
             host_numa,
             counters: Arc::default(),
-            shelf: Arc::new(Shelf::new(PoolDesc::default())?),
+            pool_slot: Default::default(),
         };
         this.granularity(Location::Device(device))?;
         Ok(Arc::new(this))
@@ -224,13 +223,6 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// The backend's default chunk pool, which [`GrowableBuffer::new`](crate::GrowableBuffer::new)
-    /// gives every buffer: see [`Backend::default_pool`]. Every call returns a
-    /// handle on the same pool; it lives as long as the backend.
-    pub fn default_pool(self: &Arc<Self>) -> Arc<ChunkPool<Self>> {
-        ChunkPool::over(self.clone(), self.shelf.clone())
-    }
-
     fn create_with(&self, bytes: usize, placement: Location, shareable: bool) -> Result<CudaChunk> {
         let granularity = self.granularity(placement)?;
         super::check_chunk(bytes, granularity)?;
@@ -555,8 +547,8 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn default_pool(self: &Arc<Self>) -> Option<Arc<ChunkPool<Self>>> {
-        Some(Self::default_pool(self))
+    fn pool_slot(&self) -> Option<&super::PoolSlot> {
+        Some(&self.pool_slot)
     }
 
     fn live(&self) -> LiveCounts {
