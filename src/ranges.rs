@@ -3,9 +3,28 @@
 //! bounded by the number of distinct intervals, however often a range is set.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
+use std::ops::{Bound, Range, RangeBounds};
 
 use crate::location::Location;
+
+/// The indices `range` names within `0..len`, or `None` if it is not a
+/// range there (reversed, past `len`, or overflowing).
+pub(crate) fn within(range: &impl RangeBounds<usize>, len: usize) -> Option<Range<usize>> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => Some(s),
+        Bound::Excluded(&s) => s.checked_add(1),
+        Bound::Unbounded => Some(0),
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.checked_add(1),
+        Bound::Excluded(&e) => Some(e),
+        Bound::Unbounded => Some(len),
+    };
+    match (start, end) {
+        (Some(s), Some(e)) if s <= e && e <= len => Some(s..e),
+        _ => None,
+    }
+}
 
 /// start -> (end, placement); intervals never overlap and are never empty.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

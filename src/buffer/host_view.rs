@@ -5,7 +5,7 @@
 
 #![allow(unsafe_code)]
 
-use std::ops::{Bound, Range, RangeBounds};
+use std::ops::{Range, RangeBounds};
 
 use super::GrowableBuffer;
 use crate::backend::{Backend, HostMapped};
@@ -54,24 +54,13 @@ impl<B: Backend> GrowableBuffer<B> {
     /// The byte range `range` names within the bytes in use.
     fn in_use(&self, range: impl RangeBounds<usize>) -> Result<Range<usize>> {
         let len = self.len();
-        let start = match range.start_bound() {
-            Bound::Included(&s) => Some(s),
-            Bound::Excluded(&s) => s.checked_add(1),
-            Bound::Unbounded => Some(0),
-        };
-        let end = match range.end_bound() {
-            Bound::Included(&e) => e.checked_add(1),
-            Bound::Excluded(&e) => Some(e),
-            Bound::Unbounded => Some(len),
-        };
-        match (start, end) {
-            (Some(s), Some(e)) if s <= e && e <= len => Ok(s..e),
-            _ => Err(Error::invalid(format!(
+        crate::ranges::within(&range, len).ok_or_else(|| {
+            Error::invalid(format!(
                 "{:?}..{:?} is not a range within the {len} bytes in use",
                 range.start_bound(),
                 range.end_bound()
-            ))),
-        }
+            ))
+        })
     }
 }
 

@@ -17,6 +17,7 @@ use vmmbuf::{
 };
 
 use crate::fault::{FaultBackend, TestFence};
+use crate::share::{head, record, send_raw};
 
 crate::register! {
     host: [
@@ -122,48 +123,6 @@ fn rt1_host_slice_changes_under_a_shared_write() {
     let plain = GrowableBuffer::new(backend.clone(), BufferDesc::new(16 * G)).unwrap();
     plain.grow_to(G).unwrap();
     assert_eq!(plain.host_slice(..8).unwrap().len(), 8);
-}
-
-fn head(kind: u64, gen: u64, reserved: u64, g: u64, len: u64, count: u64, fds: u64) -> Vec<u8> {
-    [
-        u64::from_le_bytes(*b"vmmbufv1"),
-        kind,
-        gen,
-        reserved,
-        g,
-        len,
-        count,
-        fds,
-    ]
-    .iter()
-    .flat_map(|v| v.to_le_bytes())
-    .collect()
-}
-
-fn record(offset: u64, bytes: u64, placement: u64, id: u64, fresh: u64) -> Vec<u8> {
-    [offset, bytes, placement, id, fresh]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect()
-}
-
-fn send_raw(socket: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) {
-    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
-    use std::os::fd::AsFd;
-    let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-    let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
-    let mut control = SendAncillaryBuffer::new(&mut space);
-    if !borrowed.is_empty() {
-        assert!(control.push(SendAncillaryMessage::ScmRights(&borrowed)));
-    }
-    let n = rustix::net::sendmsg(
-        socket,
-        &[std::io::IoSlice::new(bytes)],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )
-    .unwrap();
-    assert_eq!(n, bytes.len());
 }
 
 fn sealed_memfd(bytes: u64) -> OwnedFd {

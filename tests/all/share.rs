@@ -335,7 +335,7 @@ fn a_shareable_buffer_never_takes_unexportable_pooled_chunks<B: Backend>(backend
 
 /// Hand-made messages in the documented wire format (see `vmmbuf::ipc::Exporter`):
 /// a 64-byte head of eight little-endian u64s, then the records.
-fn head(
+pub(crate) fn head(
     kind: u64,
     generation: u64,
     reserved: u64,
@@ -359,14 +359,14 @@ fn head(
     .collect()
 }
 
-fn record(offset: u64, bytes: u64, placement: u64, id: u64, fresh: u64) -> Vec<u8> {
+pub(crate) fn record(offset: u64, bytes: u64, placement: u64, id: u64, fresh: u64) -> Vec<u8> {
     [offset, bytes, placement, id, fresh]
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect()
 }
 
-fn send_raw(socket: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) {
+pub(crate) fn send_raw(socket: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
     use std::os::fd::AsFd;
     let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();

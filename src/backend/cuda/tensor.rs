@@ -15,7 +15,7 @@
 #![allow(unsafe_code)]
 
 use std::marker::PhantomData;
-use std::ops::{Bound, Range, RangeBounds};
+use std::ops::{Range, RangeBounds};
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -216,25 +216,14 @@ impl<T: Element> CudaTensor<T> {
     }
 
     fn range(&self, range: impl RangeBounds<usize>) -> Result<Range<usize>> {
-        let start = match range.start_bound() {
-            Bound::Included(&s) => Some(s),
-            Bound::Excluded(&s) => s.checked_add(1),
-            Bound::Unbounded => Some(0),
-        };
-        let end = match range.end_bound() {
-            Bound::Included(&e) => e.checked_add(1),
-            Bound::Excluded(&e) => Some(e),
-            Bound::Unbounded => Some(self.len),
-        };
-        match (start, end) {
-            (Some(s), Some(e)) if s <= e && e <= self.len => Ok(s..e),
-            _ => Err(Error::invalid(format!(
+        crate::ranges::within(&range, self.len).ok_or_else(|| {
+            Error::invalid(format!(
                 "{:?}..{:?} is not within {} elements",
                 range.start_bound(),
                 range.end_bound(),
                 self.len
-            ))),
-        }
+            ))
+        })
     }
 
     /// What a copy on `used` must do: nothing on the tensor's own stream;
