@@ -164,6 +164,78 @@ impl<B: Backend> Region<B> {
         Ok(())
     }
 
+    /// Unmaps the chunks at the offsets `gone` (the caller has waited for
+    /// their uses) and maps `fresh` (offset, chunk) each with the driver list
+    /// `driver(placement)`, recording `recorded(placement)` as its access.
+    /// All or nothing: on an error what was unmapped is mapped back with its
+    /// access and what was mapped is unmapped, and the fresh chunks come back
+    /// to the caller; if that undo fails the region is poisoned and the fresh
+    /// chunks are quarantined (none come back). On success, returns the
+    /// entries that went. The table's length is the caller's.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn swap(
+        &mut self,
+        gone: &[usize],
+        fresh: Vec<(usize, NewChunk<B::Chunk>)>,
+        driver: impl Fn(Location) -> Vec<AccessDesc>,
+        recorded: impl Fn(Location) -> Arc<[AccessDesc]>,
+    ) -> std::result::Result<Vec<(usize, Entry<B::Chunk>)>, (Error, Vec<NewChunk<B::Chunk>>)> {
+        let backend = self.backend.clone();
+        let res = self
+            .res
+            .as_mut()
+            .expect("a region's reservation lives until it closes");
+        let table = &mut self.table;
+        let mut removed: Vec<(usize, Entry<B::Chunk>)> = Vec::new();
+        let mut mapped: Vec<(usize, usize)> = Vec::new();
+        let step = (|| {
+            for &o in gone {
+                let bytes = table.get(o).expect("a chunk the region holds").bytes;
+                backend.unmap(res, o, bytes)?;
+                removed.push((o, table.remove(o).expect("listed")));
+            }
+            for (o, c) in &fresh {
+                backend.map(res, *o, &c.chunk)?;
+                mapped.push((*o, c.bytes));
+                backend.set_access(res, *o, c.bytes, &driver(c.placement))?;
+            }
+            Ok::<(), Error>(())
+        })();
+        if let Err(e) = step {
+            // Put it back as it was; a failure here poisons.
+            let mut undo = Ok(());
+            for (o, bytes) in mapped.into_iter().rev() {
+                undo = undo.and(backend.unmap(res, o, bytes));
+            }
+            for (o, entry) in removed.into_iter().rev() {
+                let list = entry.driver_access();
+                undo = undo
+                    .and_then(|()| backend.map(res, o, &entry.chunk))
+                    .and_then(|()| backend.set_access(res, o, entry.bytes, &list));
+                table.insert(o, entry).expect("it was there");
+            }
+            let fresh: Vec<NewChunk<B::Chunk>> = fresh.into_iter().map(|(_, c)| c).collect();
+            return match undo {
+                Ok(()) => Err((e, fresh)),
+                Err(u) => {
+                    self.poison(
+                        format!("undoing a failed swap: {u}"),
+                        fresh.into_iter().map(|c| c.chunk),
+                    );
+                    Err((e, Vec::new()))
+                }
+            };
+        }
+        for (o, c) in fresh {
+            let mut entry = Entry::new(c.chunk, c.bytes, c.placement);
+            entry.access = recorded(c.placement);
+            table
+                .insert(o, entry)
+                .expect("mapped where the table had a hole");
+        }
+        Ok(removed)
+    }
+
     /// Unmaps `[offset, offset + bytes)`, which must be whole chunks, in one
     /// driver call, and takes them out of the table. The caller has waited
     /// for every use. On error nothing changed.

@@ -12,8 +12,8 @@ use super::wire::{validate, Held, Plan};
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
-use crate::region::Region;
-use crate::table::{driver_access, Entry};
+use crate::region::{NewChunk, Region};
+use crate::table::driver_access;
 
 /// A buffer another process shares: the importer's side.
 ///
@@ -176,70 +176,57 @@ impl<B: Backend> SharedBuffer<B> {
     /// length; undone on error (an undo that fails poisons the buffer and
     /// quarantines the chunks that may still be mapped).
     fn swap_mappings(&mut self, plan: &Plan, fresh: Vec<B::Chunk>) -> Result<()> {
-        let backend = &*self.backend;
-        let (res, table) = self.region.parts();
+        let backend = self.backend.clone();
         let grants = &self.grants;
-        let mut removed: Vec<(usize, Entry<B::Chunk>)> = Vec::new();
-        let mut mapped: Vec<(usize, usize)> = Vec::new();
         // The table keeps chunks in use; the new length is set at the end.
-        let old_len = table.len();
-        table.set_len(0).expect("0 is always a valid length");
-        let step = (|| {
-            for &o in &plan.gone {
-                let bytes = table.get(o).expect("held").bytes;
-                backend.unmap(res, o, bytes)?;
-                removed.push((o, table.remove(o).expect("held")));
-            }
-            for (f, chunk) in plan.fresh.iter().zip(&fresh) {
-                backend.map(res, f.offset, chunk)?;
-                mapped.push((f.offset, f.bytes));
-                backend.set_access(res, f.offset, f.bytes, &driver_access(grants, f.placement))?;
-            }
-            Ok::<(), Error>(())
-        })();
-        if let Err(e) = step {
-            // Put it back as it was; a failure here poisons.
-            let mut undo = Ok(());
-            for (o, bytes) in mapped.into_iter().rev() {
-                undo = undo.and(backend.unmap(res, o, bytes));
-            }
-            for (o, entry) in removed.into_iter().rev() {
-                let list = entry.driver_access();
-                undo = undo
-                    .and_then(|()| backend.map(res, o, &entry.chunk))
-                    .and_then(|()| backend.set_access(res, o, entry.bytes, &list));
-                table.insert(o, entry).expect("it was there");
-            }
-            table.set_len(old_len).expect("the old chunks are back");
-            match undo {
-                Ok(()) => {
-                    for chunk in fresh {
-                        let _ = backend.release(chunk);
-                    }
+        let old_len = self.region.table.len();
+        self.region
+            .table
+            .set_len(0)
+            .expect("0 is always a valid length");
+        let fresh: Vec<(usize, NewChunk<B::Chunk>)> = plan
+            .fresh
+            .iter()
+            .zip(fresh)
+            .map(|(f, chunk)| {
+                let c = NewChunk {
+                    chunk,
+                    bytes: f.bytes,
+                    placement: f.placement,
+                };
+                (f.offset, c)
+            })
+            .collect();
+        let swapped = self.region.swap(
+            &plan.gone,
+            fresh,
+            |p| driver_access(grants, p),
+            |p| driver_access(grants, p).into(),
+        );
+        let removed = match swapped {
+            Ok(removed) => removed,
+            Err((e, back)) => {
+                self.region
+                    .table
+                    .set_len(old_len)
+                    .expect("the old chunks are back");
+                for c in back {
+                    let _ = backend.release(c.chunk);
                 }
-                Err(u) => {
-                    // They may still be mapped: quarantined (the one rule).
-                    self.region
-                        .poison(format!("undoing a failed sync: {u}"), fresh);
-                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         // Step 3: commit (what went first: a fresh chunk may take the
         // offset of one that went).
         for (o, entry) in removed {
             self.ids.remove(&o);
             let _ = backend.release(entry.chunk);
         }
-        for (f, chunk) in plan.fresh.iter().zip(fresh) {
-            let mut entry = Entry::new(chunk, f.bytes, f.placement);
-            entry.access = driver_access(grants, f.placement).into();
-            table
-                .insert(f.offset, entry)
-                .expect("validated: in order and unmapped");
+        for f in &plan.fresh {
             self.ids.insert(f.offset, f.id);
         }
-        table
+        self.region
+            .table
             .set_len(plan.len)
             .expect("validated: the length lies within the chunks from offset 0");
         Ok(())
