@@ -100,10 +100,10 @@ pub use backend::cuda::CudaBackend;
 #[cfg(target_os = "linux")]
 pub use backend::host::HostBackend;
 pub use backend::{Backend, HostMapped, PoolSlot};
-pub use buffer::{BufferDesc, GrowableBuffer, MigrationPlan, MigrationPolicy};
+pub use buffer::{BufferDesc, GrowableBuffer};
 pub use error::{Error, Result};
 pub use location::{Access, AccessDesc, Location};
-pub use migration::MigrationReport;
+pub use migration::{MigrationPlan, MigrationPolicy, MigrationReport};
 pub use order::StreamKey;
 pub use plan::GrowthPolicy;
 pub use pool::{Budget, ChunkPool, PoolDesc};

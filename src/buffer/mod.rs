@@ -17,8 +17,6 @@ mod share;
 mod shrink;
 mod uses;
 
-pub use migrate::{MigrationPlan, MigrationPolicy};
-
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -27,6 +25,7 @@ use parking_lot::Mutex;
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
+use crate::migration::MigrationPolicy;
 use crate::plan::{round_up, GrowthPolicy};
 use crate::pool::ChunkPool;
 use crate::ranges::PlacementRanges;

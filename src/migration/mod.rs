@@ -17,7 +17,10 @@ use crate::pool::ChunkPool;
 use crate::region::Region;
 
 mod pipeline;
+mod plan;
+
 use crate::table::{driver_access_for, ChunkTable};
+pub use plan::{MigrationPlan, MigrationPolicy};
 
 /// What a migration did, and where its time went.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
