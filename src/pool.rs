@@ -529,3 +529,51 @@ impl crate::HostBackend {
         ChunkPool::default_for(self).expect("the host backend lends a pool slot")
     }
 }
+
+/// Where a user of chunks gets them and gives them back: the one supply
+/// chain of buffers, arenas and the mover. Two sources: a [`ChunkPool`]
+/// (pooled chunks first, unmapped ones kept), and [`Driver`] (created and
+/// released). Budgets are counted where chunks are mapped and unmapped
+/// ([`Budget`]), so that a migration, which holds a chunk's old and new
+/// memory for a moment, is not refused by them.
+pub(crate) trait ChunkSource<B: Backend>: Send + Sync {
+    /// A chunk of `bytes` at `placement`, exportable if `shareable`.
+    fn take(&self, shareable: bool, placement: Location, bytes: usize) -> Result<B::Chunk>;
+    /// An unmapped chunk back, for reuse where the source keeps any. An
+    /// error (the driver's, releasing it) is logged and returned; the chunk
+    /// is gone either way.
+    fn give(&self, placement: Location, bytes: usize, chunk: B::Chunk) -> Result<()>;
+    /// An unmapped chunk straight back to the driver: one another process
+    /// may still map, or that must never be reused here. Errors as `give`.
+    fn release(&self, chunk: B::Chunk) -> Result<()>;
+}
+
+impl<B: Backend> ChunkSource<B> for ChunkPool<B> {
+    fn take(&self, shareable: bool, placement: Location, bytes: usize) -> Result<B::Chunk> {
+        self.take_or_create(shareable, placement, bytes)
+    }
+    fn give(&self, placement: Location, bytes: usize, chunk: B::Chunk) -> Result<()> {
+        self.put(placement, bytes, chunk);
+        Ok(())
+    }
+    fn release(&self, chunk: B::Chunk) -> Result<()> {
+        Driver(&*self.backend).release(chunk)
+    }
+}
+
+/// The driver as a source: chunks are created, and given back to it.
+pub(crate) struct Driver<'a, B>(pub(crate) &'a B);
+
+impl<B: Backend> ChunkSource<B> for Driver<'_, B> {
+    fn take(&self, shareable: bool, placement: Location, bytes: usize) -> Result<B::Chunk> {
+        crate::backend::create_chunk(self.0, shareable, bytes, placement)
+    }
+    fn give(&self, _placement: Location, _bytes: usize, chunk: B::Chunk) -> Result<()> {
+        self.release(chunk)
+    }
+    fn release(&self, chunk: B::Chunk) -> Result<()> {
+        self.0.release(chunk).inspect_err(|e| {
+            tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
+        })
+    }
+}

@@ -9,6 +9,7 @@ use super::{Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::plan::round_up;
+use crate::pool::ChunkSource;
 use crate::region::NewChunk;
 use crate::table::{cpu_at_once, driver_access_for};
 
@@ -111,7 +112,7 @@ impl<B: Backend> Shared<B> {
         let mut left = need;
         while left > 0 {
             let bytes = left.min(self.chunk_bytes);
-            match self.pool.take_or_create(false, placement, bytes) {
+            match self.pool.take(false, placement, bytes) {
                 Ok(chunk) => chunks.push(NewChunk {
                     chunk,
                     bytes,
@@ -119,7 +120,7 @@ impl<B: Backend> Shared<B> {
                 }),
                 Err(e) => {
                     for c in chunks {
-                        self.pool.put(placement, c.bytes, c.chunk);
+                        let _ = self.pool.give(placement, c.bytes, c.chunk);
                     }
                     give_back();
                     return Err(e);
@@ -137,7 +138,7 @@ impl<B: Backend> Shared<B> {
         );
         if let Err((e, back)) = mapped {
             for c in back {
-                self.pool.put(c.placement, c.bytes, c.chunk);
+                let _ = self.pool.give(c.placement, c.bytes, c.chunk);
             }
             give_back();
             return Err(e);
@@ -191,7 +192,7 @@ impl<B: Backend> Shared<B> {
         for (o, b) in whole {
             // Settled: the uses of these bytes have passed, no wait needed.
             for (_, e) in st.region.unmap(o, b)? {
-                self.pool.put(e.placement, e.bytes, e.chunk);
+                let _ = self.pool.give(e.placement, e.bytes, e.chunk);
             }
             if let Some(sb) = &self.shared_budget {
                 sb.give(b);
@@ -300,7 +301,7 @@ impl<B: Backend> Drop for Shared<B> {
         }
         let pool = &self.pool;
         st.region.close(waited, |chunk, bytes, placement| {
-            pool.put(placement, bytes, chunk)
+            let _ = pool.give(placement, bytes, chunk);
         });
     }
 }

@@ -87,7 +87,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mover = Mover {
             backend,
             granularity: sh.granularity,
-            pool: Some(&*sh.pool),
+            source: &*sh.pool,
             shareable: false,
             release_old: false,
         };

@@ -7,6 +7,7 @@ use super::{GrowableBuffer, Inner};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::plan::{plan_growth, round_up, GrowthRequest};
+use crate::pool::{ChunkSource, Driver};
 use crate::region::NewChunk;
 use crate::table::driver_access;
 
@@ -174,22 +175,16 @@ impl<B: Backend> GrowableBuffer<B> {
         };
         // (chunk, bytes, placement), in address order from `at`.
         let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::with_capacity(plan.len());
-        let mut reused = 0usize;
+        // Pooled chunks come from the buffer's source (its pool: one another
+        // buffer took meanwhile is created anew); the plan's others are
+        // created.
+        let driver = Driver(backend);
+        let source = self.source(&driver);
+        let hits = || self.pool.as_ref().map_or(0, |p| p.stats().hits);
+        let hits_before = hits();
         for c in &plan {
-            // A pooled chunk another buffer took meanwhile is created anew.
-            let pooled = c
-                .pooled
-                .then(|| {
-                    self.pool
-                        .as_ref()?
-                        .take_exact(self.shareable, c.placement, c.bytes)
-                })
-                .flatten();
-            reused += pooled.is_some() as usize;
-            let chunk = match pooled {
-                Some(chunk) => Ok(chunk),
-                None => crate::backend::create_chunk(backend, self.shareable, c.bytes, c.placement),
-            };
+            let from: &dyn ChunkSource<B> = if c.pooled { source } else { &driver };
+            let chunk = from.take(self.shareable, c.placement, c.bytes);
             match chunk {
                 Ok(chunk) => chunks.push(NewChunk {
                     chunk,
@@ -232,7 +227,7 @@ impl<B: Backend> GrowableBuffer<B> {
         tracing::debug!(
             parent: &span,
             chunks = n,
-            from_pool = reused,
+            from_pool = hits() - hits_before,
             bytes = offset - at,
             elapsed_us = start.elapsed().as_micros() as u64,
             "vmmbuf: grew"

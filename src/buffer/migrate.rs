@@ -15,6 +15,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, Location};
 use crate::migration::{MigrationPlan, MigrationPolicy, MigrationReport, Mover};
+use crate::pool::Driver;
 
 impl<B: Backend> GrowableBuffer<B> {
     fn placement_of(&self, policy: MigrationPolicy) -> Location {
@@ -146,10 +147,11 @@ impl<B: Backend> GrowableBuffer<B> {
         // The copies read the old chunks, and the old mappings go: recorded
         // uses and deferred releases' fences first.
         self.wait_all(g)?;
+        let driver = Driver(&*backend);
         let mover = Mover {
             backend: &*backend,
             granularity: self.granularity(),
-            pool: self.pool().map(|p| &**p),
+            source: self.source(&driver),
             shareable: self.shareable,
             release_old: self.is_published(),
         };

@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::migration::MigrationPolicy;
 use crate::plan::{round_up, GrowthPolicy};
-use crate::pool::ChunkPool;
+use crate::pool::{ChunkPool, ChunkSource, Driver};
 use crate::ranges::PlacementRanges;
 use crate::region::Region;
 use crate::report::{BufferStats, Report};
@@ -463,35 +463,38 @@ impl<B: Backend> GrowableBuffer<B> {
     /// Gives an unmapped chunk to the pool, or back to the driver (always
     /// once the buffer was shared: a peer may still map it).
     fn dispose(&self, chunk: B::Chunk, bytes: usize, placement: Location) -> Result<()> {
+        let driver = Driver(&*self.backend);
         dispose(
-            self.pool.as_ref(),
+            self.source(&driver),
             self.is_published(),
-            &self.backend,
             chunk,
             bytes,
             placement,
         )
     }
+
+    /// Where this buffer's chunks come from and go: its pool, or `driver`.
+    pub(super) fn source<'s>(&'s self, driver: &'s Driver<'s, B>) -> &'s dyn ChunkSource<B> {
+        match &self.pool {
+            Some(pool) => &**pool,
+            None => driver,
+        }
+    }
 }
 
-/// Gives an unmapped chunk to `pool`, or back to the driver (always once
-/// the buffer was published).
+/// Gives an unmapped chunk back to `source`, or to the driver once the
+/// buffer was published (a peer may still map it).
 fn dispose<B: Backend>(
-    pool: Option<&Arc<ChunkPool<B>>>,
+    source: &dyn ChunkSource<B>,
     published: bool,
-    backend: &B,
     chunk: B::Chunk,
     bytes: usize,
     placement: Location,
 ) -> Result<()> {
-    match pool {
-        Some(pool) if !published => {
-            pool.put(placement, bytes, chunk);
-            Ok(())
-        }
-        _ => backend.release(chunk).inspect_err(|e| {
-            tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
-        }),
+    if published {
+        source.release(chunk)
+    } else {
+        source.give(placement, bytes, chunk)
     }
 }
 
@@ -521,12 +524,16 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
         }
         let (pool, published) = (self.pool.clone(), self.is_published());
         let backend = self.backend.clone();
+        let driver = Driver(&*backend);
+        let source: &dyn ChunkSource<B> = match &pool {
+            Some(pool) => &**pool,
+            None => &driver,
+        };
         self.inner
             .get_mut()
             .region
             .close(waited.is_ok(), |chunk, bytes, placement| {
-                // Logged inside.
-                let _ = dispose(pool.as_ref(), published, &*backend, chunk, bytes, placement);
+                let _ = dispose(source, published, chunk, bytes, placement); // logged inside
             });
     }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{AccessDesc, Location};
-use crate::pool::ChunkPool;
+use crate::pool::ChunkSource;
 use crate::region::Region;
 
 mod pipeline;
@@ -91,9 +91,8 @@ pub(crate) struct Mover<'a, B: Backend> {
     pub(crate) backend: &'a B,
     /// Alignment of the temporary reservation.
     pub(crate) granularity: usize,
-    /// Where new chunks come from first and old ones go; without a pool they
-    /// are created and released.
-    pub(crate) pool: Option<&'a ChunkPool<B>>,
+    /// Where new chunks come from and old ones go (a pool, or the driver).
+    pub(crate) source: &'a dyn ChunkSource<B>,
     /// New chunks are created exportable (a shareable buffer's).
     pub(crate) shareable: bool,
     /// The old chunks may be mapped by another process (the buffer was
@@ -107,31 +106,19 @@ pub(crate) struct Mover<'a, B: Backend> {
 type Swapped<C> = (usize, C, Location, bool);
 
 impl<B: Backend> Mover<'_, B> {
-    /// Hands a chunk that is not mapped to the pool, or releases it.
+    /// Hands a chunk that is not mapped back to the source.
     pub(crate) fn dispose(&self, chunk: B::Chunk, bytes: usize, placement: Location) {
-        match self.pool {
-            Some(pool) => pool.put(placement, bytes, chunk),
-            None => {
-                if let Err(e) = self.backend.release(chunk) {
-                    tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
-                }
-            }
-        }
+        let _ = self.source.give(placement, bytes, chunk); // logged inside
     }
 
     fn take(&self, to: Location, bytes: usize) -> Result<B::Chunk> {
-        match self.pool {
-            Some(pool) => pool.take_or_create(self.shareable, to, bytes),
-            None => crate::backend::create_chunk(self.backend, self.shareable, bytes, to),
-        }
+        self.source.take(self.shareable, to, bytes)
     }
 
     /// Disposes of an old chunk once its move has succeeded.
     fn dispose_old(&self, chunk: B::Chunk, bytes: usize, placement: Location) {
         if self.release_old {
-            if let Err(e) = self.backend.release(chunk) {
-                tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
-            }
+            let _ = self.source.release(chunk); // logged inside
         } else {
             self.dispose(chunk, bytes, placement);
         }
