@@ -287,11 +287,7 @@ fn gpu_statistics_keep_pytorchs_invariants_at_every_step() {
                 // Work on it, so frees really wait on the stream.
                 let words = (bytes / 4).min(1 << 16) as u64;
                 if words > 0 {
-                    let mut l = s.launch_builder(&k.fill);
-                    let (p, zero, seed) = (x.address(), 0u64, step as u32);
-                    l.arg(&p).arg(&zero).arg(&words).arg(&seed);
-                    // SAFETY (test code): writes `words` u32s of x.
-                    unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+                    k.fill_on(s, x.address(), 0, words, step as u32);
                 }
                 live.push(x);
             } else {

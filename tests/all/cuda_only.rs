@@ -146,6 +146,47 @@ impl Kernels {
         unsafe { l.launch(Self::cfg(n)) }.expect("fill launch");
     }
 
+    /// On `stream`: the device writes words `[first, first + n)` at `ptr`.
+    pub(crate) fn fill_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        ptr: u64,
+        first: u64,
+        n: u64,
+        seed: u32,
+    ) {
+        let mut l = stream.launch_builder(&self.fill);
+        l.arg(&ptr).arg(&first).arg(&n).arg(&seed);
+        // SAFETY (test code): as in `fill`.
+        unsafe { l.launch(Self::cfg(n)) }.expect("fill launch");
+    }
+
+    /// On the view's stream `stream`: `spin_check` through `view` (its drop
+    /// then records the use there): the last block spins `ns` nanoseconds,
+    /// all count mismatches of the view's first `n` words into the returned
+    /// counter.
+    pub(crate) fn spin_check_view(
+        &self,
+        stream: &Arc<CudaStream>,
+        view: vmmbuf::cuda::View<'_, u32>,
+        n: u64,
+        seed: u32,
+        ns: u64,
+    ) -> cudarc::driver::CudaSlice<u32> {
+        let mut bad = stream.alloc_zeros::<u32>(1).unwrap();
+        let zero = 0u64;
+        let mut l = stream.launch_builder(&self.spin_check);
+        l.arg(&view)
+            .arg(&zero)
+            .arg(&n)
+            .arg(&seed)
+            .arg(&mut bad)
+            .arg(&ns);
+        // SAFETY (test code): reads `n` u32s of the view.
+        unsafe { l.launch(Self::cfg(n)) }.expect("spin_check launch");
+        bad
+    }
+
     /// The device counts words of `[first, first + n)` at `ptr` that differ.
     pub(crate) fn mismatches(&self, ptr: u64, first: u64, n: u64, seed: u32) -> u32 {
         let bad = self.spin_then_check(&self.stream, ptr, first, n, seed, 0);

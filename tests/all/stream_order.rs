@@ -250,39 +250,13 @@ fn rt8_a_view_fence_never_shadows_the_free_fence() {
         assert_eq!(y.address(), x.address() + bytes as u64, "adjacent");
         let (at, raw) = (x.address(), x.address());
         // Fill A, then drop B.
-        let mut l = s.launch_builder(&k.fill);
-        let zero = 0u64;
-        l.arg(&raw).arg(&zero).arg(&words).arg(&round);
-        // SAFETY (test code): writes `words` u32s of A.
-        unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        k.fill_on(&s, raw, 0, words, round);
         drop(y);
-        let mut bad = s.alloc_zeros::<u32>(1).unwrap();
-        {
-            // A short kernel through a view: the view's fence on s.
-            let v = x.view::<u32>(&s).unwrap();
-            let mut l = s.launch_builder(&k.spin_check);
-            let spin = 0u64;
-            l.arg(&v)
-                .arg(&zero)
-                .arg(&words)
-                .arg(&round)
-                .arg(&mut bad)
-                .arg(&spin);
-            // SAFETY (test code): reads `words` u32s of the view.
-            unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
-        }
+        // A short kernel through a view: the view's fence on s.
+        let bad = k.spin_check_view(&s, x.view::<u32>(&s).unwrap(), words, round, 0);
         // 50 ms, then a check, by raw address on s: covered by the free's
         // fence only.
-        let mut l = s.launch_builder(&k.spin_check);
-        let spin = 50_000_000u64;
-        l.arg(&raw)
-            .arg(&zero)
-            .arg(&words)
-            .arg(&round)
-            .arg(&mut bad)
-            .arg(&spin);
-        // SAFETY (test code): reads `words` u32s of A, which is live now.
-        unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        let bad_raw = k.spin_then_check(&s, raw, 0, words, round, 50_000_000);
         drop(x);
         // While the 50 ms kernel runs: nothing unmaps A, s2 gets none of it.
         arena.release_cached().unwrap();
@@ -292,16 +266,15 @@ fn rt8_a_view_fence_never_shadows_the_free_fence() {
             z1 <= at || z0 >= at + bytes as u64,
             "round {round}: s2 got A's bytes before s's kernel finished"
         );
-        let mut l = s2.launch_builder(&k.fill);
-        let (zw, seed) = (2 * words, round + 77);
-        l.arg(&z0).arg(&zero).arg(&zw).arg(&seed);
-        // SAFETY (test code): writes z's `2 * words` u32s.
-        unsafe { l.launch(Kernels::cfg(zw)) }.unwrap();
+        k.fill_on(&s2, z0, 0, 2 * words, round + 77);
         s.synchronize()
             .unwrap_or_else(|e| panic!("round {round}: the kernel on s died: {e:?}"));
         assert_eq!(
-            s.clone_dtoh(&bad).unwrap()[0],
-            0,
+            (
+                s.clone_dtoh(&bad).unwrap()[0],
+                s.clone_dtoh(&bad_raw).unwrap()[0]
+            ),
+            (0, 0),
             "round {round}: A read intact"
         );
         s2.synchronize().unwrap();
@@ -326,26 +299,9 @@ fn offload_waits_for_a_view_kernel_on_another_stream() {
     for round in 0..3u32 {
         let x = arena.alloc(words as usize * 4, &sa).unwrap();
         let raw = x.address();
-        let zero = 0u64;
-        let mut l = sa.launch_builder(&k.fill);
-        l.arg(&raw).arg(&zero).arg(&words).arg(&round);
-        // SAFETY (test code): writes `words` u32s of x.
-        unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
+        k.fill_on(&sa, raw, 0, words, round);
         sa.synchronize().unwrap();
-        let mut bad = sb.alloc_zeros::<u32>(1).unwrap();
-        {
-            let v = x.view::<u32>(&sb).unwrap();
-            let mut l = sb.launch_builder(&k.spin_check);
-            let spin = 50_000_000u64;
-            l.arg(&v)
-                .arg(&zero)
-                .arg(&words)
-                .arg(&round)
-                .arg(&mut bad)
-                .arg(&spin);
-            // SAFETY (test code): reads `words` u32s of the view.
-            unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
-        }
+        let bad = k.spin_check_view(&sb, x.view::<u32>(&sb).unwrap(), words, round, 50_000_000);
         arena.offload(std::slice::from_ref(&sa)).unwrap();
         sb.synchronize()
             .unwrap_or_else(|e| panic!("round {round}: the kernel on B died: {e:?}"));
