@@ -143,12 +143,6 @@ impl<B: Backend> Shared<B> {
             give_back();
             return Err(e);
         }
-        let mut o = at;
-        while o < at + need {
-            let bytes = st.region.table.get(o).expect("just mapped").bytes;
-            st.split.mapped(o, bytes);
-            o += bytes;
-        }
         // Fresh memory: any stream may use it; tagged with `key` so it merges
         // with `key`'s pending block before it.
         st.zones[z].insert_fresh(at, need, key);
@@ -199,7 +193,6 @@ impl<B: Backend> Shared<B> {
             }
             let z = st.zone_of_offset(o);
             st.zones[z].carve(o, b);
-            st.split.unmapped(o);
             released += b;
         }
         Ok(released)

@@ -163,20 +163,7 @@ impl<B: Backend> State<B> {
 
     /// Bookkeeping of a free of `[offset, offset + size)`.
     fn note_free(&mut self, offset: usize, size: usize) {
-        self.split.change(offset, size, false);
-    }
-
-    /// The per-chunk allocated bytes, recounted from the table and the live
-    /// allocations (after a move, which may change chunk boundaries).
-    fn recount_split(&mut self) {
-        let mut split = SplitCount::default();
-        for (o, e) in self.region.table.iter() {
-            split.mapped(o, e.bytes);
-        }
-        for (&o, l) in &self.live {
-            split.change(o, l.size, true);
-        }
-        self.split = split;
+        self.split.change(&self.region.table, offset, size, false);
     }
 }
 
@@ -434,7 +421,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 uses: uses.clone(),
             },
         );
-        st.split.change(offset, size, true);
+        let State { split, region, .. } = &mut *st;
+        split.change(&region.table, offset, size, true);
         st.stats.num_allocs += 1;
         st.allocated += size;
         st.requested += bytes;

@@ -92,8 +92,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             release_old: false,
         };
         let report = mover.run(&mut st.region, &targets)?;
+        // A move keeps every chunk's offset and size: the per-chunk
+        // allocated bytes (the inactive split) stand as they are.
         st.placement = to;
-        st.recount_split();
         sh.count(st);
         drop(guard);
         // What was left behind goes back to the driver; the move stands if

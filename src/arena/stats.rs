@@ -4,15 +4,17 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use crate::report::Bytes;
+use crate::table::ChunkTable;
 
-/// Allocated bytes per mapped chunk, kept at every alloc, free, map and
-/// unmap, so that the free bytes of chunks that also hold allocations
-/// (PyTorch's inactive split) are known at every operation, in time
-/// proportional to the chunks an allocation spans.
+/// Allocated bytes per mapped chunk, kept at every alloc and free, so that
+/// the free bytes of chunks that also hold allocations (PyTorch's inactive
+/// split) are known at every operation, in time proportional to the chunks
+/// an allocation spans. Chunk boundaries are the arena's table's: only the
+/// chunks that hold allocated bytes are listed here.
 #[derive(Debug, Default)]
 pub(super) struct SplitCount {
-    /// Chunk offset -> (chunk bytes, allocated bytes in it).
-    chunks: BTreeMap<usize, (usize, usize)>,
+    /// Chunk offset -> allocated bytes in it (never 0).
+    allocated: BTreeMap<usize, usize>,
     /// Sum over chunks holding allocated bytes of their free bytes.
     inactive_split: usize,
 }
@@ -22,46 +24,29 @@ impl SplitCount {
         self.inactive_split
     }
 
-    /// A chunk mapped at `offset` (nothing allocated in it yet).
-    pub(super) fn mapped(&mut self, offset: usize, bytes: usize) {
-        self.chunks.insert(offset, (bytes, 0));
-    }
-
-    /// The chunk at `offset` unmapped (nothing was allocated in it).
-    pub(super) fn unmapped(&mut self, offset: usize) {
-        if let Some((_, a)) = self.chunks.remove(&offset) {
-            debug_assert_eq!(a, 0, "a chunk with allocations unmapped");
-        }
-    }
-
-    /// `[offset, offset + size)` allocated (`add`) or freed.
-    pub(super) fn change(&mut self, offset: usize, size: usize, add: bool) {
+    /// `[offset, offset + size)` allocated (`add`) or freed, in the chunks
+    /// of `table` it spans (mapped: allocations never outlive their chunks).
+    pub(super) fn change<C>(
+        &mut self,
+        table: &ChunkTable<C>,
+        offset: usize,
+        size: usize,
+        add: bool,
+    ) {
         let end = offset + size;
-        let first = self
-            .chunks
-            .range(..=offset)
-            .next_back()
-            .map_or(offset, |(&o, _)| o);
-        for (&o, (bytes, allocated)) in self.chunks.range_mut(first..end) {
-            let overlap = (o + *bytes).min(end).saturating_sub(o.max(offset));
-            if overlap == 0 {
-                continue;
-            }
-            let before = if *allocated > 0 {
-                *bytes - *allocated
-            } else {
-                0
-            };
+        for (o, e) in table.overlapping(offset..end) {
+            let overlap = (o + e.bytes).min(end) - o.max(offset);
+            let a = self.allocated.entry(o).or_insert(0);
+            let before = if *a > 0 { e.bytes - *a } else { 0 };
             if add {
-                *allocated += overlap;
+                *a += overlap;
             } else {
-                *allocated -= overlap;
+                *a -= overlap;
             }
-            let after = if *allocated > 0 {
-                *bytes - *allocated
-            } else {
-                0
-            };
+            let after = if *a > 0 { e.bytes - *a } else { 0 };
+            if *a == 0 {
+                self.allocated.remove(&o);
+            }
             self.inactive_split = self.inactive_split + after - before;
         }
     }
