@@ -487,8 +487,18 @@ impl Budget {
         self.used.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Holds `bytes` of `budget` (if there is one) for a mapping under
+    /// way: `None` if they do not fit. The hold gives them back when it
+    /// drops, unless [`kept`](BudgetHold::keep) once the mapping succeeded.
+    pub(crate) fn hold(budget: Option<&Budget>, bytes: usize) -> Option<BudgetHold<'_>> {
+        match budget {
+            Some(b) if !b.try_take(bytes) => None,
+            budget => Some(BudgetHold { budget, bytes }),
+        }
+    }
+
     /// Takes `bytes` if they fit under the limit.
-    pub(crate) fn try_take(&self, bytes: usize) -> bool {
+    fn try_take(&self, bytes: usize) -> bool {
         use std::sync::atomic::Ordering;
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
@@ -575,5 +585,28 @@ impl<B: Backend> ChunkSource<B> for Driver<'_, B> {
         self.0.release(chunk).inspect_err(|e| {
             tracing::error!(error = %e, "vmmbuf: releasing a chunk failed");
         })
+    }
+}
+
+/// Bytes of a [`Budget`] held for a mapping under way: given back as it
+/// drops, unless kept.
+#[must_use = "a hold gives its bytes back as it drops"]
+pub(crate) struct BudgetHold<'a> {
+    budget: Option<&'a Budget>,
+    bytes: usize,
+}
+
+impl BudgetHold<'_> {
+    /// The mapping succeeded: the bytes stay taken.
+    pub(crate) fn keep(mut self) {
+        self.budget = None;
+    }
+}
+
+impl Drop for BudgetHold<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.budget {
+            b.give(self.bytes);
+        }
     }
 }

@@ -9,7 +9,7 @@ use super::{Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::plan::round_up;
-use crate::pool::ChunkSource;
+use crate::pool::{Budget, ChunkSource};
 use crate::region::NewChunk;
 use crate::table::{cpu_at_once, driver_access_for};
 
@@ -94,15 +94,8 @@ impl<B: Backend> Shared<B> {
         }
         // The budget shared with other arenas and buffers: taken before any
         // chunk is created, given back if the mapping fails.
-        if let Some(b) = &self.shared_budget {
-            if !b.try_take(need) {
-                return Err(self.out_of_memory(st, size, None));
-            }
-        }
-        let give_back = || {
-            if let Some(b) = &self.shared_budget {
-                b.give(need);
-            }
+        let Some(hold) = Budget::hold(self.shared_budget.as_deref(), need) else {
+            return Err(self.out_of_memory(st, size, None));
         };
         // Chunks of at most `chunk_bytes`, pooled ones first, placed where
         // the arena is now (the host, while offloaded).
@@ -122,7 +115,6 @@ impl<B: Backend> Shared<B> {
                     for c in chunks {
                         let _ = self.pool.give(placement, c.bytes, c.chunk);
                     }
-                    give_back();
                     return Err(e);
                 }
             }
@@ -140,9 +132,9 @@ impl<B: Backend> Shared<B> {
             for c in back {
                 let _ = self.pool.give(c.placement, c.bytes, c.chunk);
             }
-            give_back();
             return Err(e);
         }
+        hold.keep();
         // Fresh memory: any stream may use it; tagged with `key` so it merges
         // with `key`'s pending block before it.
         st.zones[z].insert_fresh(at, need, key);

@@ -7,7 +7,7 @@ use super::{GrowableBuffer, Inner};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::plan::{plan_growth, round_up, GrowthRequest};
-use crate::pool::{ChunkSource, Driver};
+use crate::pool::{Budget, ChunkSource, Driver};
 use crate::region::NewChunk;
 use crate::table::driver_access;
 
@@ -160,18 +160,11 @@ impl<B: Backend> GrowableBuffer<B> {
         })?;
         // The shared budget first: nothing is created past it.
         let total: usize = plan.iter().map(|c| c.bytes).sum();
-        if let Some(b) = &self.budget {
-            if !b.try_take(total) {
-                return Err(Error::OutOfMemory {
-                    call: "the shared budget",
-                    requested_bytes: total,
-                });
-            }
-        }
-        let give_back = || {
-            if let Some(b) = &self.budget {
-                b.give(total);
-            }
+        let Some(hold) = Budget::hold(self.budget.as_deref(), total) else {
+            return Err(Error::OutOfMemory {
+                call: "the shared budget",
+                requested_bytes: total,
+            });
         };
         // (chunk, bytes, placement), in address order from `at`.
         let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::with_capacity(plan.len());
@@ -195,7 +188,6 @@ impl<B: Backend> GrowableBuffer<B> {
                     for c in chunks {
                         let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
                     }
-                    give_back();
                     return Err(e);
                 }
             }
@@ -215,10 +207,10 @@ impl<B: Backend> GrowableBuffer<B> {
             for c in back {
                 let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
             }
-            give_back();
             tracing::debug!(error = %e, "vmmbuf: grow failed and was undone");
             return Err(e);
         }
+        hold.keep();
         let offset = g.capacity();
         g.debug_check();
         g.stats.grows += 1;
