@@ -277,8 +277,11 @@ impl<B: Backend> Region<B> {
         let _ = self.table.set_len(0);
         let mut ok = unmap && self.poisoned.is_none();
         if ok {
-            let keys: Vec<(usize, usize)> = self.table.iter().map(|(o, e)| (o, e.bytes)).collect();
-            for (o, b) in keys {
+            // One call per run of adjacent chunks (the cost is per call and
+            // mapping, and one call unmaps several whole mappings): a
+            // buffer's chunks, which tile its capacity, go in one.
+            let runs = self.table.runs();
+            for (o, b) in runs {
                 if let Err(e) = backend.unmap(&mut res, o, b) {
                     tracing::error!(error = %e, "vmmbuf: unmapping a chunk while closing failed");
                     ok = false;

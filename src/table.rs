@@ -399,6 +399,19 @@ impl<C> ChunkTable<C> {
         runs
     }
 
+    /// The mapped runs `(offset, bytes)`: adjacent chunks joined, in address
+    /// order (a buffer's chunks make one run).
+    pub(crate) fn runs(&self) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (o, e) in self.iter() {
+            match runs.last_mut() {
+                Some(r) if r.0 + r.1 == o => r.1 += e.bytes,
+                _ => runs.push((o, e.bytes)),
+            }
+        }
+        runs
+    }
+
     /// The unmapped gaps below the span's end, in address order.
     pub(crate) fn holes(&self) -> Vec<Range<usize>> {
         self.gaps(0..self.span_end())

@@ -529,13 +529,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn snapshot(&self) -> ArenaSnapshot {
         let mut st = self.shared.state.lock();
         self.shared.refresh(&mut st);
-        let mut segments: Vec<(usize, usize)> = Vec::new();
-        for (o, e) in st.region.table.iter() {
-            match segments.last_mut() {
-                Some(s) if s.0 + s.1 == o => s.1 += e.bytes,
-                _ => segments.push((o, e.bytes)),
-            }
-        }
+        let segments = st.region.table.runs();
         let mut blocks: Vec<BlockInfo> = st
             .live
             .iter()
