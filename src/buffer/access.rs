@@ -154,7 +154,7 @@ impl<B: Backend> GrowableBuffer<B> {
         self.wait_all(g)?;
         for run in changes.chunk_by(|a, b| a.3 == b.3 && a.0 + a.1 == b.0) {
             let bytes: usize = run.iter().map(|c| c.1).sum();
-            backend.set_access(g.res(), run[0].0, bytes, &run[0].3)?;
+            backend.set_access(g.region.res(), run[0].0, bytes, &run[0].3)?;
             for (o, _, list, _) in run {
                 if let Some(e) = g.region.table.get_mut(*o) {
                     e.access = list.clone();

@@ -160,10 +160,6 @@ struct Inner<B: Backend> {
 }
 
 impl<B: Backend> Inner<B> {
-    fn res(&mut self) -> &mut B::Reservation {
-        self.region.res()
-    }
-
     /// In debug builds, checks the chunk table's invariants and that a
     /// buffer's chunks tile `[0, capacity)` without a hole.
     fn debug_check(&self) {
@@ -504,36 +500,19 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
         // fences of deferred releases (work on the tail). Unmapped by hand,
         // and the chunks pooled, only if that wait succeeded; else the
         // region releases them and the reservation's token unmaps.
-        let g = self.inner.get_mut();
-        let pending = std::mem::take(&mut g.pending);
+        let mut g = self.inner.lock();
         let busy = !g.region.table.is_empty() && g.region.check_poison().is_ok();
-        let waited = if busy {
-            let backend = self.backend.clone();
-            pending
-                .iter()
-                .try_for_each(|p| backend.wait(&p.fence))
-                .and_then(|()| self.wait_uses())
-        } else {
-            Ok(())
-        };
+        let waited = if busy { self.wait_all(&g) } else { Ok(()) };
         if let Err(e) = &waited {
             tracing::error!(error = %e, "vmmbuf: waiting for recorded uses before drop failed");
         }
         if let Some(b) = &self.budget {
-            b.give(self.inner.get_mut().region.table.mapped_bytes());
+            b.give(g.region.table.mapped_bytes());
         }
-        let (pool, published) = (self.pool.clone(), self.is_published());
-        let backend = self.backend.clone();
-        let driver = Driver(&*backend);
-        let source: &dyn ChunkSource<B> = match &pool {
-            Some(pool) => &**pool,
-            None => &driver,
-        };
-        self.inner
-            .get_mut()
-            .region
-            .close(waited.is_ok(), |chunk, bytes, placement| {
-                let _ = dispose(source, published, chunk, bytes, placement); // logged inside
-            });
+        let driver = Driver(&*self.backend);
+        let (source, published) = (self.source(&driver), self.is_published());
+        g.region.close(waited.is_ok(), |chunk, bytes, placement| {
+            let _ = dispose(source, published, chunk, bytes, placement); // logged inside
+        });
     }
 }
