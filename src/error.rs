@@ -67,7 +67,8 @@ pub enum Error {
         total_bytes: Option<usize>,
         /// Bytes the arena has mapped.
         reserved_bytes: usize,
-        /// The arena's budget, if it has one.
+        /// The budget the arena maps under (its own, or the shared one it
+        /// draws on: the tighter), if it has one.
         budget_bytes: Option<usize>,
         /// True when no retry can succeed: the request exceeds the budget,
         /// the arena's reservation (the part for its size) or the device's

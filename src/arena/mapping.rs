@@ -217,7 +217,11 @@ impl<B: Backend> Shared<B> {
             free_bytes: device.map(|d| d.0),
             total_bytes: device.map(|d| d.1),
             reserved_bytes: st.region.table.mapped_bytes(),
-            budget_bytes: self.budget,
+            // The tighter of the arena's own budget and the shared one.
+            budget_bytes: match (self.budget, &self.shared_budget) {
+                (Some(a), Some(b)) => Some(a.min(b.limit())),
+                (a, b) => a.or(b.as_ref().map(|b| b.limit())),
+            },
             never_fits,
         }
     }

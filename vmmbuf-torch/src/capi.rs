@@ -1,0 +1,238 @@
+//! The C entry points: PyTorch's `CUDAPluggableAllocator` loads
+//! `vmmbuf_malloc` and `vmmbuf_free`; the rest serve any C caller. No panic
+//! crosses the boundary: each entry point catches it, logs it and answers
+//! null or -1. Every failure is logged (stderr, `VMMBUF_LOG`) and kept as
+//! this thread's [`vmmbuf_last_error`].
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::state;
+
+thread_local! {
+    /// The last stats JSON handed out on this thread, kept alive for the
+    /// caller to copy: another thread's call never frees it.
+    static JSON: RefCell<Option<CString>> = const { RefCell::new(None) };
+    /// This thread's last failure, in words.
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+}
+
+/// Keeps `what: error` as this thread's last error and logs it.
+pub(crate) fn fail(what: &str, error: &dyn std::fmt::Display) {
+    tracing::warn!(%error, "vmmbuf-torch: {what} failed");
+    let text = format!("{what}: {error}").replace('\0', " ");
+    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(text).ok());
+}
+
+/// Runs `f`, turning a panic into `fallback` (logged).
+fn guard<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => {
+            fail(what, &"panicked; answered as a failure");
+            fallback
+        }
+    }
+}
+
+/// Allocates `size` bytes on `device` for work on `stream`, under this
+/// thread's tag; null for 0 bytes, and null on failure (the cause is logged
+/// and kept in [`vmmbuf_last_error`]). PyTorch takes a null for a tensor at
+/// address 0: it loads [`vmmbuf_torch_malloc`] instead.
+#[no_mangle]
+pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    guard("vmmbuf_malloc", std::ptr::null_mut(), || {
+        let Ok(size) = usize::try_from(size) else {
+            fail("vmmbuf_malloc", &format!("a negative size {size}"));
+            return std::ptr::null_mut();
+        };
+        if size == 0 {
+            // PyTorch asks for 0 bytes for empty tensors: null is the answer
+            // (its DataPtr never frees a null), not a failure.
+            return std::ptr::null_mut();
+        }
+        match state::malloc(size, device, stream) {
+            Ok(p) => p as usize as *mut c_void,
+            Err(e) => {
+                fail(&format!("vmmbuf_malloc({size}, device {device})"), &e);
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+unsafe extern "C-unwind" {
+    /// Throws a C++ `std::runtime_error` with `why` (src/throw.cpp).
+    fn vmmbuf_throw_out_of_memory(why: *const c_char);
+}
+
+/// `vmmbuf_malloc` for PyTorch's `CUDAPluggableAllocator` used process-wide:
+/// on failure it throws a C++ exception (PyTorch raises it in Python as a
+/// `RuntimeError` with the cause) instead of answering null, which PyTorch
+/// would wrap as a tensor at address 0. Only for C++ callers that handle
+/// exceptions; C callers use [`vmmbuf_malloc`].
+#[no_mangle]
+pub extern "C-unwind" fn vmmbuf_torch_malloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let p = vmmbuf_malloc(size, device, stream);
+    if p.is_null() && size != 0 {
+        // No Rust value that needs dropping lives in this frame: the
+        // exception unwinds straight through it to the C++ caller.
+        // SAFETY: a NUL-terminated string or null; the callee copies it
+        // before throwing.
+        unsafe { vmmbuf_throw_out_of_memory(vmmbuf_last_error()) };
+    }
+    p
+}
+
+/// Frees `ptr` in stream order on `stream` (the stream PyTorch names; if it
+/// is not the allocation's own, the free waits for both). An unknown pointer
+/// or a second free is logged and changes nothing.
+#[no_mangle]
+pub extern "C" fn vmmbuf_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
+    guard("vmmbuf_free", (), || {
+        if let Err(e) = state::free(ptr as usize as u64, device, stream) {
+            fail(&format!("vmmbuf_free({ptr:?}, {size})"), &e);
+        }
+    })
+}
+
+/// The device's arena statistics as a JSON object with PyTorch's key names
+/// (`allocated_bytes.all.current`, ...). The string stays valid until the
+/// next call on the same thread (each thread has its own); null if the
+/// device has no arena yet.
+#[no_mangle]
+pub extern "C" fn vmmbuf_stats_json(device: c_int) -> *const c_char {
+    guard("vmmbuf_stats_json", std::ptr::null(), || {
+        let Some(text) = state::stats_json(device) else {
+            return std::ptr::null();
+        };
+        JSON.with(|j| {
+            let mut j = j.borrow_mut();
+            *j = CString::new(text).ok();
+            j.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
+        })
+    })
+}
+
+/// This thread's last failure in words, or null if none. Valid until this
+/// thread's next failing call.
+#[no_mangle]
+pub extern "C" fn vmmbuf_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+}
+
+/// Sets every peak of the device's statistics to its current value.
+#[no_mangle]
+pub extern "C" fn vmmbuf_reset_peak(device: c_int) {
+    guard("vmmbuf_reset_peak", (), || state::reset_peak(device))
+}
+
+/// Sets the device's memory budget: the bytes all of its arenas (one per
+/// tag) may map together. Call it before the device's first allocation.
+/// Returns 0, or -1 if the device is in use already.
+#[no_mangle]
+pub extern "C" fn vmmbuf_set_budget(device: c_int, bytes: u64) -> c_int {
+    guard("vmmbuf_set_budget", -1, || {
+        match state::set_budget(device, bytes as usize) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail("vmmbuf_set_budget", &e);
+                -1
+            }
+        }
+    })
+}
+
+/// Gives the device's cached memory back to the driver (`empty_cache`).
+/// Returns 0, or -1 on an error (logged).
+#[no_mangle]
+pub extern "C" fn vmmbuf_empty_cache(device: c_int) -> c_int {
+    guard("vmmbuf_empty_cache", -1, || {
+        match state::empty_cache(device) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail("vmmbuf_empty_cache", &e);
+                -1
+            }
+        }
+    })
+}
+
+/// The tag `tag` names: null or "" for the default one; `None` if it is not
+/// UTF-8.
+fn tag_of(tag: *const c_char) -> Option<String> {
+    if tag.is_null() {
+        return Some(String::new());
+    }
+    // SAFETY: the caller passes a NUL-terminated string that lives for the
+    // call (the C ABI's contract for `const char*`).
+    let s = unsafe { CStr::from_ptr(tag) };
+    s.to_str().ok().map(str::to_owned)
+}
+
+/// Makes `tag` the tag of this thread's allocations from now on (null or ""
+/// for none); other threads keep theirs. Returns 0, or -1 for a tag that is
+/// not UTF-8.
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
+    guard("vmmbuf_set_tag", -1, || match tag_of(tag) {
+        Some(t) => {
+            state::set_tag(&t);
+            0
+        }
+        None => {
+            fail("vmmbuf_set_tag", &"a tag that is not UTF-8");
+            -1
+        }
+    })
+}
+
+/// Moves `tag`'s allocations (null: every tag's) on every device to pinned
+/// host memory at the same addresses and gives their device memory back.
+/// Waits for the work queued so far on the streams of the tag's live
+/// allocations, for the fences of its frees and for the uses recorded on
+/// its allocations; never for the whole device. Until `vmmbuf_wake`, new
+/// allocations under a sleeping tag are made in host memory. Returns the
+/// bytes moved, or -1 on an error (logged; the arena that failed stays as it
+/// was).
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char) -> i64 {
+    guard("vmmbuf_sleep", -1, || move_tag(tag, true))
+}
+
+/// Brings `tag`'s allocations (null: every tag's) back to their devices, at
+/// the same addresses. Returns the bytes moved, or -1 on an error (logged).
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_wake(tag: *const c_char) -> i64 {
+    guard("vmmbuf_wake", -1, || move_tag(tag, false))
+}
+
+fn move_tag(tag: *const c_char, sleep: bool) -> i64 {
+    let what = if sleep { "vmmbuf_sleep" } else { "vmmbuf_wake" };
+    let every = tag.is_null();
+    let Some(tag) = tag_of(tag) else {
+        fail(what, &"a tag that is not UTF-8");
+        return -1;
+    };
+    match state::move_tag((!every).then_some(tag.as_str()), sleep) {
+        Ok(n) => n as i64,
+        Err(e) => {
+            fail(&format!("{what}({tag:?})"), &e);
+            -1
+        }
+    }
+}
