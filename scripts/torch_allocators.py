@@ -84,9 +84,10 @@ def run_one(a):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CONF[alloc]
     vt = None
     if alloc == "vmmbuf":
-        sys.path.insert(0, os.path.join(HERE, "..", "python"))
-        import vmmbuf_torch as vt
-        vt.use(budget_bytes=a.budget)
+        # The installed package (pip install ., or the wheel on PYTHONPATH).
+        import vmmbuf as vt
+        import vmmbuf.torch
+        vmmbuf.torch.use(budget_bytes=a.budget)
     import random
     import torch
     torch.manual_seed(0)

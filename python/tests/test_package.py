@@ -1,0 +1,127 @@
+"""The package without a GPU: the library, its entry points, errors, tags."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+
+import vmmbuf
+from vmmbuf import _native, errors
+
+ENTRY_POINTS = ("vmmbuf_malloc", "vmmbuf_torch_malloc", "vmmbuf_free", "vmmbuf_stats_json", "vmmbuf_set_budget",
+                "vmmbuf_set_tag", "vmmbuf_sleep", "vmmbuf_wake", "vmmbuf_empty_cache",
+                "vmmbuf_reset_peak", "vmmbuf_last_error")
+
+
+def test_the_package_finds_its_library_by_its_own_path():
+    path = Path(vmmbuf.library_path())
+    assert path.is_file()
+    assert path.parent == Path(vmmbuf.__file__).parent
+    lib = ctypes.CDLL(str(path))
+    for sym in ENTRY_POINTS:
+        assert hasattr(lib, sym), sym
+    assert vmmbuf.__version__ == _native.__version__
+
+
+def test_a_failed_c_call_is_kept_as_the_threads_last_error():
+    lib = ctypes.CDLL(vmmbuf.library_path())
+    lib.vmmbuf_malloc.restype = ctypes.c_void_p
+    lib.vmmbuf_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    assert lib.vmmbuf_malloc(-5, 0, None) is None
+    assert "negative size -5" in (vmmbuf.last_error() or "")
+    assert lib.vmmbuf_malloc(0, 0, None) is None, "0 bytes: null, as PyTorch expects"
+    assert "negative size -5" in (vmmbuf.last_error() or ""), "and not a failure"
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(vmmbuf.last_error()))
+    t.start()
+    t.join()
+    assert seen == [None], "another thread's last error is its own"
+
+
+def test_errors_map_by_kind_and_keep_the_message():
+    for kind, cls, base in [("out_of_memory", errors.OutOfMemoryError, MemoryError),
+                            ("capacity", errors.CapacityError, ValueError),
+                            ("invalid_argument", errors.InvalidArgumentError, ValueError),
+                            ("unsupported", errors.UnsupportedError, NotImplementedError),
+                            ("no_device", errors.NoDeviceError, RuntimeError),
+                            ("driver", errors.DriverError, RuntimeError),
+                            ("something new", errors.VmmbufError, Exception)]:
+        e = errors._from_native(kind, f"why: {kind}")
+        assert isinstance(e, cls) and isinstance(e, base) and isinstance(e, vmmbuf.VmmbufError)
+        assert str(e) == f"why: {kind}"
+
+
+def test_out_of_memory_is_torchs_when_torch_is_loaded(monkeypatch):
+    fake = types.ModuleType("torch")
+    fake.OutOfMemoryError = type("OutOfMemoryError", (RuntimeError,), {})
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    e = errors._from_native("out_of_memory", "device full")
+    assert isinstance(e, fake.OutOfMemoryError)
+    assert isinstance(e, vmmbuf.OutOfMemoryError) and isinstance(e, MemoryError)
+    with pytest.raises(fake.OutOfMemoryError, match="device full"):
+        raise e
+
+
+def test_native_errors_are_typed_exceptions_with_the_cause():
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="device -1"):
+        vmmbuf.set_budget(1 << 30, device=-1)
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="not a live allocation"):
+        _native.free(0x1234, 0, 0)
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="0 bytes"):
+        _native.malloc(0, 0, 0)
+
+
+def test_without_a_gpu_the_driver_error_says_why():
+    try:
+        import torch  # noqa: F401
+
+        pytest.skip("PyTorch is installed: this checks the no-driver path")
+    except ImportError:
+        pass
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip("a CUDA driver is installed")
+    except OSError:
+        pass
+    with pytest.raises(vmmbuf.NoDeviceError, match="CUDA driver"):
+        _native.malloc(1 << 20, 0, 0)
+    with pytest.raises(vmmbuf.NoDeviceError, match="CUDA driver"):
+        vmmbuf.GrowableTensor("float32", 1024, device="cuda")
+
+
+def test_tags_nest_and_are_per_thread():
+    assert vmmbuf.get_tag() == ""
+    with vmmbuf.tag("weights"):
+        assert vmmbuf.get_tag() == "weights"
+        other = []
+        t = threading.Thread(target=lambda: other.append(vmmbuf.get_tag()))
+        t.start()
+        t.join()
+        assert other == [""], "a new thread starts untagged"
+        with vmmbuf.tag("kv"):
+            assert vmmbuf.get_tag() == "kv"
+        assert vmmbuf.get_tag() == "weights"
+        with pytest.raises(KeyError):
+            with vmmbuf.tag("inner"):
+                raise KeyError("the tag comes back on an exception too")
+        assert vmmbuf.get_tag() == "weights"
+    assert vmmbuf.get_tag() == ""
+
+
+def test_sleep_and_stats_without_memory():
+    assert vmmbuf.stats(5) == {}
+    assert vmmbuf.sleep() == 0
+    assert vmmbuf.wake(["weights", None]) == 0
+    assert vmmbuf.sleep("kv") == 0
+    vmmbuf.reset_peak(5)
+    vmmbuf.empty_cache(5)
+
+
+def test_a_budget_is_set_before_the_device_is_used():
+    vmmbuf.set_budget(1 << 30, device=6)
+    vmmbuf.set_budget(2 << 30, device=6)  # still unused: may change

@@ -1,0 +1,71 @@
+"""A failed allocation reaches PyTorch as a C++ exception, not a null
+pointer: vmmbuf_torch_malloc, called from C++ as PyTorch's
+CUDAPluggableAllocator calls it, throws std::runtime_error with the cause.
+Needs a C++ compiler (skipped without one); no GPU (the failures here are
+refused before the driver)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import vmmbuf
+
+HARNESS = r"""
+#include <dlfcn.h>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <sys/types.h>
+// Loaded into this Python process (the extension module needs its symbols):
+// calls vmmbuf_torch_malloc as PyTorch does, through a std::function.
+extern "C" int run(const char* path, char* out, size_t n) {
+    void* lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!lib) { std::snprintf(out, n, "dlopen: %s", dlerror()); return 2; }
+    using Fn = void*(ssize_t, int, void*);
+    std::function<void*(ssize_t, int, void*)> alloc =
+        reinterpret_cast<Fn*>(dlsym(lib, "vmmbuf_torch_malloc"));
+    if (alloc(0, 0, nullptr) != nullptr) return 3;  // zero bytes: null
+    std::string seen;
+    for (ssize_t size : {ssize_t(-8), ssize_t(1) << 62}) {
+        try {
+            void* p = alloc(size, 0, nullptr);
+            std::snprintf(out, n, "returned %p", p);
+            return 1;
+        } catch (const std::exception& e) {
+            seen += std::string("caught: ") + e.what() + "\n";
+        }
+    }
+    std::snprintf(out, n, "%s", seen.c_str());
+    return 0;
+}
+"""
+
+
+def test_a_failed_allocation_is_thrown_to_cpp_with_the_cause(tmp_path: Path):
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "harness.cpp"
+    src.write_text(HARNESS)
+    so = tmp_path / "harness.so"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-o", str(so), str(src), "-ldl"],
+                   check=True)
+    harness = ctypes.CDLL(str(so))
+    harness.run.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(4096)
+    rc = harness.run(vmmbuf.library_path().encode(), buf, len(buf))
+    text = buf.value.decode()
+    assert rc == 0, text
+    lines = text.splitlines()
+    assert len(lines) == 2, text
+    assert lines[0].startswith("caught: CUDA out of memory (vmmbuf): ")
+    assert "negative size -8" in lines[0]
+    # Without a GPU the driver is missing; with one, 4 EiB never fits.
+    assert lines[1].startswith("caught: CUDA out of memory (vmmbuf): vmmbuf_malloc(")

@@ -1,0 +1,204 @@
+"""PyTorch on vmmbuf, on a GPU: process-wide and MemPool-scoped use,
+torch_memory_saver's interface with data checked, GrowableTensor through
+torch.from_dlpack, typed out-of-memory errors. Skipped without a GPU
+(failed under VMMBUF_REQUIRE_GPU=1)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from conftest import run_script
+
+MiB = 1 << 20
+
+
+def test_process_wide_every_tensor_from_vmmbuf_and_stats(torch_gpu):
+    out = run_script("""
+        import torch, vmmbuf, vmmbuf.torch as vt
+        vt.use()
+        assert vt.is_process_wide()
+        g = torch.Generator(device="cuda").manual_seed(3)
+        xs = [torch.randn(n, device="cuda", generator=g) for n in (1, 1000, 1 << 20, 12_345_678)]
+        refs = [x.cpu() for x in xs]
+        s = vt.memory_stats()
+        total = sum(x.numel() * 4 for x in xs)
+        assert s["allocated_bytes.all.current"] >= total, s
+        assert s["allocation.all.current"] >= len(xs), s
+        assert vt.max_memory_allocated() >= total
+        # A small model trains on it; its result matches the host's.
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).cuda()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        x = torch.randn(64, 256, device="cuda"); y = torch.randint(0, 10, (64,), device="cuda")
+        for _ in range(5):
+            loss = torch.nn.functional.cross_entropy(m(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+        for x_, r in zip(xs, refs):
+            assert torch.equal(x_.cpu(), r)
+        peak = vt.max_memory_allocated()
+        del xs, m, opt, x, y, loss
+        torch.cuda.synchronize()
+        vt.reset_peak_memory_stats()
+        assert vt.max_memory_allocated() < peak
+        before = torch.cuda.mem_get_info()[0]
+        vt.empty_cache()
+        assert torch.cuda.mem_get_info()[0] >= before
+        summary = vt.memory_summary()
+        assert "allocated memory" in summary and "process-wide" in summary
+        print("OK", vmmbuf.stats()["num_allocs"])
+    """)
+    assert out.strip().startswith("OK")
+
+
+def test_process_wide_out_of_memory_raises_with_the_cause(torch_gpu):
+    out = run_script("""
+        import torch, vmmbuf, vmmbuf.torch as vt
+        vt.use(budget_bytes=64 << 20)
+        a = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        assert torch.empty(0, device="cuda").numel() == 0  # empty tensors still work
+        try:
+            torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        except RuntimeError as e:
+            msg = str(e)
+            assert "CUDA out of memory (vmmbuf)" in msg and "budget Some(67108864)" in msg, msg
+            assert "budget" in (vmmbuf.last_error() or "")
+            print("OOM", msg.splitlines()[0])
+        else:
+            raise SystemExit("no error past the budget")
+        a.fill_(7)  # the live tensor is untouched (checked in small pieces: the budget is full)
+        assert all(int(a[i:i + 4096].sum()) == 7 * 4096 for i in range(0, 40 << 20, 8 << 20))
+        del a
+        torch.cuda.synchronize()
+        b = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        print("after free", b.numel())
+    """)
+    assert "OOM" in out and "after free" in out
+
+
+def test_mempool_out_of_memory_is_torchs(torch_gpu):
+    out = run_script("""
+        import torch, vmmbuf, vmmbuf.torch as vt
+        vmmbuf.set_budget(64 << 20, device=0)
+        pool = vt.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+            try:
+                torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+            except torch.OutOfMemoryError as e:
+                assert "budget" in (vmmbuf.last_error() or ""), vmmbuf.last_error()
+                print("OOM")
+        outside = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")  # PyTorch's own
+        print("outside", outside.numel())
+    """)
+    assert "OOM" in out and "outside" in out
+
+
+def test_mempool_scope_inside_vmmbuf_outside_pytorch(torch_gpu):
+    torch = torch_gpu
+    import vmmbuf
+    import vmmbuf.torch as vt
+
+    dev = torch.cuda.current_device()
+    before = vmmbuf.stats(dev).get("allocated_bytes.all.current", 0)
+    pool = vt.MemPool()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    with torch.cuda.use_mem_pool(pool):
+        inside = torch.randn(8 * MiB, device="cuda", generator=g)
+    mid = vmmbuf.stats(dev)["allocated_bytes.all.current"]
+    assert mid - before >= inside.numel() * 4, "the scope's tensor came from vmmbuf"
+    outside = torch.randn(8 * MiB, device="cuda", generator=g)
+    assert vmmbuf.stats(dev)["allocated_bytes.all.current"] == mid, "outside: PyTorch's own"
+    p = inside.data_ptr()
+    assert any(s["address"] <= p < s["address"] + s["total_size"] for s in pool.snapshot())
+    ref = inside.cpu()
+    assert torch.equal(inside.cpu(), ref) and outside.abs().sum() > 0
+    del inside
+    torch.cuda.synchronize()
+    del pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    after = vmmbuf.stats(dev)["allocated_bytes.all.current"]
+    assert after < mid, f"the pool's segments went back to vmmbuf ({mid} -> {after})"
+
+
+def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gpu):
+    torch = torch_gpu
+    from vmmbuf.torch_memory_saver import torch_memory_saver
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    with torch_memory_saver.region(tag="w", enable_cpu_backup=True):
+        w = torch.randn(64 * MiB, device="cuda", generator=g)  # 256 MiB
+    with torch_memory_saver.region(tag="kv"):
+        kv = torch.randn(16 * MiB, device="cuda", generator=g)
+    ref_w, ref_kv = w.cpu(), kv.cpu()
+    ptr = w.data_ptr()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    moved = torch_memory_saver.pause("w")
+    assert moved >= 256 * MiB
+    free1 = torch.cuda.mem_get_info()[0]
+    assert free1 - free0 >= 256 * MiB, f"device memory freed: {(free1 - free0) / MiB:.0f} MiB"
+    # Asleep, the tensor is still readable (from host memory).
+    assert torch.equal(w.cpu(), ref_w)
+    assert torch_memory_saver.resume("w") == moved
+    assert w.data_ptr() == ptr and torch.equal(w.cpu(), ref_w)
+    assert torch.equal(kv.cpu(), ref_kv), "another tag was not touched"
+    # Every tag at once, then work on the tensors after waking.
+    torch_memory_saver.pause()
+    torch_memory_saver.resume()
+    assert torch.equal((w * 2).cpu(), ref_w * 2) and torch.equal(kv.cpu(), ref_kv)
+
+
+def test_growable_tensor_with_torch_grows_in_place(torch_gpu):
+    torch = torch_gpu
+    from vmmbuf import GrowableTensor
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    t = GrowableTensor(torch.bfloat16, (200_000, 8, 64), device="cuda")
+    base = t.data_ptr()
+    rows = []
+    for i in range(1000):
+        k = 1 + i % 5
+        r = torch.randn(k, 8, 64, device="cuda", generator=g).to(torch.bfloat16)
+        t.append(r)
+        rows.append(r)
+        v = t.tensor
+        assert v.data_ptr() == base and v.shape[0] == sum(x.shape[0] for x in rows)
+    assert torch.equal(t.tensor, torch.cat(rows)), "every element kept"
+    assert t.data_ptr() == base
+    # Another stream reads what the current stream wrote (DLPack's stream).
+    side = torch.cuda.Stream()
+    t.append(torch.full((3, 8, 64), 2.5, device="cuda", dtype=torch.bfloat16))
+    with torch.cuda.stream(side):
+        tail = torch.from_dlpack(t)[-3:].float().sum()
+    side.synchronize()
+    assert tail.item() == 2.5 * 3 * 8 * 64
+    # Shrinking gives memory back to the driver once views are gone.
+    n = len(t)
+    t.resize(10)
+    del v, tail
+    gc.collect()
+    torch.cuda.synchronize()
+    mapped = t.mapped_bytes
+    free0 = torch.cuda.mem_get_info()[0]
+    t.shrink_to_fit()
+    assert t.mapped_bytes < mapped and torch.cuda.mem_get_info()[0] > free0
+    assert torch.equal(t.tensor, torch.cat(rows)[:10])
+    assert n > 10
+
+
+def test_our_out_of_memory_is_a_torch_out_of_memory_error(torch_gpu):
+    torch = torch_gpu
+    import vmmbuf
+    from vmmbuf import GrowableTensor
+
+    total = torch.cuda.mem_get_info()[1]
+    t = GrowableTensor("uint8", 4 * total, device="cuda")
+    t.resize(1 << 20)
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        t.resize(2 * total)
+    assert isinstance(e.value, vmmbuf.OutOfMemoryError) and "out of memory" in str(e.value)
+    assert len(t) == 1 << 20, "nothing changed"

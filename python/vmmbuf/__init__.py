@@ -1,0 +1,147 @@
+"""vmmbuf: growable GPU memory on CUDA's virtual memory management API.
+
+- ``vmmbuf.torch``: vmmbuf as PyTorch's CUDA allocator, for the whole
+  process (``use()``) or for a scope (``MemPool()`` with
+  ``torch.cuda.use_mem_pool``); PyTorch-named statistics; sleep and wake.
+- ``vmmbuf.torch_memory_saver``: torch_memory_saver's interface
+  (``region``, ``pause``, ``resume``), so switching is an import.
+- ``vmmbuf.GrowableTensor``: a tensor that grows in place at a stable
+  address, handed to PyTorch, CuPy and NumPy through DLPack without a copy.
+- ``vmmbuf.cupy``: vmmbuf as CuPy's allocator.
+
+Tags (``tag(name)``) and budgets are shared by all of these: allocations a
+thread makes inside ``tag("weights")`` can be put to sleep together. Every
+failure raises a ``vmmbuf.errors`` exception with its cause; the library
+also logs to stderr (``VMMBUF_LOG=info`` for more, ``off`` for none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Dict, Iterable, Iterator, Optional, Union
+
+from . import _native
+from .errors import (
+    CapacityError,
+    DriverError,
+    InvalidArgumentError,
+    NoDeviceError,
+    OutOfMemoryError,
+    UnsupportedError,
+    VmmbufError,
+)
+from .tensor import GrowableTensor
+
+__version__: str = _native.__version__
+
+Tags = Union[None, str, Iterable[Optional[str]]]
+
+
+def library_path() -> str:
+    """The path of the library that holds both this package's native code
+    and the C entry points PyTorch loads (``vmmbuf_malloc``/``vmmbuf_free``)."""
+    path = _native.__file__
+    if path is None:  # pragma: no cover - a built-in module has no file
+        raise UnsupportedError("the native module has no file to hand PyTorch")
+    return str(path)
+
+
+def set_tag(name: Optional[str]) -> None:
+    """Allocations this thread makes from now on carry ``name`` ("" or None:
+    the default tag). Other threads keep theirs."""
+    _native.set_tag(name or "")
+
+
+def get_tag() -> str:
+    """This thread's tag ("" for none)."""
+    return _native.get_tag()
+
+
+@contextlib.contextmanager
+def tag(name: Optional[str]) -> Iterator[None]:
+    """Allocations this thread makes inside the block carry ``name``; the
+    previous tag comes back on exit. Per thread, as ``use_mem_pool``."""
+    prev = _native.get_tag()
+    _native.set_tag(name or "")
+    try:
+        yield
+    finally:
+        _native.set_tag(prev)
+
+
+def _each(tags: Tags) -> Iterable[Optional[str]]:
+    if tags is None:
+        return [None]
+    if isinstance(tags, str):
+        return [tags]
+    return [t or "" for t in tags]
+
+
+def sleep(tags: Tags = None) -> int:
+    """Moves the allocations of ``tags`` (a tag, a list, or None for every
+    tag, untagged included) to pinned host memory at the same addresses and
+    gives their device memory back. Tensors stay valid (kernels reach them
+    over the bus). Waits only for the streams that used them. Returns the
+    bytes moved."""
+    return sum(_native.sleep(t) for t in _each(tags))
+
+
+def wake(tags: Tags = None) -> int:
+    """Brings the allocations of ``tags`` (None: every tag's) back to their
+    GPUs at the same addresses. Returns the bytes moved."""
+    return sum(_native.wake(t) for t in _each(tags))
+
+
+def stats(device: int = 0) -> Dict[str, Any]:
+    """The device's statistics (PyTorch's key names for the byte counters,
+    plus ``host_bytes``, ``device_bytes``, ``sleeping_tags``, ...); empty
+    before the device's first allocation."""
+    text = _native.stats_json(device)
+    return json.loads(text) if text else {}
+
+
+def set_budget(bytes: int, device: int = 0) -> None:
+    """Caps the bytes vmmbuf maps on ``device``, all tags together; at the
+    cap every tag's cached memory is given back before an allocation fails.
+    Only before the device's first allocation."""
+    _native.set_budget(device, int(bytes))
+
+
+def empty_cache(device: int = 0) -> None:
+    """Gives the device's cached (free but mapped) memory back to the driver."""
+    _native.empty_cache(device)
+
+
+def reset_peak(device: int = 0) -> None:
+    """Sets every peak statistic of the device to its current value."""
+    _native.reset_peak(device)
+
+
+def last_error() -> Optional[str]:
+    """The last failure of the C entry points on this thread (what PyTorch
+    saw as a failed allocation), in words; None if none."""
+    return _native.last_error()
+
+
+__all__ = [
+    "GrowableTensor",
+    "library_path",
+    "set_tag",
+    "get_tag",
+    "tag",
+    "sleep",
+    "wake",
+    "stats",
+    "set_budget",
+    "empty_cache",
+    "reset_peak",
+    "last_error",
+    "VmmbufError",
+    "OutOfMemoryError",
+    "CapacityError",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "NoDeviceError",
+    "DriverError",
+]

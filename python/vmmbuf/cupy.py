@@ -1,0 +1,76 @@
+"""vmmbuf as CuPy's allocator::
+
+    import vmmbuf.cupy
+    vmmbuf.cupy.use()          # cupy.cuda.set_allocator(vmmbuf.cupy.malloc)
+
+Every CuPy array's memory then comes from vmmbuf's arena on the current
+device, under the thread's tag. Frees are stream-ordered: an array's memory
+is reused only after the work queued on the stream it was allocated on, and
+on the stream current when it is freed, has finished (each allocation keeps
+its stream object alive until then).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import cupy
+
+from . import _native
+from .errors import VmmbufError
+
+_log = logging.getLogger(__name__)
+
+
+class _Owner:
+    """Frees its allocation when CuPy lets the memory go. It keeps the
+    stream the memory was allocated on alive until then: vmmbuf orders the
+    free after that stream's work, which needs the stream to exist."""
+
+    __slots__ = ("ptr", "size", "device", "stream")
+
+    def __init__(self, ptr: int, size: int, device: int, stream: Any) -> None:
+        self.ptr, self.size, self.device, self.stream = ptr, size, device, stream
+
+    def __del__(self) -> None:
+        try:
+            with cupy.cuda.Device(self.device):
+                stream = int(cupy.cuda.get_current_stream().ptr)
+            _native.free(self.ptr, self.device, stream)
+        except VmmbufError as e:  # logged by the library too; never raised from __del__
+            _log.warning("vmmbuf: free of %#x failed: %s", self.ptr, e)
+
+
+def malloc(size: int) -> Any:
+    """A ``cupy.cuda.MemoryPointer`` to ``size`` bytes from vmmbuf on the
+    current device, for work on the current stream."""
+    device = cupy.cuda.Device().id
+    if size == 0:
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device), 0)
+    stream = cupy.cuda.get_current_stream()
+    ptr = _native.malloc(size, device, int(stream.ptr))
+    mem = cupy.cuda.UnownedMemory(ptr, size, _Owner(ptr, size, device, stream), device)
+    return cupy.cuda.MemoryPointer(mem, 0)
+
+
+_PREVIOUS: Optional[Any] = None
+
+
+def use() -> None:
+    """Makes vmmbuf CuPy's allocator (``cupy.cuda.set_allocator``)."""
+    global _PREVIOUS
+    if _PREVIOUS is None:
+        _PREVIOUS = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(malloc)
+
+
+def restore() -> None:
+    """Puts back the allocator CuPy had before ``use()``."""
+    global _PREVIOUS
+    if _PREVIOUS is not None:
+        cupy.cuda.set_allocator(_PREVIOUS)
+        _PREVIOUS = None
+
+
+__all__ = ["malloc", "use", "restore"]

@@ -1,0 +1,249 @@
+"""vmmbuf as PyTorch's CUDA allocator.
+
+Process-wide (every CUDA tensor from vmmbuf; call before the first one)::
+
+    import vmmbuf.torch
+    vmmbuf.torch.use()
+
+Scoped, as vLLM's ``CuMemAllocator`` does (inside: vmmbuf; outside:
+PyTorch's own allocator)::
+
+    pool = vmmbuf.torch.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        weights = torch.empty(..., device="cuda")
+
+or ``with vmmbuf.torch.pool("weights"): ...``, which also tags what it
+allocates so ``vmmbuf.sleep("weights")`` moves exactly that.
+
+In a ``MemPool`` scope PyTorch's caching allocator sits on top: it asks
+vmmbuf for segments and caches blocks in them, and ``torch.cuda.memory_stats``
+works as usual. Process-wide, ``torch.cuda.memory_stats`` and
+``max_memory_allocated`` raise under any pluggable allocator (PyTorch's
+rule); use ``vmmbuf.torch.memory_stats`` and friends, which give the same
+key names from vmmbuf's arenas in either mode.
+
+Out of memory: in a ``MemPool`` scope PyTorch raises ``torch.OutOfMemoryError``
+as usual. Process-wide, PyTorch's pluggable interface has no way to report a
+failed allocation (it would make a tensor at address 0 of a null), so vmmbuf
+throws it as a C++ exception, which PyTorch raises as a ``RuntimeError``
+whose message starts "CUDA out of memory (vmmbuf)" and carries the cause
+(also in ``vmmbuf.last_error()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+
+from . import _native, library_path, stats
+from .errors import InvalidArgumentError, VmmbufError
+
+_ALLOCATOR: Any = None
+_POOL_ALLOCATOR: Any = None
+_POOLS: Dict[Tuple[str, int], Any] = {}
+_PROCESS_WIDE = False
+
+
+def _allocator() -> Any:
+    """The process-wide ``CUDAPluggableAllocator`` over this package's own
+    library (PyTorch loads the file the package imported). Its allocation
+    function throws a failure to PyTorch as an exception: PyTorch's
+    pluggable allocator would wrap a null as a tensor at address 0."""
+    global _ALLOCATOR
+    if _ALLOCATOR is None:
+        _ALLOCATOR = torch.cuda.memory.CUDAPluggableAllocator(
+            library_path(), "vmmbuf_torch_malloc", "vmmbuf_free")
+    return _ALLOCATOR
+
+
+def _pool_allocator() -> Any:
+    """The allocator of vmmbuf MemPools: it answers a failure with null,
+    which PyTorch's caching allocator above it handles (it frees its cache,
+    retries, then raises ``torch.OutOfMemoryError``)."""
+    global _POOL_ALLOCATOR
+    if _POOL_ALLOCATOR is None:
+        _POOL_ALLOCATOR = torch.cuda.memory.CUDAPluggableAllocator(
+            library_path(), "vmmbuf_malloc", "vmmbuf_free")
+    return _POOL_ALLOCATOR
+
+
+def _dev(device: Any) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise InvalidArgumentError(f"device {device!r} is not a CUDA device")
+    return torch.cuda.current_device() if d.index is None else d.index
+
+
+def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
+    """Makes vmmbuf the CUDA allocator of the whole process. Call it before
+    the first CUDA tensor (PyTorch cannot swap an allocator in use).
+    ``budget_bytes`` caps what vmmbuf maps on ``device``, all tags together."""
+    global _PROCESS_WIDE
+    if budget_bytes is not None:
+        _native.set_budget(device, int(budget_bytes))
+    if _PROCESS_WIDE:
+        return
+    try:
+        torch.cuda.memory.change_current_allocator(_allocator())
+    except RuntimeError as e:
+        raise VmmbufError(
+            "vmmbuf.torch.use() must come before the first CUDA allocation "
+            "(or use vmmbuf.torch.MemPool() for a scope)") from e
+    _PROCESS_WIDE = True
+
+
+def is_process_wide() -> bool:
+    """True once ``use()`` made vmmbuf the process's allocator."""
+    return _PROCESS_WIDE
+
+
+def MemPool(**kwargs: Any) -> Any:
+    """A ``torch.cuda.MemPool`` whose segments come from vmmbuf: use it with
+    ``torch.cuda.use_mem_pool(pool)``. Keyword arguments go to
+    ``torch.cuda.MemPool``. Allocations made in it carry the allocating
+    thread's tag (``vmmbuf.tag``)."""
+    return torch.cuda.MemPool(_pool_allocator().allocator(), **kwargs)
+
+
+@contextlib.contextmanager
+def pool(tag: str = "", device: Any = None) -> Iterator[Any]:
+    """Allocations made inside come from vmmbuf and carry ``tag``: one
+    ``MemPool`` per tag and device, kept for the process (PyTorch caches
+    blocks in it, so a tag's memory is never handed to another tag). Yields
+    the pool."""
+    d = _dev(device)
+    key = (tag or "", d)
+    p = _POOLS.get(key)
+    if p is None:
+        with torch.cuda.device(d):
+            p = _POOLS[key] = MemPool()
+    prev = _native.get_tag()
+    _native.set_tag(key[0])
+    try:
+        with torch.cuda.use_mem_pool(p, device=d):
+            yield p
+    finally:
+        _native.set_tag(prev)
+
+
+def pools() -> Dict[Tuple[str, int], Any]:
+    """The pools ``pool()`` made, by (tag, device)."""
+    return dict(_POOLS)
+
+
+_STATS = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+          "requested_bytes")
+
+
+def memory_stats(device: Any = None) -> "OrderedDict[str, Any]":
+    """vmmbuf's statistics for ``device`` with PyTorch's key names
+    (``allocated_bytes.all.current``, ``.peak``, ``allocation.all.*``,
+    ``num_alloc_retries``, ``num_ooms``), sorted as PyTorch sorts them. Only
+    what vmmbuf counts: there is no small/large pool split, and no
+    cumulative byte totals. Empty before vmmbuf's first allocation there."""
+    raw = stats(_dev(device))
+    out: Dict[str, Any] = {}
+    if not raw:
+        return OrderedDict()
+    for name in _STATS:
+        for which in ("current", "peak"):
+            out[f"{name}.all.{which}"] = raw[f"{name}.all.{which}"]
+    out["allocation.all.current"] = raw["live_allocations"]
+    out["allocation.all.allocated"] = raw["num_allocs"]
+    out["allocation.all.freed"] = raw["num_frees"]
+    out["num_alloc_retries"] = raw["num_alloc_retries"]
+    out["num_ooms"] = raw["num_ooms"]
+    out["num_device_syncs"] = raw["num_device_syncs"]
+    return OrderedDict(sorted(out.items()))
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes in live vmmbuf allocations on ``device``."""
+    return int(memory_stats(device).get("allocated_bytes.all.current", 0))
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """The peak of ``memory_allocated`` since the start or the last reset."""
+    return int(memory_stats(device).get("allocated_bytes.all.peak", 0))
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Bytes vmmbuf has mapped on ``device`` (allocated plus cached)."""
+    return int(memory_stats(device).get("reserved_bytes.all.current", 0))
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    """The peak of ``memory_reserved``."""
+    return int(memory_stats(device).get("reserved_bytes.all.peak", 0))
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Sets the peaks to the current values."""
+    _native.reset_peak(_dev(device))
+
+
+def empty_cache(device: Any = None) -> None:
+    """Gives cached memory back to the driver: PyTorch's caches in vmmbuf
+    pools first (``torch.cuda.empty_cache``), then vmmbuf's own."""
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    _native.empty_cache(_dev(device))
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"  # pragma: no cover
+
+
+def memory_summary(device: Any = None) -> str:
+    """A table of ``memory_stats`` and vmmbuf's own counters (host bytes of
+    sleeping tags, fragmentation), as ``torch.cuda.memory_summary`` prints."""
+    d = _dev(device)
+    raw = stats(d)
+    lines = [f"vmmbuf memory summary, device {d}"
+             + (" (process-wide)" if _PROCESS_WIDE else " (pools)")]
+    if not raw:
+        return lines[0] + "\n  no allocation yet\n"
+    lines.append(f"  {'metric':<24}{'current':>14}{'peak':>14}")
+    for name, label in (("allocated_bytes", "allocated memory"), ("active_bytes", "active memory"),
+                        ("requested_bytes", "requested memory"), ("reserved_bytes", "reserved memory"),
+                        ("inactive_split_bytes", "inactive split memory")):
+        lines.append(f"  {label:<24}{_fmt(raw[f'{name}.all.current']):>14}"
+                     f"{_fmt(raw[f'{name}.all.peak']):>14}")
+    lines.append(f"  {'allocations':<24}{raw['live_allocations']:>14}"
+                 f"   ({raw['num_allocs']} made, {raw['num_frees']} freed)")
+    lines.append(f"  {'on the device':<24}{_fmt(raw['device_bytes']):>14}")
+    lines.append(f"  {'in host memory':<24}{_fmt(raw['host_bytes']):>14}"
+                 f"   (sleeping tags: {', '.join(map(repr, raw['sleeping_tags'])) or 'none'})")
+    budget = raw.get("budget_bytes")
+    lines.append(f"  {'budget':<24}{(_fmt(budget) if budget is not None else 'none'):>14}")
+    lines.append(f"  {'fragmentation':<24}{raw['fragmentation']:>14.3f}")
+    lines.append(f"  {'retries / OOMs':<24}{raw['num_alloc_retries']:>7} / {raw['num_ooms']}")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = [
+    "use",
+    "is_process_wide",
+    "MemPool",
+    "pool",
+    "pools",
+    "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "empty_cache",
+    "memory_summary",
+]

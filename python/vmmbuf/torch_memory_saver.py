@@ -1,0 +1,95 @@
+"""torch_memory_saver's interface on vmmbuf: switch by changing the import::
+
+    # from torch_memory_saver import torch_memory_saver
+    from vmmbuf.torch_memory_saver import torch_memory_saver
+
+    with torch_memory_saver.region(tag="weights", enable_cpu_backup=True):
+        model = build().cuda()
+    torch_memory_saver.pause("weights")     # device memory given back
+    torch_memory_saver.resume("weights")    # same addresses
+
+``region`` allocates from a vmmbuf ``MemPool`` per tag (or, after
+``vmmbuf.torch.use()``, from vmmbuf process-wide) and tags what it
+allocates. ``pause`` moves the tag's memory to pinned host memory at the
+same addresses and gives the device memory back; ``resume`` brings it back.
+The contents are kept in both modes (``enable_cpu_backup=False`` allows
+torch_memory_saver to drop them; vmmbuf keeps them until its discard mode
+lands), and a paused tensor stays readable by kernels, over the bus.
+``sleep``/``wake`` are the same as ``pause``/``resume``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, Optional
+
+from . import _native
+from . import torch as _vtorch
+
+_TAG_DEFAULT = "default"
+
+
+class TorchMemorySaver:
+    """torch_memory_saver's ``TorchMemorySaver`` on vmmbuf."""
+
+    def __init__(self) -> None:
+        self._cpu_backup: Dict[str, bool] = {}
+
+    @contextlib.contextmanager
+    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> Iterator[None]:
+        """Tensors made inside can be paused with ``pause(tag)``."""
+        self._cpu_backup[tag] = self._cpu_backup.get(tag, False) or enable_cpu_backup
+        if _vtorch.is_process_wide():
+            prev = _native.get_tag()
+            _native.set_tag(tag)
+            try:
+                yield
+            finally:
+                _native.set_tag(prev)
+        else:
+            with _vtorch.pool(tag):
+                yield
+
+    def pause(self, tag: Optional[str] = None) -> int:
+        """Gives back the device memory of ``tag`` (None: every tag); returns
+        the bytes moved to host memory."""
+        return _native.sleep(tag)
+
+    def resume(self, tag: Optional[str] = None) -> int:
+        """Maps ``tag``'s memory (None: every tag's) back at the same
+        addresses; returns the bytes moved back."""
+        return _native.wake(tag)
+
+    sleep = pause
+    wake = resume
+
+    @property
+    def enabled(self) -> bool:
+        """Always True: vmmbuf needs no preload or hook mode."""
+        return True
+
+
+torch_memory_saver = TorchMemorySaver()
+memory_saver = torch_memory_saver
+
+
+def region(tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> "contextlib.AbstractContextManager[None]":
+    """``torch_memory_saver.region``."""
+    return torch_memory_saver.region(tag, enable_cpu_backup)
+
+
+def pause(tag: Optional[str] = None) -> int:
+    """``torch_memory_saver.pause``."""
+    return torch_memory_saver.pause(tag)
+
+
+def resume(tag: Optional[str] = None) -> int:
+    """``torch_memory_saver.resume``."""
+    return torch_memory_saver.resume(tag)
+
+
+sleep = pause
+wake = resume
+
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver", "region", "pause",
+           "resume", "sleep", "wake"]
