@@ -62,6 +62,7 @@ pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void)
     })
 }
 
+#[cfg(target_os = "linux")]
 unsafe extern "C-unwind" {
     /// Throws a C++ `std::runtime_error` with `why` (src/throw.cpp).
     fn vmmbuf_throw_out_of_memory(why: *const c_char);
@@ -71,7 +72,9 @@ unsafe extern "C-unwind" {
 /// on failure it throws a C++ exception (PyTorch raises it in Python as a
 /// `RuntimeError` with the cause) instead of answering null, which PyTorch
 /// would wrap as a tensor at address 0. Only for C++ callers that handle
-/// exceptions; C callers use [`vmmbuf_malloc`].
+/// exceptions; C callers use [`vmmbuf_malloc`]. Linux only (where the C++
+/// shim is built).
+#[cfg(target_os = "linux")]
 #[no_mangle]
 pub extern "C-unwind" fn vmmbuf_torch_malloc(
     size: isize,
