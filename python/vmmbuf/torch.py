@@ -41,33 +41,26 @@ import torch
 from . import _native, library_path, stats
 from .errors import InvalidArgumentError, VmmbufError
 
-_ALLOCATOR: Any = None
-_POOL_ALLOCATOR: Any = None
+_ALLOCATORS: Dict[str, Any] = {}
 _POOLS: Dict[Tuple[str, int], Any] = {}
 _PROCESS_WIDE = False
 
 
-def _allocator() -> Any:
-    """The process-wide ``CUDAPluggableAllocator`` over this package's own
-    library (PyTorch loads the file the package imported). Its allocation
-    function throws a failure to PyTorch as an exception: PyTorch's
-    pluggable allocator would wrap a null as a tensor at address 0."""
-    global _ALLOCATOR
-    if _ALLOCATOR is None:
-        _ALLOCATOR = torch.cuda.memory.CUDAPluggableAllocator(
-            library_path(), "vmmbuf_torch_malloc", "vmmbuf_free")
-    return _ALLOCATOR
+def _allocator(malloc: str = "vmmbuf_torch_malloc") -> Any:
+    """A ``CUDAPluggableAllocator`` over this package's own library (PyTorch
+    loads the file the package imported), one per allocation function:
 
-
-def _pool_allocator() -> Any:
-    """The allocator of vmmbuf MemPools: it answers a failure with null,
-    which PyTorch's caching allocator above it handles (it frees its cache,
-    retries, then raises ``torch.OutOfMemoryError``)."""
-    global _POOL_ALLOCATOR
-    if _POOL_ALLOCATOR is None:
-        _POOL_ALLOCATOR = torch.cuda.memory.CUDAPluggableAllocator(
-            library_path(), "vmmbuf_malloc", "vmmbuf_free")
-    return _POOL_ALLOCATOR
+    - ``vmmbuf_torch_malloc``, process-wide: it throws a failure to PyTorch
+      as an exception, since PyTorch's pluggable allocator would wrap a null
+      as a tensor at address 0;
+    - ``vmmbuf_malloc``, for MemPools: it answers a failure with null, which
+      PyTorch's caching allocator above it handles (it frees its cache,
+      retries, then raises ``torch.OutOfMemoryError``).
+    """
+    if malloc not in _ALLOCATORS:
+        _ALLOCATORS[malloc] = torch.cuda.memory.CUDAPluggableAllocator(
+            library_path(), malloc, "vmmbuf_free")
+    return _ALLOCATORS[malloc]
 
 
 def _dev(device: Any) -> int:
@@ -109,7 +102,7 @@ def MemPool(**kwargs: Any) -> Any:
     ``torch.cuda.use_mem_pool(pool)``. Keyword arguments go to
     ``torch.cuda.MemPool``. Allocations made in it carry the allocating
     thread's tag (``vmmbuf.tag``)."""
-    return torch.cuda.MemPool(_pool_allocator().allocator(), **kwargs)
+    return torch.cuda.MemPool(_allocator("vmmbuf_malloc").allocator(), **kwargs)
 
 
 @contextlib.contextmanager

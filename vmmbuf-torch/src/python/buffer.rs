@@ -88,8 +88,17 @@ pub(crate) struct Buffer {
 }
 
 impl Buffer {
-    fn with_mem<T>(&self, f: impl FnOnce(&Mem) -> Result<T>) -> Result<T> {
-        f(&self.shared.mem.read())
+    /// `host` or `cuda` applied to the buffer, whichever it is.
+    fn read<T>(
+        &self,
+        #[allow(unused_variables)] host: impl FnOnce(&GrowableBuffer<vmmbuf::HostBackend>) -> T,
+        cuda: impl FnOnce(&GrowableBuffer<CudaBackend>) -> T,
+    ) -> T {
+        match &*self.shared.mem.read() {
+            #[cfg(target_os = "linux")]
+            Mem::Host(b) => host(b),
+            Mem::Cuda { buf, .. } => cuda(buf),
+        }
     }
 }
 
@@ -157,22 +166,19 @@ impl Buffer {
 
     /// Bytes in use.
     fn __len__(&self) -> usize {
-        self.with_mem(|m| Ok(on(m, |b| b.len(), |b| b.len())))
-            .unwrap_or(0)
+        self.read(|b| b.len(), |b| b.len())
     }
 
     /// Bytes mapped.
     #[getter]
     fn capacity(&self) -> usize {
-        self.with_mem(|m| Ok(on(m, |b| b.capacity(), |b| b.capacity())))
-            .unwrap_or(0)
+        self.read(|b| b.capacity(), |b| b.capacity())
     }
 
     /// Chunks mapped.
     #[getter]
     fn chunk_count(&self) -> usize {
-        self.with_mem(|m| Ok(on(m, |b| b.chunk_count(), |b| b.chunk_count())))
-            .unwrap_or(0)
+        self.read(|b| b.chunk_count(), |b| b.chunk_count())
     }
 
     /// Bytes of live exported views' furthest end (shrinking keeps them).
@@ -327,19 +333,6 @@ impl Buffer {
             strides,
         };
         dlpack::export(py, view, guard, versioned)
-    }
-}
-
-/// Applies `host` or `cuda` to the buffer, whichever it is.
-fn on<T>(
-    m: &Mem,
-    #[allow(unused_variables)] host: impl FnOnce(&GrowableBuffer<vmmbuf::HostBackend>) -> T,
-    cuda: impl FnOnce(&GrowableBuffer<CudaBackend>) -> T,
-) -> T {
-    match m {
-        #[cfg(target_os = "linux")]
-        Mem::Host(b) => host(b),
-        Mem::Cuda { buf, .. } => cuda(buf),
     }
 }
 

@@ -60,8 +60,68 @@ struct DLManagedTensorVersioned {
     dl_tensor: DLTensor,
 }
 
-const NAME: &CStr = c"dltensor";
-const NAME_VERSIONED: &CStr = c"dltensor_versioned";
+/// The two managed-tensor structures, as one exporter sees them: the name
+/// a capsule of each carries, how one is made around a tensor, and where
+/// its context and deleter sit.
+trait Managed: Sized + 'static {
+    /// The capsule's name for this kind.
+    const NAME: &'static CStr;
+    /// A managed tensor around `dl_tensor` whose deleter drops a
+    /// `Holder<Self, K>`; its context is set once the holder is placed.
+    fn new<K: 'static>(dl_tensor: DLTensor) -> Self;
+    fn ctx(&mut self) -> &mut *mut c_void;
+    fn dl_tensor(&mut self) -> &mut DLTensor;
+    /// Calls the deleter.
+    ///
+    /// # Safety
+    /// `m` points at a live managed tensor that `export` made, whose
+    /// deleter has not run.
+    unsafe fn delete(m: *mut Self);
+}
+
+impl Managed for DLManagedTensor {
+    const NAME: &'static CStr = c"dltensor";
+    fn new<K: 'static>(dl_tensor: DLTensor) -> Self {
+        DLManagedTensor {
+            dl_tensor,
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete::<Self, K>),
+        }
+    }
+    fn ctx(&mut self) -> &mut *mut c_void {
+        &mut self.manager_ctx
+    }
+    fn dl_tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    unsafe fn delete(m: *mut Self) {
+        // SAFETY: the caller's contract.
+        unsafe { ((*m).deleter.expect("export sets the deleter"))(m) }
+    }
+}
+
+impl Managed for DLManagedTensorVersioned {
+    const NAME: &'static CStr = c"dltensor_versioned";
+    fn new<K: 'static>(dl_tensor: DLTensor) -> Self {
+        DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 1 },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete::<Self, K>),
+            flags: 0,
+            dl_tensor,
+        }
+    }
+    fn ctx(&mut self) -> &mut *mut c_void {
+        &mut self.manager_ctx
+    }
+    fn dl_tensor(&mut self) -> &mut DLTensor {
+        &mut self.dl_tensor
+    }
+    unsafe fn delete(m: *mut Self) {
+        // SAFETY: the caller's contract.
+        unsafe { ((*m).deleter.expect("export sets the deleter"))(m) }
+    }
+}
 
 /// What one exported view keeps alive until its consumer lets go: the
 /// shape and strides the tensor points into, and whatever `keep` holds
@@ -71,8 +131,8 @@ const NAME_VERSIONED: &CStr = c"dltensor_versioned";
 #[repr(C)]
 struct Holder<M, K> {
     managed: M,
-    _shape: Vec<i64>,
-    _strides: Vec<i64>,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
     _keep: K,
 }
 
@@ -97,44 +157,25 @@ fn tensor(v: &View, shape: &mut [i64], strides: &mut [i64]) -> DLTensor {
     }
 }
 
-unsafe extern "C" fn delete_legacy<K>(m: *mut DLManagedTensor) {
+/// The deleter of a managed tensor of kind `M` held with `K`.
+unsafe extern "C" fn delete<M: Managed, K: 'static>(m: *mut M) {
     // SAFETY: `m` is the `managed` field (the first, repr(C)) of the Box'd
-    // Holder that `export` leaked, and its consumer calls the deleter once.
-    unsafe {
-        drop(Box::from_raw(
-            (*m).manager_ctx as *mut Holder<DLManagedTensor, K>,
-        ))
-    }
+    // Holder that `export` leaked, whose context points at that holder,
+    // and its consumer calls the deleter once.
+    unsafe { drop(Box::from_raw(*(*m).ctx() as *mut Holder<M, K>)) }
 }
 
-unsafe extern "C" fn delete_versioned<K>(m: *mut DLManagedTensorVersioned) {
-    // SAFETY: as in `delete_legacy`.
-    unsafe {
-        drop(Box::from_raw(
-            (*m).manager_ctx as *mut Holder<DLManagedTensorVersioned, K>,
-        ))
-    }
-}
-
-/// The capsule's destructor: a capsule never consumed (still named
-/// `dltensor`) deletes its tensor; a consumer that took it renamed it and
-/// calls the deleter itself.
-unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+/// The destructor of a capsule of kind `M`: a capsule never consumed (still
+/// named `M::NAME`) deletes its tensor; a consumer that took it renamed it
+/// and calls the deleter itself.
+unsafe extern "C" fn capsule_destructor<M: Managed>(capsule: *mut ffi::PyObject) {
     // SAFETY: `capsule` is a live capsule (Python calls this as it frees
     // it). PyCapsule_IsValid sets no error; GetPointer cannot fail once
-    // IsValid said yes.
+    // IsValid said yes, and the pointer is the managed tensor `export`
+    // made, not yet deleted.
     unsafe {
-        if ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) == 1 {
-            let m = ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()) as *mut DLManagedTensor;
-            if let Some(d) = (*m).deleter {
-                d(m)
-            }
-        } else if ffi::PyCapsule_IsValid(capsule, NAME_VERSIONED.as_ptr()) == 1 {
-            let m = ffi::PyCapsule_GetPointer(capsule, NAME_VERSIONED.as_ptr())
-                as *mut DLManagedTensorVersioned;
-            if let Some(d) = (*m).deleter {
-                d(m)
-            }
+        if ffi::PyCapsule_IsValid(capsule, M::NAME.as_ptr()) == 1 {
+            M::delete(ffi::PyCapsule_GetPointer(capsule, M::NAME.as_ptr()) as *mut M)
         }
     }
 }
@@ -147,56 +188,46 @@ pub(crate) fn export<K: Send + 'static>(
     keep: K,
     versioned: bool,
 ) -> PyResult<Py<PyAny>> {
-    let (ptr, name) = if versioned {
-        let mut h = Box::new(Holder {
-            managed: DLManagedTensorVersioned {
-                version: DLPackVersion { major: 1, minor: 1 },
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_versioned::<K>),
-                flags: 0,
-                dl_tensor: tensor(&view, &mut [], &mut []),
-            },
-            _shape: view.shape.clone(),
-            _strides: view.strides.clone(),
-            _keep: keep,
-        });
-        h.managed.dl_tensor = tensor(&view, &mut h._shape, &mut h._strides);
-        let raw = Box::into_raw(h);
-        // SAFETY: `raw` is the live Box just leaked; the context points at
-        // it so the deleter can take it back.
-        unsafe { (*raw).managed.manager_ctx = raw as *mut c_void };
-        (raw as *mut c_void, NAME_VERSIONED)
+    if versioned {
+        capsule::<DLManagedTensorVersioned, K>(py, view, keep)
     } else {
-        let mut h = Box::new(Holder {
-            managed: DLManagedTensor {
-                dl_tensor: tensor(&view, &mut [], &mut []),
-                manager_ctx: std::ptr::null_mut(),
-                deleter: Some(delete_legacy::<K>),
-            },
-            _shape: view.shape.clone(),
-            _strides: view.strides.clone(),
-            _keep: keep,
-        });
-        h.managed.dl_tensor = tensor(&view, &mut h._shape, &mut h._strides);
-        let raw = Box::into_raw(h);
-        // SAFETY: as above.
-        unsafe { (*raw).managed.manager_ctx = raw as *mut c_void };
-        (raw as *mut c_void, NAME)
-    };
-    // SAFETY: `ptr` is a leaked Holder, whose first field (repr(C)) is the
+        capsule::<DLManagedTensor, K>(py, view, keep)
+    }
+}
+
+fn capsule<M: Managed, K: Send + 'static>(
+    py: Python<'_>,
+    view: View,
+    keep: K,
+) -> PyResult<Py<PyAny>> {
+    let mut h = Box::new(Holder {
+        managed: M::new::<K>(tensor(&view, &mut [], &mut [])),
+        shape: view.shape.clone(),
+        strides: view.strides.clone(),
+        _keep: keep,
+    });
+    // The tensor points into the holder's own shape and strides, whose
+    // heap buffers stay put when the Box moves.
+    let t = tensor(&view, &mut h.shape, &mut h.strides);
+    *h.managed.dl_tensor() = t;
+    let raw = Box::into_raw(h);
+    // SAFETY: `raw` is the live Box just leaked; the context points at it
+    // so the deleter can take it back.
+    unsafe { *(*raw).managed.ctx() = raw as *mut c_void };
+    // SAFETY: `raw` is a leaked Holder, whose first field (repr(C)) is the
     // managed tensor the name announces; the name is a static C string; the
-    // destructor handles both names.
-    let cap = unsafe { ffi::PyCapsule_New(ptr, name.as_ptr(), Some(capsule_destructor)) };
+    // destructor is this kind's.
+    let cap = unsafe {
+        ffi::PyCapsule_New(
+            raw as *mut c_void,
+            M::NAME.as_ptr(),
+            Some(capsule_destructor::<M>),
+        )
+    };
     if cap.is_null() {
         // The capsule was not made: take the holder back.
         // SAFETY: the pointer was leaked above and nothing else has it.
-        unsafe {
-            if versioned {
-                delete_versioned::<K>(ptr as *mut DLManagedTensorVersioned)
-            } else {
-                delete_legacy::<K>(ptr as *mut DLManagedTensor)
-            }
-        }
+        unsafe { M::delete(raw as *mut M) };
         return Err(PyErr::fetch(py));
     }
     // SAFETY: a new reference PyCapsule_New returned.
