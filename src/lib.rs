@@ -95,7 +95,9 @@ mod table;
 
 // About twenty names at the root: what most users name. The rest lives in
 // the modules below, one path each.
-pub use arena::{Allocation, Arena, ArenaDesc, ArenaStream};
+pub use arena::{
+    Allocation, Arena, ArenaDesc, ArenaStream, SleepDesc, SleepMode, SleepReport, WakeDesc,
+};
 pub use backend::cuda::CudaBackend;
 #[cfg(target_os = "linux")]
 pub use backend::host::HostBackend;

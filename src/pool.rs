@@ -24,6 +24,10 @@ pub struct PoolDesc {
     pub low_water_bytes: usize,
     /// The most the pool keeps before it gives memory back.
     pub high_water_bytes: usize,
+    /// The most it keeps in host memory (an arena's sleep pieces, kept from
+    /// one sleep to the next so that a sleep pins nothing); past it, host
+    /// chunks go back to the driver, largest first. Unbounded by default.
+    pub max_host_bytes: usize,
 }
 
 impl Default for PoolDesc {
@@ -32,6 +36,7 @@ impl Default for PoolDesc {
         Self {
             low_water_bytes: usize::MAX,
             high_water_bytes: usize::MAX,
+            max_host_bytes: usize::MAX,
         }
     }
 }
@@ -60,7 +65,14 @@ impl PoolDesc {
         Self {
             low_water_bytes,
             high_water_bytes,
+            max_host_bytes: usize::MAX,
         }
+    }
+
+    /// Sets the most the pool keeps in host memory.
+    pub fn max_host_bytes(mut self, bytes: usize) -> Self {
+        self.max_host_bytes = bytes;
+        self
     }
 }
 
@@ -70,6 +82,8 @@ impl PoolDesc {
 pub struct PoolStats {
     /// Bytes held now.
     pub pooled_bytes: usize,
+    /// Of those, bytes in host memory.
+    pub pooled_host_bytes: usize,
     /// Chunks held now.
     pub pooled_chunks: usize,
     /// Chunks handed out instead of creating new ones.
@@ -238,6 +252,7 @@ impl<B: Backend> ChunkPool<B> {
         let all = {
             let mut g = self.lock();
             g.stats.pooled_bytes = 0;
+            g.stats.pooled_host_bytes = 0;
             g.stats.pooled_chunks = 0;
             std::mem::take(&mut g.free)
         };
@@ -294,6 +309,9 @@ impl<B: Backend> ChunkPool<B> {
         }
         let mut inner = self.lock();
         inner.stats.pooled_bytes += n * chunk;
+        if placement == Location::Host {
+            inner.stats.pooled_host_bytes += n * chunk;
+        }
         inner.stats.pooled_chunks += n;
         inner
             .free
@@ -318,6 +336,9 @@ impl<B: Backend> ChunkPool<B> {
             for k in keys {
                 let list = g.free.remove(&k).expect("the key was just listed");
                 g.stats.pooled_bytes -= k.2 * list.len();
+                if k.0 == Location::Host {
+                    g.stats.pooled_host_bytes -= k.2 * list.len();
+                }
                 g.stats.pooled_chunks -= list.len();
                 gone.extend(list);
             }
@@ -368,6 +389,9 @@ impl<B: Backend> ChunkPool<B> {
         }
         g.stats.hits += 1;
         g.stats.pooled_bytes -= bytes;
+        if placement == Location::Host {
+            g.stats.pooled_host_bytes -= bytes;
+        }
         g.stats.pooled_chunks -= 1;
         Some(chunk)
     }
@@ -398,6 +422,9 @@ impl<B: Backend> ChunkPool<B> {
                 .push(chunk);
             g.stats.returns += 1;
             g.stats.pooled_bytes += bytes;
+            if placement == Location::Host {
+                g.stats.pooled_host_bytes += bytes;
+            }
             g.stats.pooled_chunks += 1;
             g.shed()
         };
@@ -426,22 +453,42 @@ impl<C> PoolInner<C> {
     /// the low watermark is held: the chunks to give back.
     fn shed(&mut self) -> Vec<C> {
         let mut shed = Vec::new();
+        while self.stats.pooled_host_bytes > self.desc.max_host_bytes {
+            let Some(key) = self
+                .free
+                .keys()
+                .filter(|k| k.0 == Location::Host)
+                .max_by_key(|k| k.2)
+                .copied()
+            else {
+                break;
+            };
+            shed.push(self.pop(key));
+        }
         if self.stats.pooled_bytes > self.desc.high_water_bytes {
             while self.stats.pooled_bytes > self.desc.low_water_bytes {
                 let Some(key) = self.free.keys().max_by_key(|k| k.2).copied() else {
                     break;
                 };
-                let list = self.free.get_mut(&key).expect("the key was just found");
-                let c = list.pop().expect("pool lists are never empty");
-                if list.is_empty() {
-                    self.free.remove(&key);
-                }
-                self.stats.pooled_bytes -= key.2;
-                self.stats.pooled_chunks -= 1;
-                shed.push(c);
+                shed.push(self.pop(key));
             }
         }
         shed
+    }
+
+    /// Takes one chunk of `key` out (the key is there), counting it.
+    fn pop(&mut self, key: (Location, bool, usize)) -> C {
+        let list = self.free.get_mut(&key).expect("the key was just found");
+        let c = list.pop().expect("pool lists are never empty");
+        if list.is_empty() {
+            self.free.remove(&key);
+        }
+        self.stats.pooled_bytes -= key.2;
+        if key.0 == Location::Host {
+            self.stats.pooled_host_bytes -= key.2;
+        }
+        self.stats.pooled_chunks -= 1;
+        c
     }
 }
 
@@ -549,6 +596,11 @@ impl crate::HostBackend {
 pub(crate) trait ChunkSource<B: Backend>: Send + Sync {
     /// A chunk of `bytes` at `placement`, exportable if `shareable`.
     fn take(&self, shareable: bool, placement: Location, bytes: usize) -> Result<B::Chunk>;
+    /// One chunk per `(placement, bytes)` of `wants`, in order, exportable
+    /// if `shareable`. All or nothing: on an error the chunks already taken
+    /// are given back. Chunks to create in host memory are created on
+    /// several threads ([`create_threads`]): pinning pages is the cost.
+    fn take_many(&self, shareable: bool, wants: &[(Location, usize)]) -> Result<Vec<B::Chunk>>;
     /// An unmapped chunk back, for reuse where the source keeps any. An
     /// error (the driver's, releasing it) is logged and returned; the chunk
     /// is gone either way.
@@ -561,6 +613,15 @@ pub(crate) trait ChunkSource<B: Backend>: Send + Sync {
 impl<B: Backend> ChunkSource<B> for ChunkPool<B> {
     fn take(&self, shareable: bool, placement: Location, bytes: usize) -> Result<B::Chunk> {
         self.take_or_create(shareable, placement, bytes)
+    }
+    fn take_many(&self, shareable: bool, wants: &[(Location, usize)]) -> Result<Vec<B::Chunk>> {
+        let pooled: Vec<Option<B::Chunk>> = wants
+            .iter()
+            .map(|&(p, b)| self.take_exact(shareable, p, b))
+            .collect();
+        fill_by_creating(&*self.backend, shareable, wants, pooled, |p, b, c| {
+            self.put(p, b, c)
+        })
     }
     fn give(&self, placement: Location, bytes: usize, chunk: B::Chunk) -> Result<()> {
         self.put(placement, bytes, chunk);
@@ -577,6 +638,12 @@ pub(crate) struct Driver<'a, B>(pub(crate) &'a B);
 impl<B: Backend> ChunkSource<B> for Driver<'_, B> {
     fn take(&self, shareable: bool, placement: Location, bytes: usize) -> Result<B::Chunk> {
         crate::backend::create_chunk(self.0, shareable, bytes, placement)
+    }
+    fn take_many(&self, shareable: bool, wants: &[(Location, usize)]) -> Result<Vec<B::Chunk>> {
+        let none = wants.iter().map(|_| None).collect();
+        fill_by_creating(self.0, shareable, wants, none, |_, _, c| {
+            let _ = self.release(c);
+        })
     }
     fn give(&self, _placement: Location, _bytes: usize, chunk: B::Chunk) -> Result<()> {
         self.release(chunk)
@@ -607,6 +674,107 @@ impl Drop for BudgetHold<'_> {
     fn drop(&mut self) {
         if let Some(b) = self.budget {
             b.give(self.bytes);
+        }
+    }
+}
+
+/// How many threads create host-memory chunks at once: `VMMBUF_CREATE_THREADS`
+/// (1 to 64), else 4. Creating a host chunk pins its pages, which costs
+/// ~300-400 ms per GiB on one thread (H100); see BENCHMARKS.md for how it
+/// scales.
+pub fn create_threads() -> usize {
+    std::env::var("VMMBUF_CREATE_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .map_or(4, |n| n.clamp(1, 64))
+}
+
+/// Creates the chunks `have` lacks (one per `wants` entry), host-memory ones
+/// on up to [`create_threads`] threads, device ones on this thread (a
+/// device chunk costs microseconds). All or nothing: on an error every chunk
+/// in hand goes to `give_back`.
+fn fill_by_creating<B: Backend>(
+    backend: &B,
+    shareable: bool,
+    wants: &[(Location, usize)],
+    mut have: Vec<Option<B::Chunk>>,
+    give_back: impl Fn(Location, usize, B::Chunk),
+) -> Result<Vec<B::Chunk>> {
+    let missing: Vec<usize> = (0..wants.len()).filter(|&i| have[i].is_none()).collect();
+    let host: Vec<usize> = missing
+        .iter()
+        .copied()
+        .filter(|&i| wants[i].0 == Location::Host)
+        .collect();
+    let threads = create_threads().min(host.len());
+    let mut first_err: Option<Error> = None;
+    if threads > 1 {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let made: Vec<(usize, Result<B::Chunk>)> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut out = Vec::new();
+                        loop {
+                            let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            if k >= host.len() || failed.load(std::sync::atomic::Ordering::Relaxed)
+                            {
+                                break;
+                            }
+                            let i = host[k];
+                            let r = crate::backend::create_chunk(
+                                backend, shareable, wants[i].1, wants[i].0,
+                            );
+                            if r.is_err() {
+                                failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            out.push((i, r));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap_or_default())
+                .collect()
+        });
+        for (i, r) in made {
+            match r {
+                Ok(c) => have[i] = Some(c),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+    }
+    if first_err.is_none() {
+        for &i in &missing {
+            if have[i].is_some() {
+                continue;
+            }
+            match crate::backend::create_chunk(backend, shareable, wants[i].1, wants[i].0) {
+                Ok(c) => have[i] = Some(c),
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        }
+    }
+    match first_err {
+        None => Ok(have
+            .into_iter()
+            .map(|c| c.expect("every chunk made"))
+            .collect()),
+        Some(e) => {
+            for (i, c) in have.into_iter().enumerate() {
+                if let Some(c) = c {
+                    give_back(wants[i].0, wants[i].1, c);
+                }
+            }
+            Err(e)
         }
     }
 }

@@ -259,7 +259,42 @@ impl<C> ChunkTable<C> {
         Some(e)
     }
 
+    /// Replaces the chunks that tile `[offset, offset + bytes)` with `new`
+    /// (entries that tile the same range, mapped there now) and returns the
+    /// old ones. The range stays mapped, so the length in use stands (a
+    /// migration may regroup chunks under it). The caller has checked that
+    /// both tile the range exactly.
+    pub(crate) fn replace(
+        &mut self,
+        offset: usize,
+        bytes: usize,
+        new: Vec<(usize, Entry<C>)>,
+    ) -> Vec<(usize, Entry<C>)> {
+        let keys: Vec<usize> = self
+            .overlapping(offset..offset + bytes)
+            .map(|(o, _)| o)
+            .collect();
+        let mut old = Vec::with_capacity(keys.len());
+        for k in keys {
+            let e = self.entries.remove(&k).expect("listed");
+            self.mapped_bytes -= e.bytes;
+            if e.placement == Location::Host {
+                self.host_bytes -= e.bytes;
+            }
+            old.push((k, e));
+        }
+        for (o, e) in new {
+            self.mapped_bytes += e.bytes;
+            if e.placement == Location::Host {
+                self.host_bytes += e.bytes;
+            }
+            self.entries.insert(o, e);
+        }
+        old
+    }
+
     /// Sets where the chunk at `offset` lives, keeping the counters right.
+    #[cfg(test)]
     pub(crate) fn set_placement(&mut self, offset: usize, placement: Location) {
         let Some(e) = self.entries.get_mut(&offset) else {
             return;

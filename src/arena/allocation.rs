@@ -161,7 +161,12 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         st.allocated -= self.size;
         st.requested -= self.requested;
         st.note_free(self.offset, self.size);
-        if ok {
+        if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(self.offset)) {
+            // Its memory was given back: the bytes are free again at the
+            // wake, once these fences have passed (never, if recording
+            // one failed).
+            a.note_free(self.offset, self.size, ok.then_some(fences));
+        } else if ok {
             // Only the allocation's own stream may reuse the block before
             // the fences pass, and only if no other stream used it.
             let own = self.stream.key();

@@ -311,6 +311,15 @@ impl<F> Blocks<F> {
         ready.len()
     }
 
+    /// Takes out every block that starts in `range` (a settled one whose
+    /// memory was given back).
+    pub(crate) fn remove_within(&mut self, range: std::ops::Range<usize>) {
+        let keys: Vec<usize> = self.by_offset.range(range).map(|(&o, _)| o).collect();
+        for k in keys {
+            self.unlink(k);
+        }
+    }
+
     /// Removes `[offset, offset + size)` from the free space: it must lie
     /// within one settled block (the caller unmaps it). Returns false, and
     /// changes nothing, otherwise.

@@ -74,7 +74,11 @@ impl<B: Backend> Shared<B> {
         } else {
             st.small_end..reserved
         };
-        let regions = st.region.table.gaps(zone);
+        let mut regions = st.region.table.gaps(zone);
+        // Discarded ranges stay unmapped until the wake.
+        if let Some(a) = &st.asleep {
+            regions = a.exclude(regions);
+        }
         let (at, need) = regions
             .into_iter()
             .find_map(|h| {
@@ -240,6 +244,7 @@ impl<B: Backend> Shared<B> {
         s.reserved_bytes.set(mapped);
         s.active_bytes.set(allocated + pending);
         s.inactive_split_bytes.set(split);
+        s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
         s.fragmentation = if mapped == 0 {
             0.0
         } else {

@@ -11,6 +11,7 @@ mod stats;
 mod trace;
 
 pub use allocation::Allocation;
+pub use sleep::{SleepDesc, SleepMode, SleepReport, WakeDesc};
 use stats::SplitCount;
 pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
 
@@ -31,6 +32,7 @@ use crate::plan::round_up;
 use crate::pool::{Budget, ChunkPool, PoolDesc};
 use crate::region::Region;
 use blocks::{Blocks, Free, StreamKey};
+use sleep::Asleep;
 
 /// A queue of work an allocation belongs to: for CUDA an `Arc<CudaStream>`;
 /// for the host backend a [`HostStream`].
@@ -192,8 +194,10 @@ struct State<B: Backend> {
     split: SplitCount,
     stats: ArenaStats,
     /// Where new chunks go now: the arena's placement, or the host while
-    /// offloaded.
+    /// asleep keeping the data.
     placement: Location,
+    /// Set while the arena sleeps.
+    asleep: Option<Asleep<B::Fence>>,
 }
 
 struct Shared<B: Backend> {
@@ -330,6 +334,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     split: SplitCount::default(),
                     stats: ArenaStats::default(),
                     placement,
+                    asleep: None,
                 }),
                 trace: Mutex::new(None),
             }),
@@ -459,13 +464,21 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     }
 
     /// [`release_cached`](Self::release_cached), then gives the pool's
-    /// chunks back to the driver: what `torch.cuda.empty_cache()` does.
+    /// chunks back to the driver: what `torch.cuda.empty_cache()` does. The
+    /// host pieces a [`wake`](Self::wake) left in the pool for the next
+    /// sleep stay (they hold no device memory, and pinning them again costs
+    /// ~300 ms per GiB): `pool().trim_at(Location::Host)` gives them back,
+    /// and [`PoolDesc::max_host_bytes`] bounds them.
     pub fn empty_cache(&self) -> Result<()> {
         let mut st = self.shared.state.lock();
         self.shared.release_free_chunks(&mut st)?;
         self.shared.refresh(&mut st);
         drop(st);
-        self.shared.pool.trim()
+        if self.shared.placement == Location::Host {
+            self.shared.pool.trim()
+        } else {
+            self.shared.pool.trim_at(self.shared.placement)
+        }
     }
 
     /// Records every alloc and free from now on to `out` as a CSV trace

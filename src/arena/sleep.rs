@@ -1,112 +1,665 @@
-//! Sleep and wake: every chunk of an arena moves to pinned host memory and
-//! back, at the same addresses, with the data. The device memory goes back
-//! to the driver while the allocations stay valid (kernels still reach them,
-//! over the bus). What an inference server's sleep mode needs.
+//! Sleep and wake: an arena's memory goes back to the driver while its
+//! allocations keep their addresses, either with the data (kept in pinned
+//! host memory, reachable by kernels and the CPU while asleep) or without
+//! (discarded: the contents are undefined after the wake). What RL
+//! post-training runs between rollout and training, and what an inference
+//! server's sleep mode needs.
+//!
+//! Every driver call costs per mapping (`cuMemSetAccess` ~20 us, `cuMemUnmap`
+//! ~13 us for a 2 MiB chunk), so a sleep joins each run of the arena's small
+//! chunks into pieces of up to [`SleepDesc::max_piece_bytes`], and the wake
+//! maps device pieces of the same sizes: from the second sleep on, a GiB is
+//! a few mappings, and the copy runs at the link's speed. Host pieces are
+//! kept in the arena's [`ChunkPool`](crate::ChunkPool) after a wake, so a
+//! steady-state sleep pins nothing: one copy pass each way.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
 
-use super::{Arena, ArenaStream};
+use super::{Arena, ArenaStream, Free, Shared, State};
 use crate::backend::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::location::Location;
-use crate::migration::{MigrationReport, Mover};
+use crate::migration::{Group, MigrationReport, Mover};
+use crate::order::FenceSet;
+use crate::pool::{Budget, ChunkSource};
+use crate::region::NewChunk;
+use crate::table::{cpu_at_once, driver_access_for, ChunkTable, Entry};
+
+use super::stats::SplitCount;
+
+/// What a sleep does with the data.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SleepMode {
+    /// Every chunk moves to pinned host memory with its data, at the same
+    /// address (vLLM's sleep level 1, torch_memory_saver with a CPU
+    /// backup). Kernels and the CPU still reach the allocations while
+    /// asleep, over the bus.
+    #[default]
+    Keep,
+    /// Every chunk is unmapped and given back without a copy (vLLM's level
+    /// 2, torch_memory_saver without a backup): for KV caches and
+    /// activations. The wake maps fresh memory at the same addresses; what
+    /// it holds is undefined (zeros with [`WakeDesc::zero`]). Touching a
+    /// discarded allocation before the wake faults.
+    Discard,
+}
+
+impl std::fmt::Display for SleepMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Keep => "keep",
+            Self::Discard => "discard",
+        })
+    }
+}
+
+/// How [`Arena::sleep`] sleeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SleepDesc {
+    /// Keep the data, or discard it.
+    pub mode: SleepMode,
+    /// The largest piece a run of adjacent chunks is joined into, for the
+    /// sleep and the wake after it (rounded to the granularity; 64 MiB by
+    /// default). Larger pieces mean fewer driver calls; a piece goes back
+    /// to the driver only whole, so after a wake the arena may hold up to
+    /// one piece more than its allocations need per run.
+    pub max_piece_bytes: usize,
+}
+
+impl Default for SleepDesc {
+    fn default() -> Self {
+        Self {
+            mode: SleepMode::Keep,
+            max_piece_bytes: 64 << 20,
+        }
+    }
+}
+
+impl SleepDesc {
+    /// Sleep keeping the data (the default).
+    pub fn keep() -> Self {
+        Self::default()
+    }
+
+    /// Sleep discarding the data.
+    pub fn discard() -> Self {
+        Self {
+            mode: SleepMode::Discard,
+            ..Self::default()
+        }
+    }
+
+    /// Sets the largest piece runs are joined into.
+    pub fn max_piece_bytes(mut self, bytes: usize) -> Self {
+        self.max_piece_bytes = bytes;
+        self
+    }
+}
+
+/// How [`Arena::wake`] wakes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WakeDesc {
+    /// After a discarding sleep, fill the fresh memory with zeros (queued on
+    /// the backend's stream and waited for). A kept sleep ignores it.
+    pub zero: bool,
+}
+
+impl WakeDesc {
+    /// A wake that zero-fills discarded memory.
+    pub fn zeroed() -> Self {
+        Self { zero: true }
+    }
+}
+
+/// What a sleep or a wake did, and where its time went.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SleepReport {
+    /// The mode of the sleep (for a wake: of the sleep it ended).
+    pub mode: SleepMode,
+    /// Bytes put to sleep or woken (copied for [`SleepMode::Keep`], unmapped
+    /// or mapped again for [`SleepMode::Discard`]).
+    pub bytes: usize,
+    /// Chunks those bytes were in before, and after (runs joined).
+    pub chunks_before: usize,
+    /// See `chunks_before`.
+    pub chunks_after: usize,
+    /// Bytes of device memory the arena unmapped (sleep: its free chunks
+    /// too) or mapped (wake).
+    pub device_bytes: usize,
+    /// The copy pipeline's phases (a kept sleep and its wake).
+    pub migration: MigrationReport,
+    /// Waiting for the streams, the recorded uses and the pending frees.
+    pub wait_time: Duration,
+    /// The whole call.
+    pub total_time: Duration,
+}
+
+/// An arena asleep.
+#[derive(Debug)]
+pub(super) struct Asleep<F> {
+    pub(super) mode: SleepMode,
+    /// The piece size of the sleep, for the wake.
+    piece: usize,
+    /// Discard: the runs given back, `(offset, bytes)` in address order.
+    /// Nothing is mapped there until the wake, and nothing else may be.
+    runs: Vec<(usize, usize)>,
+    /// Discard: fences of the allocations in those runs freed while asleep.
+    frees: Vec<FenceSet<F>>,
+    /// Discard: blocks freed while asleep whose fence could not be
+    /// recorded, `(offset, bytes)`: never handed out again.
+    lost: Vec<(usize, usize)>,
+}
+
+impl<F> Asleep<F> {
+    /// Bytes of the discarded runs.
+    pub(super) fn discarded_bytes(&self) -> usize {
+        self.runs.iter().map(|r| r.1).sum()
+    }
+
+    /// Whether `offset` lies in a discarded run.
+    pub(super) fn discarded(&self, offset: usize) -> bool {
+        let i = self.runs.partition_point(|&(o, _)| o <= offset);
+        i > 0 && {
+            let (o, b) = self.runs[i - 1];
+            offset < o + b
+        }
+    }
+
+    /// Keeps a free's fences of a block in a discarded run: the wake waits
+    /// for them before the bytes are handed out again.
+    pub(super) fn note_free(&mut self, offset: usize, size: usize, fences: Option<FenceSet<F>>) {
+        match fences {
+            Some(f) => self.frees.push(f),
+            None => self.lost.push((offset, size)),
+        }
+    }
+
+    /// `gaps` without the discarded runs.
+    pub(super) fn exclude(&self, gaps: Vec<std::ops::Range<usize>>) -> Vec<std::ops::Range<usize>> {
+        let mut out = Vec::with_capacity(gaps.len());
+        for g in gaps {
+            let mut at = g.start;
+            for &(o, b) in &self.runs {
+                if o + b <= at || o >= g.end {
+                    continue;
+                }
+                if o > at {
+                    out.push(at..o);
+                }
+                at = at.max(o + b);
+            }
+            if at < g.end {
+                out.push(at..g.end);
+            }
+        }
+        out
+    }
+}
+
+/// Groups the table's chunks that `select` picks into pieces of at most
+/// `max_piece` bytes (a bigger chunk is a group of its own): adjacent
+/// chunks of one placement, access and CPU grant, never across `split_at`
+/// (the arena's zone boundary), each bound for `to`.
+fn plan_groups<C>(
+    table: &ChunkTable<C>,
+    select: impl Fn(&Entry<C>) -> bool,
+    to: Location,
+    max_piece: usize,
+    split_at: usize,
+) -> Vec<Group> {
+    let mut groups: Vec<Group> = Vec::new();
+    let mut first: Option<&Entry<C>> = None;
+    for (o, e) in table.iter() {
+        if !select(e) {
+            first = None;
+            continue;
+        }
+        let joins = match (groups.last(), first) {
+            (Some(g), Some(f)) => {
+                g.offset + g.bytes == o
+                    && !(g.offset < split_at && o >= split_at)
+                    && g.bytes + e.bytes <= max_piece
+                    && f.placement == e.placement
+                    && f.cpu == e.cpu
+                    && f.access[..] == e.access[..]
+            }
+            _ => false,
+        };
+        if joins {
+            groups.last_mut().expect("checked").bytes += e.bytes;
+        } else {
+            groups.push(Group {
+                offset: o,
+                bytes: e.bytes,
+                to,
+            });
+            first = Some(e);
+        }
+    }
+    groups
+}
+
+/// Splits the run `[offset, offset + bytes)` into pieces of at most
+/// `max_piece` (multiples of `g`), never across `split_at`.
+fn pieces(offset: usize, bytes: usize, max_piece: usize, split_at: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let end = offset + bytes;
+    let mut at = offset;
+    while at < end {
+        let limit = if at < split_at {
+            end.min(split_at)
+        } else {
+            end
+        };
+        let n = (limit - at).min(max_piece);
+        out.push((at, n));
+        at += n;
+    }
+    out
+}
+
+impl<B: Backend> Shared<B> {
+    /// Waits for `streams`' work, the uses recorded on live allocations and
+    /// the pending frees; then gives whole free chunks to the pool.
+    fn quiesce<S: ArenaStream<B>>(&self, st: &mut State<B>, streams: &[S]) -> Result<usize> {
+        let backend = &*self.backend;
+        let fences = streams
+            .iter()
+            .map(|s| s.fence(backend))
+            .collect::<Result<Vec<_>>>()?;
+        for f in &fences {
+            backend.wait(f)?;
+        }
+        self.wait_live_uses(st)?;
+        self.wait_pending_frees(st)?;
+        self.release_free_chunks(st)
+    }
+
+    fn mover(&self) -> Mover<'_, B> {
+        Mover {
+            backend: &*self.backend,
+            granularity: self.granularity,
+            source: &*self.pool,
+            shareable: false,
+            release_old: false,
+            release_joined: true,
+        }
+    }
+
+    fn rebuild_split(&self, st: &mut State<B>) {
+        st.split = SplitCount::rebuild(&st.region.table, st.live.iter().map(|(&o, l)| (o, l.size)));
+    }
+
+    /// A kept sleep: device chunks to host pieces, with the data.
+    fn sleep_keep(&self, st: &mut State<B>, piece: usize, r: &mut SleepReport) -> Result<()> {
+        let _ = &r.device_bytes;
+        let groups = plan_groups(
+            &st.region.table,
+            |e| e.placement != Location::Host,
+            Location::Host,
+            piece,
+            st.small_end,
+        );
+        r.chunks_before = count_in(&st.region.table, &groups);
+        r.migration = self.mover().run_groups(&mut st.region, &groups)?;
+        r.chunks_after = groups.len();
+        r.bytes = r.migration.bytes_moved;
+        r.device_bytes += r.bytes;
+        st.placement = Location::Host;
+        Ok(())
+    }
+
+    /// A discarding sleep: every mapped chunk unmapped, to the pool (and
+    /// device ones on to the driver by the caller).
+    fn sleep_discard(&self, st: &mut State<B>, asleep: &mut Asleep<B::Fence>) -> Result<usize> {
+        let runs = st.region.table.runs();
+        let mut unmapped = 0;
+        for (o, b) in runs {
+            // The uses have passed (waited for): nothing reads these bytes.
+            let gone = st.region.unmap(o, b)?;
+            for (_, e) in gone {
+                if e.placement != Location::Host {
+                    unmapped += e.bytes;
+                }
+                let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+            }
+            if let Some(sb) = &self.shared_budget {
+                sb.give(b);
+            }
+            let z = st.zone_of_offset(o);
+            st.zones[z].remove_within(o..o + b);
+            let at = asleep.runs.partition_point(|&(x, _)| x < o);
+            asleep.runs.insert(at, (o, b));
+        }
+        Ok(unmapped)
+    }
+
+    /// The wake of a discarding sleep: fresh pieces mapped over every run,
+    /// zeroed on request, the bytes no allocation holds free again.
+    fn wake_discard(
+        &self,
+        st: &mut State<B>,
+        asleep: &Asleep<B::Fence>,
+        zero: bool,
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let backend = &*self.backend;
+        for fences in &asleep.frees {
+            fences.each(|f| backend.wait(f))?;
+        }
+        let placement = st.placement;
+        let cpu = cpu_at_once(backend.home(), placement);
+        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.access.as_slice().into();
+        let total: usize = asleep.runs.iter().map(|r| r.1).sum();
+        let Some(hold) = Budget::hold(self.shared_budget.as_deref(), total) else {
+            return Err(self.out_of_memory(st, total, None));
+        };
+        if self
+            .budget
+            .is_some_and(|budget| st.region.table.mapped_bytes() + total > budget)
+        {
+            return Err(self.out_of_memory(st, total, None));
+        }
+        let mut mapped: Vec<(usize, usize)> = Vec::new();
+        let attempt = (|| {
+            for &(o, b) in &asleep.runs {
+                let parts = pieces(o, b, asleep.piece, st.small_end);
+                let wants: Vec<(Location, usize)> =
+                    parts.iter().map(|&(_, n)| (placement, n)).collect();
+                let t = Instant::now();
+                let chunks = self.pool.take_many(false, &wants)?;
+                r.migration.acquire_time += t.elapsed();
+                let t = Instant::now();
+                let new: Vec<NewChunk<B::Chunk>> = chunks
+                    .into_iter()
+                    .zip(&wants)
+                    .map(|(chunk, &(placement, bytes))| NewChunk {
+                        chunk,
+                        bytes,
+                        placement,
+                    })
+                    .collect();
+                let n = new.len();
+                st.region
+                    .map_batch(
+                        o,
+                        new,
+                        |p| driver_access_for(&self.access, p, cpu),
+                        |_| recorded.clone(),
+                        |_| cpu,
+                    )
+                    .map_err(|(e, back)| {
+                        for c in back {
+                            let _ = self.pool.give(c.placement, c.bytes, c.chunk);
+                        }
+                        e
+                    })?;
+                r.migration.swap_time += t.elapsed();
+                mapped.push((o, b));
+                r.chunks_after += n;
+                if zero {
+                    backend.zero(st.region.res(), o, b)?;
+                }
+            }
+            if zero {
+                let t = Instant::now();
+                backend.wait_copies()?;
+                r.migration.copy_time += t.elapsed();
+            }
+            Ok::<(), Error>(())
+        })();
+        if let Err(e) = attempt {
+            // Nothing used the fresh memory: give it back, stay asleep.
+            let _ = backend.wait_copies();
+            for (o, b) in mapped {
+                match st.region.unmap(o, b) {
+                    Ok(gone) => {
+                        for (_, e) in gone {
+                            let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+                        }
+                    }
+                    Err(u) => st.region.poison(
+                        format!("undoing a failed wake: unmapping {o:#x} failed: {u}"),
+                        [],
+                    ),
+                }
+            }
+            return Err(e);
+        }
+        hold.keep();
+        // Every byte of a run that no live allocation holds is free again
+        // (the frees made while asleep were waited for above).
+        for &(o, b) in &asleep.runs {
+            let mut at = o;
+            let mut held: Vec<(usize, usize)> =
+                st.live.range(o..o + b).map(|(&x, l)| (x, l.size)).collect();
+            held.extend(asleep.lost.iter().filter(|l| l.0 >= o && l.0 < o + b));
+            held.sort_unstable();
+            for (x, size) in held.into_iter().chain(std::iter::once((o + b, 0))) {
+                if x > at {
+                    let z = st.zone_of_offset(at);
+                    st.zones[z].insert(
+                        at,
+                        Free {
+                            size: x - at,
+                            stream: None,
+                            fences: FenceSet::default(),
+                        },
+                    );
+                }
+                at = at.max(x + size);
+            }
+        }
+        r.bytes = total;
+        r.device_bytes = if placement == Location::Host {
+            0
+        } else {
+            total
+        };
+        Ok(())
+    }
+}
+
+/// How many chunks of `table` the groups cover.
+fn count_in<C>(table: &ChunkTable<C>, groups: &[Group]) -> usize {
+    groups
+        .iter()
+        .map(|g| table.overlapping(g.offset..g.offset + g.bytes).count())
+        .sum()
+}
 
 impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
-    /// Moves every chunk of the arena, allocated or free, to pinned host
-    /// memory, keeping its data and address; then gives the device memory
-    /// they held, and the device chunks the arena's pool kept, back to the
-    /// driver. Until [`restore`](Self::restore), new chunks are placed in
-    /// host memory too, so allocating still works without device memory.
-    ///
-    /// Every allocation stays valid: the CPU and kernels reach it at the same
-    /// address (kernels over the bus, more slowly). Whole free chunks go to
-    /// the driver instead of moving.
+    /// Puts the arena to sleep: its memory goes back to the driver while
+    /// every allocation keeps its address. With [`SleepMode::Keep`] the
+    /// chunks move to pinned host memory with their data (runs of small
+    /// chunks joined into pieces of up to [`SleepDesc::max_piece_bytes`]),
+    /// and allocating still works, in host memory, until the
+    /// [`wake`](Self::wake). With [`SleepMode::Discard`] they are unmapped
+    /// without a copy; allocating still works, in fresh device memory
+    /// outside the discarded ranges.
     ///
     /// First it waits for the work queued so far on each of `streams` (pass
     /// every stream that may still use the arena's allocations), for the
     /// uses recorded on live allocations (views on any stream,
     /// [`Allocation::record_use`](crate::Allocation::record_use)) and for the
-    /// frees the arena holds fences for; never for the whole device. Other
-    /// work that reaches the allocations must have finished.
+    /// frees the arena holds fences for; never for the whole device. Whole
+    /// free chunks, and the device chunks the arena's pool holds, go back to
+    /// the driver. Host pieces come from the pool first (a wake leaves them
+    /// there): a steady-state sleep pins nothing.
     ///
-    /// All or nothing: on error nothing moved, unless undoing failed too,
-    /// which poisons the arena ([`Error::Poisoned`](crate::Error::Poisoned)). A host-backend arena
-    /// is already in host memory: nothing moves.
-    pub fn offload(&self, streams: &[S]) -> Result<MigrationReport> {
-        self.move_all(Location::Host, streams)
-    }
-
-    /// Moves every chunk back to the arena's placement, keeping data and
-    /// addresses, and gives the host memory back to the driver. The
-    /// counterpart of [`offload`](Self::offload), with its waiting rules.
-    pub fn restore(&self, streams: &[S]) -> Result<MigrationReport> {
-        self.move_all(self.shared.placement, streams)
-    }
-
-    /// Whether new chunks go to the host because of [`offload`](Self::offload)
-    /// (false for an arena placed there).
-    pub fn is_offloaded(&self) -> bool {
+    /// A kept sleep is all or nothing: on error nothing moved, unless
+    /// undoing failed too, which poisons the arena
+    /// ([`Error::Poisoned`](crate::Error::Poisoned)). A discarding sleep
+    /// that fails part way keeps what it discarded so far asleep. Sleeping
+    /// again in the same mode takes what was mapped since; in the other
+    /// mode it is [`Error::InvalidArgument`]: wake first.
+    pub fn sleep(&self, streams: &[S], desc: &SleepDesc) -> Result<SleepReport> {
+        let start = Instant::now();
         let sh = &*self.shared;
-        sh.state.lock().placement != sh.placement
-    }
-
-    fn move_all(&self, to: Location, streams: &[S]) -> Result<MigrationReport> {
-        let sh = &*self.shared;
-        let backend = &*sh.backend;
-        crate::migration::check_placement(backend, sh.granularity, to)?;
-        let fences = streams
-            .iter()
-            .map(|s| s.fence(backend))
-            .collect::<Result<Vec<_>>>()?;
+        let piece = crate::plan::round_up(desc.max_piece_bytes.max(1), sh.granularity)
+            .ok_or_else(|| Error::invalid("max_piece_bytes overflows"))?
+            .max(sh.chunk_bytes);
+        if desc.mode == SleepMode::Keep {
+            crate::migration::check_placement(&*sh.backend, sh.granularity, Location::Host)?;
+        }
         let mut guard = sh.state.lock();
         let st = &mut *guard;
         st.region.check_poison()?;
-        for f in &fences {
-            backend.wait(f)?;
+        if let Some(a) = &st.asleep {
+            if a.mode != desc.mode {
+                return Err(Error::invalid(format!(
+                    "the arena sleeps in {} mode: wake it before a {} sleep",
+                    a.mode, desc.mode
+                )));
+            }
         }
-        // The uses recorded on live allocations (views, `record_use`) and the
-        // frees the arena holds: their chunks move or go now.
-        sh.wait_live_uses(st)?;
-        sh.wait_pending_frees(st)?;
-        sh.release_free_chunks(st)?;
-        // Where chunks are now, and where new ones went: what the pool may
-        // hold that nobody here needs after the move.
-        let mut from = BTreeSet::from([st.placement]);
-        let targets: BTreeMap<usize, Location> = st
-            .region
-            .table
-            .iter()
-            .filter(|(_, e)| e.placement != to)
-            .inspect(|(_, e)| {
-                from.insert(e.placement);
-            })
-            .map(|(o, _)| (o, to))
-            .collect();
-        let _span =
-            tracing::debug_span!("vmmbuf.arena.move", chunks = targets.len(), %to).entered();
-        let mover = Mover {
-            backend,
-            granularity: sh.granularity,
-            source: &*sh.pool,
-            shareable: false,
-            release_old: false,
+        let mut r = SleepReport {
+            mode: desc.mode,
+            ..SleepReport::default()
         };
-        let report = mover.run(&mut st.region, &targets)?;
-        // A move keeps every chunk's offset and size: the per-chunk
-        // allocated bytes (the inactive split) stand as they are.
-        st.placement = to;
+        let device_before = st.region.table.mapped_bytes() - st.region.table.host_bytes();
+        let t = Instant::now();
+        sh.quiesce(st, streams)?;
+        r.wait_time = t.elapsed();
+        let _span = tracing::debug_span!("vmmbuf.arena.sleep", mode = %desc.mode).entered();
+        match desc.mode {
+            SleepMode::Keep => {
+                sh.sleep_keep(st, piece, &mut r)?;
+                r.device_bytes = device_before;
+                st.asleep.get_or_insert(Asleep {
+                    mode: SleepMode::Keep,
+                    piece,
+                    runs: Vec::new(),
+                    frees: Vec::new(),
+                    lost: Vec::new(),
+                });
+            }
+            SleepMode::Discard => {
+                let mut asleep = st.asleep.take().unwrap_or(Asleep {
+                    mode: SleepMode::Discard,
+                    piece,
+                    runs: Vec::new(),
+                    frees: Vec::new(),
+                    lost: Vec::new(),
+                });
+                r.chunks_before = st.region.table.chunk_count();
+                let res = sh.sleep_discard(st, &mut asleep);
+                r.bytes = asleep.runs.iter().map(|x| x.1).sum();
+                st.asleep = Some(asleep);
+                res?;
+                r.device_bytes = device_before;
+            }
+        }
+        sh.rebuild_split(st);
         sh.count(st);
         drop(guard);
-        // What was left behind goes back to the driver; the move stands if
-        // that fails (logged by the pool).
-        for p in from.into_iter().filter(|&p| p != to) {
-            let _ = sh.pool.trim_at(p);
+        // The device memory left in the pool goes back to the driver; the
+        // sleep stands if that fails (logged by the pool).
+        if sh.placement != Location::Host {
+            let _ = sh.pool.trim_at(sh.placement);
         }
+        r.total_time = start.elapsed();
         tracing::debug!(
-            chunks = report.chunks_moved,
-            bytes = report.bytes_moved,
-            "vmmbuf: arena moved to {to}"
+            mode = %r.mode,
+            bytes = r.bytes,
+            chunks = r.chunks_before,
+            pieces = r.chunks_after,
+            "vmmbuf: arena asleep"
         );
-        Ok(report)
+        Ok(r)
+    }
+
+    /// Wakes the arena: after a kept sleep every chunk moves back to the
+    /// arena's placement with its data (host pieces stay in the pool for
+    /// the next sleep, up to its host bound); after a discarding sleep fresh
+    /// memory is mapped at the same addresses, its contents undefined unless
+    /// `desc.zero`. Waits as [`sleep`](Self::sleep) does. All or nothing: on
+    /// error the arena stays asleep as it was (unless undoing failed,
+    /// which poisons it). Waking an arena that is awake does nothing.
+    pub fn wake(&self, streams: &[S], desc: &WakeDesc) -> Result<SleepReport> {
+        let start = Instant::now();
+        let sh = &*self.shared;
+        let mut guard = sh.state.lock();
+        let st = &mut *guard;
+        st.region.check_poison()?;
+        let Some(asleep) = st.asleep.take() else {
+            return Ok(SleepReport::default());
+        };
+        let mut r = SleepReport {
+            mode: asleep.mode,
+            ..SleepReport::default()
+        };
+        let t = Instant::now();
+        let waited = sh.quiesce(st, streams);
+        r.wait_time = t.elapsed();
+        if let Err(e) = waited {
+            st.asleep = Some(asleep);
+            return Err(e);
+        }
+        let _span = tracing::debug_span!("vmmbuf.arena.wake", mode = %asleep.mode).entered();
+        let res = match asleep.mode {
+            SleepMode::Keep => {
+                let groups = plan_groups(
+                    &st.region.table,
+                    |e| e.placement == Location::Host,
+                    sh.placement,
+                    asleep.piece,
+                    st.small_end,
+                );
+                r.chunks_before = count_in(&st.region.table, &groups);
+                sh.mover().run_groups(&mut st.region, &groups).map(|m| {
+                    r.migration = m;
+                    r.bytes = m.bytes_moved;
+                    r.chunks_after = groups.len();
+                    r.device_bytes = if sh.placement == Location::Host {
+                        0
+                    } else {
+                        m.bytes_moved
+                    };
+                    st.placement = sh.placement;
+                })
+            }
+            SleepMode::Discard => {
+                r.chunks_before = 0;
+                sh.wake_discard(st, &asleep, desc.zero, &mut r)
+            }
+        };
+        if let Err(e) = res {
+            st.asleep = Some(asleep);
+            sh.count(st);
+            return Err(e);
+        }
+        sh.rebuild_split(st);
+        sh.count(st);
+        drop(guard);
+        r.total_time = start.elapsed();
+        tracing::debug!(mode = %r.mode, bytes = r.bytes, "vmmbuf: arena awake");
+        Ok(r)
+    }
+
+    /// How the arena sleeps now; `None` while awake.
+    pub fn sleep_mode(&self) -> Option<SleepMode> {
+        self.shared.state.lock().asleep.as_ref().map(|a| a.mode)
+    }
+
+    /// [`sleep`](Self::sleep) keeping the data, with the default pieces:
+    /// the copy pipeline's report.
+    pub fn offload(&self, streams: &[S]) -> Result<MigrationReport> {
+        self.sleep(streams, &SleepDesc::keep()).map(|r| r.migration)
+    }
+
+    /// [`wake`](Self::wake): the copy pipeline's report.
+    pub fn restore(&self, streams: &[S]) -> Result<MigrationReport> {
+        self.wake(streams, &WakeDesc::default())
+            .map(|r| r.migration)
+    }
+
+    /// Whether the arena sleeps keeping its data ([`offload`](Self::offload)).
+    pub fn is_offloaded(&self) -> bool {
+        self.sleep_mode() == Some(SleepMode::Keep)
     }
 }

@@ -24,6 +24,20 @@ impl SplitCount {
         self.inactive_split
     }
 
+    /// Counts afresh from the live allocations `(offset, size)`: after the
+    /// chunks under them changed (a sleep joins small chunks, a discard
+    /// unmaps them).
+    pub(super) fn rebuild<C>(
+        table: &ChunkTable<C>,
+        live: impl Iterator<Item = (usize, usize)>,
+    ) -> Self {
+        let mut s = Self::default();
+        for (o, size) in live {
+            s.change(table, o, size, true);
+        }
+        s
+    }
+
     /// `[offset, offset + size)` allocated (`add`) or freed, in the chunks
     /// of `table` it spans (mapped: allocations never outlive their chunks).
     pub(super) fn change<C>(
@@ -82,7 +96,7 @@ pub struct ArenaStats {
     pub reserved_bytes: StatValue,
     /// Allocated bytes plus freed bytes whose stream uses have not passed.
     /// At every operation, and for the peaks too: allocated <= active <=
-    /// reserved. A read settles the frees that have passed, so after every
+    /// reserved (plus the discarded bytes while asleep). A read settles the frees that have passed, so after every
     /// allocation is freed and its streams are synchronised it reads 0.
     pub active_bytes: StatValue,
     /// Free bytes inside chunks that also hold allocations: memory the arena
@@ -110,6 +124,11 @@ pub struct ArenaStats {
     pub host_bytes: usize,
     /// Of the mapped bytes, those on a GPU.
     pub device_bytes: usize,
+    /// Bytes of the ranges a discarding [sleep](crate::Arena::sleep) gave
+    /// back, unmapped until the wake. Allocations there still count as
+    /// allocated, not as reserved: allocated <= active <= reserved +
+    /// discarded.
+    pub discarded_bytes: usize,
 }
 
 impl fmt::Display for ArenaStats {

@@ -141,6 +141,22 @@ pub trait Backend: Send + Sync + 'static {
         bytes: usize,
     ) -> Result<()>;
 
+    /// Sets `bytes` at `offset` of `res` to zero, ordered on the backend's
+    /// own stream as [`Backend::copy`] is: complete once
+    /// [`Backend::wait_copies`] returns. The range must be mapped writable
+    /// by the backend's device. The default writes zeros synchronously.
+    fn zero(&self, res: &mut Self::Reservation, offset: usize, bytes: usize) -> Result<()> {
+        const STEP: usize = 1 << 20;
+        let zeros = vec![0u8; STEP.min(bytes)];
+        let mut at = 0;
+        while at < bytes {
+            let n = STEP.min(bytes - at);
+            self.write(res, offset + at, &zeros[..n])?;
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Whether `device` can be given access to memory placed on `peer`.
     fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool>;
 

@@ -154,6 +154,7 @@ impl<B: Backend> GrowableBuffer<B> {
             source: self.source(&driver),
             shareable: self.shareable,
             release_old: self.is_published(),
+            release_joined: false,
         };
         let report = mover.run(&mut g.region, &targets)?;
         g.debug_check();

@@ -99,20 +99,30 @@ pub(crate) struct Mover<'a, B: Backend> {
     /// shared): they are released, never pooled, so no other buffer here
     /// gets memory a peer still reads.
     pub(crate) release_old: bool,
+    /// Old chunks that were joined with others into one new chunk are
+    /// released, not pooled: their sizes will not come back (an arena's
+    /// sleep keeps only its pieces for the next one).
+    pub(crate) release_joined: bool,
 }
 
-/// A chunk swapped in: its offset, and the old chunk with its old placement
-/// and CPU grant, kept until every swap has succeeded.
-type Swapped<C> = (usize, C, Location, bool);
+/// A group swapped in: its offset and bytes, and the old chunks' entries,
+/// kept until every swap has succeeded.
+type Swapped<C> = (usize, usize, Vec<(usize, crate::table::Entry<C>)>);
+
+/// A range that one new chunk at `to` replaces: whole old chunks of one
+/// placement and one access list, adjacent, tiling `[offset, offset +
+/// bytes)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Group {
+    pub(crate) offset: usize,
+    pub(crate) bytes: usize,
+    pub(crate) to: Location,
+}
 
 impl<B: Backend> Mover<'_, B> {
     /// Hands a chunk that is not mapped back to the source.
     pub(crate) fn dispose(&self, chunk: B::Chunk, bytes: usize, placement: Location) {
         let _ = self.source.give(placement, bytes, chunk); // logged inside
-    }
-
-    fn take(&self, to: Location, bytes: usize) -> Result<B::Chunk> {
-        self.source.take(self.shareable, to, bytes)
     }
 
     /// Disposes of an old chunk once its move has succeeded.
@@ -144,8 +154,29 @@ impl<B: Backend> Mover<'_, B> {
         region: &mut Region<B>,
         targets: &BTreeMap<usize, Location>,
     ) -> Result<MigrationReport> {
+        let groups: Vec<Group> = targets
+            .iter()
+            .filter_map(|(&offset, &to)| {
+                let bytes = region.table.get(offset)?.bytes;
+                Some(Group { offset, bytes, to })
+            })
+            .collect();
+        self.run_groups(region, &groups)
+    }
+
+    /// Moves each group's chunks into one new chunk at its location,
+    /// keeping data and addresses: [`run`](Self::run) where several small
+    /// chunks become one. Each group must tile its range with whole chunks
+    /// of one placement, one access list and one CPU grant
+    /// ([`Error::InvalidArgument`] otherwise, before anything moves).
+    pub(crate) fn run_groups(
+        &self,
+        region: &mut Region<B>,
+        groups: &[Group],
+    ) -> Result<MigrationReport> {
+        check_groups(&region.table, groups)?;
         let (res, table) = region.parts();
-        match pipeline::run(self, res, table, targets) {
+        match pipeline::run(self, res, table, groups) {
             Ok(report) => Ok(report),
             Err(MoveFailure { error, poison }) => {
                 if let Some((why, stuck)) = poison {
@@ -155,6 +186,42 @@ impl<B: Backend> Mover<'_, B> {
             }
         }
     }
+}
+
+/// Checks that each group tiles its range with whole chunks of one
+/// placement, access list and CPU grant, and that groups do not overlap.
+fn check_groups<C>(table: &ChunkTable<C>, groups: &[Group]) -> Result<()> {
+    let mut last_end = 0usize;
+    for (i, g) in groups.iter().enumerate() {
+        let bad = |why: &str| {
+            Err(Error::invalid(format!(
+                "move group {:#x}+{:#x}: {why} (a bug)",
+                g.offset, g.bytes
+            )))
+        };
+        if g.bytes == 0 || (i > 0 && g.offset < last_end) {
+            return bad("empty, or overlapping the one before");
+        }
+        last_end = g.offset + g.bytes;
+        let Some(first) = table.get(g.offset) else {
+            return bad("no chunk starts there");
+        };
+        let mut at = g.offset;
+        for (o, e) in table.overlapping(g.offset..last_end) {
+            if o != at
+                || e.placement != first.placement
+                || e.cpu != first.cpu
+                || e.access[..] != first.access[..]
+            {
+                return bad("not tiled by chunks of one placement and access");
+            }
+            at += e.bytes;
+        }
+        if at != last_end {
+            return bad("its last chunk ends elsewhere");
+        }
+    }
+    Ok(())
 }
 
 /// Gives the driver the host's access entry for every host-placed chunk in

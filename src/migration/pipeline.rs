@@ -2,38 +2,43 @@
 //! far, and its steps are methods: `acquire` every new chunk (the step that
 //! may run out of memory; failing there changes nothing), `stage_sources`
 //! (old device chunks bound for the host, mapped at the temporary range
-//! before any copy is queued), `copy_and_swap` (chunk i's copy queued while
-//! chunk i-1, copied, is `finish`ed and swapped in), then `commit` (the old
-//! chunks go) or `undo` (every chunk swapped back; a failed undo names the
+//! before any copy is queued), `copy_and_swap` (group i's copy queued while
+//! group i-1, copied, is `finish`ed and swapped in), then `commit` (the old
+//! chunks go) or `undo` (every group swapped back; a failed undo names the
 //! chunks that may still be mapped).
 //!
-//! To the host from a GPU, the *old* (device) chunk is staged at the
+//! A move works on groups: a range tiled by one or more old chunks of one
+//! placement and access, which one new chunk replaces. A migration moves
+//! each chunk as its own group; an arena's sleep joins runs of small chunks
+//! into a few large ones, because every driver call costs per mapping.
+//!
+//! To the host from a GPU, the *old* (device) chunks are staged at the
 //! temporary address, the new one swapped in at once and the copy runs
 //! across: access on a device chunk is cheap to set, on a host chunk it is
 //! not, and this sets it once, not twice. Every such old chunk is staged
 //! before any copy is queued: setting access on device memory waits for the
 //! copies in flight (H100: 0.6 ms per GiB idle, 17 with a copy running).
 
-use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
-use super::{MigrationReport, MoveFailure, Mover, Swapped};
+use super::{Group, MigrationReport, MoveFailure, Mover, Swapped};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
-use crate::table::{cpu_at_once, driver_access_for, ChunkTable};
+use crate::table::{cpu_at_once, driver_access_for, ChunkTable, Entry};
 
-/// Moves the chunk at each offset of `targets` to its location, keeping data
-/// and addresses (see the module docs). The users of those chunks must have
-/// finished. All or nothing: on error every chunk is swapped back and the
-/// table is as before, unless undoing fails too (see [`MoveFailure`]).
+/// Moves each group to its location, keeping data and addresses (see the
+/// module docs). The users of those chunks must have finished. All or
+/// nothing: on error every group is swapped back and the table is as
+/// before, unless undoing fails too (see [`MoveFailure`]).
 pub(super) fn run<B: Backend>(
     mover: &Mover<'_, B>,
     res: &mut B::Reservation,
     table: &mut ChunkTable<B::Chunk>,
-    targets: &BTreeMap<usize, Location>,
+    groups: &[Group],
 ) -> std::result::Result<MigrationReport, MoveFailure<B::Chunk>> {
-    let Some(mut p) = Pipeline::acquire(mover, res, table, targets)? else {
+    let Some(mut p) = Pipeline::acquire(mover, res, table, groups)? else {
         return Ok(MigrationReport::default());
     };
     match p.stage_sources().and_then(|()| p.copy_and_swap()) {
@@ -42,10 +47,10 @@ pub(super) fn run<B: Backend>(
     }
 }
 
-/// The step of a swap at a chunk's own address that failed.
+/// The step of a swap at a group's own address that failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SwapStage {
-    /// Unmapping the old chunk: it is still mapped.
+    /// Unmapping the old chunks: they are still mapped.
     Unmapping,
     /// Mapping the new chunk: nothing is mapped there.
     Mapping,
@@ -53,9 +58,9 @@ enum SwapStage {
     Granting,
 }
 
-/// A chunk whose copy is queued: its index, the fence after the copy,
-/// whether its old chunk was staged (source) or its new one, and its place
-/// in the temporary range.
+/// A group whose copy is queued: its index, the fence after the copy,
+/// whether its old chunks were staged (source) or its new one, and its
+/// place in the temporary range.
 type InFlight<F> = (usize, F, bool, usize, usize);
 
 /// A new chunk on its way: where it goes (`offset`, `to`) and where it sits
@@ -68,7 +73,7 @@ struct Staged<C> {
     at: usize,
 }
 
-/// Why the pipeline stopped: before chunk `c` was unmapped from its own
+/// Why the pipeline stopped: before group `c` was unmapped from its own
 /// address (nothing of it to undo), or in its swap at `stage`.
 enum Failed<C> {
     Before(Error),
@@ -84,73 +89,76 @@ struct Pipeline<'p, 'a, B: Backend> {
     mover: &'p Mover<'a, B>,
     res: &'p mut B::Reservation,
     table: &'p mut ChunkTable<B::Chunk>,
-    targets: &'p BTreeMap<usize, Location>,
     /// The temporary range every copy goes through.
     tmp: B::Reservation,
     /// The new chunks, until each is swapped in.
     staged: Vec<Option<Staged<B::Chunk>>>,
-    /// Where each staged chunk sits in the temporary range.
+    /// Where each staged group sits in the temporary range.
     spans: Vec<(usize, usize)>,
-    /// Whether chunk i's *old* chunk is staged (to the host from a GPU).
+    /// Whether group i's *old* chunks are staged (to the host from a GPU).
     source: Vec<bool>,
-    /// Which staged chunks' temporary ranges are mapped now.
-    tmp_mapped: Vec<bool>,
-    /// The chunks swapped in, with the old chunks kept until commit.
+    /// How many bytes of each group's temporary range are mapped now.
+    tmp_mapped: Vec<usize>,
+    /// The groups swapped in, with the old chunks kept until commit.
     done: Vec<Swapped<B::Chunk>>,
     report: MigrationReport,
 }
 
-impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
-    fn bytes_at(table: &ChunkTable<B::Chunk>, offset: usize) -> usize {
-        table.get(offset).map_or(0, |e| e.bytes)
-    }
+/// The old chunks' access list (one per group), and whether the host's
+/// entry went to the driver.
+fn group_access<C>(table: &ChunkTable<C>, offset: usize) -> (Arc<[AccessDesc]>, bool) {
+    let e = table.get(offset).expect("a group starts at a chunk");
+    (e.access.clone(), e.cpu)
+}
 
+impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
     /// Step 1: every new chunk, and the temporary range. `None` when
     /// nothing is to move. Failing here changes nothing.
     fn acquire(
         mover: &'p Mover<'a, B>,
         res: &'p mut B::Reservation,
         table: &'p mut ChunkTable<B::Chunk>,
-        targets: &'p BTreeMap<usize, Location>,
+        groups: &'p [Group],
     ) -> Result<Option<Self>> {
         let backend = mover.backend;
-        let total: usize = targets.keys().map(|&o| Self::bytes_at(table, o)).sum();
+        let total: usize = groups.iter().map(|g| g.bytes).sum();
         if total == 0 {
             return Ok(None);
         }
         let mut report = MigrationReport::default();
         let tmp = backend.reserve(total, mover.granularity)?;
         let t = Instant::now();
-        let mut staged: Vec<Option<Staged<B::Chunk>>> = Vec::with_capacity(targets.len());
-        let mut at = 0usize;
-        for (&offset, &to) in targets {
-            let bytes = Self::bytes_at(table, offset);
-            match mover.take(to, bytes) {
-                Ok(chunk) => staged.push(Some(Staged {
-                    offset,
-                    bytes,
-                    chunk,
-                    to,
-                    at,
-                })),
-                Err(e) => {
-                    for c in staged.into_iter().flatten() {
-                        mover.dispose(c.chunk, c.bytes, c.to);
-                    }
-                    let _ = backend.free(tmp);
-                    return Err(e);
-                }
+        let wants: Vec<(Location, usize)> = groups.iter().map(|g| (g.to, g.bytes)).collect();
+        let chunks = match mover.source.take_many(mover.shareable, &wants) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = backend.free(tmp);
+                return Err(e);
             }
-            at += bytes;
-        }
+        };
+        let mut at = 0usize;
+        let staged: Vec<Option<Staged<B::Chunk>>> = groups
+            .iter()
+            .zip(chunks)
+            .map(|(g, chunk)| {
+                let s = Staged {
+                    offset: g.offset,
+                    bytes: g.bytes,
+                    chunk,
+                    to: g.to,
+                    at,
+                };
+                at += g.bytes;
+                Some(s)
+            })
+            .collect();
         report.acquire_time = t.elapsed();
         let home = backend.home();
-        let source: Vec<bool> = staged
+        let source: Vec<bool> = groups
             .iter()
-            .map(|c| {
-                let c = c.as_ref().expect("nothing swapped yet");
-                let from = table.get(c.offset).map_or(c.to, |e| e.placement);
-                c.to == Location::Host
+            .map(|g| {
+                let from = table.get(g.offset).map_or(g.to, |e| e.placement);
+                g.to == Location::Host
                     && from != Location::Host
                     && home != Location::Host
                     && backend.maps_a_chunk_twice()
@@ -165,12 +173,11 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
             mover,
             res,
             table,
-            targets,
             tmp,
             staged,
             spans,
             source,
-            tmp_mapped: vec![false; n],
+            tmp_mapped: vec![0; n],
             done: Vec::new(),
             report,
         }))
@@ -198,19 +205,16 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
                 i += 1;
                 continue;
             }
-            // Chunks i..j are sources, contiguous in the temporary range.
+            // Groups i..j are sources, contiguous in the temporary range.
             for k in i..j {
-                let (at, _) = self.spans[k];
+                let (at, bytes) = self.spans[k];
                 let offset = self.staged[k].as_ref().expect("nothing swapped yet").offset;
-                let old = &self
-                    .table
-                    .get(offset)
-                    .expect("a staged chunk is in the table")
-                    .chunk;
-                backend
-                    .map(&mut self.tmp, at, old)
-                    .map_err(Failed::Before)?;
-                self.tmp_mapped[k] = true;
+                for (o, old) in self.table.overlapping(offset..offset + bytes) {
+                    backend
+                        .map(&mut self.tmp, at + (o - offset), &old.chunk)
+                        .map_err(Failed::Before)?;
+                    self.tmp_mapped[k] += old.bytes;
+                }
             }
             let at = self.spans[i].0;
             let end = self.spans[j - 1].0 + self.spans[j - 1].1;
@@ -223,7 +227,7 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         Ok(())
     }
 
-    /// Step 3: chunk i's copy is queued while chunk i-1, whose copy has
+    /// Step 3: group i's copy is queued while group i-1, whose copy has
     /// finished, is finished.
     fn copy_and_swap(&mut self) -> std::result::Result<(), Failed<B::Chunk>> {
         let backend = self.mover.backend;
@@ -247,7 +251,7 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
                     let c = self.staged[i].as_ref().expect("not swapped yet");
                     let r = backend.map(&mut self.tmp, at, &c.chunk);
                     if r.is_ok() {
-                        self.tmp_mapped[i] = true;
+                        self.tmp_mapped[i] = bytes;
                     }
                     let r = r
                         .and_then(|_| backend.set_access(&mut self.tmp, at, bytes, &rw))
@@ -262,7 +266,7 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
             } else {
                 in_flight.take()
             };
-            // The previous chunk's copy ran meanwhile: finish it.
+            // The previous group's copy ran meanwhile: finish it.
             if let Some(prev) = prev {
                 self.finish(prev)?;
             }
@@ -270,9 +274,9 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         Ok(())
     }
 
-    /// Finishes chunk `i` once its copy is done: unmaps what sits at its
-    /// temporary address, and (unless the old chunk was staged there and the
-    /// new one is in place already) swaps the new chunk in at its own.
+    /// Finishes group `i` once its copy is done: unmaps what sits at its
+    /// temporary address, and (unless the old chunks were staged there and
+    /// the new one is in place already) swaps the new chunk in at its own.
     fn finish(
         &mut self,
         (i, fence, source, at, bytes): InFlight<B::Fence>,
@@ -285,7 +289,7 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         backend
             .unmap(&mut self.tmp, at, bytes)
             .map_err(Failed::Before)?;
-        self.tmp_mapped[i] = false;
+        self.tmp_mapped[i] = 0;
         if !source {
             let c = self.staged[i].take().expect("finished once");
             self.swap_in_place(c)?;
@@ -294,29 +298,24 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         Ok(())
     }
 
-    /// Swaps `c`'s new chunk in at its own address (unmap the old, map,
-    /// access) and records the old one as done.
+    /// Swaps `c`'s new chunk in at its own address (unmap the old chunks,
+    /// map, access) and records the old ones as done.
     fn swap_in_place(&mut self, c: Staged<B::Chunk>) -> std::result::Result<(), Failed<B::Chunk>> {
         let backend = self.mover.backend;
-        let entry = self
-            .table
-            .get(c.offset)
-            .expect("a staged chunk is in the table");
+        let (access, _) = group_access(self.table, c.offset);
         let cpu = cpu_at_once(backend.home(), c.to);
-        let list = driver_access_for(&entry.access, c.to, cpu);
+        let list = driver_access_for(&access, c.to, cpu);
         if let Err((error, stage)) = swap_in(backend, self.res, c.offset, c.bytes, &c.chunk, &list)
         {
             return Err(Failed::Swap { error, stage, c });
         }
-        let entry = self
+        let mut entry = Entry::new(c.chunk, c.bytes, c.to);
+        entry.access = access;
+        entry.cpu = cpu;
+        let old = self
             .table
-            .get_mut(c.offset)
-            .expect("a staged chunk is in the table");
-        let old = std::mem::replace(&mut entry.chunk, c.chunk);
-        let old_place = entry.placement;
-        let old_cpu = std::mem::replace(&mut entry.cpu, cpu);
-        self.table.set_placement(c.offset, c.to);
-        self.done.push((c.offset, old, old_place, old_cpu));
+            .replace(c.offset, c.bytes, vec![(c.offset, entry)]);
+        self.done.push((c.offset, c.bytes, old));
         self.report.chunks_moved += 1;
         self.report.bytes_moved += c.bytes;
         Ok(())
@@ -331,26 +330,31 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         }
         let mut report = self.report;
         let t = Instant::now();
-        for (o, old, old_place, _) in self.done {
-            self.mover
-                .dispose_old(old, Self::bytes_at(self.table, o), old_place);
+        for (_, _, old) in self.done {
+            let joined = old.len() > 1;
+            for (_, e) in old {
+                if joined && self.mover.release_joined {
+                    let _ = self.mover.source.release(e.chunk); // logged inside
+                } else {
+                    self.mover.dispose_old(e.chunk, e.bytes, e.placement);
+                }
+            }
         }
         report.dispose_time = t.elapsed();
         report
     }
 
-    /// Step 4, on failure: every chunk is put back as it was. The
-    /// temporary range is unmapped chunk by chunk; a new chunk staged there
-    /// and not swapped is then pooled (released if its unmap failed); an old
-    /// chunk staged there (a source) stays in the table, and the temporary
-    /// token unmaps it as it drops. Chunks an undo could not put back are
+    /// Step 4, on failure: every group is put back as it was. The
+    /// temporary range is unmapped group by group; a new chunk staged there
+    /// and not swapped is then pooled (released if its unmap failed); old
+    /// chunks staged there (a source) stay in the table, and the temporary
+    /// token unmaps them as it drops. Chunks an undo could not put back are
     /// named, with why, for the region to quarantine.
     fn undo(self, failure: Failed<B::Chunk>) -> MoveFailure<B::Chunk> {
         let Self {
             mover,
             res,
             table,
-            targets,
             mut tmp,
             staged,
             spans,
@@ -367,18 +371,16 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         let error = match failure {
             Failed::Before(e) => e,
             Failed::Swap { error, stage, c } => {
-                // This chunk: put its old chunk back.
-                let entry = table.get(c.offset).expect("a staged chunk is in the table");
-                let old_list = entry.driver_access();
-                match undo_swap(
-                    backend,
-                    res,
-                    c.offset,
-                    c.bytes,
-                    &entry.chunk,
-                    &old_list,
-                    stage,
-                ) {
+                // This group: put its old chunks back (still in the table).
+                let olds: Vec<(usize, &B::Chunk)> = table
+                    .overlapping(c.offset..c.offset + c.bytes)
+                    .map(|(o, e)| (o, &e.chunk))
+                    .collect();
+                let list = table
+                    .get(c.offset)
+                    .expect("a group starts at a chunk")
+                    .driver_access();
+                match undo_swap(backend, res, c.offset, c.bytes, &olds, &list, stage) {
                     Ok(()) => mover.dispose(c.chunk, c.bytes, c.to),
                     Err(u) => {
                         why = Some(format!(
@@ -394,7 +396,7 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         let stuck_at_tmp: Vec<bool> = tmp_mapped
             .iter()
             .enumerate()
-            .map(|(k, &mapped)| mapped && backend.unmap(&mut tmp, spans[k].0, spans[k].1).is_err())
+            .map(|(k, &mapped)| mapped > 0 && backend.unmap(&mut tmp, spans[k].0, mapped).is_err())
             .collect();
         for (k, c) in staged.into_iter().enumerate() {
             let Some(c) = c else { continue };
@@ -406,22 +408,19 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
         }
         // If an unmap failed, the token unmaps what it holds as it drops.
         let _ = backend.free(tmp);
-        for (o, old, old_place, old_cpu) in done.into_iter().rev() {
-            let bytes = Self::bytes_at(table, o);
-            let entry = table.get(o).expect("a swapped chunk is in the table");
-            let old_list = driver_access_for(&entry.access, old_place, old_cpu);
-            match undo_swap(backend, res, o, bytes, &old, &old_list, SwapStage::Granting) {
+        for (o, bytes, old) in done.into_iter().rev() {
+            let list = old[0].1.driver_access();
+            let olds: Vec<(usize, &B::Chunk)> = old.iter().map(|(k, e)| (*k, &e.chunk)).collect();
+            match undo_swap(backend, res, o, bytes, &olds, &list, SwapStage::Granting) {
                 Ok(()) => {
-                    table.set_placement(o, old_place);
-                    let entry = table.get_mut(o).expect("a swapped chunk is in the table");
-                    entry.cpu = old_cpu;
-                    let new = std::mem::replace(&mut entry.chunk, old);
-                    let new_place = *targets.get(&o).expect("a swapped chunk had a target");
-                    mover.dispose(new, bytes, new_place);
+                    let new = table.replace(o, bytes, old);
+                    for (_, e) in new {
+                        mover.dispose(e.chunk, e.bytes, e.placement);
+                    }
                 }
                 Err(u) => {
                     why.get_or_insert(format!("undoing a failed migration at {o:#x}: {u}"));
-                    stuck.push(old);
+                    stuck.extend(old.into_iter().map(|(_, e)| e.chunk));
                 }
             }
         }
@@ -433,8 +432,8 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
     }
 }
 
-/// Unmaps the chunk at `offset` and maps `new` there with `access`. On
-/// error, also says how far it got.
+/// Unmaps the chunks in `[offset, offset + bytes)` and maps `new` there with
+/// `access`. On error, also says how far it got.
 fn swap_in<B: Backend>(
     backend: &B,
     res: &mut B::Reservation,
@@ -454,13 +453,14 @@ fn swap_in<B: Backend>(
         .map_err(|e| (e, SwapStage::Granting))
 }
 
-/// Puts `old` back at `offset` after a swap that got to `stage`.
+/// Puts the old chunks `olds` (offset, chunk) back over `[offset, offset +
+/// bytes)` after a swap that got to `stage`, granting `old_access`.
 fn undo_swap<B: Backend>(
     backend: &B,
     res: &mut B::Reservation,
     offset: usize,
     bytes: usize,
-    old: &B::Chunk,
+    olds: &[(usize, &B::Chunk)],
     old_access: &[AccessDesc],
     stage: SwapStage,
 ) -> Result<()> {
@@ -468,7 +468,9 @@ fn undo_swap<B: Backend>(
         backend.unmap(res, offset, bytes)?;
     }
     if stage != SwapStage::Unmapping {
-        backend.map(res, offset, old)?;
+        for (o, c) in olds {
+            backend.map(res, *o, c)?;
+        }
         backend.set_access(res, offset, bytes, old_access)?;
     }
     Ok(())

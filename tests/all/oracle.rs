@@ -27,7 +27,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use vmmbuf::{
     stats::LiveCounts, AccessDesc, Arena, ArenaDesc, ArenaStream, Backend, BufferDesc, ChunkPool,
-    Error, GrowableBuffer, GrowthPolicy, HostBackend, Location, PoolDesc, Result,
+    Error, GrowableBuffer, GrowthPolicy, HostBackend, Location, PoolDesc, Result, SleepDesc,
+    SleepMode, WakeDesc,
 };
 
 use crate::fault::FaultBackend;
@@ -371,6 +372,10 @@ enum AOp {
     EmptyCache,
     Offload,
     Restore,
+    SleepDiscard,
+    Wake {
+        zero: bool,
+    },
 }
 
 const STREAMS: usize = 3;
@@ -388,15 +393,27 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => Just(AOp::EmptyCache),
         1 => Just(AOp::Offload),
         1 => Just(AOp::Restore),
+        1 => Just(AOp::SleepDiscard),
+        1 => any::<bool>().prop_map(|zero| AOp::Wake { zero }),
     ]
 }
 
 type OArena = Arena<OracleBackend, QStream>;
 type OAlloc = vmmbuf::Allocation<OracleBackend, QStream>;
 
-fn check_stats(arena: &OArena, nothing_live: bool) -> std::result::Result<(), TestCaseError> {
+/// PyTorch's invariants on the arena's counters. `discarded_ever`: a
+/// discarding sleep happened, so allocations once counted as allocated
+/// while their bytes were not mapped, and the reserved peak may lie under
+/// the allocated one.
+fn check_stats(
+    arena: &OArena,
+    nothing_live: bool,
+    discarded_ever: bool,
+) -> std::result::Result<(), TestCaseError> {
     let s = arena.stats();
-    let (a, act, r) = (s.allocated_bytes, s.active_bytes, s.reserved_bytes);
+    let (a, act, mut r) = (s.allocated_bytes, s.active_bytes, s.reserved_bytes);
+    // Asleep discarding, the live allocations' bytes are not mapped.
+    r.current += s.discarded_bytes;
     prop_assert!(
         a.current <= act.current && act.current <= r.current,
         "allocated {} <= active {} <= reserved {} (current)",
@@ -405,13 +422,15 @@ fn check_stats(arena: &OArena, nothing_live: bool) -> std::result::Result<(), Te
         r.current
     );
     prop_assert!(
-        a.peak <= act.peak && act.peak <= r.peak,
+        a.peak <= act.peak && (discarded_ever || act.peak <= r.peak),
         "allocated {} <= active {} <= reserved {} (peak)",
         a.peak,
         act.peak,
         r.peak
     );
-    prop_assert!(a.current <= a.peak && act.current <= act.peak && r.current <= r.peak);
+    prop_assert!(
+        a.current <= a.peak && act.current <= act.peak && r.current <= r.peak + s.discarded_bytes
+    );
     prop_assert!(s.inactive_split_bytes.current <= r.current - a.current);
     if nothing_live {
         prop_assert_eq!(a.current, 0);
@@ -433,6 +452,7 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
     desc.release_before_map = !keep_mapped;
     let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
     let streams: Vec<QStream> = (1..=STREAMS as u64).map(QStream::new).collect();
+    let mut discarded_ever = false;
     let mut live: Vec<(OAlloc, usize, u64)> = Vec::new();
     let mut next_id = 0u64;
     let violations = |step: usize, op: &AOp| -> std::result::Result<(), TestCaseError> {
@@ -536,8 +556,32 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
                 arena.release_cached().unwrap();
             }
             AOp::EmptyCache => arena.empty_cache().unwrap(),
-            AOp::Offload => {
-                arena.offload(&streams).unwrap();
+            AOp::Offload => match arena.offload(&streams) {
+                Ok(_) => prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Keep)),
+                // Asleep discarding: a kept sleep must wait for the wake.
+                Err(Error::InvalidArgument(_)) => {
+                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Discard))
+                }
+                Err(e) => prop_assert!(false, "offload failed: {}", e),
+            },
+            AOp::SleepDiscard => match arena.sleep(&streams, &SleepDesc::discard()) {
+                Ok(_) => {
+                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Discard));
+                    prop_assert_eq!(arena.stats().reserved_bytes.current, 0);
+                }
+                Err(Error::InvalidArgument(_)) => {
+                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Keep))
+                }
+                Err(e) => prop_assert!(false, "discarding sleep failed: {}", e),
+            },
+            AOp::Wake { zero } => {
+                let desc = if zero {
+                    WakeDesc::zeroed()
+                } else {
+                    WakeDesc::default()
+                };
+                arena.wake(&streams, &desc).unwrap();
+                prop_assert_eq!(arena.sleep_mode(), None);
             }
             AOp::Restore => {
                 arena.restore(&streams).unwrap();
@@ -545,7 +589,8 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
             _ => {}
         }
         violations(step, op)?;
-        check_stats(&arena, live.is_empty())?;
+        discarded_ever |= arena.stats().discarded_bytes > 0;
+        check_stats(&arena, live.is_empty(), discarded_ever)?;
     }
     // Everything freed and every stream synchronised: allocated = active = 0
     // on the next read; the memory goes back to the driver with the arena.
@@ -553,7 +598,7 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
     streams.iter().for_each(|s| s.q.complete_all());
     let s = arena.stats();
     prop_assert_eq!((s.allocated_bytes.current, s.active_bytes.current), (0, 0));
-    check_stats(&arena, true)?;
+    check_stats(&arena, true, discarded_ever)?;
     arena.empty_cache().unwrap();
     drop(arena);
     violations(ops.len(), &AOp::CompleteAll)?;

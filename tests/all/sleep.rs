@@ -5,7 +5,10 @@
 
 use std::sync::Arc;
 
-use vmmbuf::{Allocation, Arena, ArenaDesc, ArenaStream, Backend, CudaBackend, HostBackend};
+use vmmbuf::{
+    Allocation, Arena, ArenaDesc, ArenaStream, Backend, ChunkPool, CudaBackend, HostBackend,
+    Location, PoolDesc, SleepDesc, SleepMode, WakeDesc,
+};
 
 use crate::common::{gpu, host, random_bytes};
 use crate::cuda_only::{pattern, Kernels};
@@ -15,6 +18,10 @@ crate::register! {
     host: [
         sleep_and_wake_keep_every_byte_and_address,
         every_failed_call_of_a_sleep_or_wake_is_undone,
+        a_discarding_sleep_gives_everything_back_and_the_wake_maps_the_same_addresses,
+        every_failed_call_of_a_discarding_wake_leaves_it_asleep,
+        a_zeroed_wake_zeroes_reused_memory,
+        the_host_pieces_kept_between_sleeps_are_bounded,
     ],
     gpu: [sleep_gives_the_device_memory_back_and_kernels_still_read],
 }
@@ -97,14 +104,24 @@ fn sleep_and_wake_keep_every_byte_and_address() {
         "{before}"
     );
 
-    let report = arena.offload(&[Q(0), Q(1)]).unwrap();
+    let chunks_awake = arena.snapshot().segments.len();
+    let sr = arena.sleep(&[Q(0), Q(1)], &SleepDesc::keep()).unwrap();
+    let report = sr.migration;
     let s = arena.stats();
     assert!(arena.is_offloaded());
+    assert_eq!(arena.sleep_mode(), Some(SleepMode::Keep));
     assert_eq!(s.device_bytes, 0, "every chunk left the GPU: {s}");
     assert_eq!(s.host_bytes, s.reserved_bytes.current);
     assert_eq!(
         report.bytes_moved, s.host_bytes,
         "what moved is what is mapped"
+    );
+    assert_eq!(sr.bytes, s.host_bytes);
+    assert!(
+        sr.chunks_after * 4 <= sr.chunks_before,
+        "runs of 256 KiB chunks were joined into pieces: {} -> {} ({chunks_awake} runs)",
+        sr.chunks_before,
+        sr.chunks_after
     );
     assert!(
         s.reserved_bytes.current < before.reserved_bytes.current,
@@ -134,13 +151,23 @@ fn sleep_and_wake_keep_every_byte_and_address() {
     let report = arena.restore(&[Q(0), Q(1)]).unwrap();
     let s = arena.stats();
     assert!(!arena.is_offloaded());
+    assert_eq!(arena.sleep_mode(), None);
     assert_eq!(s.host_bytes, 0, "every chunk came back: {s}");
     assert_eq!(s.device_bytes, s.reserved_bytes.current);
     assert_eq!(report.bytes_moved, s.device_bytes);
+    let pool = arena.pool().stats();
+    // The pieces stay in the pool for the next sleep; the chunks mapped
+    // while asleep, joined into a piece by the wake, went to the driver.
+    assert!(
+        pool.pooled_host_bytes > 0 && pool.pooled_host_bytes + (3 << 20) >= sr.bytes,
+        "the host pieces stay in the pool: {} of {} B",
+        pool.pooled_host_bytes,
+        sr.bytes
+    );
     assert_eq!(
         fb.live().chunk_bytes,
-        s.device_bytes,
-        "the host memory went back"
+        s.device_bytes + pool.pooled_host_bytes,
+        "nothing else is held"
     );
     assert_intact(&live, &addresses, "awake");
     let mut got = vec![0u8; 3 << 20];
@@ -150,10 +177,30 @@ fn sleep_and_wake_keep_every_byte_and_address() {
         "the allocation made asleep kept its bytes"
     );
 
-    // A second cycle, then everything back to the driver.
-    arena.offload(&[Q(0)]).unwrap();
+    // A second cycle takes its host pieces from the pool: it creates none.
+    let hits = arena.pool().stats().hits;
+    let pieces = arena.pool().stats().pooled_chunks;
+    let chunks = fb.live().chunks;
+    let again = arena.sleep(&[Q(0)], &SleepDesc::keep()).unwrap();
+    assert_eq!(
+        arena.pool().stats().hits - hits,
+        pieces as u64,
+        "every host piece came from the pool"
+    );
+    assert_eq!(
+        again.chunks_before, again.chunks_after,
+        "pieces stay pieces"
+    );
+    assert!(fb.live().chunks <= chunks, "no chunk was created");
+    assert_eq!(arena.pool().stats().pooled_host_bytes, 0);
+    assert_intact(&live, &addresses, "asleep again");
     arena.restore(&[Q(0)]).unwrap();
     assert_intact(&live, &addresses, "after a second cycle");
+    // The explicit release gives the host pieces back.
+    let device = arena.stats().device_bytes;
+    arena.pool().trim_at(Location::Host).unwrap();
+    assert_eq!(arena.pool().stats().pooled_host_bytes, 0);
+    assert_eq!(fb.live().chunk_bytes, device, "the host memory went back");
     drop((live, extra, arena));
     assert_eq!(fb.live().chunks, 0);
     assert_eq!(fb.live().reservations, 0);
@@ -216,6 +263,261 @@ fn every_failed_call_of_a_sleep_or_wake_is_undone() {
     }
     drop(state);
     assert_eq!(fb.live().chunks, 0, "and nothing leaked");
+}
+
+/// Ranges `(address, bytes)` of the allocations.
+fn ranges(live: &Live) -> Vec<(u64, usize)> {
+    live.iter().map(|(a, d)| (a.address(), d.len())).collect()
+}
+
+fn disjoint(a: (u64, usize), b: (u64, usize)) -> bool {
+    a.0 + a.1 as u64 <= b.0 || b.0 + b.1 as u64 <= a.0
+}
+
+/// A discarding sleep unmaps everything and gives it back (nothing is
+/// copied, nothing kept); allocating while asleep maps fresh memory outside
+/// the discarded ranges; frees while asleep are honoured; the wake maps
+/// the same ranges again (zeroed on request) and their free bytes are
+/// handed out again before anything new is mapped.
+fn a_discarding_sleep_gives_everything_back_and_the_wake_maps_the_same_addresses() {
+    for zero in [true, false] {
+        let (fb, arena) = emulated();
+        let mut live = fill(&arena, 31 + zero as u64, 27);
+        let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+        let before = arena.stats();
+        let r = arena.sleep(&[Q(0), Q(1)], &SleepDesc::discard()).unwrap();
+        let s = arena.stats();
+        assert_eq!(arena.sleep_mode(), Some(SleepMode::Discard));
+        assert_eq!(s.reserved_bytes.current, 0, "nothing is mapped: {s}");
+        assert_eq!(
+            (fb.live().chunks, fb.live().chunk_bytes),
+            (0, 0),
+            "every chunk went back to the driver"
+        );
+        assert_eq!(r.bytes, s.discarded_bytes);
+        assert!(
+            r.bytes < before.reserved_bytes.current,
+            "free chunks went first"
+        );
+        assert_eq!(r.device_bytes, before.device_bytes);
+        assert_eq!(s.allocated_bytes.current, before.allocated_bytes.current);
+        for (a, &at) in live.iter().zip(&addresses) {
+            assert_eq!(a.0.address(), at);
+        }
+
+        // Asleep: a new allocation lands outside every live one and keeps
+        // its bytes; one of the discarded allocations is freed.
+        let mut extra = arena.alloc(3 << 20, &Q(0)).unwrap();
+        for &rg in &ranges(&live) {
+            assert!(disjoint((extra.address(), 3 << 20), rg), "{rg:?}");
+        }
+        let extra_data = random_bytes(5, 3 << 20);
+        extra.write(0, &extra_data).unwrap();
+        let (freed, freed_data) = live.remove(4);
+        let freed_at = (freed.address(), freed_data.len());
+        drop(freed);
+        let mapped_asleep = arena.stats().reserved_bytes.current;
+        assert_eq!(arena.stats().discarded_bytes, r.bytes);
+
+        let desc = if zero {
+            WakeDesc::zeroed()
+        } else {
+            WakeDesc::default()
+        };
+        let w = arena.wake(&[Q(0), Q(1)], &desc).unwrap();
+        let s = arena.stats();
+        assert_eq!(arena.sleep_mode(), None);
+        assert_eq!(w.bytes, r.bytes, "the same ranges came back");
+        assert_eq!(s.reserved_bytes.current, mapped_asleep + r.bytes);
+        assert_eq!(s.discarded_bytes, 0);
+        assert!(
+            w.chunks_after * 4 <= r.chunks_before,
+            "as pieces: {} chunks -> {}",
+            r.chunks_before,
+            w.chunks_after
+        );
+        for ((a, data), &at) in live
+            .iter_mut()
+            .zip(addresses.iter().filter(|&&x| x != freed_at.0))
+        {
+            assert_eq!(a.address(), at, "same address after the wake");
+            let mut got = vec![1u8; data.len()];
+            a.read(0, &mut got).unwrap();
+            if zero {
+                assert!(got.iter().all(|&b| b == 0), "zeroed on request");
+            }
+            // Writable again, every byte.
+            *data = random_bytes(at, data.len());
+            a.write(0, data).unwrap();
+        }
+        let mut got = vec![0u8; 3 << 20];
+        extra.read(0, &mut got).unwrap();
+        assert!(
+            got == extra_data,
+            "the allocation made asleep kept its bytes"
+        );
+        assert_intact(
+            &live,
+            &addresses
+                .iter()
+                .copied()
+                .filter(|&x| x != freed_at.0)
+                .collect::<Vec<_>>(),
+            "rewritten after the wake",
+        );
+        // The bytes freed while asleep are free again: the same request
+        // maps nothing new.
+        let again = arena.alloc(freed_at.1, &Q(0)).unwrap();
+        assert_eq!(
+            arena.stats().reserved_bytes.current,
+            s.reserved_bytes.current,
+            "the free bytes of the woken ranges were reused"
+        );
+        drop((again, extra, live, arena));
+        assert_eq!(fb.live().chunks, 0, "and nothing leaked");
+        assert_eq!(fb.live().reservations, 0);
+    }
+}
+
+/// A discarding wake takes pooled chunks first, which hold another
+/// arena's bytes: with `zero` every byte of the woken allocations reads 0;
+/// without, the old bytes show (which is what makes the first check bite).
+fn a_zeroed_wake_zeroes_reused_memory() {
+    for zero in [true, false] {
+        let fb = FaultBackend::emulating_gpu(host());
+        let pool = ChunkPool::new(fb.clone(), PoolDesc::default()).unwrap();
+        let desc = ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10);
+        let a1: EmuArena = Arena::with_pool(pool.clone(), desc.clone()).unwrap();
+        let a2: EmuArena = Arena::with_pool(pool.clone(), desc).unwrap();
+        let live = fill(&a1, 61, 18);
+        a1.sleep(&[Q(0)], &SleepDesc::discard().max_piece_bytes(256 << 10))
+            .unwrap();
+        // Another arena leaves dirty chunks of the same size in the pool.
+        let mut other = a2.alloc(32 << 20, &Q(0)).unwrap();
+        other.write(0, &random_bytes(7, 32 << 20)).unwrap();
+        drop(other);
+        a2.release_cached().unwrap();
+        let pooled = pool.stats().pooled_chunks;
+        assert!(pooled >= 100, "{pooled}");
+        let desc = if zero {
+            WakeDesc::zeroed()
+        } else {
+            WakeDesc::default()
+        };
+        a1.wake(&[Q(0)], &desc).unwrap();
+        assert!(
+            pool.stats().pooled_chunks < pooled,
+            "the wake took pooled chunks"
+        );
+        let nonzero = live
+            .iter()
+            .filter(|(a, d)| {
+                let mut got = vec![0u8; d.len()];
+                a.read(0, &mut got).unwrap();
+                got.iter().any(|&b| b != 0)
+            })
+            .count();
+        if zero {
+            assert_eq!(nonzero, 0, "every byte zeroed");
+        } else {
+            assert!(nonzero > 0, "reused memory shows its old bytes");
+        }
+    }
+}
+
+/// Fails each driver call of a discarding wake in turn: the arena stays
+/// asleep with its ranges unmapped and nothing leaked, and the same wake
+/// then succeeds.
+fn every_failed_call_of_a_discarding_wake_leaves_it_asleep() {
+    let (fb, arena) = emulated();
+    let live = fill(&arena, 41, 12);
+    arena.sleep(&[Q(0)], &SleepDesc::discard()).unwrap();
+    let discarded = arena.stats().discarded_bytes;
+    assert!(discarded > 0);
+    let mut state = (arena, live);
+    let calls = fail_each_call(
+        &fb,
+        &mut state,
+        |(arena, _)| arena.wake(&[Q(0)], &WakeDesc::zeroed()),
+        |(arena, live), k, r| match r {
+            Err(e) => {
+                assert!(injected(&e), "call {k}: {e}");
+                let s = arena.stats();
+                assert_eq!(arena.sleep_mode(), Some(SleepMode::Discard), "call {k}");
+                assert_eq!(
+                    s.reserved_bytes.current, 0,
+                    "call {k}: nothing stays mapped"
+                );
+                assert_eq!(s.discarded_bytes, discarded);
+                assert_eq!(fb.live().mapped_bytes, 0, "call {k}");
+                let _ = live;
+            }
+            Ok(_) => {
+                arena.sleep(&[Q(0)], &SleepDesc::discard()).unwrap();
+            }
+        },
+    );
+    eprintln!("discarding wake: {calls} calls, each failed once");
+    assert!(calls >= 3, "a wake makes several calls: {calls}");
+    assert_eq!(state.0.sleep_mode(), None);
+    for (a, data) in &state.1 {
+        let mut got = vec![1u8; data.len()];
+        a.read(0, &mut got).unwrap();
+        assert!(got.iter().all(|&b| b == 0), "zeroed");
+    }
+    drop(state);
+    assert_eq!(fb.live().chunks, 0, "and nothing leaked");
+}
+
+/// The host pieces a wake leaves in the pool stay within
+/// `PoolDesc::max_host_bytes`; the rest go back to the driver at once.
+fn the_host_pieces_kept_between_sleeps_are_bounded() {
+    let fb = FaultBackend::emulating_gpu(host());
+    let bound = 6 << 20;
+    let pool = ChunkPool::new(fb.clone(), PoolDesc::default().max_host_bytes(bound)).unwrap();
+    let arena: EmuArena = Arena::with_pool(
+        pool.clone(),
+        ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10),
+    )
+    .unwrap();
+    let live = fill(&arena, 53, 27);
+    let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let r = arena
+        .sleep(&[Q(0)], &SleepDesc::keep().max_piece_bytes(2 << 20))
+        .unwrap();
+    assert!(
+        r.bytes > 2 * bound,
+        "more sleeps than the bound: {}",
+        r.bytes
+    );
+    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    let p = pool.stats();
+    assert!(
+        p.pooled_host_bytes <= bound && p.pooled_host_bytes > 0,
+        "kept {} of at most {bound}",
+        p.pooled_host_bytes
+    );
+    assert_eq!(
+        fb.live().chunk_bytes,
+        arena.stats().device_bytes + p.pooled_host_bytes,
+        "the rest went back to the driver"
+    );
+    assert_intact(&live, &addresses, "awake");
+    // The next sleep takes what was kept and creates the rest.
+    let hits = pool.stats().hits;
+    arena
+        .sleep(&[Q(0)], &SleepDesc::keep().max_piece_bytes(2 << 20))
+        .unwrap();
+    assert!(pool.stats().hits > hits, "kept pieces were reused");
+    assert_intact(&live, &addresses, "asleep again");
+    // Lowering the bound sheds at once; 0 keeps nothing.
+    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    pool.set_desc(PoolDesc::default().max_host_bytes(0))
+        .unwrap();
+    assert_eq!(pool.stats().pooled_host_bytes, 0);
+    assert_eq!(fb.live().chunk_bytes, arena.stats().device_bytes);
+    drop((live, arena, pool));
+    assert_eq!(fb.live().chunks, 0);
 }
 
 type CudaArena = Arena<CudaBackend, Arc<cudarc::driver::CudaStream>>;
@@ -281,6 +583,60 @@ fn sleep_gives_the_device_memory_back_and_kernels_still_read() {
             0,
             "allocation {i} after waking"
         );
+    }
+    // A second kept cycle pins nothing: its host pieces come from the pool.
+    let hits = arena.pool().stats().hits;
+    let kept = arena.pool().stats().pooled_host_bytes;
+    assert!(kept > 0, "the wake kept the host pieces");
+    let r = arena
+        .sleep(std::slice::from_ref(&s), &SleepDesc::keep())
+        .unwrap();
+    assert!(arena.pool().stats().hits > hits);
+    assert_eq!(r.chunks_before, r.chunks_after, "pieces stay pieces");
+    arena
+        .wake(std::slice::from_ref(&s), &WakeDesc::default())
+        .unwrap();
+    for (i, (a, &n)) in live.iter().zip(&words).enumerate() {
+        let seed = if i == 1 { 77 } else { 1000 + i as u32 };
+        assert_eq!(
+            k.mismatches(a.address(), 0, n, seed),
+            0,
+            "allocation {i}, second cycle"
+        );
+    }
+
+    // Discarding: the device memory goes, nothing is copied, and the wake
+    // maps zeroed memory at the same addresses, which kernels fill again.
+    let awake = free0.saturating_sub(b.mem_info().unwrap().0);
+    let r = arena
+        .sleep(std::slice::from_ref(&s), &SleepDesc::discard())
+        .unwrap();
+    let discarded = free0.saturating_sub(b.mem_info().unwrap().0);
+    eprintln!(
+        "discard: {} B unmapped, device memory taken {awake} -> {discarded} B",
+        r.bytes
+    );
+    assert!(discarded * 20 <= awake, "gave back at least 95%");
+    assert_eq!(r.migration.bytes_moved, 0, "nothing copied");
+    arena
+        .wake(std::slice::from_ref(&s), &WakeDesc::zeroed())
+        .unwrap();
+    let mut buf = vec![0u8; 16 << 20];
+    for (i, (a, &n)) in live.iter().zip(&words).enumerate() {
+        assert_eq!(a.address(), addresses[i]);
+        let bytes = n as usize * 4;
+        let mut at = 0;
+        while at < bytes {
+            let m = buf.len().min(bytes - at);
+            a.read(at, &mut buf[..m]).unwrap();
+            assert!(
+                buf[..m].iter().all(|&x| x == 0),
+                "allocation {i} zeroed at {at}"
+            );
+            at += m;
+        }
+        k.fill(a.address(), 0, n, 500 + i as u32);
+        assert_eq!(k.mismatches(a.address(), 0, n, 500 + i as u32), 0);
     }
     assert_eq!(arena.stats().num_device_syncs, 0);
     drop(live);

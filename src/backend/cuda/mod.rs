@@ -498,6 +498,18 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn zero(&self, res: &mut CudaReservation, offset: usize, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        res.table.covering(offset, bytes, false)?;
+        driver::bind(&self.ctx)?;
+        // SAFETY: the range is mapped in the token (checked above), and the
+        // caller granted our device write access; the memset is ordered on
+        // our own stream, which every unmap of ours waits for.
+        unsafe { driver::memset_zeros_async(res.addr(offset), bytes, &self.stream) }
+    }
+
     fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool> {
         for d in [device, peer] {
             self.check_location(Location::Device(d))?;

@@ -1,0 +1,222 @@
+//! Sleep and wake of an arena at link speed (issue 22), against the pinned
+//! copy in the same run.
+//!
+//! An arena (2 MiB chunks, as the PyTorch plug-in's) holds ~4 GiB in
+//! tensors of mixed sizes, each filled with its own value. Rounds
+//! interleave, in one process: `cuMemcpyDtoH` and `cuMemcpyHtoD` of the
+//! same bytes between `cuMemAlloc` and `cuMemAllocHost` memory (the pinned
+//! copy rate), a kept sleep and its wake, and a discarding sleep and its
+//! wake. Reported in ms per GiB, medians over the rounds, with ratios to the
+//! pinned copy. Before the rounds: the first kept sleep (host pieces pinned
+//! then) with 1, 2, 4 and 8 creating threads, and the first discarding
+//! sleep of memory still in 2 MiB chunks. Every wake checks the first and
+//! last word of every tensor.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{gpu_or_skip, ok, Raw, GIB, MIB};
+use cudarc::driver::{sys, CudaStream};
+use vmmbuf::{Arena, ArenaDesc, CudaBackend, Location, SleepDesc, SleepReport, WakeDesc};
+
+type A = Arena<CudaBackend, Arc<CudaStream>>;
+type Live = Vec<(vmmbuf::Allocation<CudaBackend, Arc<CudaStream>>, u32)>;
+
+const TOTAL: usize = 4 * GIB;
+const ROUNDS: usize = 7;
+
+/// Tensor sizes of a model: a third of the bytes in large tensors (16-128
+/// MiB), the rest in many small and mid-sized ones.
+fn sizes() -> Vec<usize> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut out = Vec::new();
+    let mut sum = 0;
+    while sum < TOTAL {
+        let r = next();
+        let n = match r % 10 {
+            0..=2 => (16 + (r >> 8) as usize % 112) * MIB,
+            3..=6 => (64 << 10) + ((r >> 8) as usize % (4 * MIB)),
+            _ => (1 + (r >> 8) as usize % 16) * MIB + 4096,
+        } & !3;
+        out.push(n);
+        sum += n;
+    }
+    out
+}
+
+fn fill(arena: &A, s: &Arc<CudaStream>) -> Live {
+    sizes()
+        .into_iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let a = arena.alloc(n, s).unwrap();
+            let v = 0x5EED_0000 + i as u32;
+            // SAFETY: the allocation is mapped, read-write for the device,
+            // and `n / 4` words long.
+            ok("cuMemsetD32", unsafe {
+                sys::cuMemsetD32_v2(a.address(), v, n / 4)
+            });
+            (a, v)
+        })
+        .collect()
+}
+
+fn check(live: &Live, when: &str) {
+    let mut w = [0u8; 4];
+    for (k, (a, v)) in live.iter().enumerate() {
+        for at in [0, a.len() - 4] {
+            a.read(at, &mut w).unwrap();
+            assert_eq!(u32::from_ne_bytes(w), *v, "{when}: tensor {k} at {at}");
+        }
+    }
+}
+
+fn per_gib(d: Duration, bytes: usize) -> f64 {
+    d.as_secs_f64() * 1e3 / (bytes as f64 / GIB as f64)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn show(what: &str, r: &SleepReport) {
+    let g = r.bytes.max(1) as f64 / GIB as f64;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 / g;
+    println!(
+        "  {what:<34} {:>7.1} ms/GiB  ({:.2} GiB, {} -> {} chunks; wait {:.1}, acquire {:.1}, stage {:.1}, copy wait {:.1}, swap {:.1}, dispose {:.1} ms/GiB)",
+        ms(r.total_time),
+        g,
+        r.chunks_before,
+        r.chunks_after,
+        ms(r.wait_time),
+        ms(r.migration.acquire_time),
+        ms(r.migration.stage_time),
+        ms(r.migration.copy_time),
+        ms(r.migration.swap_time),
+        ms(r.migration.dispose_time),
+    );
+}
+
+fn main() {
+    let Some(backend) = gpu_or_skip("sleep") else {
+        return;
+    };
+    let raw = Raw::new(backend.clone());
+    let s = backend.context().new_stream().unwrap();
+    let streams = [s.clone()];
+    let arena: A = Arena::new(backend.clone(), ArenaDesc::new(64 * GIB)).unwrap();
+    let live = fill(&arena, &s);
+    raw.sync();
+    let bytes = arena.stats().reserved_bytes.current;
+    println!(
+        "sleep: {} tensors, {:.2} GiB mapped in {} chunks of 2 MiB",
+        live.len(),
+        bytes as f64 / GIB as f64,
+        arena.snapshot().segments.len()
+    );
+
+    // The first kept sleep, its host pieces pinned then, by 1..8 threads.
+    println!("first kept sleep (host pieces created), by creating threads:");
+    for threads in [1, 2, 4, 8] {
+        std::env::set_var("VMMBUF_CREATE_THREADS", threads.to_string());
+        arena.pool().trim_at(Location::Host).unwrap();
+        let r = arena.sleep(&streams, &SleepDesc::keep()).unwrap();
+        show(&format!("{threads} thread(s)"), &r);
+        let w = arena.wake(&streams, &WakeDesc::default()).unwrap();
+        show("  its wake", &w);
+        check(&live, "after a first sleep");
+    }
+    std::env::remove_var("VMMBUF_CREATE_THREADS");
+
+    // The first discarding sleep of memory in 2 MiB chunks: a second arena
+    // filled the same way.
+    let fresh: A = Arena::new(backend.clone(), ArenaDesc::new(64 * GIB)).unwrap();
+    let fresh_live = fill(&fresh, &s);
+    raw.sync();
+    let r = fresh.sleep(&streams, &SleepDesc::discard()).unwrap();
+    show("first discarding sleep (2 MiB chunks)", &r);
+    let w = fresh.wake(&streams, &WakeDesc::default()).unwrap();
+    show("  its wake (pieces)", &w);
+    drop(fresh_live);
+    drop(fresh);
+
+    // Steady state, interleaved with the pinned copy.
+    let (dev, host) = (raw.alloc(bytes), raw.alloc_pinned(bytes));
+    let mut cols: [Vec<f64>; 8] = Default::default();
+    let mut last: Option<(SleepReport, SleepReport)> = None;
+    for round in 0..ROUNDS {
+        let t = Instant::now();
+        raw.dtoh(host, dev, bytes);
+        cols[0].push(per_gib(t.elapsed(), bytes));
+        let t = Instant::now();
+        raw.htod(dev, host, bytes);
+        cols[1].push(per_gib(t.elapsed(), bytes));
+
+        let sl = arena.sleep(&streams, &SleepDesc::keep()).unwrap();
+        let wk = arena.wake(&streams, &WakeDesc::default()).unwrap();
+        assert_eq!(sl.bytes, bytes);
+        cols[2].push(per_gib(sl.total_time, bytes));
+        cols[3].push(per_gib(wk.total_time, bytes));
+        check(&live, &format!("round {round}"));
+
+        let ds = arena.sleep(&streams, &SleepDesc::discard()).unwrap();
+        let dw = arena.wake(&streams, &WakeDesc::default()).unwrap();
+        cols[4].push(per_gib(ds.total_time, bytes));
+        cols[5].push(per_gib(dw.total_time, bytes));
+        let zs = arena.sleep(&streams, &SleepDesc::discard()).unwrap();
+        let zw = arena.wake(&streams, &WakeDesc::zeroed()).unwrap();
+        cols[6].push(per_gib(zs.total_time, bytes));
+        cols[7].push(per_gib(zw.total_time, bytes));
+        // Refill for the next kept round's check.
+        for (a, v) in &live {
+            // SAFETY: as in `fill`.
+            ok("cuMemsetD32", unsafe {
+                sys::cuMemsetD32_v2(a.address(), *v, a.len() / 4)
+            });
+        }
+        raw.sync();
+        last = Some((sl, wk));
+    }
+    let m: Vec<f64> = cols.iter().map(|c| median(c.clone())).collect();
+    let (d2h, h2d) = (m[0], m[1]);
+    println!(
+        "steady state, {ROUNDS} rounds, medians in ms per GiB ({:.2} GiB):",
+        bytes as f64 / GIB as f64
+    );
+    println!("  | | ms/GiB | rate vs pinned copy |");
+    println!("  |---|---|---|");
+    println!("  | pinned cuMemcpyDtoH | {d2h:.2} | 1.00x |");
+    println!("  | pinned cuMemcpyHtoD | {h2d:.2} | 1.00x |");
+    println!("  | kept sleep | {:.2} | {:.2}x |", m[2], d2h / m[2]);
+    println!("  | kept wake | {:.2} | {:.2}x |", m[3], h2d / m[3]);
+    println!("  | discarding sleep | {:.3} | |", m[4]);
+    println!("  | its wake | {:.3} | |", m[5]);
+    println!(
+        "  | discarding sleep + wake | {:.3} | |",
+        median(cols[4].iter().zip(&cols[5]).map(|(a, b)| a + b).collect())
+    );
+    println!(
+        "  | discarding sleep + zeroed wake | {:.3} | |",
+        median(cols[6].iter().zip(&cols[7]).map(|(a, b)| a + b).collect())
+    );
+    if let Some((sl, wk)) = last {
+        show("last kept sleep", &sl);
+        show("last kept wake", &wk);
+    }
+    println!(
+        "  pool: {}; device syncs: {}",
+        arena.pool().stats(),
+        arena.stats().num_device_syncs
+    );
+    raw.free(dev);
+    raw.free_pinned(host);
+}
