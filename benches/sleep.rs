@@ -106,10 +106,79 @@ fn show(what: &str, r: &SleepReport) {
     );
 }
 
+/// What creating 1 GiB of pinned host chunks costs, by chunk size, location
+/// type and creating threads (raw `cuMemCreate`, released after).
+fn create_probe(backend: &Arc<CudaBackend>) {
+    use sys::CUmemLocationType as T;
+    let mut numa = 0i32;
+    // SAFETY: valid out-pointer and device.
+    ok("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut numa,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+            0,
+        )
+    });
+    println!("creating 1 GiB of pinned host chunks (cuMemCreate), ms per GiB:");
+    println!("  | location | chunk | 1 thread | 2 threads | 4 threads | 8 threads |");
+    println!("  |---|---|---|---|---|---|");
+    for (name, ty, id) in [
+        ("HOST_NUMA", T::CU_MEM_LOCATION_TYPE_HOST_NUMA, numa.max(0)),
+        ("HOST", T::CU_MEM_LOCATION_TYPE_HOST, 0),
+    ] {
+        for chunk in [2 * MIB, 16 * MIB, 64 * MIB, 256 * MIB] {
+            let mut row = format!("  | {name} | {} MiB |", chunk / MIB);
+            for threads in [1usize, 2, 4, 8] {
+                let n = GIB / chunk;
+                let t = Instant::now();
+                let handles: Vec<u64> = std::thread::scope(|sc| {
+                    let per = n.div_ceil(threads);
+                    let workers: Vec<_> = (0..threads)
+                        .map(|w| {
+                            sc.spawn(move || {
+                                backend.context().bind_to_thread().unwrap();
+                                let mut out = Vec::new();
+                                for _ in (w * per)..((w + 1) * per).min(n) {
+                                    // SAFETY: plain C data; zero is the default.
+                                    let mut prop: sys::CUmemAllocationProp =
+                                        unsafe { std::mem::zeroed() };
+                                    prop.type_ =
+                                        sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+                                    prop.location.type_ = ty;
+                                    prop.location.__bindgen_anon_1.id = id;
+                                    let mut h = 0;
+                                    // SAFETY: valid out-pointer and properties.
+                                    ok("cuMemCreate", unsafe {
+                                        sys::cuMemCreate(&mut h, chunk, &prop, 0)
+                                    });
+                                    out.push(h);
+                                }
+                                out
+                            })
+                        })
+                        .collect();
+                    workers
+                        .into_iter()
+                        .flat_map(|w| w.join().unwrap())
+                        .collect()
+                });
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                for h in handles {
+                    // SAFETY: created above, never mapped, released once.
+                    ok("cuMemRelease", unsafe { sys::cuMemRelease(h) });
+                }
+                row += &format!(" {ms:.1} |");
+            }
+            println!("{row}");
+        }
+    }
+}
+
 fn main() {
     let Some(backend) = gpu_or_skip("sleep") else {
         return;
     };
+    create_probe(&backend);
     let raw = Raw::new(backend.clone());
     let s = backend.context().new_stream().unwrap();
     let streams = [s.clone()];
@@ -186,6 +255,30 @@ fn main() {
         raw.sync();
         last = Some((sl, wk));
     }
+    // Discarding with 256 MiB pieces: one cycle to regroup, then rounds.
+    let big = SleepDesc::discard().max_piece_bytes(256 * MIB);
+    arena.sleep(&streams, &big).unwrap();
+    arena.wake(&streams, &WakeDesc::default()).unwrap();
+    let mut big_cols: [Vec<f64>; 2] = Default::default();
+    for _ in 0..ROUNDS {
+        let ds = arena.sleep(&streams, &big).unwrap();
+        let dw = arena.wake(&streams, &WakeDesc::default()).unwrap();
+        big_cols[0].push(per_gib(ds.total_time, bytes));
+        big_cols[1].push(per_gib(dw.total_time, bytes));
+    }
+    println!(
+        "discarding with 256 MiB pieces ({} chunks): sleep {:.3}, wake {:.3}, both {:.3} ms/GiB",
+        arena.snapshot().segments.len(),
+        median(big_cols[0].clone()),
+        median(big_cols[1].clone()),
+        median(
+            big_cols[0]
+                .iter()
+                .zip(&big_cols[1])
+                .map(|(a, b)| a + b)
+                .collect()
+        )
+    );
     let m: Vec<f64> = cols.iter().map(|c| median(c.clone())).collect();
     let (d2h, h2d) = (m[0], m[1]);
     println!(

@@ -321,6 +321,52 @@ impl<B: Backend> ChunkPool<B> {
         Ok(n * chunk)
     }
 
+    /// Makes sure the pool holds a chunk at `placement` for each size in
+    /// `sizes` (one per entry; those it holds already count), creating the
+    /// missing ones, host-memory ones on several threads
+    /// ([`create_threads`]); they are kept whatever the watermarks, as
+    /// [`reserve`](Self::reserve)'s are. What
+    /// [`Arena::prepare_sleep`](crate::Arena::prepare_sleep) runs, ahead of
+    /// a first sleep, possibly on a thread of its own. Returns the bytes
+    /// created. All or nothing: on an error the chunks this call created are
+    /// released.
+    pub fn stock(&self, placement: Location, sizes: &[usize]) -> Result<usize> {
+        let g = self.backend.granularity(placement)?;
+        if let Some(&bad) = sizes.iter().find(|&&b| b == 0 || !b.is_multiple_of(g)) {
+            return Err(Error::invalid(format!(
+                "stock: {bad} bytes is not a non-zero multiple of {g}"
+            )));
+        }
+        let mut have = self.offer(false);
+        let wants: Vec<(Location, usize)> = sizes
+            .iter()
+            .filter(|&&b| match have.get_mut(&(placement, b)) {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    false
+                }
+                _ => true,
+            })
+            .map(|&b| (placement, b))
+            .collect();
+        let none = wants.iter().map(|_| None).collect();
+        let made = fill_by_creating(&*self.backend, false, &wants, none, |_, _, c| {
+            let _ = Driver(&*self.backend).release(c);
+        })?;
+        let mut inner = self.lock();
+        let mut added = 0;
+        for (c, &(p, b)) in made.into_iter().zip(&wants) {
+            inner.free.entry((p, false, b)).or_default().push(c);
+            inner.stats.pooled_bytes += b;
+            inner.stats.pooled_chunks += 1;
+            if p == Location::Host {
+                inner.stats.pooled_host_bytes += b;
+            }
+            added += b;
+        }
+        Ok(added)
+    }
+
     /// Gives the pooled chunks placed at `placement` back to the driver
     /// and keeps the others, as [`trim`](Self::trim) does for all.
     pub fn trim_at(&self, placement: Location) -> Result<()> {

@@ -206,7 +206,7 @@ impl<F> Asleep<F> {
 /// (the arena's zone boundary), each bound for `to`.
 fn plan_groups<C>(
     table: &ChunkTable<C>,
-    select: impl Fn(&Entry<C>) -> bool,
+    select: impl Fn(usize, &Entry<C>) -> bool,
     to: Location,
     max_piece: usize,
     split_at: usize,
@@ -214,7 +214,7 @@ fn plan_groups<C>(
     let mut groups: Vec<Group> = Vec::new();
     let mut first: Option<&Entry<C>> = None;
     for (o, e) in table.iter() {
-        if !select(e) {
+        if !select(o, e) {
             first = None;
             continue;
         }
@@ -299,7 +299,7 @@ impl<B: Backend> Shared<B> {
         let _ = &r.device_bytes;
         let groups = plan_groups(
             &st.region.table,
-            |e| e.placement != Location::Host,
+            |_, e| e.placement != Location::Host,
             Location::Host,
             piece,
             st.small_end,
@@ -547,7 +547,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     lost: Vec::new(),
                 });
                 r.chunks_before = st.region.table.chunk_count();
+                let t = Instant::now();
                 let res = sh.sleep_discard(st, &mut asleep);
+                r.migration.swap_time = t.elapsed();
                 r.bytes = asleep.runs.iter().map(|x| x.1).sum();
                 st.asleep = Some(asleep);
                 res?;
@@ -559,9 +561,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         drop(guard);
         // The device memory left in the pool goes back to the driver; the
         // sleep stands if that fails (logged by the pool).
+        let t = Instant::now();
         if sh.placement != Location::Host {
             let _ = sh.pool.trim_at(sh.placement);
         }
+        r.migration.dispose_time += t.elapsed();
         r.total_time = start.elapsed();
         tracing::debug!(
             mode = %r.mode,
@@ -605,7 +609,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             SleepMode::Keep => {
                 let groups = plan_groups(
                     &st.region.table,
-                    |e| e.placement == Location::Host,
+                    |_, e| e.placement == Location::Host,
                     sh.placement,
                     asleep.piece,
                     st.small_end,
@@ -639,6 +643,54 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         r.total_time = start.elapsed();
         tracing::debug!(mode = %r.mode, bytes = r.bytes, "vmmbuf: arena awake");
         Ok(r)
+    }
+
+    /// Creates, ahead of a [`sleep`](Self::sleep) with `desc`, the host
+    /// pieces it would take, and keeps them in the arena's pool: that sleep
+    /// then pins nothing and runs at copy speed. Pinning host memory costs
+    /// ~260-400 ms per GiB (H100), which this pays now, on the calling
+    /// thread: call it on a thread of its own while the GPU works (the
+    /// arena's lock is held only to plan). Pieces the pool holds already
+    /// count. A discarding `desc` needs none. Returns the bytes created.
+    pub fn prepare_sleep(&self, desc: &SleepDesc) -> Result<usize> {
+        if desc.mode == SleepMode::Discard {
+            return Ok(0);
+        }
+        let sh = &*self.shared;
+        let piece = crate::plan::round_up(desc.max_piece_bytes.max(1), sh.granularity)
+            .ok_or_else(|| Error::invalid("max_piece_bytes overflows"))?
+            .max(sh.chunk_bytes);
+        let sizes: Vec<usize> = {
+            let st = sh.state.lock();
+            st.region.check_poison()?;
+            // The sleep gives whole free chunks back before it moves (once
+            // their frees have passed, adjacent free blocks have merged).
+            let mut free: Vec<(usize, usize)> = Vec::new();
+            let mut blocks: Vec<(usize, usize)> =
+                st.free_blocks().map(|(o, f)| (o, o + f.size)).collect();
+            blocks.sort_unstable();
+            for (a, b) in blocks {
+                match free.last_mut() {
+                    Some(last) if last.1 == a => last.1 = b,
+                    _ => free.push((a, b)),
+                }
+            }
+            let is_free = |o: usize, n: usize| {
+                let i = free.partition_point(|&(a, _)| a <= o);
+                i > 0 && free[i - 1].1 >= o + n
+            };
+            plan_groups(
+                &st.region.table,
+                |o, e| e.placement != Location::Host && !is_free(o, e.bytes),
+                Location::Host,
+                piece,
+                st.small_end,
+            )
+            .iter()
+            .map(|g| g.bytes)
+            .collect()
+        };
+        sh.pool.stock(Location::Host, &sizes)
     }
 
     /// How the arena sleeps now; `None` while awake.

@@ -22,6 +22,7 @@ crate::register! {
         every_failed_call_of_a_discarding_wake_leaves_it_asleep,
         a_zeroed_wake_zeroes_reused_memory,
         the_host_pieces_kept_between_sleeps_are_bounded,
+        prepare_sleep_pins_ahead_so_the_sleep_creates_nothing,
     ],
     gpu: [sleep_gives_the_device_memory_back_and_kernels_still_read],
 }
@@ -467,6 +468,33 @@ fn every_failed_call_of_a_discarding_wake_leaves_it_asleep() {
     }
     drop(state);
     assert_eq!(fb.live().chunks, 0, "and nothing leaked");
+}
+
+/// `prepare_sleep` creates the host pieces a sleep will take (on another
+/// thread, while the arena keeps working): the sleep then creates nothing.
+fn prepare_sleep_pins_ahead_so_the_sleep_creates_nothing() {
+    let (fb, arena) = emulated();
+    let live = fill(&arena, 71, 27);
+    let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let a2 = arena.clone();
+    let made = std::thread::spawn(move || a2.prepare_sleep(&SleepDesc::keep()).unwrap())
+        .join()
+        .unwrap();
+    let p = arena.pool().stats();
+    assert!(made > 0 && p.pooled_host_bytes == made, "{made} B, {p}");
+    // Preparing again creates nothing: the pool holds the pieces.
+    assert_eq!(arena.prepare_sleep(&SleepDesc::keep()).unwrap(), 0);
+    assert_eq!(arena.prepare_sleep(&SleepDesc::discard()).unwrap(), 0);
+    let hits = p.hits;
+    let chunks_before = fb.live().chunks;
+    let r = arena.sleep(&[Q(0)], &SleepDesc::keep()).unwrap();
+    assert_eq!(r.bytes, made, "the sleep moved what was prepared for");
+    assert_eq!(arena.pool().stats().hits - hits, r.chunks_after as u64);
+    assert_eq!(arena.pool().stats().pooled_host_bytes, 0);
+    assert!(fb.live().chunks < chunks_before, "nothing was created");
+    assert_intact(&live, &addresses, "asleep");
+    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    assert_intact(&live, &addresses, "awake");
 }
 
 /// The host pieces a wake leaves in the pool stay within
