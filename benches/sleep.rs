@@ -10,7 +10,8 @@
 //! pinned copy. Before the rounds: the first kept sleep (host pieces pinned
 //! then) with 1, 2, 4 and 8 creating threads, and the first discarding
 //! sleep of memory still in 2 MiB chunks. Every wake checks the first and
-//! last word of every tensor.
+//! last word of every tensor. `VMMBUF_BENCH_PROBE=0` skips the probe of
+//! host-chunk creation (by size, location type and threads).
 
 mod common;
 
@@ -178,7 +179,9 @@ fn main() {
     let Some(backend) = gpu_or_skip("sleep") else {
         return;
     };
-    create_probe(&backend);
+    if std::env::var("VMMBUF_BENCH_PROBE").as_deref() != Ok("0") {
+        create_probe(&backend);
+    }
     let raw = Raw::new(backend.clone());
     let s = backend.context().new_stream().unwrap();
     let streams = [s.clone()];
@@ -255,8 +258,8 @@ fn main() {
         raw.sync();
         last = Some((sl, wk));
     }
-    // Discarding with 256 MiB pieces: one cycle to regroup, then rounds.
-    let big = SleepDesc::discard().max_piece_bytes(256 * MIB);
+    // Discarding with 64 MiB pieces: one cycle to regroup, then rounds.
+    let big = SleepDesc::discard().max_piece_bytes(64 * MIB);
     arena.sleep(&streams, &big).unwrap();
     arena.wake(&streams, &WakeDesc::default()).unwrap();
     let mut big_cols: [Vec<f64>; 2] = Default::default();
@@ -267,7 +270,7 @@ fn main() {
         big_cols[1].push(per_gib(dw.total_time, bytes));
     }
     println!(
-        "discarding with 256 MiB pieces ({} chunks): sleep {:.3}, wake {:.3}, both {:.3} ms/GiB",
+        "discarding with 64 MiB pieces ({} segments): sleep {:.3}, wake {:.3}, both {:.3} ms/GiB",
         arena.snapshot().segments.len(),
         median(big_cols[0].clone()),
         median(big_cols[1].clone()),

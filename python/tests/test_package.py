@@ -15,6 +15,8 @@ from vmmbuf import _native, errors
 
 ENTRY_POINTS = ("vmmbuf_malloc", "vmmbuf_torch_malloc", "vmmbuf_free", "vmmbuf_stats_json", "vmmbuf_set_budget",
                 "vmmbuf_set_tag", "vmmbuf_sleep", "vmmbuf_wake", "vmmbuf_empty_cache",
+                "vmmbuf_prepare_sleep", "vmmbuf_release_host_cache",
+                "vmmbuf_set_host_cache_limit",
                 "vmmbuf_reset_peak", "vmmbuf_last_error")
 
 
@@ -118,6 +120,13 @@ def test_sleep_and_stats_without_memory():
     assert vmmbuf.sleep() == 0
     assert vmmbuf.wake(["weights", None]) == 0
     assert vmmbuf.sleep("kv") == 0
+    assert vmmbuf.sleep("kv", discard=True) == 0
+    assert vmmbuf.wake(zero=True) == 0
+    assert vmmbuf.prepare_sleep(wait=True) == 0
+    assert vmmbuf.prepare_sleep(["weights"]) == 0
+    assert vmmbuf.release_host_cache() == 0
+    vmmbuf.set_host_cache_limit(1 << 30)
+    vmmbuf.set_host_cache_limit(2**64 - 1)
     vmmbuf.reset_peak(5)
     vmmbuf.empty_cache(5)
 

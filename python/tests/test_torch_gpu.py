@@ -146,10 +146,66 @@ def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gp
     assert torch_memory_saver.resume("w") == moved
     assert w.data_ptr() == ptr and torch.equal(w.cpu(), ref_w)
     assert torch.equal(kv.cpu(), ref_kv), "another tag was not touched"
-    # Every tag at once, then work on the tensors after waking.
-    torch_memory_saver.pause()
-    torch_memory_saver.resume()
-    assert torch.equal((w * 2).cpu(), ref_w * 2) and torch.equal(kv.cpu(), ref_kv)
+    # Every tag at once: "kv" had no CPU backup, so its memory is dropped
+    # (as torch_memory_saver drops it) and comes back fresh at its address.
+    kv_ptr = kv.data_ptr()
+    free0 = torch.cuda.mem_get_info()[0]
+    paused = torch_memory_saver.pause()
+    assert paused >= (256 + 64) * MiB
+    assert torch.cuda.mem_get_info()[0] - free0 >= (256 + 64) * MiB
+    assert vmmbuf_stats()["sleep_modes"] == {"kv": "discard", "w": "keep"}
+    assert torch_memory_saver.resume() == paused
+    assert torch.equal((w * 2).cpu(), ref_w * 2)
+    assert kv.data_ptr() == kv_ptr
+    kv.copy_(ref_kv.cuda())
+    assert torch.equal(kv.cpu(), ref_kv), "the fresh memory is usable"
+    assert torch_memory_saver.retain_cpu_backup
+
+
+def vmmbuf_stats():
+    import vmmbuf
+    import torch
+
+    return vmmbuf.stats(torch.cuda.current_device())
+
+
+def test_discarding_sleep_gives_memory_back_and_wakes_zeroed(torch_gpu):
+    torch = torch_gpu
+    import vmmbuf
+    import vmmbuf.torch as vt
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    with vt.pool("kv22"):
+        kv = torch.randn(96 * MiB, device="cuda", generator=g)  # 384 MiB
+    with vt.pool("w22"):
+        w = torch.randn(32 * MiB, device="cuda", generator=g)
+    ref_w = w.cpu()
+    ptr = kv.data_ptr()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    slept = vmmbuf.sleep("kv22", discard=True)
+    assert slept >= 384 * MiB
+    assert torch.cuda.mem_get_info()[0] - free0 >= 384 * MiB, "device memory given back"
+    st = vmmbuf_stats()
+    assert st["discarded_bytes"] >= 384 * MiB and st["sleep_modes"]["kv22"] == "discard"
+    assert vmmbuf.wake("kv22", zero=True) == slept
+    assert kv.data_ptr() == ptr
+    assert int(torch.count_nonzero(kv)) == 0, "woken zeroed"
+    kv.fill_(3.0)
+    assert float(kv.sum()) == 3.0 * kv.numel()
+    # The kept sleep of another tag: prepared ahead, so it pins nothing.
+    vmmbuf.release_host_cache()
+    vmmbuf.prepare_sleep("w22", wait=True)
+    prepared = vmmbuf_stats()["pooled_host_bytes"]
+    assert prepared >= 128 * MiB
+    assert vmmbuf.sleep("w22") >= 128 * MiB
+    assert vmmbuf_stats()["pooled_host_bytes"] < prepared, "the sleep took the prepared pieces"
+    assert torch.equal(w.cpu(), ref_w), "readable asleep"
+    vmmbuf.wake("w22")
+    assert torch.equal(w.cpu(), ref_w)
+    assert vmmbuf_stats()["pooled_host_bytes"] >= 128 * MiB, "kept for the next sleep"
+    assert vmmbuf.release_host_cache() >= 128 * MiB
+    assert vmmbuf_stats()["pooled_host_bytes"] == 0
 
 
 def test_growable_tensor_with_torch_grows_in_place(torch_gpu):

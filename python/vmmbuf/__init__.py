@@ -78,19 +78,48 @@ def _each(tags: Tags) -> Iterable[Optional[str]]:
     return [t or "" for t in tags]
 
 
-def sleep(tags: Tags = None) -> int:
-    """Moves the allocations of ``tags`` (a tag, a list, or None for every
-    tag, untagged included) to pinned host memory at the same addresses and
-    gives their device memory back. Tensors stay valid (kernels reach them
-    over the bus). Waits only for the streams that used them. Returns the
-    bytes moved."""
-    return sum(_native.sleep(t) for t in _each(tags))
+def sleep(tags: Tags = None, *, discard: bool = False) -> int:
+    """Puts the allocations of ``tags`` (a tag, a list, or None for every
+    tag, untagged included) to sleep and gives their device memory back;
+    every tensor keeps its address. By default the data moves to pinned
+    host memory (tensors stay valid: kernels and the CPU reach them over
+    the bus); with ``discard=True`` nothing is copied and the contents are
+    lost (KV caches, activations): touching such a tensor before ``wake``
+    faults. Waits only for the streams that used them. A kept sleep takes
+    its pinned host memory from what the last wake kept (see
+    ``prepare_sleep`` and ``release_host_cache``). Returns the bytes put to
+    sleep."""
+    return sum(_native.sleep(t, discard)[0] for t in _each(tags))
 
 
-def wake(tags: Tags = None) -> int:
-    """Brings the allocations of ``tags`` (None: every tag's) back to their
-    GPUs at the same addresses. Returns the bytes moved."""
-    return sum(_native.wake(t) for t in _each(tags))
+def wake(tags: Tags = None, *, zero: bool = False) -> int:
+    """Wakes the allocations of ``tags`` (None: every tag's) at the same
+    addresses: kept data comes back to the GPU; discarded memory is mapped
+    afresh, its contents undefined unless ``zero=True``. The pinned host
+    memory a kept sleep used stays cached for the next sleep. Returns the
+    bytes woken."""
+    return sum(_native.wake(t, zero)[0] for t in _each(tags))
+
+
+def prepare_sleep(tags: Tags = None, *, wait: bool = False) -> int:
+    """Pins, ahead of the first kept ``sleep``, the host memory it will take
+    (pinning costs ~0.3 s per GiB; a steady-state sleep pins nothing). By
+    default on a thread of its own while the GPU keeps working (the next
+    sleep waits for it) and returns 0; with ``wait=True`` returns the bytes
+    pinned."""
+    return sum(_native.prepare_sleep(t, wait) for t in _each(tags))
+
+
+def release_host_cache() -> int:
+    """Gives back the pinned host memory kept between sleeps (on every
+    device); returns the bytes."""
+    return _native.release_host_cache()
+
+
+def set_host_cache_limit(bytes: int) -> None:
+    """Bounds the pinned host memory each device keeps between sleeps;
+    what is above it goes back at once (0 keeps none)."""
+    _native.set_host_cache_limit(int(bytes))
 
 
 def stats(device: int = 0) -> Dict[str, Any]:
@@ -132,6 +161,9 @@ __all__ = [
     "tag",
     "sleep",
     "wake",
+    "prepare_sleep",
+    "release_host_cache",
+    "set_host_cache_limit",
     "stats",
     "set_budget",
     "empty_cache",

@@ -10,18 +10,21 @@
 
 ``region`` allocates from a vmmbuf ``MemPool`` per tag (or, after
 ``vmmbuf.torch.use()``, from vmmbuf process-wide) and tags what it
-allocates. ``pause`` moves the tag's memory to pinned host memory at the
-same addresses and gives the device memory back; ``resume`` brings it back.
-The contents are kept in both modes (``enable_cpu_backup=False`` allows
-torch_memory_saver to drop them; vmmbuf keeps them until its discard mode
-lands), and a paused tensor stays readable by kernels, over the bus.
-``sleep``/``wake`` are the same as ``pause``/``resume``.
+allocates. ``pause`` gives the tag's device memory back, every tensor at
+its address: with ``enable_cpu_backup=True`` the contents move to pinned
+host memory (a paused tensor stays readable by kernels, over the bus) and
+``resume`` brings them back; without it they are discarded, as
+torch_memory_saver discards them, and ``resume`` maps fresh memory
+(contents undefined). The pinned host memory stays cached from one pause
+to the next (torch_memory_saver's ``retain_cpu_backup``, always on; see
+``vmmbuf.release_host_cache``). ``sleep``/``wake`` are the same as
+``pause``/``resume``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, List, Optional
 
 from . import _native
 from . import torch as _vtorch
@@ -50,15 +53,28 @@ class TorchMemorySaver:
             with _vtorch.pool(tag):
                 yield
 
+    def _tags(self, tag: Optional[str]) -> List[str]:
+        return sorted(self._cpu_backup) if tag is None else [tag]
+
     def pause(self, tag: Optional[str] = None) -> int:
-        """Gives back the device memory of ``tag`` (None: every tag); returns
-        the bytes moved to host memory."""
-        return _native.sleep(tag)
+        """Gives back the device memory of ``tag`` (None: every region's
+        tag), keeping the contents in pinned host memory where the region
+        asked for a CPU backup and discarding them otherwise; returns the
+        bytes paused."""
+        return sum(
+            _native.sleep(t, not self._cpu_backup.get(t, False))[0] for t in self._tags(tag)
+        )
 
     def resume(self, tag: Optional[str] = None) -> int:
-        """Maps ``tag``'s memory (None: every tag's) back at the same
-        addresses; returns the bytes moved back."""
-        return _native.wake(tag)
+        """Maps ``tag``'s memory (None: every region's) back at the same
+        addresses; returns the bytes resumed."""
+        return sum(_native.wake(t)[0] for t in self._tags(tag))
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        """Always True: the pinned host memory stays cached between pauses
+        (``vmmbuf.release_host_cache`` gives it back)."""
+        return True
 
     sleep = pause
     wake = resume

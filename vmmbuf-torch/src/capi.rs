@@ -166,6 +166,65 @@ pub extern "C" fn vmmbuf_empty_cache(device: c_int) -> c_int {
     })
 }
 
+/// Pins, ahead of a kept sleep of `tag` (null: every tag), the host memory
+/// it will take: on a thread of its own if `wait` is 0 (the next sleep
+/// waits for it), else now. Returns the bytes pinned (0 when not waiting),
+/// or -1 on an error (logged).
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_prepare_sleep(tag: *const c_char, wait: c_int) -> i64 {
+    guard("vmmbuf_prepare_sleep", -1, || {
+        let every = tag.is_null();
+        let Some(tag) = tag_of(tag) else {
+            fail("vmmbuf_prepare_sleep", &"a tag that is not UTF-8");
+            return -1;
+        };
+        match state::prepare_sleep((!every).then_some(tag.as_str()), wait != 0) {
+            Ok(n) => n as i64,
+            Err(e) => {
+                fail("vmmbuf_prepare_sleep", &e);
+                -1
+            }
+        }
+    })
+}
+
+/// Gives the pinned host memory kept between sleeps back to the driver, on
+/// every device. Returns the bytes, or -1 on an error (logged).
+#[no_mangle]
+pub extern "C" fn vmmbuf_release_host_cache() -> i64 {
+    guard(
+        "vmmbuf_release_host_cache",
+        -1,
+        || match state::release_host_cache() {
+            Ok(n) => n as i64,
+            Err(e) => {
+                fail("vmmbuf_release_host_cache", &e);
+                -1
+            }
+        },
+    )
+}
+
+/// Bounds the pinned host memory each device keeps between sleeps (what is
+/// above it goes back at once). Returns 0, or -1 on an error (logged).
+#[no_mangle]
+pub extern "C" fn vmmbuf_set_host_cache_limit(bytes: usize) -> c_int {
+    guard(
+        "vmmbuf_set_host_cache_limit",
+        -1,
+        || match state::set_host_cache_limit(bytes) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail("vmmbuf_set_host_cache_limit", &e);
+                -1
+            }
+        },
+    )
+}
+
 /// The tag `tag` names: null or "" for the default one; `None` if it is not
 /// UTF-8.
 fn tag_of(tag: *const c_char) -> Option<String> {
@@ -198,41 +257,51 @@ pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
     })
 }
 
-/// Moves `tag`'s allocations (null: every tag's) on every device to pinned
-/// host memory at the same addresses and gives their device memory back.
-/// Waits for the work queued so far on the streams of the tag's live
-/// allocations, for the fences of its frees and for the uses recorded on
-/// its allocations; never for the whole device. Until `vmmbuf_wake`, new
-/// allocations under a sleeping tag are made in host memory. Returns the
-/// bytes moved, or -1 on an error (logged; the arena that failed stays as it
-/// was).
+/// Puts `tag`'s allocations (null: every tag's) on every device to sleep
+/// and gives their device memory back; the addresses stay. `flags` bit 0
+/// (`VMMBUF_DISCARD`) discards the contents instead of keeping them in
+/// pinned host memory. Waits for the work queued so far on the streams of
+/// the tag's live allocations, for the fences of its frees and for the uses
+/// recorded on its allocations; never for the whole device. Until
+/// `vmmbuf_wake`, new allocations under a tag kept asleep are made in host
+/// memory (discarded: in fresh device memory elsewhere). Returns the bytes
+/// put to sleep, or -1 on an error (logged; the arena that failed stays as
+/// it was).
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char) -> i64 {
-    guard("vmmbuf_sleep", -1, || move_tag(tag, true))
+pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char, flags: c_int) -> i64 {
+    guard("vmmbuf_sleep", -1, || move_tag(tag, true, flags & 1 != 0))
 }
 
-/// Brings `tag`'s allocations (null: every tag's) back to their devices, at
-/// the same addresses. Returns the bytes moved, or -1 on an error (logged).
+/// Wakes `tag`'s allocations (null: every tag's) at the same addresses:
+/// kept contents come back; discarded ranges get fresh memory, zeroed if
+/// `flags` bit 0 (`VMMBUF_ZERO`) is set. Returns the bytes woken, or -1 on
+/// an error (logged).
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn vmmbuf_wake(tag: *const c_char) -> i64 {
-    guard("vmmbuf_wake", -1, || move_tag(tag, false))
+pub unsafe extern "C" fn vmmbuf_wake(tag: *const c_char, flags: c_int) -> i64 {
+    guard("vmmbuf_wake", -1, || move_tag(tag, false, flags & 1 != 0))
 }
 
-fn move_tag(tag: *const c_char, sleep: bool) -> i64 {
+fn move_tag(tag: *const c_char, sleep: bool, flag: bool) -> i64 {
     let what = if sleep { "vmmbuf_sleep" } else { "vmmbuf_wake" };
     let every = tag.is_null();
     let Some(tag) = tag_of(tag) else {
         fail(what, &"a tag that is not UTF-8");
         return -1;
     };
-    match state::move_tag((!every).then_some(tag.as_str()), sleep) {
-        Ok(n) => n as i64,
+    let t = (!every).then_some(tag.as_str());
+    let r = if sleep {
+        state::sleep_tags(t, flag)
+    } else {
+        state::wake_tags(t, flag)
+    };
+    match r {
+        Ok(m) => m.bytes as i64,
         Err(e) => {
             fail(&format!("{what}({tag:?})"), &e);
             -1

@@ -12,10 +12,12 @@
 //! thread; all of a device's arenas share one chunk pool and one budget).
 //! Each device has its own lock: work on one device never waits for
 //! another's. Failures are logged to stderr (`VMMBUF_LOG` sets the level) and
-//! kept per thread ([`vmmbuf_last_error`]). `vmmbuf_sleep(tag)` moves a tag's
+//! kept per thread ([`vmmbuf_last_error`]). `vmmbuf_sleep(tag, 0)` moves a tag's
 //! memory to pinned host memory at the same addresses and gives the device
 //! memory back; kernels still reach the tensors there, more slowly.
-//! `vmmbuf_wake(tag)` brings it back.
+//! `vmmbuf_sleep(tag, VMMBUF_DISCARD)` gives it back without a copy (the
+//! contents are lost). `vmmbuf_wake(tag, 0)` brings it back
+//! (`VMMBUF_ZERO`: discarded memory comes back zeroed).
 //!
 //! PyTorch calls `void* vmmbuf_malloc(ssize_t size, int device,
 //! cudaStream_t stream)` (inside a `MemPool`, whose caching allocator turns
@@ -116,7 +118,7 @@ mod tests {
         vmmbuf_free(q, 40 << 20, 0, raw(&st));
         st.synchronize().unwrap();
         // SAFETY: null names every tag.
-        assert!(unsafe { vmmbuf_wake(std::ptr::null()) } >= 0);
+        assert!(unsafe { vmmbuf_wake(std::ptr::null(), 0) } >= 0);
         // Tags are per thread: another thread's tag does not move this one's
         // allocations, and sleeping that tag moves only its own.
         let st2 = st.clone();
@@ -131,10 +133,32 @@ mod tests {
         assert!(!other.is_null() && !mine.is_null());
         st.synchronize().unwrap();
         // SAFETY: a NUL-terminated literal.
-        let moved = unsafe { vmmbuf_sleep(c"t1".as_ptr()) };
+        let moved = unsafe { vmmbuf_sleep(c"t1".as_ptr(), 0) };
         assert_eq!(moved, 2 << 20, "only the other thread's tag slept");
         // SAFETY: as above.
-        assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr()) }, 2 << 20);
+        assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr(), 0) }, 2 << 20);
+        // Discarded, and woken zeroed: the same bytes at the same address.
+        // SAFETY: as above.
+        assert_eq!(unsafe { vmmbuf_sleep(c"t1".as_ptr(), 1) }, 2 << 20);
+        let v: serde_json::Value = serde_json::from_str(
+            // SAFETY: valid until this thread's next call.
+            unsafe { CStr::from_ptr(vmmbuf_stats_json(0)) }
+                .to_str()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v["discarded_bytes"], 2 << 20, "{v}");
+        assert_eq!(v["sleep_modes"]["t1"], "discard", "{v}");
+        // SAFETY: as above.
+        assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr(), 1) }, 2 << 20);
+        let mut word = [1u8; 8];
+        ctx.bind_to_thread().unwrap();
+        // SAFETY: `other` is a live 2 MiB allocation mapped for this device.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyDtoH_v2(word.as_mut_ptr().cast(), other as u64, 8)
+        };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+        assert_eq!(word, [0u8; 8], "woken zeroed");
         vmmbuf_free(other, 2 << 20, 0, raw(&st));
         vmmbuf_free(mine, 2 << 20, 0, raw(&st));
         st.synchronize().unwrap();
@@ -150,8 +174,8 @@ mod tests {
         // SAFETY: null names every tag.
         let (slept, woke) = unsafe {
             (
-                vmmbuf_sleep(std::ptr::null()),
-                vmmbuf_wake(std::ptr::null()),
+                vmmbuf_sleep(std::ptr::null(), 0),
+                vmmbuf_wake(std::ptr::null(), 0),
             )
         };
         assert!(slept >= 0 && woke >= 0, "sleep {slept}, wake {woke}");
@@ -187,13 +211,19 @@ mod tests {
         assert_eq!(vmmbuf_set_budget(3, 1 << 30), 0);
         assert_eq!(vmmbuf_empty_cache(3), 0);
         vmmbuf_reset_peak(3);
+        assert_eq!(vmmbuf_release_host_cache(), 0);
+        assert_eq!(vmmbuf_set_host_cache_limit(1 << 30), 0);
+        assert_eq!(vmmbuf_set_host_cache_limit(usize::MAX), 0);
         // SAFETY: NUL-terminated literals and null.
         unsafe {
             assert_eq!(vmmbuf_set_tag(c"weights".as_ptr()), 0);
             assert_eq!(vmmbuf_set_tag(std::ptr::null()), 0);
             assert_eq!(vmmbuf_set_tag(c"\xff".as_ptr()), -1, "not UTF-8");
-            assert_eq!(vmmbuf_sleep(std::ptr::null()), 0, "nothing to move");
-            assert_eq!(vmmbuf_wake(c"weights".as_ptr()), 0);
+            assert_eq!(vmmbuf_sleep(std::ptr::null(), 0), 0, "nothing to move");
+            assert_eq!(vmmbuf_wake(c"weights".as_ptr(), 0), 0);
+            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 1), 0);
+            assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 1), 0);
+            assert_eq!(vmmbuf_prepare_sleep(c"\xff".as_ptr(), 1), -1, "not UTF-8");
         }
     }
 }

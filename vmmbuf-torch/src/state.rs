@@ -13,7 +13,8 @@ use parking_lot::{Mutex, RwLock};
 use vmmbuf::cuda::CudaAllocation;
 use vmmbuf::stats::ArenaStats;
 use vmmbuf::{
-    Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, PoolDesc, Result,
+    Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, Location, PoolDesc,
+    Result, SleepDesc, SleepMode, WakeDesc,
 };
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
@@ -35,6 +36,9 @@ pub(crate) struct Device {
     budget: Option<Arc<Budget>>,
     /// Live allocations by address.
     live: HashMap<usize, CudaAllocation>,
+    /// Host pieces being created ahead of a sleep (`prepare_sleep`): a
+    /// sleep waits for them rather than pin the same pages again.
+    preparing: Option<std::thread::JoinHandle<Result<usize>>>,
 }
 
 #[derive(Default)]
@@ -74,7 +78,10 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         return Ok(d.clone());
     }
     let backend = CudaBackend::new(ordinal(device)?)?;
-    let pool = ChunkPool::new(backend.clone(), PoolDesc::default())?;
+    let pool = ChunkPool::new(
+        backend.clone(),
+        PoolDesc::default().max_host_bytes(HOST_LIMIT.load(std::sync::atomic::Ordering::Relaxed)),
+    )?;
     let d = Arc::new(Mutex::new(Device {
         arenas: HashMap::new(),
         pool,
@@ -82,6 +89,7 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         budget: r.budgets.get(&device).map(|&b| Budget::new(b)),
         streams: HashMap::new(),
         live: HashMap::new(),
+        preparing: None,
     }));
     r.devices.insert(device, d.clone());
     Ok(d)
@@ -155,6 +163,7 @@ impl Device {
             sum.num_allocs += s.num_allocs;
             sum.num_frees += s.num_frees;
             sum.host_bytes += s.host_bytes;
+            sum.discarded_bytes += s.discarded_bytes;
             sum.device_bytes += s.device_bytes;
             sum.num_device_syncs = sum.num_device_syncs.max(s.num_device_syncs);
             sum.fragmentation = sum.fragmentation.max(s.fragmentation);
@@ -273,6 +282,11 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     m.insert("num_frees".into(), s.num_frees.into());
     m.insert("live_allocations".into(), d.live.len().into());
     m.insert("pooled_bytes".into(), s.pooled_bytes.into());
+    m.insert(
+        "pooled_host_bytes".into(),
+        d.pool.stats().pooled_host_bytes.into(),
+    );
+    m.insert("discarded_bytes".into(), s.discarded_bytes.into());
     m.insert("fragmentation".into(), s.fragmentation.into());
     m.insert("host_bytes".into(), s.host_bytes.into());
     m.insert("device_bytes".into(), s.device_bytes.into());
@@ -280,14 +294,25 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
         "budget_bytes".into(),
         d.budget.as_ref().map(|b| b.limit()).into(),
     );
-    let mut sleeping: Vec<&str> = d
+    let mut sleeping: Vec<(&str, SleepMode)> = d
         .arenas
         .iter()
-        .filter(|(_, a)| a.is_offloaded())
-        .map(|(t, _)| t.as_str())
+        .filter_map(|(t, a)| a.sleep_mode().map(|m| (t.as_str(), m)))
         .collect();
-    sleeping.sort_unstable();
-    m.insert("sleeping_tags".into(), sleeping.into());
+    sleeping.sort_unstable_by_key(|x| x.0);
+    m.insert(
+        "sleeping_tags".into(),
+        sleeping.iter().map(|x| x.0).collect::<Vec<_>>().into(),
+    );
+    m.insert(
+        "sleep_modes".into(),
+        serde_json::Value::Object(
+            sleeping
+                .iter()
+                .map(|(t, mode)| ((*t).to_owned(), mode.to_string().into()))
+                .collect(),
+        ),
+    );
     Some(serde_json::Value::Object(m).to_string())
 }
 
@@ -320,30 +345,157 @@ pub(crate) fn empty_cache(dev: c_int) -> Result<()> {
     }
 }
 
-/// Moves `tag`'s allocations (`None`: every tag's) on every device to
-/// pinned host memory (`sleep`) or back (`!sleep`), at the same addresses;
-/// the bytes moved. On an error the arena that failed stays as it was and
-/// the ones moved before it stay moved.
-pub(crate) fn move_tag(tag: Option<&str>, sleep: bool) -> Result<u64> {
-    let mut moved = 0u64;
+/// What a sleep or a wake of tags did, summed over devices and tags.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Moved {
+    /// Bytes put to sleep or woken.
+    pub(crate) bytes: u64,
+    /// Device bytes given back (sleep) or mapped (wake).
+    pub(crate) device_bytes: u64,
+    /// Of the call, copying (or zeroing) waited for.
+    pub(crate) copy_seconds: f64,
+    /// Arenas (tags) that moved.
+    pub(crate) tags: u32,
+}
+
+/// The tags of `d` that `tag` names (`None`: all), sorted.
+fn tags_of<'a>(d: &'a Device, tag: Option<&str>) -> Vec<&'a String> {
+    let mut tags: Vec<&String> = d
+        .arenas
+        .keys()
+        .filter(|t| tag.is_none_or(|want| want == t.as_str()))
+        .collect();
+    tags.sort_unstable();
+    tags
+}
+
+/// Puts `tag`'s arena (`None`: every tag's) on every device to sleep:
+/// keeping the data in pinned host memory, or discarding it; the memory
+/// goes back to the driver, the addresses stay. A preparation under way
+/// (`prepare_sleep`) is waited for first. On an error the arena that failed
+/// stays as it was and the ones before it stay asleep.
+pub(crate) fn sleep_tags(tag: Option<&str>, discard: bool) -> Result<Moved> {
+    let desc = if discard {
+        SleepDesc::discard()
+    } else {
+        SleepDesc::keep()
+    };
+    let mut moved = Moved::default();
     for (_, d) in all_devices() {
-        let d = d.lock();
-        let mut tags: Vec<&String> = d
-            .arenas
-            .keys()
-            .filter(|t| tag.is_none_or(|want| want == t.as_str()))
-            .collect();
-        tags.sort_unstable();
-        for t in tags {
+        let mut d = d.lock();
+        if let Some(h) = d.preparing.take() {
+            match h.join() {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "vmmbuf-torch: preparing a sleep failed"),
+                Err(_) => tracing::warn!("vmmbuf-torch: the preparing thread panicked"),
+            }
+        }
+        for t in tags_of(&d, tag) {
             let arena = &d.arenas[t];
-            let streams = d.live_streams(arena);
-            let report = if sleep {
-                arena.offload(&streams)
-            } else {
-                arena.restore(&streams)
-            }?;
-            moved += report.bytes_moved as u64;
+            let r = arena.sleep(&d.live_streams(arena), &desc)?;
+            moved.bytes += r.bytes as u64;
+            moved.device_bytes += r.device_bytes as u64;
+            moved.copy_seconds += r.migration.copy_time.as_secs_f64();
+            moved.tags += 1;
         }
     }
     Ok(moved)
 }
+
+/// Wakes `tag`'s arena (`None`: every tag's) on every device: kept data
+/// comes back, discarded ranges get fresh memory (zeroed if `zero`), at the
+/// same addresses. On an error the arena that failed stays asleep.
+pub(crate) fn wake_tags(tag: Option<&str>, zero: bool) -> Result<Moved> {
+    let desc = if zero {
+        WakeDesc::zeroed()
+    } else {
+        WakeDesc::default()
+    };
+    let mut moved = Moved::default();
+    for (_, d) in all_devices() {
+        let d = d.lock();
+        for t in tags_of(&d, tag) {
+            let arena = &d.arenas[t];
+            if arena.sleep_mode().is_none() {
+                continue;
+            }
+            let r = arena.wake(&d.live_streams(arena), &desc)?;
+            moved.bytes += r.bytes as u64;
+            moved.device_bytes += r.device_bytes as u64;
+            moved.copy_seconds += r.migration.copy_time.as_secs_f64();
+            moved.tags += 1;
+        }
+    }
+    Ok(moved)
+}
+
+/// Creates the host pieces a kept sleep of `tag` (`None`: every tag) would
+/// take, on a thread of its own per device (the GPU keeps working); the
+/// next sleep waits for it. With `wait`, returns once they exist, with the
+/// bytes created.
+pub(crate) fn prepare_sleep(tag: Option<&str>, wait: bool) -> Result<u64> {
+    let mut made = 0u64;
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        let arenas: Vec<TorchArena> = tags_of(&d, tag)
+            .into_iter()
+            .map(|t| d.arenas[t].clone())
+            .filter(|a| a.sleep_mode().is_none())
+            .collect();
+        if let Some(h) = d.preparing.take() {
+            let _ = h.join();
+        }
+        let work = move || -> Result<usize> {
+            let mut n = 0;
+            for a in arenas {
+                n += a.prepare_sleep(&SleepDesc::keep())?;
+            }
+            Ok(n)
+        };
+        if wait {
+            drop(d);
+            made += work()? as u64;
+        } else {
+            let h = std::thread::Builder::new()
+                .name("vmmbuf-prepare".into())
+                .spawn(work)
+                .map_err(|e| Error::Os {
+                    call: "spawning the preparing thread",
+                    source: e,
+                })?;
+            d.preparing = Some(h);
+        }
+    }
+    Ok(made)
+}
+
+/// Gives the host pieces kept between sleeps back to the driver, on every
+/// device (after any preparation under way); the bytes they held.
+pub(crate) fn release_host_cache() -> Result<u64> {
+    let mut gone = 0u64;
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        // A preparation under way finishes first (its pieces go too).
+        if let Some(h) = d.preparing.take() {
+            let _ = h.join();
+        }
+        gone += d.pool.stats().pooled_host_bytes as u64;
+        d.pool.trim_at(Location::Host)?;
+    }
+    Ok(gone)
+}
+
+/// Bounds the host pieces each device keeps between sleeps (shedding the
+/// largest at once if it holds more).
+pub(crate) fn set_host_cache_limit(bytes: usize) -> Result<()> {
+    for (_, d) in all_devices() {
+        let d = d.lock();
+        let desc = d.pool.desc().max_host_bytes(bytes);
+        d.pool.set_desc(desc)?;
+    }
+    HOST_LIMIT.store(bytes, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// The host bound for devices used later (`usize::MAX`: none).
+static HOST_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);

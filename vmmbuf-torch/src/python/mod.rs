@@ -103,21 +103,48 @@ fn get_tag() -> String {
     state::tag()
 }
 
-/// Moves `tag`'s allocations (None: every tag's) to pinned host memory at
-/// the same addresses; the bytes moved.
+/// Puts `tag`'s allocations (None: every tag's) to sleep, keeping the data
+/// in pinned host memory or (`discard`) dropping it; the device memory goes
+/// back, the addresses stay. `(bytes put to sleep, device bytes given back)`.
 #[pyfunction]
-#[pyo3(signature = (tag=None))]
-fn sleep(py: Python<'_>, tag: Option<String>) -> PyResult<u64> {
-    py.detach(|| state::move_tag(tag.as_deref(), true))
+#[pyo3(signature = (tag=None, discard=false))]
+fn sleep(py: Python<'_>, tag: Option<String>, discard: bool) -> PyResult<(u64, u64)> {
+    py.detach(|| state::sleep_tags(tag.as_deref(), discard))
+        .map(|m| (m.bytes, m.device_bytes))
         .map_err(to_py)
 }
 
-/// Brings `tag`'s allocations (None: every tag's) back to their devices;
-/// the bytes moved.
+/// Wakes `tag`'s allocations (None: every tag's) at the same addresses:
+/// kept data comes back; discarded ranges get fresh memory (zeroed with
+/// `zero`). `(bytes woken, device bytes mapped)`.
 #[pyfunction]
-#[pyo3(signature = (tag=None))]
-fn wake(py: Python<'_>, tag: Option<String>) -> PyResult<u64> {
-    py.detach(|| state::move_tag(tag.as_deref(), false))
+#[pyo3(signature = (tag=None, zero=false))]
+fn wake(py: Python<'_>, tag: Option<String>, zero: bool) -> PyResult<(u64, u64)> {
+    py.detach(|| state::wake_tags(tag.as_deref(), zero))
+        .map(|m| (m.bytes, m.device_bytes))
+        .map_err(to_py)
+}
+
+/// Creates the pinned host pieces a kept sleep of `tag` (None: every tag)
+/// would take: on a thread of its own (`wait` false; the next sleep waits
+/// for it) or now. The bytes created (0 when not waiting).
+#[pyfunction]
+#[pyo3(signature = (tag=None, wait=false))]
+fn prepare_sleep(py: Python<'_>, tag: Option<String>, wait: bool) -> PyResult<u64> {
+    py.detach(|| state::prepare_sleep(tag.as_deref(), wait))
+        .map_err(to_py)
+}
+
+/// Gives the host pieces kept between sleeps back to the driver; the bytes.
+#[pyfunction]
+fn release_host_cache(py: Python<'_>) -> PyResult<u64> {
+    py.detach(state::release_host_cache).map_err(to_py)
+}
+
+/// Bounds the host pieces each device keeps between sleeps.
+#[pyfunction]
+fn set_host_cache_limit(py: Python<'_>, bytes: usize) -> PyResult<()> {
+    py.detach(|| state::set_host_cache_limit(bytes))
         .map_err(to_py)
 }
 
@@ -149,6 +176,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_tag, m)?)?;
     m.add_function(wrap_pyfunction!(sleep, m)?)?;
     m.add_function(wrap_pyfunction!(wake, m)?)?;
+    m.add_function(wrap_pyfunction!(prepare_sleep, m)?)?;
+    m.add_function(wrap_pyfunction!(release_host_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(set_host_cache_limit, m)?)?;
     m.add_function(wrap_pyfunction!(last_error, m)?)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
