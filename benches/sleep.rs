@@ -10,8 +10,11 @@
 //! pinned copy. Before the rounds: the first kept sleep (host pieces pinned
 //! then) with 1, 2, 4 and 8 creating threads, and the first discarding
 //! sleep of memory still in 2 MiB chunks. Every wake checks the first and
-//! last word of every tensor. `VMMBUF_BENCH_PROBE=0` skips the probe of
-//! host-chunk creation (by size, location type and threads).
+//! last word of every tensor. First, a probe of what granting the GPU
+//! access to host chunks costs (per mapping, or once per chunk?);
+//! `VMMBUF_BENCH_ONLY_PROBE=1` stops after it. `VMMBUF_BENCH_PROBE=0` skips
+//! the probe of host-chunk creation (by size, location type and threads);
+//! `VMMBUF_BENCH_PIECES=16,64,...` adds kept sleeps by piece size (MiB).
 
 mod common;
 
@@ -175,10 +178,109 @@ fn create_probe(backend: &Arc<CudaBackend>) {
     }
 }
 
+/// What granting the GPU access to host chunks costs when the chunks are
+/// mapped nowhere else, against when another mapping of them (with access)
+/// stays: whether a kept second mapping makes the grant at the tensors'
+/// addresses cheap. 16 host chunks of 64 MiB, ms for the 1 GiB.
+fn access_probe(backend: &Arc<CudaBackend>) {
+    use sys::CUmemLocationType as T;
+    backend.context().bind_to_thread().unwrap();
+    let mut numa = 0i32;
+    // SAFETY: valid out-pointer and device.
+    ok("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(
+            &mut numa,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+            0,
+        )
+    });
+    let (n, chunk) = (16usize, 64 * MIB);
+    let handles: Vec<u64> = (0..n)
+        .map(|_| {
+            // SAFETY: plain C data; zero is the default.
+            let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type_ = T::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+            prop.location.__bindgen_anon_1.id = numa.max(0);
+            let mut h = 0;
+            // SAFETY: valid out-pointer and properties.
+            ok("cuMemCreate", unsafe {
+                sys::cuMemCreate(&mut h, chunk, &prop, 0)
+            });
+            h
+        })
+        .collect();
+    let reserve = || {
+        let mut p = 0;
+        // SAFETY: valid out-pointer; no hint.
+        ok("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut p, n * chunk, 0, 0, 0)
+        });
+        p
+    };
+    let (x, y) = (reserve(), reserve());
+    let map_grant = |va: u64| -> f64 {
+        let t = Instant::now();
+        for (i, &h) in handles.iter().enumerate() {
+            let at = va + (i * chunk) as u64;
+            // SAFETY: `at` lies in a reservation of ours, unmapped there; `h`
+            // is a live handle of `chunk` bytes, mapped whole.
+            ok("cuMemMap", unsafe { sys::cuMemMap(at, chunk, 0, h, 0) });
+            // SAFETY: plain C data, filled in below.
+            let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            d.location.type_ = T::CU_MEM_LOCATION_TYPE_DEVICE;
+            d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            // SAFETY: exactly the mapping just made; one descriptor.
+            ok("cuMemSetAccess", unsafe {
+                sys::cuMemSetAccess(at, chunk, &d, 1)
+            });
+        }
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    let unmap = |va: u64| -> f64 {
+        let t = Instant::now();
+        for i in 0..n {
+            // SAFETY: one whole mapping of ours; no work uses it.
+            ok("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(va + (i * chunk) as u64, chunk)
+            });
+        }
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    let first = map_grant(x);
+    let second = map_grant(y);
+    let unmap_kept = unmap(y);
+    let again = map_grant(y);
+    let unmap_y = unmap(y);
+    let unmap_last = unmap(x);
+    let alone = map_grant(y);
+    let unmap_alone = unmap(y);
+    println!(
+        "host chunks (16 x 64 MiB), map + grant the GPU, ms per GiB: first {first:.2}; a second \
+         mapping while the first stays {second:.2}; again after unmapping it {again:.2}; after \
+         every mapping went {alone:.2}. Unmap: with another mapping kept {unmap_kept:.2} / \
+         {unmap_y:.2}, the last one {unmap_last:.2}, alone {unmap_alone:.2}"
+    );
+    for p in [x, y] {
+        // SAFETY: our reservations, nothing mapped in them any more.
+        ok("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(p, n * chunk)
+        });
+    }
+    for h in handles {
+        // SAFETY: created above, unmapped everywhere, released once.
+        ok("cuMemRelease", unsafe { sys::cuMemRelease(h) });
+    }
+}
+
 fn main() {
     let Some(backend) = gpu_or_skip("sleep") else {
         return;
     };
+    access_probe(&backend);
+    if std::env::var("VMMBUF_BENCH_ONLY_PROBE").as_deref() == Ok("1") {
+        return;
+    }
     if std::env::var("VMMBUF_BENCH_PROBE").as_deref() != Ok("0") {
         create_probe(&backend);
     }
@@ -221,8 +323,49 @@ fn main() {
     drop(fresh_live);
     drop(fresh);
 
-    // Steady state, interleaved with the pinned copy.
     let (dev, host) = (raw.alloc(bytes), raw.alloc_pinned(bytes));
+    // Kept sleeps by piece size (`VMMBUF_BENCH_PIECES=16,32,...` in MiB):
+    // one cycle to regroup, then rounds against the pinned copy.
+    if let Ok(list) = std::env::var("VMMBUF_BENCH_PIECES") {
+        println!("kept sleep and wake by piece size, medians of {ROUNDS} rounds, ms per GiB:");
+        for mib in list
+            .split(',')
+            .filter_map(|x| x.trim().parse::<usize>().ok())
+        {
+            let desc = SleepDesc::keep().max_piece_bytes(mib * MIB);
+            arena.sleep(&streams, &desc).unwrap();
+            arena.wake(&streams, &WakeDesc::default()).unwrap();
+            let mut c: [Vec<f64>; 4] = Default::default();
+            let mut pieces = 0;
+            for _ in 0..ROUNDS {
+                let t = Instant::now();
+                raw.dtoh(host, dev, bytes);
+                c[0].push(per_gib(t.elapsed(), bytes));
+                let sl = arena.sleep(&streams, &desc).unwrap();
+                c[1].push(per_gib(sl.total_time, bytes));
+                pieces = sl.chunks_after;
+                let t = Instant::now();
+                raw.htod(dev, host, bytes);
+                c[2].push(per_gib(t.elapsed(), bytes));
+                let wk = arena.wake(&streams, &WakeDesc::default()).unwrap();
+                c[3].push(per_gib(wk.total_time, bytes));
+            }
+            check(&live, &format!("pieces of {mib} MiB"));
+            let m: Vec<f64> = c.iter().map(|v| median(v.clone())).collect();
+            println!(
+                "  {mib:>4} MiB pieces ({} pieces): sleep {:.2} ({:.2}x of DtoH {:.2}), wake {:.2} ({:.2}x of HtoD {:.2})",
+                pieces,
+                m[1],
+                m[0] / m[1],
+                m[0],
+                m[3],
+                m[2] / m[3],
+                m[2]
+            );
+        }
+    }
+
+    // Steady state, interleaved with the pinned copy.
     let mut cols: [Vec<f64>; 8] = Default::default();
     let mut last: Option<(SleepReport, SleepReport)> = None;
     for round in 0..ROUNDS {
