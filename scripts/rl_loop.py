@@ -20,9 +20,12 @@ Per iteration:
 
 Variants (one process each, run interleaved):
   vmmbuf         vmmbuf.torch pools per tag; sleep keeps "train" in pinned
-                 host memory at the same addresses, "kv" is discarded;
-                 the pinned memory is prepared on a thread at start-up
-                 and kept between sleeps.
+                 host memory at the same addresses (reachable while
+                 asleep), "kv" is discarded; the pinned memory is
+                 prepared on a thread at start-up and kept between sleeps.
+  vmmbuf-stash   the same with sleep("train", reachable=False): the data
+                 copied to a kept pinned stash, the tensors unmapped while
+                 asleep (as the others leave them).
   tms            torch_memory_saver 0.0.10 (hook mode "torch"): "train" in a
                  region with a CPU backup, "kv" without.
   tms-retain     the same with retain_cpu_backup = True (its PR #86).
@@ -47,7 +50,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-VARIANTS = ("vmmbuf", "tms", "tms-retain", "tms-nobackup", "pinned")
+VARIANTS = ("vmmbuf", "vmmbuf-stash", "tms", "tms-retain", "tms-nobackup", "pinned")
 HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = float(1 << 30)
 
@@ -134,12 +137,12 @@ class Sleeper:
 
 
 class Vmmbuf(Sleeper):
-    name = "vmmbuf"
-
-    def __init__(self) -> None:
+    def __init__(self, reachable: bool) -> None:
         import vmmbuf
         import vmmbuf.torch as vt
         self.v, self.vt = vmmbuf, vt
+        self.reachable = reachable
+        self.name = "vmmbuf" if reachable else "vmmbuf-stash"
 
     def train_scope(self) -> Any:
         return self.vt.pool("train")
@@ -150,10 +153,10 @@ class Vmmbuf(Sleeper):
     def after_init(self, state: List[Any]) -> None:
         # Pin the host memory of the first sleep on a thread while the
         # first step trains.
-        self.v.prepare_sleep("train")
+        self.v.prepare_sleep("train", reachable=self.reachable)
 
     def sleep_train(self, state: List[Any]) -> None:
-        self.v.sleep("train")
+        self.v.sleep("train", reachable=self.reachable)
 
     def wake_train(self, state: List[Any]) -> None:
         self.v.wake("train")
@@ -234,8 +237,8 @@ class Pinned(Sleeper):
 
 
 def make(variant: str, torch: Any) -> Sleeper:
-    if variant == "vmmbuf":
-        return Vmmbuf()
+    if variant in ("vmmbuf", "vmmbuf-stash"):
+        return Vmmbuf(reachable=variant == "vmmbuf")
     if variant == "pinned":
         return Pinned(torch)
     return Tms(retain=variant == "tms-retain", backup=variant != "tms-nobackup")

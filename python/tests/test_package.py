@@ -121,6 +121,8 @@ def test_sleep_and_stats_without_memory():
     assert vmmbuf.wake(["weights", None]) == 0
     assert vmmbuf.sleep("kv") == 0
     assert vmmbuf.sleep("kv", discard=True) == 0
+    assert vmmbuf.sleep("w", reachable=False) == 0
+    assert vmmbuf.prepare_sleep("w", wait=True, reachable=False) == 0
     assert vmmbuf.wake(zero=True) == 0
     assert vmmbuf.prepare_sleep(wait=True) == 0
     assert vmmbuf.prepare_sleep(["weights"]) == 0

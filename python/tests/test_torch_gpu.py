@@ -141,8 +141,7 @@ def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gp
     assert moved >= 256 * MiB
     free1 = torch.cuda.mem_get_info()[0]
     assert free1 - free0 >= 256 * MiB, f"device memory freed: {(free1 - free0) / MiB:.0f} MiB"
-    # Asleep, the tensor is still readable (from host memory).
-    assert torch.equal(w.cpu(), ref_w)
+    assert vmmbuf_stats()["sleep_modes"]["w"] == "stash", "copied away, as tms does"
     assert torch_memory_saver.resume("w") == moved
     assert w.data_ptr() == ptr and torch.equal(w.cpu(), ref_w)
     assert torch.equal(kv.cpu(), ref_kv), "another tag was not touched"
@@ -153,7 +152,7 @@ def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gp
     paused = torch_memory_saver.pause()
     assert paused >= (256 + 64) * MiB
     assert torch.cuda.mem_get_info()[0] - free0 >= (256 + 64) * MiB
-    assert vmmbuf_stats()["sleep_modes"] == {"kv": "discard", "w": "keep"}
+    assert vmmbuf_stats()["sleep_modes"] == {"kv": "discard", "w": "stash"}
     assert torch_memory_saver.resume() == paused
     assert torch.equal((w * 2).cpu(), ref_w * 2)
     assert kv.data_ptr() == kv_ptr
@@ -206,6 +205,18 @@ def test_discarding_sleep_gives_memory_back_and_wakes_zeroed(torch_gpu):
     assert vmmbuf_stats()["pooled_host_bytes"] >= 128 * MiB, "kept for the next sleep"
     assert vmmbuf.release_host_cache() >= 128 * MiB
     assert vmmbuf_stats()["pooled_host_bytes"] == 0
+    # Stashed (reachable=False): unmapped while asleep, every byte back.
+    slept = vmmbuf.sleep("w22", reachable=False)
+    st = vmmbuf_stats()
+    assert st["sleep_modes"]["w22"] == "stash" and st["stash_bytes"] >= 128 * MiB
+    assert vmmbuf.wake("w22") == slept
+    assert torch.equal(w.cpu(), ref_w)
+    w.mul_(2)
+    vmmbuf.sleep("w22", reachable=False)
+    vmmbuf.wake("w22")
+    assert torch.equal(w.cpu(), ref_w * 2), "a second cycle through the kept stash"
+    assert vmmbuf.release_host_cache() >= 128 * MiB
+    assert vmmbuf_stats()["stash_bytes"] == 0
 
 
 def test_growable_tensor_with_torch_grows_in_place(torch_gpu):

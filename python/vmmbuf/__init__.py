@@ -78,18 +78,26 @@ def _each(tags: Tags) -> Iterable[Optional[str]]:
     return [t or "" for t in tags]
 
 
-def sleep(tags: Tags = None, *, discard: bool = False) -> int:
+def sleep(tags: Tags = None, *, discard: bool = False, reachable: bool = True) -> int:
     """Puts the allocations of ``tags`` (a tag, a list, or None for every
     tag, untagged included) to sleep and gives their device memory back;
-    every tensor keeps its address. By default the data moves to pinned
-    host memory (tensors stay valid: kernels and the CPU reach them over
-    the bus); with ``discard=True`` nothing is copied and the contents are
-    lost (KV caches, activations): touching such a tensor before ``wake``
-    faults. Waits only for the streams that used them. A kept sleep takes
-    its pinned host memory from what the last wake kept (see
-    ``prepare_sleep`` and ``release_host_cache``). Returns the bytes put to
-    sleep."""
-    return sum(_native.sleep(t, discard)[0] for t in _each(tags))
+    every tensor keeps its address. Three ways:
+
+    - default: the data moves to pinned host memory mapped at the tensors'
+      addresses, so they stay valid while asleep (kernels and the CPU reach
+      them over the bus);
+    - ``reachable=False``: the data is copied to pinned host memory kept
+      away from the tensors (a stash reused from sleep to sleep) and their
+      ranges are unmapped until ``wake``, as torch_memory_saver's and
+      vLLM's backups leave them: one copy each way, the fastest;
+    - ``discard=True``: nothing is copied and the contents are lost (KV
+      caches, activations).
+
+    Touching an unmapped tensor before ``wake`` faults. Waits only for the
+    streams that used the memory. The pinned host memory is taken from what
+    the last sleep left (see ``prepare_sleep`` and ``release_host_cache``).
+    Returns the bytes put to sleep."""
+    return sum(_native.sleep(t, discard, reachable)[0] for t in _each(tags))
 
 
 def wake(tags: Tags = None, *, zero: bool = False) -> int:
@@ -101,18 +109,19 @@ def wake(tags: Tags = None, *, zero: bool = False) -> int:
     return sum(_native.wake(t, zero)[0] for t in _each(tags))
 
 
-def prepare_sleep(tags: Tags = None, *, wait: bool = False) -> int:
-    """Pins, ahead of the first kept ``sleep``, the host memory it will take
-    (pinning costs ~0.3 s per GiB; a steady-state sleep pins nothing). By
-    default on a thread of its own while the GPU keeps working (the next
-    sleep waits for it) and returns 0; with ``wait=True`` returns the bytes
-    pinned."""
-    return sum(_native.prepare_sleep(t, wait) for t in _each(tags))
+def prepare_sleep(tags: Tags = None, *, wait: bool = False, reachable: bool = True) -> int:
+    """Pins, ahead of the first ``sleep`` that keeps the data (with the same
+    ``reachable``), the host memory it will take (pinning costs ~0.3 s per
+    GiB; a steady-state sleep pins nothing). By default on a thread of its
+    own while the GPU keeps working (the next sleep waits for it) and
+    returns 0; with ``wait=True`` returns the bytes pinned."""
+    return sum(_native.prepare_sleep(t, wait, reachable) for t in _each(tags))
 
 
 def release_host_cache() -> int:
     """Gives back the pinned host memory kept between sleeps (on every
-    device); returns the bytes."""
+    device; a tag asleep with ``reachable=False`` keeps its own until it
+    wakes); returns the bytes."""
     return _native.release_host_cache()
 
 

@@ -10,10 +10,11 @@
 
 ``region`` allocates from a vmmbuf ``MemPool`` per tag (or, after
 ``vmmbuf.torch.use()``, from vmmbuf process-wide) and tags what it
-allocates. ``pause`` gives the tag's device memory back, every tensor at
-its address: with ``enable_cpu_backup=True`` the contents move to pinned
-host memory (a paused tensor stays readable by kernels, over the bus) and
-``resume`` brings them back; without it they are discarded, as
+allocates. ``pause`` gives the tag's device memory back, every tensor
+keeping its address: with ``enable_cpu_backup=True`` the contents are
+copied to pinned host memory (``vmmbuf.sleep(tag, reachable=False)``: one
+copy, the tensors unmapped while paused, as torch_memory_saver leaves
+them) and ``resume`` brings them back; without it they are discarded, as
 torch_memory_saver discards them, and ``resume`` maps fresh memory
 (contents undefined). The pinned host memory stays cached from one pause
 to the next (torch_memory_saver's ``retain_cpu_backup``, always on; see
@@ -62,7 +63,8 @@ class TorchMemorySaver:
         asked for a CPU backup and discarding them otherwise; returns the
         bytes paused."""
         return sum(
-            _native.sleep(t, not self._cpu_backup.get(t, False))[0] for t in self._tags(tag)
+            _native.sleep(t, not self._cpu_backup.get(t, False), False)[0]
+            for t in self._tags(tag)
         )
 
     def resume(self, tag: Optional[str] = None) -> int:

@@ -245,6 +245,7 @@ impl<B: Backend> Shared<B> {
         s.active_bytes.set(allocated + pending);
         s.inactive_split_bytes.set(split);
         s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
+        s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
         s.fragmentation = if mapped == 0 {
             0.0
         } else {
@@ -297,5 +298,11 @@ impl<B: Backend> Drop for Shared<B> {
         st.region.close(waited, |chunk, bytes, placement| {
             let _ = pool.give(placement, bytes, chunk);
         });
+        // The stash: its copies were waited for when they were made.
+        if let Some(stash) = st.stash.as_mut() {
+            stash.close(true, |chunk, bytes, placement| {
+                let _ = pool.give(placement, bytes, chunk);
+            });
+        }
     }
 }

@@ -198,6 +198,10 @@ struct State<B: Backend> {
     placement: Location,
     /// Set while the arena sleeps.
     asleep: Option<Asleep<B::Fence>>,
+    /// Where [`SleepMode::Stash`] keeps the data: host pieces mapped at the
+    /// arena's own offsets in a reservation of their own, kept from one
+    /// sleep to the next.
+    stash: Option<Region<B>>,
 }
 
 struct Shared<B: Backend> {
@@ -335,6 +339,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     stats: ArenaStats::default(),
                     placement,
                     asleep: None,
+                    stash: None,
                 }),
                 trace: Mutex::new(None),
             }),

@@ -124,11 +124,14 @@ pub struct ArenaStats {
     pub host_bytes: usize,
     /// Of the mapped bytes, those on a GPU.
     pub device_bytes: usize,
-    /// Bytes of the ranges a discarding [sleep](crate::Arena::sleep) gave
-    /// back, unmapped until the wake. Allocations there still count as
-    /// allocated, not as reserved: allocated <= active <= reserved +
-    /// discarded.
+    /// Bytes of the ranges a discarding or stashing
+    /// [sleep](crate::Arena::sleep) unmapped until the wake. Allocations
+    /// there still count as allocated, not as reserved: allocated <= active
+    /// <= reserved + discarded.
     pub discarded_bytes: usize,
+    /// Pinned host bytes in the arena's stash ([`SleepMode::Stash`](crate::SleepMode::Stash)),
+    /// kept from one sleep to the next (not counted as reserved).
+    pub stash_bytes: usize,
 }
 
 impl fmt::Display for ArenaStats {

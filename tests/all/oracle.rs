@@ -373,6 +373,7 @@ enum AOp {
     Offload,
     Restore,
     SleepDiscard,
+    SleepStash,
     Wake {
         zero: bool,
     },
@@ -394,6 +395,7 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => Just(AOp::Offload),
         1 => Just(AOp::Restore),
         1 => Just(AOp::SleepDiscard),
+        1 => Just(AOp::SleepStash),
         1 => any::<bool>().prop_map(|zero| AOp::Wake { zero }),
     ]
 }
@@ -558,10 +560,11 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
             AOp::EmptyCache => arena.empty_cache().unwrap(),
             AOp::Offload => match arena.offload(&streams) {
                 Ok(_) => prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Keep)),
-                // Asleep discarding: a kept sleep must wait for the wake.
-                Err(Error::InvalidArgument(_)) => {
-                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Discard))
-                }
+                // Asleep in another mode: a kept sleep must wait for the wake.
+                Err(Error::InvalidArgument(_)) => prop_assert!(matches!(
+                    arena.sleep_mode(),
+                    Some(SleepMode::Discard | SleepMode::Stash)
+                )),
                 Err(e) => prop_assert!(false, "offload failed: {}", e),
             },
             AOp::SleepDiscard => match arena.sleep(&streams, &SleepDesc::discard()) {
@@ -569,10 +572,24 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
                     prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Discard));
                     prop_assert_eq!(arena.stats().reserved_bytes.current, 0);
                 }
-                Err(Error::InvalidArgument(_)) => {
-                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Keep))
-                }
+                Err(Error::InvalidArgument(_)) => prop_assert!(matches!(
+                    arena.sleep_mode(),
+                    Some(SleepMode::Keep | SleepMode::Stash)
+                )),
                 Err(e) => prop_assert!(false, "discarding sleep failed: {}", e),
+            },
+            AOp::SleepStash => match arena.sleep(&streams, &SleepDesc::stash()) {
+                Ok(_) => {
+                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Stash));
+                    prop_assert_eq!(arena.stats().reserved_bytes.current, 0);
+                }
+                Err(Error::InvalidArgument(_)) => {
+                    prop_assert!(matches!(
+                        arena.sleep_mode(),
+                        Some(SleepMode::Keep | SleepMode::Discard)
+                    ))
+                }
+                Err(e) => prop_assert!(false, "stashing sleep failed: {}", e),
             },
             AOp::Wake { zero } => {
                 let desc = if zero {

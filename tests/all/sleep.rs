@@ -23,6 +23,8 @@ crate::register! {
         a_zeroed_wake_zeroes_reused_memory,
         the_host_pieces_kept_between_sleeps_are_bounded,
         prepare_sleep_pins_ahead_so_the_sleep_creates_nothing,
+        a_stashing_sleep_keeps_every_byte_away_from_the_addresses,
+        every_failed_call_of_a_stashing_sleep_or_wake_loses_nothing,
     ],
     gpu: [sleep_gives_the_device_memory_back_and_kernels_still_read],
 }
@@ -497,6 +499,151 @@ fn prepare_sleep_pins_ahead_so_the_sleep_creates_nothing() {
     assert_intact(&live, &addresses, "awake");
 }
 
+/// A stashing sleep copies every run to the stash and unmaps it (nothing
+/// of the arena stays mapped, the device memory goes), allocating and
+/// freeing still work asleep, the wake brings every byte back at its
+/// address, and a second cycle reuses the stash: it creates no host chunk.
+fn a_stashing_sleep_keeps_every_byte_away_from_the_addresses() {
+    let (fb, arena) = emulated();
+    let mut live = fill(&arena, 83, 27);
+    let mut addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let r = arena.sleep(&[Q(0), Q(1)], &SleepDesc::stash()).unwrap();
+    let s = arena.stats();
+    assert_eq!(arena.sleep_mode(), Some(SleepMode::Stash));
+    assert_eq!(s.reserved_bytes.current, 0, "nothing stays mapped: {s}");
+    assert_eq!(s.discarded_bytes, r.bytes);
+    assert_eq!(s.stash_bytes, r.bytes, "the stash holds every run");
+    assert_eq!(r.migration.bytes_moved, r.bytes);
+    assert_eq!(
+        fb.live().chunk_bytes,
+        s.stash_bytes,
+        "only the stash is held: the GPU chunks went back"
+    );
+    assert!(!arena.is_offloaded());
+    // Asleep: reads of a stashed allocation fail (unmapped), new ones land
+    // elsewhere and keep their bytes, and a stashed one is freed.
+    let mut probe = vec![0u8; 16];
+    assert!(
+        live[0].0.read(0, &mut probe).is_err(),
+        "unmapped while asleep"
+    );
+    let mut extra = arena.alloc(3 << 20, &Q(0)).unwrap();
+    for &rg in &ranges(&live) {
+        assert!(disjoint((extra.address(), 3 << 20), rg), "{rg:?}");
+    }
+    let extra_data = random_bytes(9, 3 << 20);
+    extra.write(0, &extra_data).unwrap();
+    let (freed, freed_data) = live.remove(5);
+    addresses.remove(5);
+    let freed_len = freed_data.len();
+    drop(freed);
+    let w = arena.wake(&[Q(0), Q(1)], &WakeDesc::default()).unwrap();
+    assert_eq!(arena.sleep_mode(), None);
+    assert_eq!(w.bytes, r.bytes);
+    assert_eq!(arena.stats().discarded_bytes, 0);
+    assert_intact(&live, &addresses, "after the wake");
+    let mut got = vec![0u8; 3 << 20];
+    extra.read(0, &mut got).unwrap();
+    assert!(got == extra_data);
+    let reserved = arena.stats().reserved_bytes.current;
+    let again = arena.alloc(freed_len, &Q(0)).unwrap();
+    assert_eq!(
+        arena.stats().reserved_bytes.current,
+        reserved,
+        "the bytes freed asleep were handed out again"
+    );
+    drop(again);
+    // A second cycle: the stash is reused, no host chunk is created.
+    let host_chunks = |fb: &Fb| fb.live().chunks;
+    let before = host_chunks(&fb);
+    let stash = arena.stats().stash_bytes;
+    let r2 = arena.sleep(&[Q(0)], &SleepDesc::stash()).unwrap();
+    assert!(arena.stats().stash_bytes >= stash);
+    assert!(
+        host_chunks(&fb) <= before,
+        "no chunk was created: {} -> {}",
+        before,
+        host_chunks(&fb)
+    );
+    assert!(
+        arena.release_stash().is_err(),
+        "the stash holds the data now"
+    );
+    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    assert_intact(&live, &addresses, "after a second cycle");
+    assert!(
+        r2.bytes >= extra_data.len(),
+        "the extra allocation slept too"
+    );
+    extra.read(0, &mut got).unwrap();
+    assert!(got == extra_data, "and came back");
+    // The stash goes back on request.
+    let held = arena.stats().stash_bytes;
+    assert_eq!(arena.release_stash().unwrap(), held);
+    assert_eq!(arena.stats().stash_bytes, 0);
+    arena.pool().trim_at(Location::Host).unwrap();
+    assert_eq!(
+        fb.live().chunk_bytes,
+        arena.stats().reserved_bytes.current,
+        "the stash's host memory went back"
+    );
+    drop((live, extra, arena));
+    assert_eq!(fb.live().chunks, 0);
+    assert_eq!(fb.live().reservations, 0);
+}
+
+/// Fails each driver call of a stashing sleep, then of its wake, in turn:
+/// no byte is lost. A sleep that failed before unmapping leaves the arena
+/// awake; one that failed part way leaves those runs asleep, and the wake
+/// brings them back. A failed wake leaves the arena asleep.
+fn every_failed_call_of_a_stashing_sleep_or_wake_loses_nothing() {
+    let (fb, arena) = emulated();
+    let live = fill(&arena, 89, 14);
+    let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let mut state = (arena, live);
+    let sleeps = fail_each_call(
+        &fb,
+        &mut state,
+        |(arena, _)| arena.sleep(&[Q(0)], &SleepDesc::stash()),
+        |(arena, live), k, r| {
+            // A fault in a release after the sleep leaves it standing (the
+            // pool logs it); any other fails it.
+            if let Err(e) = r {
+                assert!(injected(&e), "call {k}: {e}");
+            }
+            if arena.sleep_mode().is_some() {
+                arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+            }
+            assert_intact(live, &addresses, &format!("sleep call {k} failed"));
+        },
+    );
+    assert_eq!(state.0.sleep_mode(), Some(SleepMode::Stash));
+    let discarded = state.0.stats().discarded_bytes;
+    let wakes = fail_each_call(
+        &fb,
+        &mut state,
+        |(arena, _)| arena.wake(&[Q(0)], &WakeDesc::default()),
+        |(arena, live), k, r| match r {
+            Err(e) => {
+                assert!(injected(&e), "call {k}: {e}");
+                assert_eq!(arena.sleep_mode(), Some(SleepMode::Stash), "call {k}");
+                assert_eq!(arena.stats().discarded_bytes, discarded);
+                assert_eq!(arena.stats().reserved_bytes.current, 0);
+            }
+            Ok(_) => {
+                assert_intact(live, &addresses, &format!("wake call {k} (late)"));
+                arena.sleep(&[Q(0)], &SleepDesc::stash()).unwrap();
+            }
+        },
+    );
+    eprintln!("stash: sleep {sleeps} calls, wake {wakes} calls, each failed once");
+    assert!(sleeps >= 3 && wakes >= 3, "{sleeps} / {wakes}");
+    assert_eq!(state.0.sleep_mode(), None);
+    assert_intact(&state.1, &addresses, "after the loops");
+    drop(state);
+    assert_eq!(fb.live().chunks, 0, "and nothing leaked");
+}
+
 /// The host pieces a wake leaves in the pool stay within
 /// `PoolDesc::max_host_bytes`; the rest go back to the driver at once.
 fn the_host_pieces_kept_between_sleeps_are_bounded() {
@@ -630,6 +777,32 @@ fn sleep_gives_the_device_memory_back_and_kernels_still_read() {
             k.mismatches(a.address(), 0, n, seed),
             0,
             "allocation {i}, second cycle"
+        );
+    }
+
+    // Stashing: the device memory goes, the data waits in the stash away
+    // from the addresses, and kernels read every word after the wake.
+    let awake = free0.saturating_sub(b.mem_info().unwrap().0);
+    let r = arena
+        .sleep(std::slice::from_ref(&s), &SleepDesc::stash())
+        .unwrap();
+    let stashed = free0.saturating_sub(b.mem_info().unwrap().0);
+    eprintln!(
+        "stash: {} B copied away, device memory taken {awake} -> {stashed} B",
+        r.bytes
+    );
+    assert!(stashed * 20 <= awake, "gave back at least 95%");
+    assert_eq!(arena.stats().stash_bytes, r.bytes);
+    arena
+        .wake(std::slice::from_ref(&s), &WakeDesc::default())
+        .unwrap();
+    for (i, (a, &n)) in live.iter().zip(&words).enumerate() {
+        let seed = if i == 1 { 77 } else { 1000 + i as u32 };
+        assert_eq!(a.address(), addresses[i]);
+        assert_eq!(
+            k.mismatches(a.address(), 0, n, seed),
+            0,
+            "allocation {i}, stashed"
         );
     }
 

@@ -167,21 +167,31 @@ pub extern "C" fn vmmbuf_empty_cache(device: c_int) -> c_int {
 }
 
 /// Pins, ahead of a kept sleep of `tag` (null: every tag), the host memory
-/// it will take: on a thread of its own if `wait` is 0 (the next sleep
-/// waits for it), else now. Returns the bytes pinned (0 when not waiting),
-/// or -1 on an error (logged).
+/// it will take (`flags` bit 1, `VMMBUF_STASH`: a stashing sleep): on a
+/// thread of its own if `wait` is 0 (the next sleep waits for it), else
+/// now. Returns the bytes pinned (0 when not waiting), or -1 on an error
+/// (logged).
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn vmmbuf_prepare_sleep(tag: *const c_char, wait: c_int) -> i64 {
+pub unsafe extern "C" fn vmmbuf_prepare_sleep(
+    tag: *const c_char,
+    flags: c_int,
+    wait: c_int,
+) -> i64 {
     guard("vmmbuf_prepare_sleep", -1, || {
         let every = tag.is_null();
         let Some(tag) = tag_of(tag) else {
             fail("vmmbuf_prepare_sleep", &"a tag that is not UTF-8");
             return -1;
         };
-        match state::prepare_sleep((!every).then_some(tag.as_str()), wait != 0) {
+        let mode = if flags & 2 != 0 {
+            vmmbuf::SleepMode::Stash
+        } else {
+            vmmbuf::SleepMode::Keep
+        };
+        match state::prepare_sleep((!every).then_some(tag.as_str()), mode, wait != 0) {
             Ok(n) => n as i64,
             Err(e) => {
                 fail("vmmbuf_prepare_sleep", &e);
@@ -258,9 +268,12 @@ pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
 }
 
 /// Puts `tag`'s allocations (null: every tag's) on every device to sleep
-/// and gives their device memory back; the addresses stay. `flags` bit 0
-/// (`VMMBUF_DISCARD`) discards the contents instead of keeping them in
-/// pinned host memory. Waits for the work queued so far on the streams of
+/// and gives their device memory back; the addresses stay. By default the
+/// contents move to pinned host memory at the same addresses (kernels still
+/// reach them); `flags` bit 0 (`VMMBUF_DISCARD`) discards them instead, bit
+/// 1 (`VMMBUF_STASH`) copies them to pinned host memory kept away from the
+/// addresses (unmapped until the wake; one copy each way, the fastest way to
+/// keep them). Waits for the work queued so far on the streams of
 /// the tag's live allocations, for the fences of its frees and for the uses
 /// recorded on its allocations; never for the whole device. Until
 /// `vmmbuf_wake`, new allocations under a tag kept asleep are made in host
@@ -272,7 +285,7 @@ pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char, flags: c_int) -> i64 {
-    guard("vmmbuf_sleep", -1, || move_tag(tag, true, flags & 1 != 0))
+    guard("vmmbuf_sleep", -1, || move_tag(tag, true, flags))
 }
 
 /// Wakes `tag`'s allocations (null: every tag's) at the same addresses:
@@ -284,10 +297,10 @@ pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char, flags: c_int) -> i64 {
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn vmmbuf_wake(tag: *const c_char, flags: c_int) -> i64 {
-    guard("vmmbuf_wake", -1, || move_tag(tag, false, flags & 1 != 0))
+    guard("vmmbuf_wake", -1, || move_tag(tag, false, flags))
 }
 
-fn move_tag(tag: *const c_char, sleep: bool, flag: bool) -> i64 {
+fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
     let what = if sleep { "vmmbuf_sleep" } else { "vmmbuf_wake" };
     let every = tag.is_null();
     let Some(tag) = tag_of(tag) else {
@@ -295,10 +308,19 @@ fn move_tag(tag: *const c_char, sleep: bool, flag: bool) -> i64 {
         return -1;
     };
     let t = (!every).then_some(tag.as_str());
+    let mode = match flags & 3 {
+        0 => vmmbuf::SleepMode::Keep,
+        1 => vmmbuf::SleepMode::Discard,
+        2 => vmmbuf::SleepMode::Stash,
+        _ => {
+            fail(what, &"VMMBUF_DISCARD and VMMBUF_STASH together");
+            return -1;
+        }
+    };
     let r = if sleep {
-        state::sleep_tags(t, flag)
+        state::sleep_tags(t, mode)
     } else {
-        state::wake_tags(t, flag)
+        state::wake_tags(t, flags & 1 != 0)
     };
     match r {
         Ok(m) => m.bytes as i64,

@@ -151,6 +151,11 @@ mod tests {
         assert_eq!(v["sleep_modes"]["t1"], "discard", "{v}");
         // SAFETY: as above.
         assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr(), 1) }, 2 << 20);
+        // Stashed and woken: the zeros come back.
+        // SAFETY: as above.
+        assert_eq!(unsafe { vmmbuf_sleep(c"t1".as_ptr(), 2) }, 2 << 20);
+        // SAFETY: as above.
+        assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr(), 0) }, 2 << 20);
         let mut word = [1u8; 8];
         ctx.bind_to_thread().unwrap();
         // SAFETY: `other` is a live 2 MiB allocation mapped for this device.
@@ -222,8 +227,15 @@ mod tests {
             assert_eq!(vmmbuf_sleep(std::ptr::null(), 0), 0, "nothing to move");
             assert_eq!(vmmbuf_wake(c"weights".as_ptr(), 0), 0);
             assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 1), 0);
-            assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 1), 0);
-            assert_eq!(vmmbuf_prepare_sleep(c"\xff".as_ptr(), 1), -1, "not UTF-8");
+            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 2), 0);
+            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 3), -1, "two modes");
+            assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 0, 1), 0);
+            assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 2, 1), 0);
+            assert_eq!(
+                vmmbuf_prepare_sleep(c"\xff".as_ptr(), 0, 1),
+                -1,
+                "not UTF-8"
+            );
         }
     }
 }

@@ -164,6 +164,7 @@ impl Device {
             sum.num_frees += s.num_frees;
             sum.host_bytes += s.host_bytes;
             sum.discarded_bytes += s.discarded_bytes;
+            sum.stash_bytes += s.stash_bytes;
             sum.device_bytes += s.device_bytes;
             sum.num_device_syncs = sum.num_device_syncs.max(s.num_device_syncs);
             sum.fragmentation = sum.fragmentation.max(s.fragmentation);
@@ -287,6 +288,7 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
         d.pool.stats().pooled_host_bytes.into(),
     );
     m.insert("discarded_bytes".into(), s.discarded_bytes.into());
+    m.insert("stash_bytes".into(), s.stash_bytes.into());
     m.insert("fragmentation".into(), s.fragmentation.into());
     m.insert("host_bytes".into(), s.host_bytes.into());
     m.insert("device_bytes".into(), s.device_bytes.into());
@@ -369,16 +371,17 @@ fn tags_of<'a>(d: &'a Device, tag: Option<&str>) -> Vec<&'a String> {
     tags
 }
 
-/// Puts `tag`'s arena (`None`: every tag's) on every device to sleep:
-/// keeping the data in pinned host memory, or discarding it; the memory
-/// goes back to the driver, the addresses stay. A preparation under way
+/// Puts `tag`'s arena (`None`: every tag's) on every device to sleep in
+/// `mode`: keeping the data in pinned host memory at its addresses,
+/// stashing it there away from them, or discarding it; the memory goes back
+/// to the driver, the addresses stay. A preparation under way
 /// (`prepare_sleep`) is waited for first. On an error the arena that failed
 /// stays as it was and the ones before it stay asleep.
-pub(crate) fn sleep_tags(tag: Option<&str>, discard: bool) -> Result<Moved> {
-    let desc = if discard {
-        SleepDesc::discard()
-    } else {
-        SleepDesc::keep()
+pub(crate) fn sleep_tags(tag: Option<&str>, mode: SleepMode) -> Result<Moved> {
+    let desc = match mode {
+        SleepMode::Discard => SleepDesc::discard(),
+        SleepMode::Stash => SleepDesc::stash(),
+        _ => SleepDesc::keep(),
     };
     let mut moved = Moved::default();
     for (_, d) in all_devices() {
@@ -433,7 +436,11 @@ pub(crate) fn wake_tags(tag: Option<&str>, zero: bool) -> Result<Moved> {
 /// take, on a thread of its own per device (the GPU keeps working); the
 /// next sleep waits for it. With `wait`, returns once they exist, with the
 /// bytes created.
-pub(crate) fn prepare_sleep(tag: Option<&str>, wait: bool) -> Result<u64> {
+pub(crate) fn prepare_sleep(tag: Option<&str>, mode: SleepMode, wait: bool) -> Result<u64> {
+    let desc = match mode {
+        SleepMode::Stash => SleepDesc::stash(),
+        _ => SleepDesc::keep(),
+    };
     let mut made = 0u64;
     for (_, d) in all_devices() {
         let mut d = d.lock();
@@ -448,7 +455,7 @@ pub(crate) fn prepare_sleep(tag: Option<&str>, wait: bool) -> Result<u64> {
         let work = move || -> Result<usize> {
             let mut n = 0;
             for a in arenas {
-                n += a.prepare_sleep(&SleepDesc::keep())?;
+                n += a.prepare_sleep(&desc)?;
             }
             Ok(n)
         };
@@ -478,6 +485,12 @@ pub(crate) fn release_host_cache() -> Result<u64> {
         // A preparation under way finishes first (its pieces go too).
         if let Some(h) = d.preparing.take() {
             let _ = h.join();
+        }
+        for a in d.arenas.values() {
+            // An arena asleep stashed keeps its stash (its data).
+            if a.sleep_mode() != Some(SleepMode::Stash) {
+                a.release_stash()?;
+            }
         }
         gone += d.pool.stats().pooled_host_bytes as u64;
         d.pool.trim_at(Location::Host)?;

@@ -103,13 +103,28 @@ fn get_tag() -> String {
     state::tag()
 }
 
-/// Puts `tag`'s allocations (None: every tag's) to sleep, keeping the data
-/// in pinned host memory or (`discard`) dropping it; the device memory goes
-/// back, the addresses stay. `(bytes put to sleep, device bytes given back)`.
+/// The mode a sleep's keywords name.
+fn mode_of(discard: bool, reachable: bool) -> vmmbuf::SleepMode {
+    match (discard, reachable) {
+        (true, _) => vmmbuf::SleepMode::Discard,
+        (false, false) => vmmbuf::SleepMode::Stash,
+        (false, true) => vmmbuf::SleepMode::Keep,
+    }
+}
+
+/// Puts `tag`'s allocations (None: every tag's) to sleep: the data kept in
+/// pinned host memory at the same addresses, or (`reachable` false) away
+/// from them, or (`discard`) dropped; the device memory goes back, the
+/// addresses stay. `(bytes put to sleep, device bytes given back)`.
 #[pyfunction]
-#[pyo3(signature = (tag=None, discard=false))]
-fn sleep(py: Python<'_>, tag: Option<String>, discard: bool) -> PyResult<(u64, u64)> {
-    py.detach(|| state::sleep_tags(tag.as_deref(), discard))
+#[pyo3(signature = (tag=None, discard=false, reachable=true))]
+fn sleep(
+    py: Python<'_>,
+    tag: Option<String>,
+    discard: bool,
+    reachable: bool,
+) -> PyResult<(u64, u64)> {
+    py.detach(|| state::sleep_tags(tag.as_deref(), mode_of(discard, reachable)))
         .map(|m| (m.bytes, m.device_bytes))
         .map_err(to_py)
 }
@@ -129,9 +144,14 @@ fn wake(py: Python<'_>, tag: Option<String>, zero: bool) -> PyResult<(u64, u64)>
 /// would take: on a thread of its own (`wait` false; the next sleep waits
 /// for it) or now. The bytes created (0 when not waiting).
 #[pyfunction]
-#[pyo3(signature = (tag=None, wait=false))]
-fn prepare_sleep(py: Python<'_>, tag: Option<String>, wait: bool) -> PyResult<u64> {
-    py.detach(|| state::prepare_sleep(tag.as_deref(), wait))
+#[pyo3(signature = (tag=None, wait=false, reachable=true))]
+fn prepare_sleep(
+    py: Python<'_>,
+    tag: Option<String>,
+    wait: bool,
+    reachable: bool,
+) -> PyResult<u64> {
+    py.detach(|| state::prepare_sleep(tag.as_deref(), mode_of(false, reachable), wait))
         .map_err(to_py)
 }
 
