@@ -11,12 +11,13 @@
 ``region`` allocates from a vmmbuf ``MemPool`` per tag (or, after
 ``vmmbuf.torch.use()``, from vmmbuf process-wide) and tags what it
 allocates. ``pause`` gives the tag's device memory back, every tensor
-keeping its address: with ``enable_cpu_backup=True`` the contents are
-copied to pinned host memory (``vmmbuf.sleep(tag, reachable=False)``: one
-copy, the tensors unmapped while paused, as torch_memory_saver leaves
-them) and ``resume`` brings them back; without it they are discarded, as
-torch_memory_saver discards them, and ``resume`` maps fresh memory
-(contents undefined). The pinned host memory stays cached from one pause
+keeping its address: with ``enable_cpu_backup=True`` the contents move to
+pinned host memory at the same addresses (a paused tensor stays readable
+by kernels, over the bus) and ``resume`` brings them back; without it they
+are discarded, as torch_memory_saver discards them, and ``resume`` maps
+fresh memory (contents undefined). (``vmmbuf.sleep(tag, reachable=False)``
+copies the contents away instead, as torch_memory_saver does, and is
+faster; it becomes this module's default once its GPU run has passed.) The pinned host memory stays cached from one pause
 to the next (torch_memory_saver's ``retain_cpu_backup``, always on; see
 ``vmmbuf.release_host_cache``). ``sleep``/``wake`` are the same as
 ``pause``/``resume``.
@@ -63,7 +64,7 @@ class TorchMemorySaver:
         asked for a CPU backup and discarding them otherwise; returns the
         bytes paused."""
         return sum(
-            _native.sleep(t, not self._cpu_backup.get(t, False), False)[0]
+            _native.sleep(t, not self._cpu_backup.get(t, False), True)[0]
             for t in self._tags(tag)
         )
 
