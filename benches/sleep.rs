@@ -5,8 +5,8 @@
 //! tensors of mixed sizes, each filled with its own value. Rounds
 //! interleave, in one process: `cuMemcpyDtoH` and `cuMemcpyHtoD` of the
 //! same bytes between `cuMemAlloc` and `cuMemAllocHost` memory (the pinned
-//! copy rate), a kept sleep and its wake, and a discarding sleep and its
-//! wake. Reported in ms per GiB, medians over the rounds, with ratios to the
+//! copy rate), a kept sleep and its wake, a stashed one, and a discarding
+//! sleep and its wake. Reported in ms per GiB, medians over the rounds, with ratios to the
 //! pinned copy. Before the rounds: the first kept sleep (host pieces pinned
 //! then) with 1, 2, 4 and 8 creating threads, and the first discarding
 //! sleep of memory still in 2 MiB chunks. Every wake checks the first and
@@ -366,7 +366,7 @@ fn main() {
     }
 
     // Steady state, interleaved with the pinned copy.
-    let mut cols: [Vec<f64>; 8] = Default::default();
+    let mut cols: [Vec<f64>; 10] = Default::default();
     let mut last: Option<(SleepReport, SleepReport)> = None;
     for round in 0..ROUNDS {
         let t = Instant::now();
@@ -387,6 +387,12 @@ fn main() {
         let dw = arena.wake(&streams, &WakeDesc::default()).unwrap();
         cols[4].push(per_gib(ds.total_time, bytes));
         cols[5].push(per_gib(dw.total_time, bytes));
+        let ss = arena.sleep(&streams, &SleepDesc::stash()).unwrap();
+        let sw = arena.wake(&streams, &WakeDesc::default()).unwrap();
+        assert_eq!(ss.bytes, bytes);
+        cols[8].push(per_gib(ss.total_time, bytes));
+        cols[9].push(per_gib(sw.total_time, bytes));
+        check(&live, &format!("round {round}, stashed"));
         let zs = arena.sleep(&streams, &SleepDesc::discard()).unwrap();
         let zw = arena.wake(&streams, &WakeDesc::zeroed()).unwrap();
         cols[6].push(per_gib(zs.total_time, bytes));
@@ -437,6 +443,8 @@ fn main() {
     println!("  | pinned cuMemcpyHtoD | {h2d:.2} | 1.00x |");
     println!("  | kept sleep | {:.2} | {:.2}x |", m[2], d2h / m[2]);
     println!("  | kept wake | {:.2} | {:.2}x |", m[3], h2d / m[3]);
+    println!("  | stashed sleep | {:.2} | {:.2}x |", m[8], d2h / m[8]);
+    println!("  | stashed wake | {:.2} | {:.2}x |", m[9], h2d / m[9]);
     println!("  | discarding sleep | {:.3} | |", m[4]);
     println!("  | its wake | {:.3} | |", m[5]);
     println!(
