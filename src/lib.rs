@@ -39,9 +39,10 @@
 //! reservation: many owned [`Allocation`]s of any size, freed on drop in
 //! stream order (the block goes to another stream only once every recorded
 //! use has passed), with PyTorch-named statistics ([`ArenaStats`](crate::stats::ArenaStats)), traces,
-//! and sleep/wake to pinned host memory at the same addresses
-//! ([`Arena::offload`], [`Arena::restore`]). `vmmbuf-torch` makes it
-//! PyTorch's CUDA allocator.
+//! and sleep and wake at the same addresses ([`Arena::sleep`],
+//! [`Arena::wake`]): the data kept in pinned host memory (reachable while
+//! asleep, or stashed away from the addresses) or discarded, the device
+//! memory given back. `vmmbuf-torch` makes it PyTorch's CUDA allocator.
 //!
 //! A buffer created [shareable](BufferDesc::shareable) can be followed by
 //! other processes: [`GrowableBuffer::publish`] sends each generation over a

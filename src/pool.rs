@@ -324,7 +324,7 @@ impl<B: Backend> ChunkPool<B> {
     /// Makes sure the pool holds a chunk at `placement` for each size in
     /// `sizes` (one per entry; those it holds already count), creating the
     /// missing ones, host-memory ones on several threads
-    /// ([`create_threads`]); they are kept whatever the watermarks, as
+    /// (`VMMBUF_CREATE_THREADS`, 4 by default); they are kept whatever the watermarks, as
     /// [`reserve`](Self::reserve)'s are. What
     /// [`Arena::prepare_sleep`](crate::Arena::prepare_sleep) runs, ahead of
     /// a first sleep, possibly on a thread of its own. Returns the bytes
@@ -728,7 +728,7 @@ impl Drop for BudgetHold<'_> {
 /// (1 to 64), else 4. Creating a host chunk pins its pages, which costs
 /// ~300-400 ms per GiB on one thread (H100); see BENCHMARKS.md for how it
 /// scales.
-pub fn create_threads() -> usize {
+pub(crate) fn create_threads() -> usize {
     std::env::var("VMMBUF_CREATE_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
