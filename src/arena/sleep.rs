@@ -470,8 +470,10 @@ impl<B: Backend> Shared<B> {
             if let Some(sb) = &self.shared_budget {
                 sb.give(b);
             }
-            let z = st.zone_of_offset(o);
-            st.zones[z].remove_within(o..o + b);
+            // A run may span both zones (adjacent chunks at their border).
+            for z in &mut st.zones {
+                z.remove_within(o..o + b);
+            }
             let at = asleep.runs.partition_point(|&(x, _)| x < o);
             asleep.runs.insert(at, (o, b));
         }
@@ -589,12 +591,13 @@ impl<B: Backend> Shared<B> {
             held.extend(asleep.lost.iter().filter(|l| l.0 >= o && l.0 < o + b));
             held.sort_unstable();
             for (x, size) in held.into_iter().chain(std::iter::once((o + b, 0))) {
-                if x > at {
-                    let z = st.zone_of_offset(at);
+                // Free bytes, split at the zones' border.
+                for (a, n) in pieces(at, x.saturating_sub(at), usize::MAX, st.small_end) {
+                    let z = st.zone_of_offset(a);
                     st.zones[z].insert(
-                        at,
+                        a,
                         Free {
-                            size: x - at,
+                            size: n,
                             stream: None,
                             fences: FenceSet::default(),
                         },

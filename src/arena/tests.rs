@@ -307,3 +307,65 @@ fn a_shared_budget_bounds_arenas_and_buffers_together() {
     assert_eq!(budget.used(), 0, "everything given back");
     assert_eq!(b.live().chunks, 0);
 }
+
+/// A run of chunks that spans both zones (the small zone full up to its
+/// border, a large allocation right after it): a discarding or stashing
+/// sleep takes the free bytes of both zones out, so nothing is handed out
+/// of the unmapped run, and the wake gives them back to their own zones.
+#[test]
+fn a_run_across_the_zones_border_sleeps_and_wakes_whole() {
+    for mode in [SleepMode::Discard, SleepMode::Stash] {
+        let b = HostBackend::with_granularity(G).unwrap();
+        let a: HostArena =
+            Arena::new(b, ArenaDesc::new(64 << 20).max_chunk_bytes(4 << 20)).unwrap();
+        let s = HostStream(0);
+        let small: Vec<_> = (0..8).map(|_| a.alloc(1 << 20, &s).unwrap()).collect();
+        // One 3 MiB chunk, half of it allocated: a free tail that stays
+        // mapped in the large zone.
+        drop(a.alloc(3 << 20, &s).unwrap());
+        let mut large = a.alloc(3 << 19, &s).unwrap();
+        let border = a.shared.state.lock().small_end;
+        assert_eq!(
+            large.address() - a.base(),
+            border as u64,
+            "right after the small zone"
+        );
+        let data = pattern(7, 3 << 19);
+        large.write(0, &data).unwrap();
+        let runs = a.snapshot().segments;
+        assert_eq!(
+            runs,
+            vec![(0, border + (3 << 20))],
+            "one run across the border"
+        );
+        let desc = SleepDesc {
+            mode,
+            ..SleepDesc::default()
+        };
+        a.sleep(&[s], &desc).unwrap();
+        // The large zone's free tail of the run is not handed out asleep.
+        let mut extra = a.alloc(3 << 19, &s).unwrap();
+        assert!(
+            extra.address() - a.base() >= (border + (3 << 20)) as u64,
+            "{mode}: mapped past the sleeping run"
+        );
+        extra.write(0, &pattern(9, 3 << 19)).unwrap();
+        a.wake(&[s], &WakeDesc::default()).unwrap();
+        if mode == SleepMode::Stash {
+            let mut got = vec![0u8; 3 << 19];
+            large.read(0, &mut got).unwrap();
+            assert!(got == data, "stashed bytes came back");
+        }
+        // Awake, the tail is free again, in the large zone.
+        let reserved = a.stats().reserved_bytes.current;
+        let again = a.alloc(3 << 19, &s).unwrap();
+        assert_eq!(a.stats().reserved_bytes.current, reserved, "{mode}");
+        assert!(again.address() - a.base() > border as u64);
+        let st = a.shared.state.lock();
+        for z in &st.zones {
+            z.check().unwrap();
+        }
+        drop(st);
+        drop((small, large, extra, again));
+    }
+}
