@@ -630,9 +630,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// chunks move to pinned host memory with their data (runs of small
     /// chunks joined into pieces of up to [`SleepDesc::max_piece_bytes`]),
     /// and allocating still works, in host memory, until the
-    /// [`wake`](Self::wake). With [`SleepMode::Discard`] they are unmapped
-    /// without a copy; allocating still works, in fresh device memory
-    /// outside the discarded ranges.
+    /// [`wake`](Self::wake). With [`SleepMode::Stash`] each run is copied
+    /// to the arena's stash (pinned host pieces mapped away from the
+    /// allocations, kept from one sleep to the next) and unmapped; with
+    /// [`SleepMode::Discard`] it is unmapped without a copy. In both,
+    /// allocating still works, in fresh device memory outside the sleeping
+    /// ranges, and touching an allocation in them faults until the wake.
     ///
     /// First it waits for the work queued so far on each of `streams` (pass
     /// every stream that may still use the arena's allocations), for the
@@ -645,8 +648,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     ///
     /// A kept sleep is all or nothing: on error nothing moved, unless
     /// undoing failed too, which poisons the arena
-    /// ([`Error::Poisoned`](crate::Error::Poisoned)). A discarding sleep
-    /// that fails part way keeps what it discarded so far asleep. Sleeping
+    /// ([`Error::Poisoned`](crate::Error::Poisoned)). A stashing or
+    /// discarding sleep that fails part way keeps the ranges it unmapped so
+    /// far asleep (stashed ones with their data); one that fails before
+    /// leaves the arena as it was. Sleeping
     /// again in the same mode takes what was mapped since; in the other
     /// mode it is [`Error::InvalidArgument`]: wake first.
     pub fn sleep(&self, streams: &[S], desc: &SleepDesc) -> Result<SleepReport> {
@@ -747,8 +752,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
 
     /// Wakes the arena: after a kept sleep every chunk moves back to the
     /// arena's placement with its data (host pieces stay in the pool for
-    /// the next sleep, up to its host bound); after a discarding sleep fresh
-    /// memory is mapped at the same addresses, its contents undefined unless
+    /// the next sleep, up to its host bound); after a stashing sleep fresh
+    /// memory is mapped at the same addresses and filled from the stash
+    /// (which stays, up to the pool's host bound); after a discarding sleep
+    /// fresh memory is mapped there, its contents undefined unless
     /// `desc.zero`. Waits as [`sleep`](Self::sleep) does. All or nothing: on
     /// error the arena stays asleep as it was (unless undoing failed,
     /// which poisons it). Waking an arena that is awake does nothing.
