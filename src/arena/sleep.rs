@@ -319,7 +319,6 @@ impl<B: Backend> Shared<B> {
 
     /// A kept sleep: device chunks to host pieces, with the data.
     fn sleep_keep(&self, st: &mut State<B>, piece: usize, r: &mut SleepReport) -> Result<()> {
-        let _ = &r.device_bytes;
         let groups = plan_groups(
             &st.region.table,
             |_, e| e.placement != Location::Host,
@@ -331,7 +330,6 @@ impl<B: Backend> Shared<B> {
         r.migration = self.mover().run_groups(&mut st.region, &groups)?;
         r.chunks_after = groups.len();
         r.bytes = r.migration.bytes_moved;
-        r.device_bytes += r.bytes;
         st.placement = Location::Host;
         Ok(())
     }
