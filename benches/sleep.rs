@@ -376,27 +376,23 @@ fn main() {
         raw.htod(dev, host, bytes);
         cols[1].push(per_gib(t.elapsed(), bytes));
 
-        let sl = arena.sleep(&streams, &SleepDesc::keep()).unwrap();
-        let wk = arena.wake(&streams, &WakeDesc::default()).unwrap();
+        // A sleep and its wake, their times into columns `c` and `c + 1`.
+        let mut cycle = |sleep: SleepDesc, wake: WakeDesc, c: usize| {
+            let sl = arena.sleep(&streams, &sleep).unwrap();
+            let wk = arena.wake(&streams, &wake).unwrap();
+            cols[c].push(per_gib(sl.total_time, bytes));
+            cols[c + 1].push(per_gib(wk.total_time, bytes));
+            (sl, wk)
+        };
+        let (sl, wk) = cycle(SleepDesc::keep(), WakeDesc::default(), 2);
         assert_eq!(sl.bytes, bytes);
-        cols[2].push(per_gib(sl.total_time, bytes));
-        cols[3].push(per_gib(wk.total_time, bytes));
         check(&live, &format!("round {round}"));
-
-        let ds = arena.sleep(&streams, &SleepDesc::discard()).unwrap();
-        let dw = arena.wake(&streams, &WakeDesc::default()).unwrap();
-        cols[4].push(per_gib(ds.total_time, bytes));
-        cols[5].push(per_gib(dw.total_time, bytes));
-        let ss = arena.sleep(&streams, &SleepDesc::stash()).unwrap();
-        let sw = arena.wake(&streams, &WakeDesc::default()).unwrap();
+        // Stashed while the data is still there to check.
+        let (ss, _) = cycle(SleepDesc::stash(), WakeDesc::default(), 8);
         assert_eq!(ss.bytes, bytes);
-        cols[8].push(per_gib(ss.total_time, bytes));
-        cols[9].push(per_gib(sw.total_time, bytes));
         check(&live, &format!("round {round}, stashed"));
-        let zs = arena.sleep(&streams, &SleepDesc::discard()).unwrap();
-        let zw = arena.wake(&streams, &WakeDesc::zeroed()).unwrap();
-        cols[6].push(per_gib(zs.total_time, bytes));
-        cols[7].push(per_gib(zw.total_time, bytes));
+        cycle(SleepDesc::discard(), WakeDesc::default(), 4);
+        cycle(SleepDesc::discard(), WakeDesc::zeroed(), 6);
         // Refill for the next kept round's check.
         for (a, v) in &live {
             // SAFETY: as in `fill`.
