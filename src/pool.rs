@@ -308,16 +308,9 @@ impl<B: Backend> ChunkPool<B> {
             }
         }
         let mut inner = self.lock();
-        inner.stats.pooled_bytes += n * chunk;
-        if placement == Location::Host {
-            inner.stats.pooled_host_bytes += n * chunk;
+        for c in made {
+            inner.add((placement, false, chunk), c);
         }
-        inner.stats.pooled_chunks += n;
-        inner
-            .free
-            .entry((placement, false, chunk))
-            .or_default()
-            .extend(made);
         Ok(n * chunk)
     }
 
@@ -356,12 +349,7 @@ impl<B: Backend> ChunkPool<B> {
         let mut inner = self.lock();
         let mut added = 0;
         for (c, &(p, b)) in made.into_iter().zip(&wants) {
-            inner.free.entry((p, false, b)).or_default().push(c);
-            inner.stats.pooled_bytes += b;
-            inner.stats.pooled_chunks += 1;
-            if p == Location::Host {
-                inner.stats.pooled_host_bytes += b;
-            }
+            inner.add((p, false, b), c);
             added += b;
         }
         Ok(added)
@@ -381,11 +369,7 @@ impl<B: Backend> ChunkPool<B> {
             let mut gone = Vec::new();
             for k in keys {
                 let list = g.free.remove(&k).expect("the key was just listed");
-                g.stats.pooled_bytes -= k.2 * list.len();
-                if k.0 == Location::Host {
-                    g.stats.pooled_host_bytes -= k.2 * list.len();
-                }
-                g.stats.pooled_chunks -= list.len();
+                g.tally(k, list.len(), false);
                 gone.extend(list);
             }
             gone
@@ -428,18 +412,11 @@ impl<B: Backend> ChunkPool<B> {
     ) -> Option<B::Chunk> {
         let mut g = self.lock();
         let key = (placement, shareable, bytes);
-        let list = g.free.get_mut(&key)?;
-        let chunk = list.pop()?;
-        if list.is_empty() {
-            g.free.remove(&key);
+        if !g.free.contains_key(&key) {
+            return None;
         }
         g.stats.hits += 1;
-        g.stats.pooled_bytes -= bytes;
-        if placement == Location::Host {
-            g.stats.pooled_host_bytes -= bytes;
-        }
-        g.stats.pooled_chunks -= 1;
-        Some(chunk)
+        Some(g.pop(key))
     }
 
     /// A pooled chunk of exactly `bytes` at `placement`, shareable or not,
@@ -462,16 +439,8 @@ impl<B: Backend> ChunkPool<B> {
         let shed = {
             let kind = self.backend.is_shareable(&chunk);
             let mut g = self.lock();
-            g.free
-                .entry((placement, kind, bytes))
-                .or_default()
-                .push(chunk);
+            g.add((placement, kind, bytes), chunk);
             g.stats.returns += 1;
-            g.stats.pooled_bytes += bytes;
-            if placement == Location::Host {
-                g.stats.pooled_host_bytes += bytes;
-            }
-            g.stats.pooled_chunks += 1;
             g.shed()
         };
         if !shed.is_empty() {
@@ -522,6 +491,12 @@ impl<C> PoolInner<C> {
         shed
     }
 
+    /// Keeps one chunk of `key` (placement, shareable, bytes), counting it.
+    fn add(&mut self, key: (Location, bool, usize), chunk: C) {
+        self.free.entry(key).or_default().push(chunk);
+        self.tally(key, 1, true);
+    }
+
     /// Takes one chunk of `key` out (the key is there), counting it.
     fn pop(&mut self, key: (Location, bool, usize)) -> C {
         let list = self.free.get_mut(&key).expect("the key was just found");
@@ -529,12 +504,25 @@ impl<C> PoolInner<C> {
         if list.is_empty() {
             self.free.remove(&key);
         }
-        self.stats.pooled_bytes -= key.2;
-        if key.0 == Location::Host {
-            self.stats.pooled_host_bytes -= key.2;
-        }
-        self.stats.pooled_chunks -= 1;
+        self.tally(key, 1, false);
         c
+    }
+
+    /// Counts `n` chunks of `key` in (`into`) or out: the one place the
+    /// pooled byte, host byte and chunk counters change, but `trim`.
+    fn tally(&mut self, key: (Location, bool, usize), n: usize, into: bool) {
+        let bytes = key.2 * n;
+        let host = if key.0 == Location::Host { bytes } else { 0 };
+        let s = &mut self.stats;
+        if into {
+            s.pooled_bytes += bytes;
+            s.pooled_host_bytes += host;
+            s.pooled_chunks += n;
+        } else {
+            s.pooled_bytes -= bytes;
+            s.pooled_host_bytes -= host;
+            s.pooled_chunks -= n;
+        }
     }
 }
 

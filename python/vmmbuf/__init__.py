@@ -21,7 +21,7 @@ import contextlib
 import json
 from typing import Any, Dict, Iterable, Iterator, Optional, Union
 
-from . import _native
+from . import _native, errors
 from .errors import (
     CapacityError,
     DriverError,
@@ -178,11 +178,5 @@ __all__ = [
     "empty_cache",
     "reset_peak",
     "last_error",
-    "VmmbufError",
-    "OutOfMemoryError",
-    "CapacityError",
-    "InvalidArgumentError",
-    "UnsupportedError",
-    "NoDeviceError",
-    "DriverError",
+    *errors.__all__,
 ]

@@ -8,6 +8,7 @@ use super::blocks::StreamKey;
 use super::{Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::location::Location;
 use crate::plan::round_up;
 use crate::pool::{Budget, ChunkSource};
 use crate::region::NewChunk;
@@ -102,47 +103,60 @@ impl<B: Backend> Shared<B> {
             return Err(self.out_of_memory(st, size, None));
         };
         // Chunks of at most `chunk_bytes`, pooled ones first, placed where
-        // the arena is now (the host, while offloaded).
-        let placement = st.placement;
-        let cpu = cpu_at_once(self.backend.home(), placement);
-        let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::new();
-        let mut left = need;
-        while left > 0 {
-            let bytes = left.min(self.chunk_bytes);
-            match self.pool.take(false, placement, bytes) {
-                Ok(chunk) => chunks.push(NewChunk {
-                    chunk,
-                    bytes,
-                    placement,
-                }),
-                Err(e) => {
-                    for c in chunks {
-                        let _ = self.pool.give(placement, c.bytes, c.chunk);
-                    }
-                    return Err(e);
-                }
-            }
-            left -= bytes;
-        }
-        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.access.as_slice().into();
-        let mapped = st.region.map_batch(
-            at,
-            chunks,
-            |p| driver_access_for(&self.access, p, cpu),
-            |_| recorded.clone(),
-            |_| cpu,
-        );
-        if let Err((e, back)) = mapped {
-            for c in back {
-                let _ = self.pool.give(c.placement, c.bytes, c.chunk);
-            }
-            return Err(e);
-        }
+        // the arena is now (the host, while asleep keeping the data).
+        let sizes: Vec<usize> = (0..need.div_ceil(self.chunk_bytes))
+            .map(|i| (need - i * self.chunk_bytes).min(self.chunk_bytes))
+            .collect();
+        self.map_fresh(st, at, &sizes)?;
         hold.keep();
         // Fresh memory: any stream may use it; tagged with `key` so it merges
         // with `key`'s pending block before it.
         st.zones[z].insert_fresh(at, need, key);
         Ok(())
+    }
+
+    /// Maps new chunks of `sizes` bytes, one after the other from `at`,
+    /// placed where the arena is now, pooled ones first, with the arena's
+    /// access. All or nothing: on an error the chunks go back to the pool.
+    /// The caller holds the budget. Returns the time spent getting the
+    /// chunks (creating them is the slow part).
+    pub(super) fn map_fresh(
+        &self,
+        st: &mut State<B>,
+        at: usize,
+        sizes: &[usize],
+    ) -> Result<std::time::Duration> {
+        let placement = st.placement;
+        let t = std::time::Instant::now();
+        let wants: Vec<(Location, usize)> = sizes.iter().map(|&n| (placement, n)).collect();
+        let chunks = self.pool.take_many(false, &wants)?;
+        let acquired = t.elapsed();
+        let cpu = cpu_at_once(self.backend.home(), placement);
+        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.access.as_slice().into();
+        let new: Vec<NewChunk<B::Chunk>> = chunks
+            .into_iter()
+            .zip(sizes)
+            .map(|(chunk, &bytes)| NewChunk {
+                chunk,
+                bytes,
+                placement,
+            })
+            .collect();
+        st.region
+            .map_batch(
+                at,
+                new,
+                |p| driver_access_for(&self.access, p, cpu),
+                |_| recorded.clone(),
+                |_| cpu,
+            )
+            .map_err(|(e, back)| {
+                for c in back {
+                    let _ = self.pool.give(c.placement, c.bytes, c.chunk);
+                }
+                e
+            })?;
+        Ok(acquired)
     }
 
     /// Waits for the fences of every free block still pending (their

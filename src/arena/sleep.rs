@@ -23,7 +23,7 @@ use crate::migration::{Group, MigrationReport, Mover};
 use crate::order::FenceSet;
 use crate::pool::{Budget, ChunkSource};
 use crate::region::NewChunk;
-use crate::table::{cpu_at_once, driver_access_for, ChunkTable, Entry};
+use crate::table::{ChunkTable, Entry};
 
 use super::stats::SplitCount;
 
@@ -118,6 +118,20 @@ impl SleepDesc {
     }
 }
 
+impl From<SleepMode> for SleepDesc {
+    /// The default sleep of `mode` ([`SleepDesc::keep`],
+    /// [`SleepDesc::stash`] or [`SleepDesc::discard`]).
+    fn from(mode: SleepMode) -> Self {
+        match mode {
+            SleepMode::Discard => Self::discard(),
+            mode => Self {
+                mode,
+                ..Self::default()
+            },
+        }
+    }
+}
+
 /// How [`Arena::wake`] wakes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -178,6 +192,16 @@ pub(super) struct Asleep<F> {
 }
 
 impl<F> Asleep<F> {
+    fn new(mode: SleepMode, piece: usize) -> Self {
+        Self {
+            mode,
+            piece,
+            runs: Vec::new(),
+            frees: Vec::new(),
+            lost: Vec::new(),
+        }
+    }
+
     /// Bytes of the discarded runs.
     pub(super) fn discarded_bytes(&self) -> usize {
         self.runs.iter().map(|r| r.1).sum()
@@ -300,6 +324,16 @@ impl<B: Backend> Shared<B> {
         self.wait_live_uses(st)?;
         self.wait_pending_frees(st)?;
         self.release_free_chunks(st)
+    }
+
+    /// The piece size `desc` asks for: rounded to the granularity, never
+    /// under the arena's chunk.
+    fn piece_of(&self, desc: &SleepDesc) -> Result<usize> {
+        Ok(
+            crate::plan::round_up(desc.max_piece_bytes.max(1), self.granularity)
+                .ok_or_else(|| Error::invalid("max_piece_bytes overflows"))?
+                .max(self.chunk_bytes),
+        )
     }
 
     fn mover(&self) -> Mover<'_, B> {
@@ -495,8 +529,6 @@ impl<B: Backend> Shared<B> {
             fences.each(|f| backend.wait(f))?;
         }
         let placement = st.placement;
-        let cpu = cpu_at_once(backend.home(), placement);
-        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.access.as_slice().into();
         let total: usize = asleep.runs.iter().map(|r| r.1).sum();
         let Some(hold) = Budget::hold(self.shared_budget.as_deref(), total) else {
             return Err(self.out_of_memory(st, total, None));
@@ -510,38 +542,15 @@ impl<B: Backend> Shared<B> {
         let mut mapped: Vec<(usize, usize)> = Vec::new();
         let attempt = (|| {
             for &(o, b) in &asleep.runs {
-                let parts = pieces(o, b, asleep.piece, st.small_end);
-                let wants: Vec<(Location, usize)> =
-                    parts.iter().map(|&(_, n)| (placement, n)).collect();
-                let t = Instant::now();
-                let chunks = self.pool.take_many(false, &wants)?;
-                r.migration.acquire_time += t.elapsed();
-                let t = Instant::now();
-                let new: Vec<NewChunk<B::Chunk>> = chunks
-                    .into_iter()
-                    .zip(&wants)
-                    .map(|(chunk, &(placement, bytes))| NewChunk {
-                        chunk,
-                        bytes,
-                        placement,
-                    })
+                let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.small_end)
+                    .iter()
+                    .map(|p| p.1)
                     .collect();
-                let n = new.len();
-                st.region
-                    .map_batch(
-                        o,
-                        new,
-                        |p| driver_access_for(&self.access, p, cpu),
-                        |_| recorded.clone(),
-                        |_| cpu,
-                    )
-                    .map_err(|(e, back)| {
-                        for c in back {
-                            let _ = self.pool.give(c.placement, c.bytes, c.chunk);
-                        }
-                        e
-                    })?;
-                r.migration.swap_time += t.elapsed();
+                let t = Instant::now();
+                let acquired = self.map_fresh(st, o, &sizes)?;
+                r.migration.acquire_time += acquired;
+                r.migration.swap_time += t.elapsed() - acquired;
+                let n = sizes.len();
                 mapped.push((o, b));
                 r.chunks_after += n;
                 if zero {
@@ -655,9 +664,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn sleep(&self, streams: &[S], desc: &SleepDesc) -> Result<SleepReport> {
         let start = Instant::now();
         let sh = &*self.shared;
-        let piece = crate::plan::round_up(desc.max_piece_bytes.max(1), sh.granularity)
-            .ok_or_else(|| Error::invalid("max_piece_bytes overflows"))?
-            .max(sh.chunk_bytes);
+        let piece = sh.piece_of(desc)?;
         if desc.mode == SleepMode::Keep {
             crate::migration::check_placement(&*sh.backend, sh.granularity, Location::Host)?;
         }
@@ -685,22 +692,14 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             SleepMode::Keep => {
                 sh.sleep_keep(st, piece, &mut r)?;
                 r.device_bytes = device_before;
-                st.asleep.get_or_insert(Asleep {
-                    mode: SleepMode::Keep,
-                    piece,
-                    runs: Vec::new(),
-                    frees: Vec::new(),
-                    lost: Vec::new(),
-                });
+                st.asleep
+                    .get_or_insert_with(|| Asleep::new(SleepMode::Keep, piece));
             }
             SleepMode::Discard | SleepMode::Stash => {
-                let mut asleep = st.asleep.take().unwrap_or(Asleep {
-                    mode: desc.mode,
-                    piece,
-                    runs: Vec::new(),
-                    frees: Vec::new(),
-                    lost: Vec::new(),
-                });
+                let mut asleep = st
+                    .asleep
+                    .take()
+                    .unwrap_or_else(|| Asleep::new(desc.mode, piece));
                 r.chunks_before = st.region.table.chunk_count();
                 let had = asleep.runs.len();
                 let t = Instant::now();
@@ -840,9 +839,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             return Ok(0);
         }
         let sh = &*self.shared;
-        let piece = crate::plan::round_up(desc.max_piece_bytes.max(1), sh.granularity)
-            .ok_or_else(|| Error::invalid("max_piece_bytes overflows"))?
-            .max(sh.chunk_bytes);
+        let piece = sh.piece_of(desc)?;
         let sizes: Vec<usize> = {
             let st = sh.state.lock();
             st.region.check_poison()?;

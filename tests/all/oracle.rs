@@ -372,8 +372,10 @@ enum AOp {
     EmptyCache,
     Offload,
     Restore,
-    SleepDiscard,
-    SleepStash,
+    /// A discarding sleep, or (`stash`) a stashing one.
+    SleepUnmapping {
+        stash: bool,
+    },
     Wake {
         zero: bool,
     },
@@ -394,8 +396,7 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => Just(AOp::EmptyCache),
         1 => Just(AOp::Offload),
         1 => Just(AOp::Restore),
-        1 => Just(AOp::SleepDiscard),
-        1 => Just(AOp::SleepStash),
+        2 => any::<bool>().prop_map(|stash| AOp::SleepUnmapping { stash }),
         1 => any::<bool>().prop_map(|zero| AOp::Wake { zero }),
     ]
 }
@@ -567,30 +568,24 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
                 )),
                 Err(e) => prop_assert!(false, "offload failed: {}", e),
             },
-            AOp::SleepDiscard => match arena.sleep(&streams, &SleepDesc::discard()) {
-                Ok(_) => {
-                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Discard));
-                    prop_assert_eq!(arena.stats().reserved_bytes.current, 0);
+            AOp::SleepUnmapping { stash } => {
+                let (want, desc) = if stash {
+                    (SleepMode::Stash, SleepDesc::stash())
+                } else {
+                    (SleepMode::Discard, SleepDesc::discard())
+                };
+                match arena.sleep(&streams, &desc) {
+                    Ok(_) => {
+                        prop_assert_eq!(arena.sleep_mode(), Some(want));
+                        prop_assert_eq!(arena.stats().reserved_bytes.current, 0);
+                    }
+                    // Asleep in another mode: wake first.
+                    Err(Error::InvalidArgument(_)) => {
+                        prop_assert!(matches!(arena.sleep_mode(), Some(m) if m != want))
+                    }
+                    Err(e) => prop_assert!(false, "{} sleep failed: {}", want, e),
                 }
-                Err(Error::InvalidArgument(_)) => prop_assert!(matches!(
-                    arena.sleep_mode(),
-                    Some(SleepMode::Keep | SleepMode::Stash)
-                )),
-                Err(e) => prop_assert!(false, "discarding sleep failed: {}", e),
-            },
-            AOp::SleepStash => match arena.sleep(&streams, &SleepDesc::stash()) {
-                Ok(_) => {
-                    prop_assert_eq!(arena.sleep_mode(), Some(SleepMode::Stash));
-                    prop_assert_eq!(arena.stats().reserved_bytes.current, 0);
-                }
-                Err(Error::InvalidArgument(_)) => {
-                    prop_assert!(matches!(
-                        arena.sleep_mode(),
-                        Some(SleepMode::Keep | SleepMode::Discard)
-                    ))
-                }
-                Err(e) => prop_assert!(false, "stashing sleep failed: {}", e),
-            },
+            }
             AOp::Wake { zero } => {
                 let desc = if zero {
                     WakeDesc::zeroed()

@@ -172,6 +172,18 @@ impl Device {
         sum
     }
 
+    /// Waits for the host pieces being created ahead of a sleep, if any
+    /// (its failure is logged: the sleep then creates what it needs).
+    fn finish_preparing(&mut self) {
+        if let Some(h) = self.preparing.take() {
+            match h.join() {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "vmmbuf-torch: preparing a sleep failed"),
+                Err(_) => tracing::warn!("vmmbuf-torch: the preparing thread panicked"),
+            }
+        }
+    }
+
     fn stream(&mut self, stream: *mut c_void) -> Arc<CudaStream> {
         let ctx = self.backend.context().clone();
         self.streams
@@ -354,10 +366,13 @@ pub(crate) struct Moved {
     pub(crate) bytes: u64,
     /// Device bytes given back (sleep) or mapped (wake).
     pub(crate) device_bytes: u64,
-    /// Of the call, copying (or zeroing) waited for.
-    pub(crate) copy_seconds: f64,
-    /// Arenas (tags) that moved.
-    pub(crate) tags: u32,
+}
+
+impl Moved {
+    fn add(&mut self, r: &vmmbuf::SleepReport) {
+        self.bytes += r.bytes as u64;
+        self.device_bytes += r.device_bytes as u64;
+    }
 }
 
 /// The tags of `d` that `tag` names (`None`: all), sorted.
@@ -378,28 +393,15 @@ fn tags_of<'a>(d: &'a Device, tag: Option<&str>) -> Vec<&'a String> {
 /// (`prepare_sleep`) is waited for first. On an error the arena that failed
 /// stays as it was and the ones before it stay asleep.
 pub(crate) fn sleep_tags(tag: Option<&str>, mode: SleepMode) -> Result<Moved> {
-    let desc = match mode {
-        SleepMode::Discard => SleepDesc::discard(),
-        SleepMode::Stash => SleepDesc::stash(),
-        _ => SleepDesc::keep(),
-    };
+    let desc = SleepDesc::from(mode);
     let mut moved = Moved::default();
     for (_, d) in all_devices() {
         let mut d = d.lock();
-        if let Some(h) = d.preparing.take() {
-            match h.join() {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => tracing::warn!(error = %e, "vmmbuf-torch: preparing a sleep failed"),
-                Err(_) => tracing::warn!("vmmbuf-torch: the preparing thread panicked"),
-            }
-        }
+        d.finish_preparing();
         for t in tags_of(&d, tag) {
             let arena = &d.arenas[t];
             let r = arena.sleep(&d.live_streams(arena), &desc)?;
-            moved.bytes += r.bytes as u64;
-            moved.device_bytes += r.device_bytes as u64;
-            moved.copy_seconds += r.migration.copy_time.as_secs_f64();
-            moved.tags += 1;
+            moved.add(&r);
         }
     }
     Ok(moved)
@@ -423,10 +425,7 @@ pub(crate) fn wake_tags(tag: Option<&str>, zero: bool) -> Result<Moved> {
                 continue;
             }
             let r = arena.wake(&d.live_streams(arena), &desc)?;
-            moved.bytes += r.bytes as u64;
-            moved.device_bytes += r.device_bytes as u64;
-            moved.copy_seconds += r.migration.copy_time.as_secs_f64();
-            moved.tags += 1;
+            moved.add(&r);
         }
     }
     Ok(moved)
@@ -437,10 +436,7 @@ pub(crate) fn wake_tags(tag: Option<&str>, zero: bool) -> Result<Moved> {
 /// next sleep waits for it. With `wait`, returns once they exist, with the
 /// bytes created.
 pub(crate) fn prepare_sleep(tag: Option<&str>, mode: SleepMode, wait: bool) -> Result<u64> {
-    let desc = match mode {
-        SleepMode::Stash => SleepDesc::stash(),
-        _ => SleepDesc::keep(),
-    };
+    let desc = SleepDesc::from(mode);
     let mut made = 0u64;
     for (_, d) in all_devices() {
         let mut d = d.lock();
@@ -449,9 +445,7 @@ pub(crate) fn prepare_sleep(tag: Option<&str>, mode: SleepMode, wait: bool) -> R
             .map(|t| d.arenas[t].clone())
             .filter(|a| a.sleep_mode().is_none())
             .collect();
-        if let Some(h) = d.preparing.take() {
-            let _ = h.join();
-        }
+        d.finish_preparing();
         let work = move || -> Result<usize> {
             let mut n = 0;
             for a in arenas {
@@ -483,9 +477,7 @@ pub(crate) fn release_host_cache() -> Result<u64> {
     for (_, d) in all_devices() {
         let mut d = d.lock();
         // A preparation under way finishes first (its pieces go too).
-        if let Some(h) = d.preparing.take() {
-            let _ = h.join();
-        }
+        d.finish_preparing();
         for a in d.arenas.values() {
             // An arena asleep stashed keeps its stash (its data).
             if a.sleep_mode() != Some(SleepMode::Stash) {
