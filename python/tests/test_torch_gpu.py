@@ -141,8 +141,8 @@ def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gp
     assert moved >= 256 * MiB
     free1 = torch.cuda.mem_get_info()[0]
     assert free1 - free0 >= 256 * MiB, f"device memory freed: {(free1 - free0) / MiB:.0f} MiB"
-    # Asleep, the tensor is still readable (from host memory).
-    assert torch.equal(w.cpu(), ref_w)
+    st = vmmbuf_stats()
+    assert st["sleep_modes"] == {"w": "stash"} and st["stash_bytes"] >= 256 * MiB
     assert torch_memory_saver.resume("w") == moved
     assert w.data_ptr() == ptr and torch.equal(w.cpu(), ref_w)
     assert torch.equal(kv.cpu(), ref_kv), "another tag was not touched"
@@ -153,13 +153,24 @@ def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gp
     paused = torch_memory_saver.pause()
     assert paused >= (256 + 64) * MiB
     assert torch.cuda.mem_get_info()[0] - free0 >= (256 + 64) * MiB
-    assert vmmbuf_stats()["sleep_modes"] == {"kv": "discard", "w": "keep"}
+    assert vmmbuf_stats()["sleep_modes"] == {"kv": "discard", "w": "stash"}
     assert torch_memory_saver.resume() == paused
     assert torch.equal((w * 2).cpu(), ref_w * 2)
     assert kv.data_ptr() == kv_ptr
     kv.copy_(ref_kv.cuda())
     assert torch.equal(kv.cpu(), ref_kv), "the fresh memory is usable"
     assert torch_memory_saver.retain_cpu_backup
+    # reachable=True: paused tensors stay readable, from host memory.
+    from vmmbuf.torch_memory_saver import TorchMemorySaver
+
+    saver = TorchMemorySaver(reachable=True)
+    with saver.region(tag="w", enable_cpu_backup=True):
+        pass
+    assert saver.pause("w") >= 256 * MiB
+    assert vmmbuf_stats()["sleep_modes"]["w"] == "keep"
+    assert torch.equal(w.cpu(), ref_w), "readable while paused"
+    saver.resume("w")
+    assert w.data_ptr() == ptr and torch.equal(w.cpu(), ref_w)
 
 
 def vmmbuf_stats():

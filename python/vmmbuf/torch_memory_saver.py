@@ -11,15 +11,18 @@
 ``region`` allocates from a vmmbuf ``MemPool`` per tag (or, after
 ``vmmbuf.torch.use()``, from vmmbuf process-wide) and tags what it
 allocates. ``pause`` gives the tag's device memory back, every tensor
-keeping its address: with ``enable_cpu_backup=True`` the contents move to
-pinned host memory at the same addresses (a paused tensor stays readable
-by kernels, over the bus) and ``resume`` brings them back; without it they
-are discarded, as torch_memory_saver discards them, and ``resume`` maps
-fresh memory (contents undefined). (``vmmbuf.sleep(tag, reachable=False)``
-copies the contents away instead, as torch_memory_saver does, and is
-faster; it becomes this module's default once its GPU run has passed.) The pinned host memory stays cached from one pause
-to the next (torch_memory_saver's ``retain_cpu_backup``, always on; see
-``vmmbuf.release_host_cache``). ``sleep``/``wake`` are the same as
+keeping its address: with ``enable_cpu_backup=True`` the contents are copied
+to a pinned host stash and the tensors' ranges are unmapped until
+``resume`` copies them back (torch_memory_saver's behaviour, at copy speed:
+``vmmbuf.sleep(tag, reachable=False)``); without it they are discarded, as
+torch_memory_saver discards them, and ``resume`` maps fresh memory
+(contents undefined). Touching a paused tensor faults, as it does under
+torch_memory_saver; ``TorchMemorySaver(reachable=True)`` instead moves the
+contents to pinned host memory at the same addresses, where kernels and the
+CPU can still read them (a little slower). The pinned host memory stays
+cached from one pause to the next (torch_memory_saver's
+``retain_cpu_backup``, always on; see ``vmmbuf.release_host_cache``).
+``sleep``/``wake`` are the same as
 ``pause``/``resume``.
 """
 
@@ -37,8 +40,12 @@ _TAG_DEFAULT = "default"
 class TorchMemorySaver:
     """torch_memory_saver's ``TorchMemorySaver`` on vmmbuf."""
 
-    def __init__(self) -> None:
+    def __init__(self, reachable: bool = False) -> None:
+        """``reachable=True``: regions with a CPU backup stay readable while
+        paused (moved to host memory at their addresses) instead of being
+        stashed and unmapped."""
         self._cpu_backup: Dict[str, bool] = {}
+        self._reachable = reachable
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> Iterator[None]:
@@ -63,10 +70,11 @@ class TorchMemorySaver:
         tag), keeping the contents in pinned host memory where the region
         asked for a CPU backup and discarding them otherwise; returns the
         bytes paused."""
-        return sum(
-            _native.sleep(t, not self._cpu_backup.get(t, False), True)[0]
-            for t in self._tags(tag)
-        )
+        total = 0
+        for t in self._tags(tag):
+            backup = self._cpu_backup.get(t, False)
+            total += _native.sleep(t, not backup, self._reachable if backup else True)[0]
+        return total
 
     def resume(self, tag: Optional[str] = None) -> int:
         """Maps ``tag``'s memory (None: every region's) back at the same
