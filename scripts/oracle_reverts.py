@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Reverts one stream-order fix of issue 19 in a scratch copy of the tree, so
+"""Reverts one stream-order fix in a scratch copy of the tree, so
 that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
-Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8.
+Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
+19) or g1 g2 (the CUDA graph pools of issue 23).
 Run the oracle there afterwards:
   cargo test --test all -- oracle_; cargo test --test all -- redteam
 Never run it on the working tree you commit from.
@@ -43,8 +44,8 @@ if name == "rt3":
 elif name == "rt4":
     # The free's fence is recorded before it is numbered (outside the lock
     # that orders them), as it was recorded before the arena's lock.
-    edit("src/arena/allocation.rs", "            match crate::order::record(s.key(), || s.fence(backend)) {\n                Ok(f) => fences.add(f),",
-         "            match s.fence(backend) {\n                Ok(f) => fences.add(crate::order::given(s.key(), f)),")
+    edit("src/arena/allocation.rs", "                match crate::order::record(s.key(), || s.fence(backend)) {\n                    Ok(f) => fences.add(f),",
+         "                match s.fence(backend) {\n                    Ok(f) => fences.add(crate::order::given(s.key(), f)),")
 elif name == "rt5":
     # shrink_to_fit drops deferred fences unwaited.
     edit("src/buffer/shrink.rs", "        if wait {\n            self.wait_all(g)?;\n        }",
@@ -63,6 +64,15 @@ elif name == "rt8":
          "    pub(crate) fn into_vec(self) -> Vec<Stamped<F>> {\n        self.0\n    }\n\n    pub(crate) fn is_empty(&self) -> bool {")
     edit("src/arena/allocation.rs", "        fences.merge(self.uses.take());",
          "        let own = std::mem::take(&mut fences);\n        fences = self.uses.take();\n        for f in own.into_vec() {\n            fences.add_if_absent(f);\n        }")
+elif name == "g1":
+    # A capture's allocation takes a block still pending on its own stream
+    # (the graph replays later, on any stream).
+    edit("src/arena/mod.rs", "let find_key = if graph.is_some() { GRAPH_KEY } else { key };",
+         "let find_key = key;")
+elif name == "g2":
+    # A graph's allocation, freed after the capture, goes back to the free
+    # index instead of staying the graph's until its release.
+    edit("src/arena/allocation.rs", "            .or(self.graph.filter(|g| st.graphs.contains_key(g)));", ";")
 else:
     sys.exit(f"unknown revert {name}")
 print(f"reverted {name} in {tree}")

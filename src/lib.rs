@@ -97,7 +97,8 @@ mod table;
 // About twenty names at the root: what most users name. The rest lives in
 // the modules below, one path each.
 pub use arena::{
-    Allocation, Arena, ArenaDesc, ArenaStream, SleepDesc, SleepMode, SleepReport, WakeDesc,
+    Allocation, Arena, ArenaDesc, ArenaStream, GraphPoolId, SleepDesc, SleepMode, SleepReport,
+    WakeDesc,
 };
 pub use backend::cuda::CudaBackend;
 #[cfg(target_os = "linux")]
@@ -113,9 +114,12 @@ pub use pool::{Budget, ChunkPool, PoolDesc};
 pub use report::BufferStats;
 
 /// CUDA: the backend's tokens, cudarc interop (typed views, a non-owning
-/// `CudaSlice`, owned tensors), arenas for cudarc's streams, and the probe.
+/// `CudaSlice`, owned tensors), arenas for cudarc's streams, graph capture
+/// (which capture a stream is in, relaxed mode, a graph's release), and the
+/// probe.
 pub mod cuda {
     pub use crate::arena::{CudaAllocation, CudaArena};
+    pub use crate::backend::cuda::capture::{capture_of, Capture, RelaxedCapture};
     pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
     pub use crate::backend::cuda::probe::{probe, DeviceProbe, Probe};
     pub use crate::backend::cuda::tensor::CudaTensor;

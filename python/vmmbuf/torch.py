@@ -22,6 +22,20 @@ works as usual. Process-wide, ``torch.cuda.memory_stats`` and
 rule); use ``vmmbuf.torch.memory_stats`` and friends, which give the same
 key names from vmmbuf's arenas in either mode.
 
+CUDA graphs (``torch.cuda.graph``): in either mode, what a capture
+allocates, and what is freed while a stream is captured, stays the graph's
+(the replays use those addresses) until CUDA destroys the graph and every
+executable made from it and their launches finish (a user object on the
+graph tells vmmbuf); then it is free memory again. ``stats()`` counts it
+as ``graph_bytes``, the graphs alive as ``graph_pools``. With
+``torch.cuda.graph(g, pool=vmmbuf.torch.MemPool().id)`` PyTorch's private
+pool takes its segments from vmmbuf. ``torch.compile(mode="reduce-overhead")``
+works in a ``MemPool`` scope (its graphs use PyTorch's own graph pool).
+Process-wide, PyTorch's CUDA graph trees raise "pluggable does not yet
+support checkPoolLiveAllocations" (PyTorch routes that check to no
+pluggable allocator); set ``torch._inductor.config.triton.cudagraph_trees
+= False`` and the compiled graphs run on vmmbuf's memory.
+
 Out of memory: in a ``MemPool`` scope PyTorch raises ``torch.OutOfMemoryError``
 as usual. Process-wide, PyTorch's pluggable interface has no way to report a
 failed allocation (it would make a tensor at address 0 of a null), so vmmbuf
@@ -102,6 +116,13 @@ def MemPool(**kwargs: Any) -> Any:
     ``torch.cuda.use_mem_pool(pool)``. Keyword arguments go to
     ``torch.cuda.MemPool``. Allocations made in it carry the allocating
     thread's tag (``vmmbuf.tag``)."""
+    # vmmbuf's state on the device (driver handles, a stream, the tag's
+    # arena) is made now, outside any CUDA graph capture: PyTorch asks a
+    # pool for its first segment inside a capture when the pool is a
+    # graph's, where CUDA forbids creating them.
+    d = torch.cuda.current_device()
+    s = torch.cuda.current_stream(d).cuda_stream
+    _native.free(_native.malloc(256, d, s), d, s)
     return torch.cuda.MemPool(_allocator("vmmbuf_malloc").allocator(), **kwargs)
 
 

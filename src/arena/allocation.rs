@@ -6,6 +6,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::blocks::Free;
+use super::graph::{GraphPoolId, Held};
 use super::{ArenaStream, Shared};
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
@@ -26,6 +27,11 @@ pub struct Allocation<B: Backend, S: ArenaStream<B>> {
     /// Uses recorded by views and [`record_use`](Self::record_use); the
     /// arena holds the same list, so that offload waits for them.
     pub(super) uses: Arc<Uses<B::Fence>>,
+    /// The graph whose pool it came from ([`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph)).
+    pub(super) graph: Option<GraphPoolId>,
+    /// Set by [`free_into_graph`](Self::free_into_graph): the drop records
+    /// no fence and hands the block to this graph.
+    pub(super) into_graph: Option<GraphPoolId>,
 }
 
 impl<B: Backend, S: ArenaStream<B>> fmt::Debug for Allocation<B, S> {
@@ -118,6 +124,25 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         self.uses.put(key, fence);
     }
 
+    /// The graph whose pool it came from, if it was allocated with
+    /// [`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph).
+    pub fn graph(&self) -> Option<GraphPoolId> {
+        self.graph
+    }
+
+    /// Frees it while its stream (and every stream it was recorded on) is
+    /// being captured into the CUDA graph whose pool is `graph`: no fence
+    /// is recorded (an event recorded in a capture is a graph node, not a
+    /// point a query can see pass), and the block becomes `graph`'s until
+    /// [`Arena::release_graph`](crate::Arena::release_graph), because the
+    /// graph's replays use it. The same capture's later allocations on this
+    /// stream may take it again; nothing else does. For an allocation made
+    /// before the capture and freed during it, too (the graph may have used
+    /// it before the free).
+    pub fn free_into_graph(mut self, graph: GraphPoolId) {
+        self.into_graph = Some(graph);
+    }
+
     /// Records that work on `stream` uses this allocation: its free waits
     /// for that stream's work queued up to the free, as PyTorch's
     /// `Tensor.record_stream`.
@@ -134,15 +159,18 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         let backend = &*self.arena.backend;
         // Each fence is recorded and numbered in one step (`order::record`),
         // so that a block freed later on a stream always carries the larger
-        // number, whichever thread takes the arena's lock first.
+        // number, whichever thread takes the arena's lock first. A free into
+        // a graph during its capture records none.
         let mut fences = FenceSet::default();
         let mut ok = true;
-        for s in std::iter::once(&self.stream).chain(self.extra.get_mut().iter()) {
-            match crate::order::record(s.key(), || s.fence(backend)) {
-                Ok(f) => fences.add(f),
-                Err(e) => {
-                    tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
-                    ok = false;
+        if self.into_graph.is_none() {
+            for s in std::iter::once(&self.stream).chain(self.extra.get_mut().iter()) {
+                match crate::order::record(s.key(), || s.fence(backend)) {
+                    Ok(f) => fences.add(f),
+                    Err(e) => {
+                        tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
+                        ok = false;
+                    }
                 }
             }
         }
@@ -160,6 +188,35 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         st.stats.num_frees += 1;
         st.allocated -= self.size;
         st.requested -= self.requested;
+        if let Some(g) = self.graph {
+            if let Some(p) = st.graphs.get_mut(&g) {
+                p.live -= 1;
+            }
+        }
+        // The graph that keeps the block: the one it is freed into, or the
+        // one it came from while that graph lives.
+        let keeper = self
+            .into_graph
+            .or(self.graph.filter(|g| st.graphs.contains_key(g)));
+        if let (Some(g), true) = (keeper, ok) {
+            // Retaken in the capture only if nothing but its own, captured,
+            // stream used it.
+            let reuse =
+                (self.into_graph.is_some() && fences.is_empty() && self.extra.get_mut().is_empty())
+                    .then(|| self.stream.key());
+            let zone = st.zone_range(self.offset);
+            st.graphs.entry(g).or_default().put(
+                self.offset,
+                Held {
+                    size: self.size,
+                    reuse,
+                    fences,
+                },
+                zone,
+            );
+            self.arena.count(&mut st);
+            return;
+        }
         st.note_free(self.offset, self.size);
         if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(self.offset)) {
             // Its memory was given back: the bytes are free again at the

@@ -166,6 +166,9 @@ impl<B: Backend> Shared<B> {
         for (_, f) in st.free_blocks() {
             f.fences.each(|fence| self.backend.wait(fence))?;
         }
+        for h in st.graphs.values().flat_map(|g| g.held.values()) {
+            h.fences.each(|fence| self.backend.wait(fence))?;
+        }
         Ok(())
     }
 
@@ -251,12 +254,14 @@ impl<B: Backend> Shared<B> {
         let (allocated, requested) = (st.allocated, st.requested);
         let mapped = st.region.table.mapped_bytes();
         let pending: usize = st.zones.iter().map(|z| z.pending_bytes()).sum();
+        let graph: usize = st.graphs.values().map(|g| g.held_bytes()).sum();
         let split = st.split.inactive_split();
         let s = &mut st.stats;
         s.allocated_bytes.set(allocated);
         s.requested_bytes.set(requested);
         s.reserved_bytes.set(mapped);
-        s.active_bytes.set(allocated + pending);
+        s.active_bytes.set(allocated + pending + graph);
+        s.graph_bytes = graph;
         s.inactive_split_bytes.set(split);
         s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
         s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());

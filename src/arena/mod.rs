@@ -5,12 +5,14 @@
 mod allocation;
 mod blocks;
 mod cuda_view;
+mod graph;
 mod mapping;
 mod sleep;
 mod stats;
 mod trace;
 
 pub use allocation::Allocation;
+pub use graph::GraphPoolId;
 pub use sleep::{SleepDesc, SleepMode, SleepReport, WakeDesc};
 use stats::SplitCount;
 pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
@@ -144,6 +146,9 @@ impl ArenaDesc {
     }
 }
 
+/// The key of no stream: a graph's allocation finds settled blocks only.
+const GRAPH_KEY: StreamKey = (u64::MAX, u64::MAX);
+
 /// Requests up to this size go to the small zone, so that small, long-lived
 /// blocks do not pin the chunks that large frees would give back (PyTorch
 /// keeps a small pool apart for the same reason).
@@ -156,6 +161,21 @@ impl<B: Backend> State<B> {
 
     fn zone_of_offset(&self, offset: usize) -> usize {
         usize::from(offset >= self.small_end)
+    }
+
+    /// The offsets of the zone `offset` lies in.
+    fn zone_range(&self, offset: usize) -> std::ops::Range<usize> {
+        if offset < self.small_end {
+            0..self.small_end
+        } else {
+            self.small_end..self.region.table.reserved()
+        }
+    }
+
+    /// The ranges graphs hold free, `(offset, bytes)`: allocated, for
+    /// everything but the graph.
+    fn graph_held(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.graphs.values().flat_map(|g| g.ranges())
     }
 
     /// Every free block of both zones.
@@ -176,6 +196,9 @@ struct Live<F> {
     /// The allocation's recorded uses (views, `record_use`): offload and
     /// restore wait for them.
     uses: Arc<Uses<F>>,
+    /// The graph whose pool it came from: its block stays the graph's when
+    /// freed.
+    graph: Option<GraphPoolId>,
 }
 
 struct State<B: Backend> {
@@ -202,6 +225,8 @@ struct State<B: Backend> {
     /// arena's own offsets in a reservation of their own, kept from one
     /// sleep to the next.
     stash: Option<Region<B>>,
+    /// The blocks CUDA graphs hold (see [`Arena::alloc_in_graph`]).
+    graphs: BTreeMap<GraphPoolId, graph::GraphPool<B::Fence>>,
 }
 
 struct Shared<B: Backend> {
@@ -335,6 +360,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     },
                     small_end: round_up(reserved / 8, g).unwrap_or(reserved).min(reserved),
                     live: BTreeMap::new(),
+                    graphs: BTreeMap::new(),
                     split: SplitCount::default(),
                     stats: ArenaStats::default(),
                     placement,
@@ -380,6 +406,93 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// [transient](Error::is_transient)). Existing allocations are never
     /// touched by a failure.
     pub fn alloc(&self, bytes: usize, stream: &S) -> Result<Allocation<B, S>> {
+        self.alloc_inner(bytes, stream, None)
+    }
+
+    /// Allocates `bytes` for work on `stream` while it is being captured
+    /// into a CUDA graph whose pool is `graph`: the block belongs to the
+    /// graph, which replays the captured work at these addresses, until
+    /// [`release_graph`](Self::release_graph). Freed (dropped, or with
+    /// [`Allocation::free_into_graph`]), it stays the graph's.
+    ///
+    /// It is taken from the blocks `graph` holds that were freed on
+    /// `stream` during the capture (the graph orders them as the stream
+    /// did), else from free memory whose last use has passed, else from
+    /// newly mapped memory: never a block another use may still touch when
+    /// the graph replays, on whatever stream that is.
+    ///
+    /// No fence is recorded or waited for on `stream`. Fences of earlier
+    /// frees are queried (`cuEventQuery`), which a capture in CUDA's global
+    /// mode forbids on any thread: call it in relaxed capture mode
+    /// ([`cuda::RelaxedCapture`](crate::cuda::RelaxedCapture)), as the
+    /// PyTorch plug-in does.
+    pub fn alloc_in_graph(
+        &self,
+        bytes: usize,
+        stream: &S,
+        graph: GraphPoolId,
+    ) -> Result<Allocation<B, S>> {
+        self.alloc_inner(bytes, stream, Some(graph))
+    }
+
+    /// The graph is gone: `graph`'s pool, every executable graph made from
+    /// it destroyed and their launches finished (CUDA runs a graph's user
+    /// object destructor then). Its held blocks join the free index, with
+    /// the fences of uses made after the capture; its allocations still
+    /// live are ordinary ones from now on. Returns the bytes freed. Unknown
+    /// pools free nothing.
+    pub fn release_graph(&self, graph: GraphPoolId) -> Result<usize> {
+        let mut st = self.shared.state.lock();
+        let Some(pool) = st.graphs.remove(&graph) else {
+            return Ok(0);
+        };
+        let mut freed = 0;
+        for (o, h) in pool.held {
+            freed += h.size;
+            st.note_free(o, h.size);
+            if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(o)) {
+                a.note_free(o, h.size, Some(h.fences));
+                continue;
+            }
+            let stream = h
+                .fences
+                .iter()
+                .next()
+                .map(|f| f.key)
+                .filter(|&k| h.fences.only_on(k));
+            let z = st.zone_of_offset(o);
+            st.zones[z].insert(
+                o,
+                Free {
+                    size: h.size,
+                    stream,
+                    fences: h.fences,
+                },
+            );
+        }
+        for l in st.live.values_mut().filter(|l| l.graph == Some(graph)) {
+            l.graph = None;
+        }
+        self.shared.count(&mut st);
+        Ok(freed)
+    }
+
+    /// The graph pools alive: each one's id, bytes held free and live
+    /// allocations.
+    pub fn graph_pools(&self) -> Vec<(GraphPoolId, usize, usize)> {
+        let st = self.shared.state.lock();
+        st.graphs
+            .iter()
+            .map(|(&id, p)| (id, p.held_bytes(), p.live))
+            .collect()
+    }
+
+    fn alloc_inner(
+        &self,
+        bytes: usize,
+        stream: &S,
+        graph: Option<GraphPoolId>,
+    ) -> Result<Allocation<B, S>> {
         if bytes == 0 {
             return Err(Error::invalid("an allocation of 0 bytes"));
         }
@@ -388,7 +501,16 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let key = stream.key();
         let mut st = self.shared.state.lock();
         st.region.check_poison()?;
-        let offset = match self.shared.find(&mut st, size, key) {
+        // A graph's own blocks first; then, from the arena, only memory no
+        // pending use touches (a key no stream has: settled blocks only).
+        let held = graph.and_then(|g| st.graphs.get_mut(&g)?.take(size, key));
+        let from_held = held.is_some();
+        let find_key = if graph.is_some() { GRAPH_KEY } else { key };
+        let offset = match held {
+            Some(o) => Ok(o),
+            None => self.shared.find(&mut st, size, find_key),
+        };
+        let offset = match offset {
             Ok(o) => o,
             // Larger than the budget, the reservation or the device: no wait
             // or release can help.
@@ -406,7 +528,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 self.shared.wait_pending_frees(&st)?;
                 self.shared.release_free_chunks(&mut st)?;
                 let _ = self.shared.pool.trim();
-                match self.shared.find(&mut st, size, key) {
+                match self.shared.find(&mut st, size, find_key) {
                     Ok(o) => {
                         st.stats.num_alloc_retries += 1;
                         o
@@ -429,10 +551,17 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 requested: bytes,
                 stream: key,
                 uses: uses.clone(),
+                graph,
             },
         );
-        let State { split, region, .. } = &mut *st;
-        split.change(&region.table, offset, size, true);
+        if let Some(g) = graph {
+            st.graphs.entry(g).or_default().live += 1;
+        }
+        // A graph's held bytes count as allocated in the split already.
+        if !from_held {
+            let State { split, region, .. } = &mut *st;
+            split.change(&region.table, offset, size, true);
+        }
         st.stats.num_allocs += 1;
         st.allocated += size;
         st.requested += bytes;
@@ -455,6 +584,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             stream: stream.clone(),
             extra: Mutex::new(Vec::new()),
             uses,
+            graph,
+            into_graph: None,
         })
     }
 
@@ -557,6 +688,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 allocated: true,
                 requested_bytes: l.requested,
                 stream: Some(l.stream),
+                graph: l.graph,
             })
             .chain(st.free_blocks().map(|(o, f)| BlockInfo {
                 offset: o,
@@ -564,6 +696,17 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 allocated: false,
                 requested_bytes: 0,
                 stream: if f.settled() { None } else { f.stream },
+                graph: None,
+            }))
+            .chain(st.graphs.iter().flat_map(|(&g, p)| {
+                p.ranges().map(move |(o, b)| BlockInfo {
+                    offset: o,
+                    bytes: b,
+                    allocated: false,
+                    requested_bytes: 0,
+                    stream: None,
+                    graph: Some(g),
+                })
             }))
             .collect();
         blocks.sort_by_key(|b| b.offset);

@@ -348,7 +348,12 @@ impl<B: Backend> Shared<B> {
     }
 
     fn rebuild_split(&self, st: &mut State<B>) {
-        st.split = SplitCount::rebuild(&st.region.table, st.live.iter().map(|(&o, l)| (o, l.size)));
+        // What graphs hold free counts as allocated, as it does elsewhere.
+        let held: Vec<(usize, usize)> = st.graph_held().collect();
+        st.split = SplitCount::rebuild(
+            &st.region.table,
+            st.live.iter().map(|(&o, l)| (o, l.size)).chain(held),
+        );
     }
 
     /// A kept sleep: device chunks to host pieces, with the data.
@@ -596,6 +601,8 @@ impl<B: Backend> Shared<B> {
             let mut held: Vec<(usize, usize)> =
                 st.live.range(o..o + b).map(|(&x, l)| (x, l.size)).collect();
             held.extend(asleep.lost.iter().filter(|l| l.0 >= o && l.0 < o + b));
+            // Blocks graphs hold stay theirs.
+            held.extend(st.graph_held().filter(|l| l.0 >= o && l.0 < o + b));
             held.sort_unstable();
             for (x, size) in held.into_iter().chain(std::iter::once((o + b, 0))) {
                 // Free bytes, split at the zones' border.

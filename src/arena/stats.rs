@@ -132,6 +132,10 @@ pub struct ArenaStats {
     /// Pinned host bytes in the arena's stash ([`SleepMode::Stash`](crate::SleepMode::Stash)),
     /// kept from one sleep to the next (not counted as reserved).
     pub stash_bytes: usize,
+    /// Freed bytes CUDA graphs hold until they are released
+    /// ([`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph)): counted
+    /// as active, not allocated.
+    pub graph_bytes: usize,
 }
 
 impl fmt::Display for ArenaStats {
@@ -180,6 +184,9 @@ pub struct BlockInfo {
     pub requested_bytes: usize,
     /// The stream that owns it (`None`: free for any stream).
     pub stream: Option<crate::StreamKey>,
+    /// The CUDA graph whose pool holds it (an allocation made in the graph,
+    /// or a free block the graph keeps).
+    pub graph: Option<crate::GraphPoolId>,
 }
 
 /// The arena at one moment: mapped segments and the blocks in them.

@@ -369,3 +369,111 @@ fn a_run_across_the_zones_border_sleeps_and_wakes_whole() {
         drop((small, large, extra, again));
     }
 }
+
+/// A CUDA graph's pool: what a capture allocates and frees stays the
+/// graph's (retaken only by the same capture on the same stream) until the
+/// release; then it is free memory again and goes back to the pool.
+#[test]
+fn a_graphs_blocks_stay_its_own_until_released() {
+    let a = arena(1 << 30);
+    let (cap, other) = (HostStream(1), HostStream(2));
+    let g = GraphPoolId(7);
+    let before = a.stats().reserved_bytes.current;
+    // A block freed before the capture is settled (host fences pass at
+    // once): the capture may take it.
+    let x = a.alloc(3000, &other).unwrap();
+    let x_at = x.address();
+    drop(x);
+    let t1 = a.alloc_in_graph(3000, &cap, g).unwrap();
+    assert_eq!(t1.graph(), Some(g));
+    assert_eq!(t1.address(), x_at, "settled memory serves a capture");
+    let out = a.alloc_in_graph(5000, &cap, g).unwrap();
+    let (t1_at, out_at) = (t1.address(), out.address());
+    // A temporary freed in the capture comes back to the same capture...
+    t1.free_into_graph(g);
+    assert_eq!(a.stats().graph_bytes, 3072);
+    let t2 = a.alloc_in_graph(1000, &cap, g).unwrap();
+    assert_eq!(t2.address(), t1_at, "the capture retakes its own free");
+    t2.free_into_graph(g);
+    // ...but nothing else does: another stream, or another graph.
+    let y = a.alloc(1000, &other).unwrap();
+    let z = a.alloc_in_graph(1000, &cap, GraphPoolId(8)).unwrap();
+    for b in [&y, &z] {
+        assert!(
+            b.address() + b.capacity() as u64 <= t1_at || b.address() >= t1_at + 3072,
+            "a graph's block went to another user"
+        );
+    }
+    drop(z);
+    assert_eq!(a.release_graph(GraphPoolId(8)).unwrap(), 1024);
+    // The graph's output, freed after the capture, stays the graph's.
+    drop(out);
+    let s = a.stats();
+    assert_eq!(s.graph_bytes, 3072 + 5120);
+    assert_eq!(s.allocated_bytes.current, y.capacity());
+    assert!(s.active_bytes.current >= s.allocated_bytes.current + s.graph_bytes);
+    let snap = a.snapshot();
+    let held: usize = snap
+        .blocks
+        .iter()
+        .filter(|b| b.graph == Some(g))
+        .map(|b| b.bytes)
+        .sum();
+    assert_eq!(
+        held,
+        3072 + 5120,
+        "the snapshot shows the graph's blocks:\n{snap}"
+    );
+    assert_eq!(a.graph_pools(), vec![(g, 3072 + 5120, 0)]);
+    // Nothing the graph holds goes back to the pool.
+    a.empty_cache().unwrap();
+    assert!(a.stats().reserved_bytes.current >= 3072 + 5120);
+    let w = a.alloc(5000, &other).unwrap();
+    assert!(w.address() >= out_at + 5120 || w.address() + 5120 <= out_at);
+    drop(w);
+    drop(y);
+    // Released: free memory, reused and given back as any other.
+    assert_eq!(a.release_graph(g).unwrap(), 3072 + 5120);
+    assert_eq!(a.release_graph(g).unwrap(), 0, "released once");
+    let s = a.stats();
+    assert_eq!((s.graph_bytes, s.allocated_bytes.current), (0, 0));
+    let again = a.alloc(5000, &other).unwrap();
+    drop(again);
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, before);
+    assert!(a.graph_pools().is_empty());
+}
+
+/// A graph's allocation still live at the release is an ordinary one from
+/// then on; a discarding sleep's wake keeps a graph's held bytes its own.
+#[test]
+fn a_graph_outlived_by_its_output_and_a_sleep_between() {
+    let a = arena(1 << 30);
+    let (cap, other) = (HostStream(1), HostStream(2));
+    let g = GraphPoolId(1);
+    let out = a.alloc_in_graph(4 * G, &cap, g).unwrap();
+    let tmp = a.alloc_in_graph(4 * G, &cap, g).unwrap();
+    let tmp_at = tmp.address();
+    tmp.free_into_graph(g);
+    a.sleep(&[cap, other], &SleepDesc::discard()).unwrap();
+    a.wake(&[cap, other], &WakeDesc::default()).unwrap();
+    assert_eq!(
+        a.stats().graph_bytes,
+        4 * G,
+        "still the graph's after the wake"
+    );
+    let y = a.alloc(4 * G, &other).unwrap();
+    assert_ne!(
+        y.address(),
+        tmp_at,
+        "the wake did not free the graph's block"
+    );
+    assert_eq!(a.release_graph(g).unwrap(), 4 * G);
+    assert_eq!(a.graph_pools(), vec![]);
+    drop(out); // an ordinary free now
+    drop(y);
+    let s = a.stats();
+    assert_eq!((s.allocated_bytes.current, s.graph_bytes), (0, 0));
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}

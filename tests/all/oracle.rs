@@ -27,8 +27,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use vmmbuf::{
     stats::LiveCounts, AccessDesc, Arena, ArenaDesc, ArenaStream, Backend, BufferDesc, ChunkPool,
-    Error, GrowableBuffer, GrowthPolicy, HostBackend, Location, PoolDesc, Result, SleepDesc,
-    SleepMode, WakeDesc,
+    Error, GraphPoolId, GrowableBuffer, GrowthPolicy, HostBackend, Location, PoolDesc, Result,
+    SleepDesc, SleepMode, WakeDesc,
 };
 
 use crate::fault::FaultBackend;
@@ -379,6 +379,40 @@ enum AOp {
     Wake {
         zero: bool,
     },
+    /// Stream `s` starts being captured into a new CUDA graph: until
+    /// `CaptureEnd`, its allocations come from the graph's pool, its uses of
+    /// them are captured (queued only when the graph replays) and their
+    /// frees go into the graph.
+    CaptureBegin {
+        s: usize,
+    },
+    CaptureEnd,
+    /// A graph replays on stream `s`: every range it captured is used there.
+    Replay {
+        which: usize,
+        s: usize,
+    },
+    /// A graph and its executables are destroyed: once its replays have
+    /// finished (CUDA runs the user object's destructor then), the arena
+    /// is told.
+    ReleaseGraph {
+        which: usize,
+    },
+}
+
+/// A capture under way: the stream, the graph's pool, the ranges its work
+/// uses.
+struct Capturing {
+    s: usize,
+    id: GraphPoolId,
+    ranges: Vec<(u64, usize)>,
+}
+
+/// A captured graph: its pool, the ranges it uses, its replays' fences.
+struct Graph {
+    id: GraphPoolId,
+    ranges: Vec<(u64, usize)>,
+    replays: Vec<QFence>,
 }
 
 const STREAMS: usize = 3;
@@ -398,6 +432,10 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => Just(AOp::Restore),
         2 => any::<bool>().prop_map(|stash| AOp::SleepUnmapping { stash }),
         1 => any::<bool>().prop_map(|zero| AOp::Wake { zero }),
+        1 => (0..STREAMS).prop_map(|s| AOp::CaptureBegin { s }),
+        1 => Just(AOp::CaptureEnd),
+        2 => (0..8usize, 0..STREAMS).prop_map(|(which, s)| AOp::Replay { which, s }),
+        1 => (0..8usize).prop_map(|which| AOp::ReleaseGraph { which }),
     ]
 }
 
@@ -458,6 +496,17 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
     let mut discarded_ever = false;
     let mut live: Vec<(OAlloc, usize, u64)> = Vec::new();
     let mut next_id = 0u64;
+    let mut capturing: Option<Capturing> = None;
+    let mut graphs: Vec<Graph> = Vec::new();
+    let mut next_graph = 0u64;
+    // Ends a graph as CUDA does: its replays finish, then its destructor
+    // tells the arena.
+    let release = |arena: &OArena, g: Graph| {
+        for f in &g.replays {
+            f.q.complete_to(f.pos);
+        }
+        arena.release_graph(g.id).unwrap();
+    };
     let violations = |step: usize, op: &AOp| -> std::result::Result<(), TestCaseError> {
         let v = std::mem::take(&mut model.lock().violations);
         if v.is_empty() {
@@ -471,13 +520,22 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
     };
     for (step, op) in ops.iter().enumerate() {
         match *op {
-            AOp::Alloc { units, s } => match arena.alloc(units * 4096, &streams[s]) {
+            AOp::Alloc { units, s } => match match &capturing {
+                Some(c) if c.s == s => arena.alloc_in_graph(units * 4096, &streams[s], c.id),
+                _ => arena.alloc(units * 4096, &streams[s]),
+            } {
                 Ok(a) => {
                     next_id += 1;
+                    // A graph replays on any stream, later: no use on any
+                    // stream may be pending on memory handed to a capture.
+                    let except = match a.graph() {
+                        Some(_) => None,
+                        None => Some(streams[s].q.id),
+                    };
                     model.lock().check(
                         a.address(),
                         a.capacity(),
-                        Some(streams[s].q.id),
+                        except,
                         &format!("handing alloc {next_id} to stream {}", streams[s].q.id),
                     );
                     for (b, _, id) in &live {
@@ -507,6 +565,17 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
                 );
                 drop(a);
             }
+            AOp::Use { which, s, .. }
+                if !live.is_empty()
+                    && capturing.as_ref().is_some_and(|c| {
+                        c.s == s && live[which % live.len()].0.graph() == Some(c.id)
+                    }) =>
+            {
+                // Captured, not run: the graph's replays run it.
+                let (a, _, _) = &live[which % live.len()];
+                let c = capturing.as_mut().unwrap();
+                c.ranges.push((a.address(), a.capacity()));
+            }
             AOp::Use {
                 which,
                 s,
@@ -526,8 +595,47 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
                 }
             }
             AOp::Free { which } if !live.is_empty() => {
-                let (a, _, _) = live.remove(which % live.len());
-                drop(a);
+                let (a, s, _) = live.remove(which % live.len());
+                match &capturing {
+                    // Freed on its stream while that stream is captured.
+                    Some(c) if c.s == s && a.graph() == Some(c.id) => a.free_into_graph(c.id),
+                    _ => drop(a),
+                }
+            }
+            AOp::CaptureBegin { s } if capturing.is_none() => {
+                next_graph += 1;
+                capturing = Some(Capturing {
+                    s,
+                    id: GraphPoolId(next_graph),
+                    ranges: Vec::new(),
+                });
+            }
+            AOp::CaptureEnd => {
+                if let Some(c) = capturing.take() {
+                    graphs.push(Graph {
+                        id: c.id,
+                        ranges: c.ranges,
+                        replays: Vec::new(),
+                    });
+                }
+            }
+            AOp::Replay { which, s } if !graphs.is_empty() => {
+                let n = graphs.len();
+                let g = &mut graphs[which % n];
+                let mut m = model.lock();
+                for &(at, len) in &g.ranges {
+                    let f = m.launch(
+                        &streams[s].q,
+                        at,
+                        len,
+                        format!("a replay of {} on stream {}", g.id, streams[s].q.id),
+                    );
+                    g.replays.push(f);
+                }
+            }
+            AOp::ReleaseGraph { which } if !graphs.is_empty() => {
+                let n = graphs.len();
+                release(&arena, graphs.remove(which % n));
             }
             AOp::FreeRacing { which, work } if live.len() >= 2 => {
                 // Free two allocations, the first on a thread whose fence
@@ -602,11 +710,25 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
         }
         violations(step, op)?;
         discarded_ever |= arena.stats().discarded_bytes > 0;
-        check_stats(&arena, live.is_empty(), discarded_ever)?;
+        // Bytes graphs hold are the graphs' allocations.
+        let held = arena.stats().graph_bytes;
+        check_stats(&arena, live.is_empty() && held == 0, discarded_ever)?;
     }
-    // Everything freed and every stream synchronised: allocated = active = 0
-    // on the next read; the memory goes back to the driver with the arena.
+    // Every graph ends; everything freed and every stream synchronised:
+    // allocated = active = 0 on the next read; the memory goes back to the
+    // driver with the arena.
+    if let Some(c) = capturing.take() {
+        graphs.push(Graph {
+            id: c.id,
+            ranges: c.ranges,
+            replays: Vec::new(),
+        });
+    }
     live.clear();
+    for g in graphs.drain(..) {
+        release(&arena, g);
+    }
+    prop_assert!(arena.graph_pools().is_empty(), "every graph pool released");
     streams.iter().for_each(|s| s.q.complete_all());
     let s = arena.stats();
     prop_assert_eq!((s.allocated_bytes.current, s.active_bytes.current), (0, 0));

@@ -4,17 +4,18 @@
 //! [`vmmbuf::Result`]; the C ABI turns errors into null or -1 and a log line,
 //! the Python module into exceptions.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::{Mutex, RwLock};
 use vmmbuf::cuda::CudaAllocation;
+use vmmbuf::cuda::{capture_of, Capture, RelaxedCapture};
 use vmmbuf::stats::ArenaStats;
 use vmmbuf::{
-    Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, Location, PoolDesc,
-    Result, SleepDesc, SleepMode, WakeDesc,
+    Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, GraphPoolId, Location,
+    PoolDesc, Result, SleepDesc, SleepMode, WakeDesc,
 };
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
@@ -39,6 +40,13 @@ pub(crate) struct Device {
     /// Host pieces being created ahead of a sleep (`prepare_sleep`): a
     /// sleep waits for them rather than pin the same pages again.
     preparing: Option<std::thread::JoinHandle<Result<usize>>>,
+    /// The CUDA graphs captured with this device's memory whose release
+    /// callback is armed (see [`Device::graph_pool`]).
+    graphs: HashSet<GraphPoolId>,
+    /// Graphs CUDA has destroyed (their user objects' destructors put them
+    /// here, on a driver thread that may not call CUDA): released into the
+    /// arenas at the next call.
+    released: Arc<Mutex<Vec<GraphPoolId>>>,
 }
 
 #[derive(Default)]
@@ -90,6 +98,8 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         streams: HashMap::new(),
         live: HashMap::new(),
         preparing: None,
+        graphs: HashSet::new(),
+        released: Arc::default(),
     }));
     r.devices.insert(device, d.clone());
     Ok(d)
@@ -109,6 +119,34 @@ fn all_devices() -> Vec<(c_int, Arc<Mutex<Device>>)> {
 }
 
 impl Device {
+    /// The pool of the graph `c` is capturing into: the first time, a
+    /// callback is armed that CUDA runs once the graph and its executables
+    /// are destroyed and their launches done; the pool is then released
+    /// (see [`Device::release_graphs`]).
+    fn graph_pool(&mut self, c: &Capture) -> Result<GraphPoolId> {
+        let id = c.pool();
+        if !self.graphs.contains(&id) {
+            let released = self.released.clone();
+            c.on_release(move || released.lock().push(id))?;
+            self.graphs.insert(id);
+        }
+        Ok(id)
+    }
+
+    /// Releases the pools of the graphs CUDA has destroyed since the last
+    /// call, in every arena (a capture may have used several tags).
+    fn release_graphs(&mut self) {
+        let gone = std::mem::take(&mut *self.released.lock());
+        for id in gone {
+            self.graphs.remove(&id);
+            for a in self.arenas.values() {
+                if let Err(e) = a.release_graph(id) {
+                    tracing::warn!(error = %e, %id, "vmmbuf-torch: releasing a graph's memory failed");
+                }
+            }
+        }
+    }
+
     /// The arena of `tag`, created on first use.
     fn arena(&mut self, tag: &str) -> Result<&TorchArena> {
         if !self.arenas.contains_key(tag) {
@@ -165,6 +203,7 @@ impl Device {
             sum.host_bytes += s.host_bytes;
             sum.discarded_bytes += s.discarded_bytes;
             sum.stash_bytes += s.stash_bytes;
+            sum.graph_bytes += s.graph_bytes;
             sum.device_bytes += s.device_bytes;
             sum.num_device_syncs = sum.num_device_syncs.max(s.num_device_syncs);
             sum.fragmentation = sum.fragmentation.max(s.fragmentation);
@@ -231,11 +270,26 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     if size == 0 {
         return Err(Error::InvalidArgument("an allocation of 0 bytes".into()));
     }
+    // A capture in CUDA's global mode (PyTorch's default) forbids every
+    // thread's unsafe calls: the ones below are safe for it (no query of an
+    // event recorded in a capture, no synchronisation of a captured stream).
+    let _relaxed = relaxed();
     let d = device(dev)?;
     let mut d = d.lock();
+    d.release_graphs();
     let tag = tag();
     let s = d.stream(stream);
-    let a = match d.arena(&tag)?.alloc(size, &s) {
+    // Captured into a CUDA graph: the memory is the graph's until CUDA
+    // destroys it (the graph replays the captured work at these addresses).
+    let graph = match capture_of(&s)? {
+        Some(c) => Some(d.graph_pool(&c)?),
+        None => None,
+    };
+    let alloc = |a: &TorchArena| match graph {
+        Some(g) => a.alloc_in_graph(size, &s, g),
+        None => a.alloc(size, &s),
+    };
+    let a = match alloc(d.arena(&tag)?) {
         // At the device's budget, shared by every tag: the other tags'
         // cached memory goes back too, then one more try (an arena gives
         // back only its own before failing).
@@ -245,13 +299,21 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
                     tracing::warn!(error = %e, "vmmbuf-torch: releasing cached memory failed");
                 }
             }
-            d.arena(&tag)?.alloc(size, &s)?
+            alloc(d.arena(&tag)?)?
         }
         r => r?,
     };
     let p = a.address();
     d.live.insert(p as usize, a);
     Ok(p)
+}
+
+/// This thread in CUDA's relaxed capture mode, if the driver allows it (a
+/// failure is logged: the call goes on in the thread's mode).
+fn relaxed() -> Option<RelaxedCapture> {
+    RelaxedCapture::new()
+        .map_err(|e| tracing::debug!(error = %e, "vmmbuf-torch: no relaxed capture mode"))
+        .ok()
 }
 
 /// Frees `ptr` in stream order on `stream` (if it is not the allocation's
@@ -263,11 +325,44 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
         ))
     };
     let d = existing(dev).ok_or_else(unknown)?;
+    let _relaxed = relaxed();
     let mut d = d.lock();
+    d.release_graphs();
     let a = d.live.remove(&(ptr as usize)).ok_or_else(unknown)?;
     let s = d.stream(stream);
-    a.record_stream(&s);
-    drop(a);
+    let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
+    let other = key(&s) != key(a.stream());
+    // Freed while its stream (or the one named) is captured: no fence can
+    // be recorded there, and the graph may use the bytes in every replay,
+    // so they are the graph's until CUDA destroys it.
+    let captured = match capture_of(a.stream()) {
+        Ok(Some(c)) => Some(c),
+        Ok(None) if other => capture_of(&s).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
+            None
+        }),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
+            None
+        }
+    };
+    match captured {
+        Some(c) => {
+            let g = d.graph_pool(&c)?;
+            // The stream not being captured, if any, gets a real fence.
+            for t in [a.stream().clone(), s] {
+                if capture_of(&t).ok().flatten().is_none() {
+                    a.record_use(d.backend.fence(&t)?);
+                }
+            }
+            a.free_into_graph(g);
+        }
+        None => {
+            a.record_stream(&s);
+            drop(a);
+        }
+    }
     Ok(())
 }
 
@@ -275,7 +370,9 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
 /// device has no arena yet.
 pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     let d = existing(dev)?;
-    let d = d.lock();
+    let _relaxed = relaxed();
+    let mut d = d.lock();
+    d.release_graphs();
     let s = d.stats();
     let mut m = serde_json::Map::new();
     for (name, v) in [
@@ -301,6 +398,8 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     );
     m.insert("discarded_bytes".into(), s.discarded_bytes.into());
     m.insert("stash_bytes".into(), s.stash_bytes.into());
+    m.insert("graph_bytes".into(), s.graph_bytes.into());
+    m.insert("graph_pools".into(), d.graphs.len().into());
     m.insert("fragmentation".into(), s.fragmentation.into());
     m.insert("host_bytes".into(), s.host_bytes.into());
     m.insert("device_bytes".into(), s.device_bytes.into());
@@ -354,7 +453,12 @@ pub(crate) fn set_budget(dev: c_int, bytes: usize) -> Result<()> {
 /// Gives the device's cached memory back to the driver.
 pub(crate) fn empty_cache(dev: c_int) -> Result<()> {
     match existing(dev) {
-        Some(d) => d.lock().arenas.values().try_for_each(|a| a.empty_cache()),
+        Some(d) => {
+            let _relaxed = relaxed();
+            let mut d = d.lock();
+            d.release_graphs();
+            d.arenas.values().try_for_each(|a| a.empty_cache())
+        }
         None => Ok(()),
     }
 }

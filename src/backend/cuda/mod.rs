@@ -12,6 +12,7 @@
 //! panic for a missing library.
 #![allow(unsafe_code)]
 
+pub(crate) mod capture;
 pub(crate) mod driver;
 mod fence;
 pub(crate) mod interop;

@@ -1,0 +1,196 @@
+//! CUDA graph capture: which capture a stream is in, a thread's relaxed
+//! capture mode, and a callback run when a captured graph is gone.
+//!
+//! What an allocator needs around graphs ([`Arena::alloc_in_graph`]):
+//! - [`capture_of`]: is this stream being captured, and into which graph
+//!   (CUDA's capture id names the graph's pool);
+//! - [`RelaxedCapture`]: while another stream is captured in CUDA's global
+//!   mode, any thread's "unsafe" call (`cuEventQuery`, `cuMemCreate`,
+//!   `cuStreamCreate`) would invalidate that capture; in relaxed mode the
+//!   calling thread may make them (it still must not query an event
+//!   recorded inside a capture, which the arena never does);
+//! - [`Capture::on_release`]: a user object whose destructor CUDA runs once
+//!   the graph and every executable graph made from it are destroyed and
+//!   their launches have finished: the moment a graph's memory may go back.
+//!
+//! [`Arena::alloc_in_graph`]: crate::Arena::alloc_in_graph
+#![allow(unsafe_code)]
+
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::{sys, CudaStream, DriverError};
+
+use crate::arena::GraphPoolId;
+use crate::error::{Error, Result};
+
+fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        other => Err(Error::Driver {
+            call,
+            source: DriverError(other),
+        }),
+    }
+}
+
+/// A capture under way on a stream: its id and the graph being built.
+#[derive(Debug)]
+pub struct Capture {
+    id: u64,
+    graph: sys::CUgraph,
+}
+
+// SAFETY: a CUgraph handle is a driver object usable from any thread; the
+// capture's owner keeps it alive while it captures.
+unsafe impl Send for Capture {}
+
+impl Capture {
+    /// The pool of the graph being captured: CUDA's capture id (unique in
+    /// the process).
+    pub fn pool(&self) -> GraphPoolId {
+        GraphPoolId(self.id)
+    }
+
+    /// Runs `f` once the graph being captured and every executable graph
+    /// instantiated from it are destroyed and their launches have finished
+    /// (a user object the graph takes the only reference of:
+    /// `cuUserObjectCreate`, `cuGraphRetainUserObject` with
+    /// `CU_GRAPH_USER_OBJECT_MOVE`). `f` runs on a thread of the driver's
+    /// and must not call CUDA; it may run at once if the capture fails.
+    pub fn on_release(&self, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        /// The callback, disarmed if the graph never took the object.
+        struct Callback {
+            armed: AtomicBool,
+            f: Box<dyn FnOnce() + Send>,
+        }
+        unsafe extern "C" fn run(data: *mut c_void) {
+            // SAFETY: `data` is the Box::into_raw below, handed to the driver
+            // once and destroyed by it once.
+            let c = unsafe { Box::from_raw(data.cast::<Callback>()) };
+            if c.armed.load(Ordering::SeqCst) {
+                // A panic must not unwind into the driver's thread.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(c.f));
+            }
+        }
+        let data = Box::into_raw(Box::new(Callback {
+            armed: AtomicBool::new(true),
+            f: Box::new(f),
+        }));
+        let mut obj: sys::CUuserObject = ptr::null_mut();
+        // SAFETY: `run` is a valid destructor for `data`; the driver calls it
+        // once, when the object's last reference goes.
+        let r = unsafe {
+            sys::cuUserObjectCreate(
+                &mut obj,
+                data.cast(),
+                Some(run),
+                1,
+                sys::CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32,
+            )
+        };
+        if let Err(e) = check("cuUserObjectCreate", r) {
+            // SAFETY: the driver did not take `data`.
+            drop(unsafe { Box::from_raw(data) });
+            return Err(e);
+        }
+        // SAFETY: `self.graph` is the graph being captured (from
+        // cuStreamGetCaptureInfo); MOVE hands it our one reference.
+        let r = unsafe {
+            sys::cuGraphRetainUserObject(
+                self.graph,
+                obj,
+                1,
+                sys::CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE as u32,
+            )
+        };
+        if let Err(e) = check("cuGraphRetainUserObject", r) {
+            // SAFETY: `data` lives until the destructor, which only our
+            // reference (released next) can run: disarmed first, it frees
+            // `data` without calling `f`.
+            unsafe { (*data).armed.store(false, Ordering::SeqCst) };
+            // SAFETY: ours is the only reference.
+            let _ = unsafe { sys::cuUserObjectRelease(obj, 1) };
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+/// The capture `stream` is part of, if it is being captured (active, not
+/// invalidated). Cheap (`cuStreamIsCapturing`) when it is not.
+pub fn capture_of(stream: &CudaStream) -> Result<Option<Capture>> {
+    crate::CudaBackend::check_driver()?;
+    // The calling thread may have no current context (PyTorch's autograd
+    // threads): the stream's own.
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|source| Error::Driver {
+            call: "cuCtxSetCurrent",
+            source,
+        })?;
+    let s = stream.cu_stream();
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: `s` is a live stream (the caller holds it).
+    check("cuStreamIsCapturing", unsafe {
+        sys::cuStreamIsCapturing(s, &mut status)
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        return Ok(None);
+    }
+    let mut id: sys::cuuint64_t = 0;
+    let mut graph: sys::CUgraph = ptr::null_mut();
+    let mut deps: *const sys::CUgraphNode = ptr::null();
+    let mut edges: *const sys::CUgraphEdgeData = ptr::null();
+    let mut n: usize = 0;
+    // SAFETY: as above; every out-pointer is valid for one write.
+    check("cuStreamGetCaptureInfo_v3", unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            s,
+            &mut status,
+            &mut id,
+            &mut graph,
+            &mut deps,
+            &mut edges,
+            &mut n,
+        )
+    })?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        return Ok(None);
+    }
+    Ok(Some(Capture { id, graph }))
+}
+
+/// This thread in CUDA's relaxed capture mode while the guard lives; the
+/// previous mode comes back on drop. See the module's documentation.
+#[derive(Debug)]
+pub struct RelaxedCapture {
+    previous: sys::CUstreamCaptureMode,
+}
+
+impl RelaxedCapture {
+    /// Switches this thread to relaxed mode (`cuThreadExchangeStreamCaptureMode`).
+    /// [`Error::DriverUnavailable`] without a loadable driver.
+    pub fn new() -> Result<Self> {
+        crate::CudaBackend::check_driver()?;
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: a thread-local exchange of a plain value.
+        check("cuThreadExchangeStreamCaptureMode", unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
+        })?;
+        Ok(Self { previous: mode })
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        let mut mode = self.previous;
+        // SAFETY: as in `new`.
+        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        if let Err(e) = check("cuThreadExchangeStreamCaptureMode", r) {
+            tracing::error!(error = %e, "vmmbuf: restoring the thread's capture mode failed");
+        }
+    }
+}
