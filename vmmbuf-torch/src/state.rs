@@ -334,27 +334,25 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let other = key(&s) != key(a.stream());
     // Freed while its stream (or the one named) is captured: no fence can
     // be recorded there, and the graph may use the bytes in every replay,
-    // so they are the graph's until CUDA destroys it.
-    let captured = match capture_of(a.stream()) {
-        Ok(Some(c)) => Some(c),
-        Ok(None) if other => capture_of(&s).unwrap_or_else(|e| {
+    // so they are the graph's until CUDA destroys it. Each stream is asked
+    // once; a failed question counts as "not captured".
+    let ask = |t: &Arc<CudaStream>| {
+        capture_of(t).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
             None
-        }),
-        Ok(None) => None,
-        Err(e) => {
-            tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
-            None
-        }
+        })
     };
-    match captured {
+    let own = ask(a.stream());
+    let named = if other { ask(&s) } else { None };
+    match own.as_ref().or(named.as_ref()) {
         Some(c) => {
-            let g = d.graph_pool(&c)?;
+            let g = d.graph_pool(c)?;
             // The stream not being captured, if any, gets a real fence.
-            for t in [a.stream().clone(), s] {
-                if capture_of(&t).ok().flatten().is_none() {
-                    a.record_use(d.backend.fence(&t)?);
-                }
+            if other && own.is_none() {
+                a.record_use(d.backend.fence(a.stream())?);
+            }
+            if other && named.is_none() {
+                a.record_use(d.backend.fence(&s)?);
             }
             a.free_into_graph(g);
         }

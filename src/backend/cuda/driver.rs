@@ -43,11 +43,14 @@ fn cudarc_err(call: &'static str) -> impl Fn(DriverError) -> Error {
 }
 
 /// True if the driver library can be loaded. Never panics (cudarc's lazy
-/// loader would, on the first call, without a library).
+/// loader would, on the first call, without a library). Asked once per
+/// process: cudarc's check opens the library by every candidate name, and
+/// the plug-in asks on every allocation and free.
 pub(crate) fn driver_present() -> bool {
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     // SAFETY: loading the system's CUDA driver library runs only its own
     // initialisers, the same load cudarc performs on its first call.
-    unsafe { sys::is_culib_present() }
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 /// `cuInit(0)`.
