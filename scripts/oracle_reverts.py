@@ -3,7 +3,7 @@
 that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
 Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
-19) or g1 g2 (the CUDA graph pools of issue 23).
+19), g1 g2 (the CUDA graph pools of issue 23) or h1 h2 (map hooks, issue 24).
 Run the oracle there afterwards:
   cargo test --test all -- oracle_; cargo test --test all -- redteam
 Never run it on the working tree you commit from.
@@ -73,6 +73,15 @@ elif name == "g2":
     # A graph's allocation, freed after the capture, goes back to the free
     # index instead of staying the graph's until its release.
     edit("src/arena/allocation.rs", "            .or(self.graph.filter(|g| st.graphs.contains_key(g)));", ";")
+elif name == "h1":
+    # With a map hook, the arena releases single free chunks instead of
+    # whole reported ranges (a neighbour's use may be in flight).
+    edit("src/arena/mapping.rs", "let whole: Vec<(usize, usize)> = if st.region.has_hook() {",
+         "let whole: Vec<(usize, usize)> = if false && st.region.has_hook() {")
+elif name == "h2":
+    # With a map hook, a buffer's shrink cuts a reported range in two.
+    edit("src/buffer/shrink.rs", "let keep_to = g.region.span_boundary_at_or_after(keep_to);",
+         "let keep_to = keep_to;")
 else:
     sys.exit(f"unknown revert {name}")
 print(f"reverted {name} in {tree}")

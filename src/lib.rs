@@ -82,6 +82,7 @@ mod arena;
 mod backend;
 mod buffer;
 mod error;
+pub mod hook;
 #[cfg(target_os = "linux")]
 pub mod ipc;
 mod location;

@@ -6,10 +6,12 @@
 //! differs between them (growth, free blocks, generations) stays with them.
 #![deny(unsafe_code)]
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::hook::{MapHook, MappedRange};
 use crate::location::{AccessDesc, Location};
 use crate::table::{ChunkTable, Entry};
 
@@ -33,6 +35,10 @@ pub(crate) struct Region<B: Backend> {
     /// Chunks that may still be mapped: released only after the reservation
     /// is gone, never pooled.
     quarantine: Vec<B::Chunk>,
+    /// The hook told of mappings, and the ranges it was told are mapped
+    /// (offset -> bytes, placement): see [`crate::hook`].
+    hook: Option<Arc<dyn MapHook>>,
+    spans: BTreeMap<usize, (usize, Location)>,
 }
 
 impl<B: Backend> Region<B> {
@@ -51,6 +57,8 @@ impl<B: Backend> Region<B> {
             table,
             poisoned: None,
             quarantine: Vec::new(),
+            hook: None,
+            spans: BTreeMap::new(),
         })
     }
 
@@ -79,6 +87,135 @@ impl<B: Backend> Region<B> {
                 .expect("a region's reservation lives until it closes"),
             &mut self.table,
         )
+    }
+
+    /// Replaces the hook: the old one is told every range it knows is
+    /// unmapping, the new one every mapped run (one per placement) as
+    /// mapped.
+    pub(crate) fn set_hook(&mut self, hook: Option<Arc<dyn MapHook>>) {
+        let all = self.table.reserved();
+        self.cut_spans(0, all);
+        self.hook = hook;
+        let runs = self.table.runs();
+        self.report_mapped(&runs);
+        self.debug_check_spans();
+    }
+
+    /// Whether a hook is set: then only whole reported ranges may be
+    /// unmapped while their neighbours may be in use (see [`Self::span_of`]).
+    pub(crate) fn has_hook(&self) -> bool {
+        self.hook.is_some()
+    }
+
+    /// The reported range `(offset, bytes)` holding `offset`, with a hook.
+    pub(crate) fn span_of(&self, offset: usize) -> Option<(usize, usize)> {
+        self.spans
+            .range(..=offset)
+            .next_back()
+            .filter(|(&s, &(b, _))| s + b > offset)
+            .map(|(&s, &(b, _))| (s, b))
+    }
+
+    /// `offset`, or the end of the reported range it falls strictly inside:
+    /// where a release from `offset` up may start without cutting a range.
+    pub(crate) fn span_boundary_at_or_after(&self, offset: usize) -> usize {
+        match self.span_of(offset) {
+            Some((s, b)) if s < offset => s + b,
+            _ => offset,
+        }
+    }
+
+    /// Tells the hook that the mapped runs of each `(offset, bytes)` are
+    /// mapped, one range per placement, and records them.
+    fn report_mapped(&mut self, ranges: &[(usize, usize)]) {
+        let Some(hook) = self.hook.clone() else {
+            return;
+        };
+        let base = self.base();
+        for &(o, b) in ranges {
+            for (at, bytes, placement) in self.table.placement_runs(o, b) {
+                self.spans.insert(at, (bytes, placement));
+                hook.mapped(MappedRange::new(base + at as u64, bytes, placement));
+            }
+        }
+    }
+
+    /// Tells the hook that every reported range touching
+    /// `[offset, offset + bytes)` is unmapping, forgets them, and returns
+    /// them `(offset, bytes)`, for [`Self::report_mapped`] to report what
+    /// of them stays mapped afterwards.
+    fn cut_spans(&mut self, offset: usize, bytes: usize) -> Vec<(usize, usize)> {
+        let Some(hook) = self.hook.clone() else {
+            return Vec::new();
+        };
+        let end = offset.saturating_add(bytes);
+        let first = self.span_of(offset).map_or(offset, |(s, _)| s);
+        let cut: Vec<(usize, usize, Location)> = self
+            .spans
+            .range(first..end.max(first))
+            .map(|(&s, &(b, p))| (s, b, p))
+            .filter(|&(s, b, _)| s + b > offset && s < end)
+            .collect();
+        let base = self.base();
+        for &(s, b, p) in &cut {
+            self.spans.remove(&s);
+            hook.unmapping(MappedRange::new(base + s as u64, b, p));
+        }
+        cut.into_iter().map(|(s, b, _)| (s, b)).collect()
+    }
+
+    /// Runs `op` with the reported ranges touching each of `ranges` cut
+    /// first and what of them is mapped afterwards reported again (whether
+    /// `op` succeeded or not).
+    pub(crate) fn with_spans_cut<T>(
+        &mut self,
+        ranges: &[(usize, usize)],
+        op: impl FnOnce(&mut Self) -> T,
+    ) -> T {
+        let mut cut = Vec::new();
+        for &(o, b) in ranges {
+            cut.extend(self.cut_spans(o, b));
+        }
+        let r = op(self);
+        if self.hook.is_some() {
+            // What was cut and what `op` may have mapped: overlapping
+            // pieces joined, touching ones kept apart (each reported range
+            // keeps its own bounds).
+            cut.extend_from_slice(ranges);
+            cut.sort_unstable();
+            let mut again: Vec<(usize, usize)> = Vec::new();
+            for (o, b) in cut {
+                match again.last_mut() {
+                    Some(l) if o < l.0 + l.1 => l.1 = l.1.max(o + b - l.0),
+                    _ => again.push((o, b)),
+                }
+            }
+            self.report_mapped(&again);
+        }
+        self.debug_check_spans();
+        r
+    }
+
+    /// With a hook: the reported ranges are exactly the mapped bytes, each
+    /// of one placement, none overlapping (debug builds).
+    fn debug_check_spans(&self) {
+        if cfg!(debug_assertions) && self.hook.is_some() {
+            let mut at = 0;
+            let mut total = 0;
+            for (&s, &(b, p)) in &self.spans {
+                assert!(s >= at, "reported ranges overlap at {s:#x}");
+                for (_, e) in self.table.overlapping(s..s + b) {
+                    assert_eq!(e.placement, p, "a reported range mixes placements");
+                }
+                at = s + b;
+                total += b;
+            }
+            assert_eq!(
+                total,
+                self.table.mapped_bytes(),
+                "reported ranges != mapped bytes"
+            );
+        }
     }
 
     /// [`Error::Poisoned`] once a failure could not be undone.
@@ -161,6 +298,8 @@ impl<B: Backend> Region<B> {
                 .expect("mapped where the table had a hole");
             o += c.bytes;
         }
+        self.report_mapped(&[(at, o - at)]);
+        self.debug_check_spans();
         Ok(())
     }
 
@@ -174,6 +313,22 @@ impl<B: Backend> Region<B> {
     /// entries that went. The table's length is the caller's.
     #[allow(clippy::type_complexity)]
     pub(crate) fn swap(
+        &mut self,
+        gone: &[usize],
+        fresh: Vec<(usize, NewChunk<B::Chunk>)>,
+        driver: impl Fn(Location) -> Vec<AccessDesc>,
+        recorded: impl Fn(Location) -> Arc<[AccessDesc]>,
+    ) -> std::result::Result<Vec<(usize, Entry<B::Chunk>)>, (Error, Vec<NewChunk<B::Chunk>>)> {
+        let mut touched: Vec<(usize, usize)> = gone
+            .iter()
+            .filter_map(|&o| self.table.get(o).map(|e| (o, e.bytes)))
+            .collect();
+        touched.extend(fresh.iter().map(|(o, c)| (*o, c.bytes)));
+        self.with_spans_cut(&touched, |r| r.swap_unhooked(gone, fresh, driver, recorded))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn swap_unhooked(
         &mut self,
         gone: &[usize],
         fresh: Vec<(usize, NewChunk<B::Chunk>)>,
@@ -244,6 +399,14 @@ impl<B: Backend> Region<B> {
         offset: usize,
         bytes: usize,
     ) -> Result<Vec<(usize, Entry<B::Chunk>)>> {
+        self.with_spans_cut(&[(offset, bytes)], |r| r.unmap_unhooked(offset, bytes))
+    }
+
+    fn unmap_unhooked(
+        &mut self,
+        offset: usize,
+        bytes: usize,
+    ) -> Result<Vec<(usize, Entry<B::Chunk>)>> {
         let backend = self.backend.clone();
         backend.unmap(self.res(), offset, bytes)?;
         let end = offset + bytes;
@@ -271,6 +434,14 @@ impl<B: Backend> Region<B> {
         mut dispose: impl FnMut(B::Chunk, usize, Location),
     ) {
         let backend = self.backend.clone();
+        if self.res.is_none() {
+            return;
+        }
+        // The hook hears of every range before anything is unmapped, and
+        // of nothing after.
+        let all = self.table.reserved();
+        self.cut_spans(0, all);
+        self.hook = None;
         let Some(mut res) = self.res.take() else {
             return;
         };

@@ -32,10 +32,28 @@ impl<B: Backend> Shared<B> {
                 return Ok(o);
             }
         }
+        if st.region.has_hook() {
+            // With a map hook, a request that needs new memory gets a
+            // mapping of its own, so that it lies in one reported range
+            // (one NCCL registration) instead of straddling the free tail
+            // before it and the new chunks.
+            return self.map_whole(st, z, size, key);
+        }
         self.map_for(st, z, size, key)?;
         st.zones[z]
             .take(size, key)
             .ok_or_else(|| Error::invalid("mapped memory did not make a block (a bug)"))
+    }
+
+    /// Maps chunks for `size` bytes at the lowest hole of zone `z` where
+    /// they fit whole, and returns their start, taken for the request; the
+    /// rest of the last chunk goes to the free index.
+    fn map_whole(&self, st: &mut State<B>, z: usize, size: usize, key: StreamKey) -> Result<usize> {
+        let (at, need) = self.map_at(st, z, size, key, true)?;
+        if need > size {
+            st.zones[z].insert_fresh(at + size, need - size, key);
+        }
+        Ok(at)
     }
 
     /// The best-fitting free block of zone `z` for `size` on `key`. When
@@ -63,6 +81,24 @@ impl<B: Backend> Shared<B> {
         size: usize,
         key: StreamKey,
     ) -> Result<()> {
+        let (at, need) = self.map_at(st, z, size, key, false)?;
+        // Fresh memory: any stream may use it; tagged with `key` so it merges
+        // with `key`'s pending block before it.
+        st.zones[z].insert_fresh(at, need, key);
+        Ok(())
+    }
+
+    /// Maps the chunks [`map_for`](Self::map_for) needs (with `whole`, all
+    /// of `size`, not counting a free block that ends at the hole) and
+    /// returns where and how many bytes; the caller puts them in the index.
+    fn map_at(
+        &self,
+        st: &mut State<B>,
+        z: usize,
+        size: usize,
+        key: StreamKey,
+        whole: bool,
+    ) -> Result<(usize, usize)> {
         // Whole free chunks first go to the pool, which the mapping below
         // takes from: memory taken follows memory allocated.
         if self.release_before_map {
@@ -85,7 +121,7 @@ impl<B: Backend> Shared<B> {
             .find_map(|h| {
                 let before = st.zones[z]
                     .ending_at(h.start)
-                    .filter(|(_, f)| f.settled() || f.stream == Some(key))
+                    .filter(|(_, f)| !whole && (f.settled() || f.stream == Some(key)))
                     .map_or(0, |(_, f)| f.size);
                 let need = round_up(size.saturating_sub(before), g)?;
                 (need <= h.end - h.start).then_some((h.start, need))
@@ -109,10 +145,7 @@ impl<B: Backend> Shared<B> {
             .collect();
         self.map_fresh(st, at, &sizes)?;
         hold.keep();
-        // Fresh memory: any stream may use it; tagged with `key` so it merges
-        // with `key`'s pending block before it.
-        st.zones[z].insert_fresh(at, need, key);
-        Ok(())
+        Ok((at, need))
     }
 
     /// Maps new chunks of `sizes` bytes, one after the other from `at`,
@@ -188,13 +221,31 @@ impl<B: Backend> Shared<B> {
         for z in &mut st.zones {
             z.settle(|f| backend.fence_done(f).unwrap_or(false));
         }
-        let whole: Vec<(usize, usize)> = st
-            .region
-            .table
-            .iter()
-            .map(|(o, e)| (o, e.bytes))
-            .filter(|&(o, b)| st.zones[st.zone_of_offset(o)].covers(o, b, true))
-            .collect();
+        // Whole free chunks; with a map hook, whole reported ranges (a
+        // hook may hold a registration over all of one, which must not go
+        // while a neighbour's use may be in flight).
+        let free = |o: usize, b: usize| {
+            let mid = st.small_end.clamp(o, o + b);
+            (mid == o || st.zones[0].covers(o, mid - o, true))
+                && (mid == o + b || st.zones[1].covers(mid, o + b - mid, true))
+        };
+        let whole: Vec<(usize, usize)> = if st.region.has_hook() {
+            let mut spans: Vec<(usize, usize)> = st
+                .region
+                .table
+                .iter()
+                .filter_map(|(o, _)| st.region.span_of(o))
+                .collect();
+            spans.dedup();
+            spans.into_iter().filter(|&(o, b)| free(o, b)).collect()
+        } else {
+            st.region
+                .table
+                .iter()
+                .map(|(o, e)| (o, e.bytes))
+                .filter(|&(o, b)| free(o, b))
+                .collect()
+        };
         let mut released = 0;
         for (o, b) in whole {
             // Settled: the uses of these bytes have passed, no wait needed.
@@ -204,8 +255,14 @@ impl<B: Backend> Shared<B> {
             if let Some(sb) = &self.shared_budget {
                 sb.give(b);
             }
-            let z = st.zone_of_offset(o);
-            st.zones[z].carve(o, b);
+            // A range a hook was told of at once may cross the zones' border.
+            let mid = st.small_end.clamp(o, o + b);
+            if mid > o {
+                st.zones[0].carve(o, mid - o);
+            }
+            if mid < o + b {
+                st.zones[1].carve(mid, o + b - mid);
+            }
             released += b;
         }
         Ok(released)

@@ -378,6 +378,25 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         self.shared.base
     }
 
+    /// Sets the hook told when the arena's memory becomes mapped and before
+    /// it stops being mapped (see [`crate::hook`]), `None` to remove it: how
+    /// a growing arena stays registered with NCCL. The old hook is told that
+    /// every range it knows is unmapping, the new one that every mapped run
+    /// is mapped (one range per run and placement), at once.
+    ///
+    /// With a hook, the arena gives back only whole reported ranges while
+    /// running (a range goes once all of it is free and settled), so no
+    /// range is unmapped while work the arena knows of may use any byte of
+    /// it. Replacing or removing a hook is the caller's to order: do it
+    /// when nothing that relies on the old hook's registration is in
+    /// flight.
+    pub fn set_map_hook(&self, hook: Option<Arc<dyn crate::hook::MapHook>>) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.region.check_poison()?;
+        st.region.set_hook(hook);
+        Ok(())
+    }
+
     /// The backend.
     pub fn backend(&self) -> &Arc<B> {
         &self.shared.backend

@@ -353,6 +353,25 @@ impl<B: Backend> GrowableBuffer<B> {
         self.base
     }
 
+    /// Sets the hook told when the buffer's chunks become mapped and before
+    /// they stop being mapped (see [`crate::hook`]), `None` to remove it:
+    /// how a growing buffer stays registered with NCCL. The old hook is
+    /// told that every range it knows is unmapping, the new one that the
+    /// mapped chunks are mapped (one range per placement), at once. Each
+    /// growth is then one more range.
+    ///
+    /// With a hook, a shrink gives back only whole reported ranges: the
+    /// range holding the new length stays mapped until the length falls to
+    /// its start. Replacing or removing a hook is the caller's to order: do
+    /// it when nothing that relies on the old hook's registration is in
+    /// flight.
+    pub fn set_map_hook(&self, hook: Option<Arc<dyn crate::hook::MapHook>>) -> Result<()> {
+        let mut g = self.inner.lock();
+        g.region.check_poison()?;
+        g.region.set_hook(hook);
+        Ok(())
+    }
+
     /// Bytes in use.
     pub fn len(&self) -> usize {
         self.inner.lock().region.table.len()

@@ -142,6 +142,8 @@ impl<B: Backend> GrowableBuffer<B> {
     /// anything was there to release (and so, with `wait`, whether it
     /// waited).
     fn release_from(&self, g: &mut Inner<B>, keep_to: usize, wait: bool) -> Result<bool> {
+        // With a map hook, never part of a reported range.
+        let keep_to = g.region.span_boundary_at_or_after(keep_to);
         let Some((from, _)) = g.region.table.iter().find(|(o, _)| *o >= keep_to) else {
             return Ok(false);
         };

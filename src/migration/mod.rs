@@ -175,16 +175,22 @@ impl<B: Backend> Mover<'_, B> {
         groups: &[Group],
     ) -> Result<MigrationReport> {
         check_groups(&region.table, groups)?;
-        let (res, table) = region.parts();
-        match pipeline::run(self, res, table, groups) {
-            Ok(report) => Ok(report),
-            Err(MoveFailure { error, poison }) => {
-                if let Some((why, stuck)) = poison {
-                    region.poison(why, stuck);
+        // A map hook hears that each moving range is going before its
+        // chunks change, and of what is mapped there afterwards (moved or,
+        // after a failure, put back).
+        let ranges: Vec<(usize, usize)> = groups.iter().map(|g| (g.offset, g.bytes)).collect();
+        region.with_spans_cut(&ranges, |region| {
+            let (res, table) = region.parts();
+            match pipeline::run(self, res, table, groups) {
+                Ok(report) => Ok(report),
+                Err(MoveFailure { error, poison }) => {
+                    if let Some((why, stuck)) = poison {
+                        region.poison(why, stuck);
+                    }
+                    Err(error)
                 }
-                Err(error)
             }
-        }
+        })
     }
 }
 

@@ -37,6 +37,9 @@ pub struct FaultBackend<B> {
     sticky: parking_lot::Mutex<Option<(&'static str, usize)>>,
     /// Pretend to be GPU 0 with host placement beside it (see `emulating_gpu`).
     emulate_gpu: bool,
+    /// The maps `(address, 0)` and unmaps `(address, bytes)` that succeeded,
+    /// in order, named; tests add their own events (a map hook's calls).
+    pub log: parking_lot::Mutex<Vec<(&'static str, u64, usize)>>,
 }
 
 impl<B: Backend> FaultBackend<B> {
@@ -48,6 +51,7 @@ impl<B: Backend> FaultBackend<B> {
             failed: AtomicUsize::new(0),
             sticky: parking_lot::Mutex::new(None),
             emulate_gpu: false,
+            log: parking_lot::Mutex::new(Vec::new()),
         })
     }
 
@@ -177,11 +181,17 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn map(&self, res: &mut Self::Reservation, offset: usize, chunk: &Self::Chunk) -> Result<()> {
         self.step("map", 0)?;
-        self.inner.map(res, offset, chunk)
+        self.inner.map(res, offset, chunk)?;
+        let at = self.inner.base(res) + offset as u64;
+        self.log.lock().push(("map", at, 0));
+        Ok(())
     }
     fn unmap(&self, res: &mut Self::Reservation, offset: usize, bytes: usize) -> Result<()> {
         self.step("unmap", bytes)?;
-        self.inner.unmap(res, offset, bytes)
+        self.inner.unmap(res, offset, bytes)?;
+        let at = self.inner.base(res) + offset as u64;
+        self.log.lock().push(("unmap", at, bytes));
+        Ok(())
     }
     fn set_access(
         &self,

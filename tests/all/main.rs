@@ -11,6 +11,7 @@ mod cuda_only;
 mod fault;
 mod faults;
 mod fuzz;
+mod hooks;
 mod host_only;
 mod interop;
 mod lag;
@@ -44,6 +45,7 @@ fn main() {
         cuda_only::trials(),
         faults::trials(),
         fuzz::trials(),
+        hooks::trials(),
         host_only::trials(),
         interop::trials(),
         lag::trials(),

@@ -32,12 +32,60 @@ use vmmbuf::{
 };
 
 use crate::fault::FaultBackend;
+use vmmbuf::hook::{MapHook, MappedRange, RecordingHook};
+
+/// A map hook checked by the model: when it is told a range is unmapping,
+/// every use of every byte of the range must have finished (a hook may
+/// hold an NCCL registration over all of it). It also records its calls,
+/// checked against the hook's rules after every step.
+struct ModelHook {
+    model: Arc<Mutex<Model>>,
+    rec: RecordingHook,
+}
+
+impl MapHook for ModelHook {
+    fn mapped(&self, range: MappedRange) {
+        self.rec.mapped(range);
+    }
+    fn unmapping(&self, range: MappedRange) {
+        self.model.lock().check(
+            range.addr,
+            range.bytes,
+            None,
+            "a map hook told of the unmapping",
+        );
+        self.rec.unmapping(range);
+    }
+}
+
+impl ModelHook {
+    fn new(model: &Arc<Mutex<Model>>) -> Arc<Self> {
+        Arc::new(Self {
+            model: model.clone(),
+            rec: RecordingHook::default(),
+        })
+    }
+
+    /// The rules hold, and the live ranges are `mapped_bytes` in all.
+    fn check(&self, mapped_bytes: usize) -> std::result::Result<(), TestCaseError> {
+        self.rec.check().map_err(TestCaseError::fail)?;
+        let live: usize = self.rec.live().iter().map(|r| r.bytes).sum();
+        prop_assert_eq!(
+            live,
+            mapped_bytes,
+            "the hook's live ranges are the mapped bytes"
+        );
+        Ok(())
+    }
+}
 
 crate::register! {
     host: [
         oracle_arena_release_before_map,
         oracle_arena_keep_mapped,
         oracle_buffers,
+        oracle_arena_map_hook,
+        oracle_buffers_map_hook,
         oracle_catches_a_release_under_running_work,
         oracle_case_1,
     ],
@@ -486,12 +534,21 @@ fn check_stats(
 }
 
 fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestCaseError> {
+    run_arena_hooked(ops, keep_mapped, false)
+}
+
+fn run_arena_hooked(
+    ops: Vec<AOp>,
+    keep_mapped: bool,
+    hooked: bool,
+) -> std::result::Result<u64, TestCaseError> {
     let backend = OracleBackend::new();
     let baseline = backend.live();
     let model = backend.model.clone();
     let mut desc = ArenaDesc::new(1024 * G).max_chunk_bytes(2 * G);
     desc.release_before_map = !keep_mapped;
     let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
+    let hook = hooked.then(|| ModelHook::new(&model));
     let streams: Vec<QStream> = (1..=STREAMS as u64).map(QStream::new).collect();
     let mut discarded_ever = false;
     let mut live: Vec<(OAlloc, usize, u64)> = Vec::new();
@@ -518,7 +575,13 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
             )))
         }
     };
+    // The hook comes in a quarter of the way: set on a live arena, it is
+    // told of what is mapped already.
+    let hook_at = ops.len() / 4;
     for (step, op) in ops.iter().enumerate() {
+        if let (Some(h), true) = (&hook, step == hook_at) {
+            arena.set_map_hook(Some(h.clone())).unwrap();
+        }
         match *op {
             AOp::Alloc { units, s } => match match &capturing {
                 Some(c) if c.s == s => arena.alloc_in_graph(units * 4096, &streams[s], c.id),
@@ -709,6 +772,9 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
             _ => {}
         }
         violations(step, op)?;
+        if let (Some(h), true) = (&hook, step >= hook_at) {
+            h.check(arena.stats().reserved_bytes.current)?;
+        }
         discarded_ever |= arena.stats().discarded_bytes > 0;
         // Bytes graphs hold are the graphs' allocations.
         let held = arena.stats().graph_bytes;
@@ -734,8 +800,14 @@ fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestC
     prop_assert_eq!((s.allocated_bytes.current, s.active_bytes.current), (0, 0));
     check_stats(&arena, true, discarded_ever)?;
     arena.empty_cache().unwrap();
+    if let Some(h) = &hook {
+        h.check(arena.stats().reserved_bytes.current)?;
+    }
     drop(arena);
     violations(ops.len(), &AOp::CompleteAll)?;
+    if let Some(h) = &hook {
+        h.check(0)?;
+    }
     let live_now = backend.live();
     prop_assert_eq!(
         (live_now.chunks, live_now.reservations),
@@ -759,6 +831,17 @@ fn oracle_arena_keep_mapped() {
         "arena (keep mapped)",
         prop::collection::vec(aop(), 1..120),
         |ops| run_arena(ops, true),
+    );
+}
+
+/// With a map hook (a quarter of the way in), in both mapping modes: the
+/// hook is told of an unmapping only once every use of every byte of the
+/// range has finished, and its ranges are always the mapped bytes.
+fn oracle_arena_map_hook() {
+    run_property(
+        "arena with a map hook",
+        (prop::collection::vec(aop(), 1..120), any::<bool>()),
+        |(ops, keep_mapped)| run_arena_hooked(ops, keep_mapped, true),
     );
 }
 
@@ -792,6 +875,14 @@ fn bop() -> impl Strategy<Value = BOp> {
 }
 
 fn run_buffers(ops: Vec<BOp>, policy: GrowthPolicy) -> std::result::Result<u64, TestCaseError> {
+    run_buffers_hooked(ops, policy, false)
+}
+
+fn run_buffers_hooked(
+    ops: Vec<BOp>,
+    policy: GrowthPolicy,
+    hooked: bool,
+) -> std::result::Result<u64, TestCaseError> {
     let backend = OracleBackend::new();
     let baseline = backend.live();
     let model = backend.model.clone();
@@ -799,6 +890,14 @@ fn run_buffers(ops: Vec<BOp>, policy: GrowthPolicy) -> std::result::Result<u64, 
     let streams: Vec<Arc<Queue>> = (1..=STREAMS as u64).map(Queue::new).collect();
     let make =
         || GrowableBuffer::with_pool(&pool, BufferDesc::new(256 * G).growth(policy)).unwrap();
+    let hook = hooked.then(|| ModelHook::new(&model));
+    let make = || {
+        let b = make();
+        if let Some(h) = &hook {
+            b.set_map_hook(Some(h.clone())).unwrap();
+        }
+        b
+    };
     let mut buf = make();
     // The largest length since the last deferred release.
     let mut hw = 0usize;
@@ -875,8 +974,14 @@ fn run_buffers(ops: Vec<BOp>, policy: GrowthPolicy) -> std::result::Result<u64, 
                 v.join("; ")
             )));
         }
+        if let Some(h) = &hook {
+            h.check(buf.capacity())?;
+        }
     }
     drop(buf);
+    if let Some(h) = &hook {
+        h.check(0)?;
+    }
     pool.trim().unwrap();
     drop(pool);
     let v = std::mem::take(&mut model.lock().violations);
@@ -898,6 +1003,19 @@ fn oracle_buffers() {
             prop_oneof![Just(GrowthPolicy::Exact), Just(GrowthPolicy::default())],
         ),
         |(ops, policy)| run_buffers(ops, policy),
+    );
+}
+
+/// Buffers with a map hook: each growth is a range; a shrink gives back
+/// whole ranges only, and never one with a use in flight.
+fn oracle_buffers_map_hook() {
+    run_property(
+        "buffers with a map hook",
+        (
+            prop::collection::vec(bop(), 1..100),
+            prop_oneof![Just(GrowthPolicy::Exact), Just(GrowthPolicy::default())],
+        ),
+        |(ops, policy)| run_buffers_hooked(ops, policy, true),
     );
 }
 

@@ -1,0 +1,174 @@
+//! [`MapHook`]: told when memory of an arena or a buffer becomes mapped and
+//! before it stops being mapped, so that a library that registers memory
+//! (NCCL's `ncclCommRegister`, an RDMA NIC's memory registration) follows a
+//! range that grows, shrinks, sleeps and migrates.
+//!
+//! The rules a hook can rely on:
+//! - [`MapHook::mapped`] comes after the range's chunks are mapped with
+//!   their access set, and before the call that mapped them returns: no
+//!   allocation in it has been handed out yet.
+//! - Every range reported mapped is reported [`MapHook::unmapping`] exactly
+//!   once, whole, with the same address and length, before any of its bytes
+//!   is unmapped or moved to another chunk (a shrink, a release, a sleep, a
+//!   migration, a drop). A hook can keep one registration per reported range
+//!   and undo exactly that one.
+//! - Arenas and buffers with a hook unmap only whole reported ranges while
+//!   running (a range goes back once every byte of it is free and every use
+//!   recorded on it has passed), so a range is never reported unmapping
+//!   while vmmbuf knows of work on it. A migration or a sleep waits for the
+//!   recorded uses of the whole arena or buffer first; the parts of a
+//!   reported range that stay mapped (a migration of part of it) are
+//!   reported again as new ranges afterwards.
+//! - A range is of one placement: NCCL skips a registration with any
+//!   host-backed chunk, so a hook registers device ranges only.
+//! - The calls are made with the arena's or buffer's lock held: a hook must
+//!   not call back into the arena or buffer that called it.
+//!
+//! Ranges are never merged: a tensor that straddles two reported ranges (an
+//! arena's block that grew into a second mapping) lies in no single
+//! registration, and NCCL treats it as unregistered (correct, not
+//! zero-copy).
+#![deny(unsafe_code)]
+
+use crate::location::Location;
+
+/// A range of a reservation whose chunks are mapped, all at one placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct MappedRange {
+    /// The range's first address (device pointer, or host address with the
+    /// host backend).
+    pub addr: u64,
+    /// Its length in bytes: whole chunks, a multiple of the granularity.
+    pub bytes: usize,
+    /// Where its chunks are placed.
+    pub placement: Location,
+}
+
+impl MappedRange {
+    /// A range of `bytes` at `addr`, placed at `placement`.
+    pub fn new(addr: u64, bytes: usize, placement: Location) -> Self {
+        Self {
+            addr,
+            bytes,
+            placement,
+        }
+    }
+
+    /// One past its last address.
+    pub fn end(&self) -> u64 {
+        self.addr + self.bytes as u64
+    }
+}
+
+/// Told when memory of an arena ([`Arena::set_map_hook`](crate::Arena::set_map_hook))
+/// or a buffer ([`GrowableBuffer::set_map_hook`](crate::GrowableBuffer::set_map_hook))
+/// becomes mapped and before it stops being mapped. See the
+/// [module docs](crate::hook) for the rules.
+///
+/// The calls cannot fail: a hook whose registration fails leaves the range
+/// unregistered (NCCL then copies through its own buffers), logs, and is
+/// still told when the range goes.
+pub trait MapHook: Send + Sync + 'static {
+    /// `range` is mapped and accessible, and nothing in it is in use yet.
+    fn mapped(&self, range: MappedRange);
+
+    /// `range`, exactly as reported by [`mapped`](Self::mapped), is about to
+    /// be unmapped or moved: every use vmmbuf knows of has passed.
+    fn unmapping(&self, range: MappedRange);
+}
+
+/// A hook that records every call, for tests and for watching what a hook
+/// would be told: [`calls`](Self::calls) lists them in order, and
+/// [`live`](Self::live) the ranges reported mapped and not yet unmapping.
+#[derive(Debug, Default)]
+pub struct RecordingHook {
+    calls: parking_lot::Mutex<Vec<HookCall>>,
+}
+
+/// One call a [`RecordingHook`] saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HookCall {
+    /// [`MapHook::mapped`].
+    Mapped(MappedRange),
+    /// [`MapHook::unmapping`].
+    Unmapping(MappedRange),
+}
+
+impl RecordingHook {
+    /// A hook with no calls yet.
+    pub fn new() -> std::sync::Arc<Self> {
+        std::sync::Arc::default()
+    }
+
+    /// Every call so far, in order.
+    pub fn calls(&self) -> Vec<HookCall> {
+        self.calls.lock().clone()
+    }
+
+    /// Takes the calls so far, leaving none.
+    pub fn take(&self) -> Vec<HookCall> {
+        std::mem::take(&mut *self.calls.lock())
+    }
+
+    /// The ranges reported mapped and not yet reported unmapping, in address
+    /// order. Panics never; a call sequence that breaks the rules (an
+    /// unmapping of a range not live, two live ranges that overlap) shows in
+    /// [`check`](Self::check).
+    pub fn live(&self) -> Vec<MappedRange> {
+        let mut live: Vec<MappedRange> = Vec::new();
+        for c in self.calls.lock().iter() {
+            match c {
+                HookCall::Mapped(r) => live.push(*r),
+                HookCall::Unmapping(r) => {
+                    if let Some(i) = live.iter().position(|l| l == r) {
+                        live.swap_remove(i);
+                    }
+                }
+            }
+        }
+        live.sort_by_key(|r| r.addr);
+        live
+    }
+
+    /// Checks the calls against the rules: every unmapping names a live
+    /// range exactly, and live ranges never overlap. The first breach, said.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let mut live: Vec<MappedRange> = Vec::new();
+        for (i, c) in self.calls.lock().iter().enumerate() {
+            match c {
+                HookCall::Mapped(r) => {
+                    if r.bytes == 0 {
+                        return Err(format!("call {i}: an empty range reported mapped"));
+                    }
+                    if let Some(o) = live.iter().find(|l| l.addr < r.end() && r.addr < l.end()) {
+                        return Err(format!(
+                            "call {i}: {r:?} reported mapped while {o:?} is live and overlaps it"
+                        ));
+                    }
+                    live.push(*r);
+                }
+                HookCall::Unmapping(r) => match live.iter().position(|l| l == r) {
+                    Some(k) => {
+                        live.swap_remove(k);
+                    }
+                    None => {
+                        return Err(format!(
+                            "call {i}: {r:?} reported unmapping, but no such range is live"
+                        ))
+                    }
+                },
+            }
+        }
+        Ok(())
+    }
+}
+
+impl MapHook for RecordingHook {
+    fn mapped(&self, range: MappedRange) {
+        self.calls.lock().push(HookCall::Mapped(range));
+    }
+    fn unmapping(&self, range: MappedRange) {
+        self.calls.lock().push(HookCall::Unmapping(range));
+    }
+}
