@@ -60,6 +60,10 @@
 //! - **cudarc interop** ([`View`](crate::cuda::View), [`ViewMut`](crate::cuda::ViewMut), [`SliceRef`](crate::cuda::SliceRef)):
 //!   typed views that cudarc's copies and kernel launches accept, and a
 //!   non-owning `CudaSlice` for APIs that take nothing else.
+//! - **Several GPUs and NCCL**: chunks made as `ncclMemAlloc` makes them
+//!   ([`CudaBackendDesc::nccl_ready`](crate::cuda::CudaBackendDesc::nccl_ready)),
+//!   and [map hooks](crate::hook) that keep a growing arena or buffer
+//!   registered with NCCL (`Arena::set_map_hook`).
 //! - **What the machine supports**: [`probe`](crate::cuda::probe).
 //!
 //! # Where things live
@@ -124,7 +128,9 @@ pub mod cuda {
     pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
     pub use crate::backend::cuda::probe::{probe, DeviceProbe, Probe};
     pub use crate::backend::cuda::tensor::CudaTensor;
-    pub use crate::backend::cuda::{CudaBackend, CudaChunk, CudaFence, CudaReservation};
+    pub use crate::backend::cuda::{
+        ChunkKind, CudaBackend, CudaBackendDesc, CudaChunk, CudaFence, CudaReservation,
+    };
 }
 
 /// The host backend (Linux): the host's own virtual memory, the same code

@@ -156,6 +156,9 @@ fn a_missing_device_or_driver_is_a_typed_error() {
             assert!(matches!(e, Error::DriverUnavailable { .. }));
             let r = CudaBackend::new(0);
             assert!(matches!(r, Err(Error::DriverUnavailable { .. })), "{r:?}");
+            let nccl = vmmbuf::cuda::CudaBackendDesc::nccl_ready();
+            let r = CudaBackend::with_desc(0, &nccl);
+            assert!(matches!(r, Err(Error::DriverUnavailable { .. })), "{r:?}");
             eprintln!(
                 "no CUDA driver here: CudaBackend::new answered {}",
                 r.unwrap_err()
@@ -163,6 +166,12 @@ fn a_missing_device_or_driver_is_a_typed_error() {
         }
         Ok(()) => {
             let r = CudaBackend::new(4242);
+            assert!(
+                matches!(r, Err(Error::InvalidDevice { device: 4242, .. })),
+                "{r:?}"
+            );
+            let nccl = vmmbuf::cuda::CudaBackendDesc::nccl_ready();
+            let r = CudaBackend::with_desc(4242, &nccl);
             assert!(
                 matches!(r, Err(Error::InvalidDevice { device: 4242, .. })),
                 "{r:?}"

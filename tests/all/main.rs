@@ -15,6 +15,8 @@ mod hooks;
 mod host_only;
 mod interop;
 mod lag;
+mod nccl;
+mod nccl_support;
 mod oracle;
 mod peer;
 mod placement;
@@ -49,6 +51,7 @@ fn main() {
         host_only::trials(),
         interop::trials(),
         lag::trials(),
+        nccl::trials(),
         peer::trials(),
         placement::trials(),
         pool::trials(),

@@ -241,6 +241,26 @@ pub(crate) fn shareable_prop(location: sys::CUmemLocation) -> sys::CUmemAllocati
     prop
 }
 
+/// Handle type bits (`CUmemAllocationHandleType` values, a bit mask).
+pub(crate) const HANDLE_POSIX_FD: u32 =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+/// See [`HANDLE_POSIX_FD`].
+pub(crate) const HANDLE_FABRIC: u32 = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC.0;
+
+/// Properties of a pinned allocation at `location` as `ncclMemAlloc`
+/// makes it: the handle types `handle_types` (POSIX_FD, plus FABRIC where
+/// the device supports it), and GPUDirect RDMA capable if `rdma`.
+pub(crate) fn nccl_prop(
+    location: sys::CUmemLocation,
+    handle_types: u32,
+    rdma: bool,
+) -> sys::CUmemAllocationProp {
+    let mut prop = allocation_prop(location);
+    prop.requestedHandleTypes = sys::CUmemAllocationHandleType(handle_types);
+    prop.allocFlags.gpuDirectRDMACapable = u8::from(rdma);
+    prop
+}
+
 /// `cuMemExportToShareableHandle` as a POSIX file descriptor, owned by the
 /// caller.
 ///

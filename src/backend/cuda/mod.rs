@@ -52,6 +52,69 @@ pub struct CudaBackend {
     counters: Arc<Counters>,
     /// Where its default pool lives (see [`Backend::pool_slot`]).
     pool_slot: super::PoolSlot,
+    /// Chunks made as `ncclMemAlloc` makes them (see
+    /// [`CudaBackendDesc::nccl_ready`]), `None` otherwise.
+    nccl: Option<NcclChunks>,
+}
+
+/// How a [`CudaBackend`] makes its chunks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CudaBackendDesc {
+    /// Make device chunks as NCCL's `ncclMemAlloc` does, so that NCCL can
+    /// register them (`ncclCommRegister`, zero-copy collectives) and peers
+    /// can reach them:
+    /// - exportable as a POSIX file descriptor, and as a fabric handle where
+    ///   the device supports one (`CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED`;
+    ///   if creating such a chunk is refused, as without an IMEX channel,
+    ///   the backend goes on with POSIX_FD alone, as NCCL does);
+    /// - GPUDirect RDMA capable where the device supports it with VMM;
+    /// - the recommended granularity instead of the minimum;
+    /// - every mapping of a device chunk that grants the home device
+    ///   read-write also grants it to every GPU that can access the home
+    ///   device as a peer.
+    ///
+    /// Host-placed chunks are made as usual (NCCL does not register them).
+    /// False by default.
+    pub nccl_ready: bool,
+}
+
+impl CudaBackendDesc {
+    /// Chunks as `ncclMemAlloc` makes them (see [`Self::nccl_ready`]).
+    pub fn nccl_ready() -> Self {
+        Self { nccl_ready: true }
+    }
+}
+
+/// What [`CudaBackendDesc::nccl_ready`] settled for a backend.
+#[derive(Debug)]
+struct NcclChunks {
+    /// The handle types asked for: POSIX_FD, and FABRIC until the driver
+    /// refuses it once.
+    handle_types: std::sync::atomic::AtomicU32,
+    /// GPUDirect RDMA with VMM is supported.
+    rdma: bool,
+    /// Devices that can access the home device as peers.
+    peers: Vec<u32>,
+}
+
+/// What a backend's chunks are like, as [`CudaBackend::chunk_kind`] reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ChunkKind {
+    /// Device chunks are made as `ncclMemAlloc` makes them.
+    pub nccl_ready: bool,
+    /// They export as POSIX file descriptors.
+    pub posix_fd: bool,
+    /// They export as fabric handles too (asked for while the driver has not
+    /// refused it).
+    pub fabric: bool,
+    /// They are created GPUDirect RDMA capable.
+    pub gpu_direct_rdma: bool,
+    /// The devices every device mapping is also granted to.
+    pub peers: Vec<u32>,
+    /// The granularity of device chunks.
+    pub granularity: usize,
 }
 
 impl CudaBackend {
@@ -76,8 +139,33 @@ impl CudaBackend {
         Self::from_context(driver::context(ordinal).map_err(unavailable)?)
     }
 
+    /// A backend on GPU `ordinal`'s primary context whose chunks are made as
+    /// `desc` says (see [`CudaBackendDesc::nccl_ready`]). Errors as
+    /// [`new`](Self::new).
+    pub fn with_desc(ordinal: u32, desc: &CudaBackendDesc) -> Result<Arc<Self>> {
+        Self::check_driver()?;
+        let unavailable = |e: Error| Error::DriverUnavailable {
+            reason: e.to_string(),
+        };
+        driver::init().map_err(unavailable)?;
+        let count = driver::device_count().map_err(unavailable)?;
+        if ordinal >= count {
+            return Err(Error::InvalidDevice {
+                device: ordinal,
+                count,
+            });
+        }
+        Self::from_context_with(driver::context(ordinal).map_err(unavailable)?, desc)
+    }
+
     /// A backend on an existing cudarc context (its device is the home).
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Arc<Self>> {
+        Self::from_context_with(ctx, &CudaBackendDesc::default())
+    }
+
+    /// [`from_context`](Self::from_context), with chunks made as `desc`
+    /// says.
+    pub fn from_context_with(ctx: Arc<CudaContext>, desc: &CudaBackendDesc) -> Result<Arc<Self>> {
         let device = ctx.ordinal() as u32;
         let attr = |a| driver::context_attribute(&ctx, a);
         use sys::CUdevice_attribute as A;
@@ -90,11 +178,37 @@ impl CudaBackend {
             } else {
                 None
             };
+        let device_count = driver::device_count()?;
+        let nccl = if desc.nccl_ready {
+            let fabric =
+                attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED).unwrap_or(0) != 0;
+            let rdma = attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)
+                .unwrap_or(0)
+                != 0;
+            let home = driver::device_get(device)?;
+            let mut peers = Vec::new();
+            for p in (0..device_count).filter(|&p| p != device) {
+                // SAFETY: both handles come from cuDeviceGet.
+                if unsafe { driver::can_access_peer(driver::device_get(p)?, home) }? {
+                    peers.push(p);
+                }
+            }
+            Some(NcclChunks {
+                handle_types: std::sync::atomic::AtomicU32::new(
+                    driver::HANDLE_POSIX_FD | if fabric { driver::HANDLE_FABRIC } else { 0 },
+                ),
+                rdma,
+                peers,
+            })
+        } else {
+            None
+        };
         let this = Self {
             stream: driver::new_stream(&ctx)?,
             ctx,
             device,
-            device_count: driver::device_count()?,
+            nccl,
+            device_count,
             granularity: Mutex::default(),
             spare_events: Arc::default(),
             host_numa,
@@ -124,6 +238,65 @@ impl CudaBackend {
     /// The home device's ordinal.
     pub fn device(&self) -> u32 {
         self.device
+    }
+
+    /// What this backend's device chunks are like: made for NCCL or not,
+    /// their handle types, RDMA flag, peers and granularity.
+    pub fn chunk_kind(&self) -> Result<ChunkKind> {
+        let granularity = self.granularity(self.home())?;
+        Ok(match &self.nccl {
+            Some(n) => {
+                let types = n.handle_types.load(std::sync::atomic::Ordering::Relaxed);
+                ChunkKind {
+                    nccl_ready: true,
+                    posix_fd: true,
+                    fabric: types & driver::HANDLE_FABRIC != 0,
+                    gpu_direct_rdma: n.rdma,
+                    peers: n.peers.clone(),
+                    granularity,
+                }
+            }
+            None => ChunkKind {
+                nccl_ready: false,
+                posix_fd: false,
+                fabric: false,
+                gpu_direct_rdma: false,
+                peers: Vec::new(),
+                granularity,
+            },
+        })
+    }
+
+    /// Creates a device chunk as `ncclMemAlloc` does: POSIX_FD (and FABRIC
+    /// until the driver refuses it), RDMA capable where supported.
+    fn create_nccl(
+        &self,
+        n: &NcclChunks,
+        bytes: usize,
+        location: sys::CUmemLocation,
+    ) -> Result<sys::CUmemGenericAllocationHandle> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let types = n.handle_types.load(Relaxed);
+        match driver::mem_create(bytes, &driver::nccl_prop(location, types, n.rdma)) {
+            Err(Error::Driver { source, .. })
+                if types & driver::HANDLE_FABRIC != 0
+                    && matches!(
+                        source.0,
+                        sys::CUresult::CUDA_ERROR_NOT_PERMITTED
+                            | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+                    ) =>
+            {
+                // No IMEX channel (or no fabric here): POSIX_FD alone from
+                // now on, as NCCL falls back.
+                tracing::info!(error = %source, "vmmbuf: fabric handles refused; POSIX_FD only");
+                n.handle_types.store(driver::HANDLE_POSIX_FD, Relaxed);
+                driver::mem_create(
+                    bytes,
+                    &driver::nccl_prop(location, driver::HANDLE_POSIX_FD, n.rdma),
+                )
+            }
+            r => r,
+        }
     }
 
     /// `(free, total)` bytes of the home device, from `cuMemGetInfo`.
@@ -228,13 +401,13 @@ impl CudaBackend {
         let granularity = self.granularity(placement)?;
         super::check_chunk(bytes, granularity)?;
         let location = self.placement(placement)?;
-        let prop = if shareable {
-            driver::shareable_prop(location)
-        } else {
-            driver::allocation_prop(location)
-        };
         driver::bind(&self.ctx)?;
-        let handle = driver::mem_create(bytes, &prop)?;
+        let nccl = self.nccl.as_ref().filter(|_| placement != Location::Host);
+        let handle = match nccl {
+            Some(n) => self.create_nccl(n, bytes, location)?,
+            None if shareable => driver::mem_create(bytes, &driver::shareable_prop(location))?,
+            None => driver::mem_create(bytes, &driver::allocation_prop(location))?,
+        };
         self.counters.update(|c| {
             c.chunks += 1;
             c.chunk_bytes += bytes;
@@ -245,6 +418,7 @@ impl CudaBackend {
             bytes,
             placement,
             shareable,
+            exportable: shareable || nccl.is_some(),
             released: false,
             ctx: self.ctx.clone(),
             counters: self.counters.clone(),
@@ -269,10 +443,25 @@ impl Backend for CudaBackend {
         if let Some(&g) = self.granularity.lock().get(&placement) {
             return Ok(g);
         }
-        let g = self.query_granularity(
-            placement,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )?;
+        use sys::CUmemAllocationGranularity_flags as F;
+        // NCCL-ready device chunks: the recommended granularity, asked with
+        // the properties they are made with, as ncclMemAlloc does.
+        let g = match &self.nccl {
+            Some(n) if placement != Location::Host => {
+                let types = n.handle_types.load(std::sync::atomic::Ordering::Relaxed);
+                let prop = driver::nccl_prop(self.placement(placement)?, types, n.rdma);
+                driver::bind(&self.ctx)?;
+                let g =
+                    driver::allocation_granularity(&prop, F::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
+                if !g.is_power_of_two() {
+                    return Err(Error::Unsupported {
+                        what: format!("granularity {g} is not a power of two"),
+                    });
+                }
+                g
+            }
+            _ => self.query_granularity(placement, F::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
+        };
         self.granularity.lock().insert(placement, g);
         Ok(g)
     }
@@ -334,7 +523,7 @@ impl Backend for CudaBackend {
 
     #[cfg(unix)]
     fn export(&self, chunk: &CudaChunk) -> Result<std::os::fd::OwnedFd> {
-        if !chunk.shareable {
+        if !chunk.exportable {
             return Err(Error::invalid("exporting a chunk not created shareable"));
         }
         driver::bind(&self.ctx)?;
@@ -368,6 +557,7 @@ impl Backend for CudaBackend {
             bytes,
             placement,
             shareable: true,
+            exportable: true,
             released: false,
             ctx: self.ctx.clone(),
             counters: self.counters.clone(),
@@ -430,6 +620,31 @@ impl Backend for CudaBackend {
             return Err(Error::invalid("an empty access list"));
         }
         let keys = res.table.covering(offset, bytes, true)?;
+        // NCCL-ready: device mappings the home device may write are granted
+        // to its peers too, as ncclMemAlloc maps them.
+        let mut widened;
+        let mut access = access;
+        if let Some(n) = self.nccl.as_ref().filter(|n| !n.peers.is_empty()) {
+            let home = Location::Device(self.device);
+            let on_device = keys
+                .iter()
+                .all(|k| res.table.get(*k).is_some_and(|e| e.placement == home));
+            let home_writes = access
+                .iter()
+                .any(|d| d.location == home && d.access == crate::Access::ReadWrite);
+            if on_device && home_writes {
+                widened = access.to_vec();
+                for &p in &n.peers {
+                    if !widened.iter().any(|d| d.location == Location::Device(p)) {
+                        widened.push(AccessDesc::new(
+                            Location::Device(p),
+                            crate::Access::ReadWrite,
+                        ));
+                    }
+                }
+                access = &widened;
+            }
+        }
         let descs = access
             .iter()
             .map(|d| {

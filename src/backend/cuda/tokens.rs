@@ -68,8 +68,11 @@ pub struct CudaChunk {
     pub(super) id: u64,
     pub(super) bytes: usize,
     pub(super) placement: Location,
-    /// Created with the POSIX-fd handle type, or imported: exportable.
+    /// Created with [`Backend::create_shareable`](super::Backend::create_shareable),
+    /// or imported: the pool's shareable kind.
     pub(super) shareable: bool,
+    /// Has the POSIX-fd handle type (shareable, or made NCCL-ready).
+    pub(super) exportable: bool,
     pub(super) released: bool,
     pub(super) ctx: Arc<CudaContext>,
     pub(super) counters: Arc<Counters>,
