@@ -136,3 +136,18 @@ def test_sleep_and_stats_without_memory():
 def test_a_budget_is_set_before_the_device_is_used():
     vmmbuf.set_budget(1 << 30, device=6)
     vmmbuf.set_budget(2 << 30, device=6)  # still unused: may change
+
+
+def test_device_defaults_to_the_current_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stats(), empty_cache(), reset_peak() and set_budget() reach the
+    current CUDA device when PyTorch has one (each rank of a multi-GPU job
+    its own), device 0 without PyTorch, and an explicit device as given."""
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert vmmbuf._device(None) == 0
+    assert vmmbuf._device(3) == 3
+    cuda = types.SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 1)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert vmmbuf._device(None) == 1
+    assert vmmbuf._device(0) == 0
+    cuda.is_initialized = lambda: False
+    assert vmmbuf._device(None) == 0

@@ -131,29 +131,47 @@ def set_host_cache_limit(bytes: int) -> None:
     _native.set_host_cache_limit(int(bytes))
 
 
-def stats(device: int = 0) -> Dict[str, Any]:
+def _device(device: Optional[int]) -> int:
+    """``device``, or the current CUDA device where PyTorch is loaded and
+    has one (each rank of a multi-GPU job works on its own), else 0."""
+    if device is not None:
+        return int(device)
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return int(torch.cuda.current_device())
+    return 0
+
+
+def stats(device: Optional[int] = None) -> Dict[str, Any]:
     """The device's statistics (PyTorch's key names for the byte counters,
     plus ``host_bytes``, ``device_bytes``, ``sleeping_tags``, ...); empty
-    before the device's first allocation."""
-    text = _native.stats_json(device)
+    before the device's first allocation. ``device``: the current CUDA
+    device by default (see :func:`empty_cache`)."""
+    text = _native.stats_json(_device(device))
     return json.loads(text) if text else {}
 
 
-def set_budget(bytes: int, device: int = 0) -> None:
-    """Caps the bytes vmmbuf maps on ``device``, all tags together; at the
-    cap every tag's cached memory is given back before an allocation fails.
-    Only before the device's first allocation."""
-    _native.set_budget(device, int(bytes))
+def set_budget(bytes: int, device: Optional[int] = None) -> None:
+    """Caps the bytes vmmbuf maps on ``device`` (the current CUDA device by
+    default), all tags together; at the cap every tag's cached memory is
+    given back before an allocation fails. Only before the device's first
+    allocation."""
+    _native.set_budget(_device(device), int(bytes))
 
 
-def empty_cache(device: int = 0) -> None:
-    """Gives the device's cached (free but mapped) memory back to the driver."""
-    _native.empty_cache(device)
+def empty_cache(device: Optional[int] = None) -> None:
+    """Gives the device's cached (free but mapped) memory back to the
+    driver. ``device``: the current CUDA device where PyTorch is loaded and
+    initialised (so that each rank of a multi-GPU job reaches its own), else
+    0."""
+    _native.empty_cache(_device(device))
 
 
-def reset_peak(device: int = 0) -> None:
-    """Sets every peak statistic of the device to its current value."""
-    _native.reset_peak(device)
+def reset_peak(device: Optional[int] = None) -> None:
+    """Sets every peak statistic of the device (the current CUDA device by
+    default) to its current value."""
+    _native.reset_peak(_device(device))
 
 
 def last_error() -> Optional[str]:

@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""DDP and FSDP (fully_shard) training on two GPUs, one process per GPU,
+under one allocator per launch, compared on the same machine (issue 24):
+
+  native       PyTorch's caching allocator
+  expandable   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  vmmbuf       vmmbuf.torch.use(): vmmbuf for the whole process
+  vmmbuf-pool  a vmmbuf MemPool (torch.cuda.use_mem_pool) around the model,
+               its wrapping and the training loop (PyTorch routes the
+               allocating thread's allocations to the pool: the backward
+               pass, on autograd's threads, uses the native allocator)
+  vmmbuf-20m   process-wide, chunks up to 20 MiB (VMMBUF_TORCH_MAX_CHUNK_BYTES;
+               only when named in --allocs)
+
+    python3 scripts/dist_train.py --all [--modes ddp,fsdp] [--allocs native,...] [--rounds 2] [--steps 30]
+    python3 scripts/dist_train.py --probe-register     # register_mem_pool on a vmmbuf pool
+    torchrun --nproc_per_node 2 scripts/dist_train.py --worker --mode fsdp --alloc vmmbuf --profile
+      (DIST_RESULT_DIR=dir: where each rank writes its result; --profile:
+       torch.profiler tables of the last 5 steps on rank 0)
+
+--all launches `torch.distributed.run --nproc_per_node 2` once per
+(mode, allocator), in interleaved rounds (the order rotates each round), and
+prints a table: median step time (rank 0, steps after the warm-up; the
+median over rounds of each launch's median) and its ratio to native, peak
+allocated, peak device memory taken (cuMemGetInfo against the free memory
+after NCCL's set-up, sampled after every step, the larger of the two ranks)
+and utilization (allocated / taken), and whether the losses equal native's
+bit for bit on both ranks. The last line is the whole result as JSON.
+DIST_LOG_DIR=dir keeps the whole output of a launch that failed.
+
+The workload: nn.TransformerEncoder (6 layers, d=512) with random sequence
+lengths 32-512 and batch sizes 16-32 (each rank its own data, the same on
+every launch), AdamW. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
+# vmmbuf with 20 MiB chunks for large tensors (expandable segments' page
+# for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
+EXTRA = ("vmmbuf-20m",)
+MODES = ("ddp", "fsdp")
+WARMUP = 5
+
+
+def worker(a):
+    if a.alloc == "expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    import torch
+    vt = None
+    if a.alloc == "vmmbuf-20m":
+        os.environ["VMMBUF_TORCH_MAX_CHUNK_BYTES"] = str(20 << 20)
+    if a.alloc.startswith("vmmbuf"):
+        import vmmbuf as vt
+        import vmmbuf.torch
+        if a.alloc in ("vmmbuf", "vmmbuf-20m"):
+            vmmbuf.torch.use()
+    import random
+    import torch.distributed as dist
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=dev)
+    torch.manual_seed(0)
+    rng = random.Random(1000 + rank)
+    torch.backends.cudnn.deterministic = True
+    # The math attention kernels: the fused ones differ between runs.
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    dist.barrier()
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    pool = None
+    if a.alloc == "vmmbuf-pool":
+        pool = vmmbuf.torch.MemPool()
+        ctx = torch.cuda.use_mem_pool(pool)
+    else:
+        ctx = _Null()
+    losses, times, min_free = [], [], free0
+    with ctx:
+        nn = torch.nn
+        d = 512
+        layer = nn.TransformerEncoderLayer(d, 8, 2048, batch_first=True)
+        model = nn.Sequential(nn.TransformerEncoder(layer, 6), nn.Linear(d, 1000)).to(dev)
+        if a.mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model, device_ids=[rank])
+        else:
+            from torch.distributed.fsdp import fully_shard
+            for m in model[0].layers:
+                fully_shard(m)
+            fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        prof = None
+        for step in range(a.steps):
+            if a.profile and step == a.steps - 5:
+                prof = torch.profiler.profile(activities=[
+                    torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
+            seq, b = rng.randint(32, 512), rng.choice([16, 24, 32])
+            x = torch.randn(b, seq, d, device=dev)
+            y = torch.randint(0, 1000, (b, seq), device=dev)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model(x)
+            loss = nn.functional.cross_entropy(out.reshape(-1, 1000), y.reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            losses.append(loss.item())
+            min_free = min(min_free, torch.cuda.mem_get_info()[0])
+            del x, y, out, loss
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            if rank == 0:
+                ka = prof.key_averages()
+                print(f"PROFILE {a.mode} {a.alloc} (last 5 steps, rank 0)")
+                print(ka.table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
+                print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    if a.alloc in ("vmmbuf", "vmmbuf-20m"):
+        peak = vt.stats(rank)["allocated_bytes.all.peak"]
+    else:
+        peak = torch.cuda.max_memory_allocated()
+    taken = free0 - min_free
+    res = {"rank": rank, "mode": a.mode, "alloc": a.alloc, "losses": losses,
+           "median_step_ms": 1000 * statistics.median(times[WARMUP:]),
+           "peak_allocated": peak, "peak_taken": taken,
+           "utilization": peak / taken if taken else 0.0}
+    if vt is not None:
+        st = vt.stats(rank)
+        res["vmmbuf_peak_allocated"] = st["allocated_bytes.all.peak"]
+        res["vmmbuf_reserved"] = st["reserved_bytes.all.current"]
+    _result(res)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _result(res):
+    """Each rank's result in its own file (two ranks' lines on one pipe
+    interleave)."""
+    with open(os.path.join(os.environ["DIST_RESULT_DIR"], f"rank{res['rank']}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def probe_register(a):
+    """register_mem_pool with a vmmbuf MemPool: what PyTorch does with it."""
+    import torch
+    import torch.distributed as dist
+    import vmmbuf.torch
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=dev)
+    pool = vmmbuf.torch.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        t = torch.full((64 << 20,), float(rank + 1), device=dev)
+    pg = dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(dev)
+    out = {"rank": rank}
+    try:
+        backend.register_mem_pool(pool)
+        out["register_mem_pool"] = "ok"
+    except Exception as e:  # what stops it, said as PyTorch says it
+        out["register_mem_pool"] = f"{type(e).__name__}: {e}"
+    try:
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        out["all_reduce_ok"] = bool((t == 3.0).all().item())
+    except Exception as e:
+        out["all_reduce"] = f"{type(e).__name__}: {e}"
+    try:
+        backend.deregister_mem_pool(pool)
+        out["deregister_mem_pool"] = "ok"
+    except Exception as e:
+        out["deregister_mem_pool"] = f"{type(e).__name__}: {e}"
+    _result(out)
+    del t
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *e):
+        return False
+
+
+def launch(extra, env_extra=None, timeout=600, want_stdout=False):
+    import glob
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="dist_train")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", DIST_RESULT_DIR=tmp, **(env_extra or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", "2", os.path.abspath(__file__)] + extra
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    res = []
+    for f in sorted(glob.glob(os.path.join(tmp, "rank*.json"))):
+        with open(f) as fh:
+            res.append(json.load(fh))
+    if p.returncode != 0 or len(res) != 2:
+        logs = os.environ.get("DIST_LOG_DIR")
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+            name = "failed" + "-".join(extra).replace("--", "_") + ".log"
+            with open(os.path.join(logs, name), "w") as f:
+                f.write(p.stdout + "\n---- stderr\n" + p.stderr)
+        errs = [l for l in (p.stdout + p.stderr).splitlines()
+                if "Error" in l or "error" in l or "panicked" in l]
+        sys.stderr.write("\n".join(errs[-30:]) + "\n")
+        raise SystemExit(f"launch {extra} failed ({p.returncode})")
+    res = sorted(res, key=lambda r: r["rank"])
+    return (res, p.stdout) if want_stdout else res
+
+
+def run_all(a):
+    modes = a.modes.split(",")
+    allocs = tuple(a.allocs.split(","))
+    runs = {}
+    for rnd in range(a.rounds):
+        for mode in modes:
+            order = allocs[rnd % len(allocs):] + allocs[:rnd % len(allocs)]
+            for alloc in order:
+                t = time.time()
+                r = launch(["--worker", "--mode", mode, "--alloc", alloc, "--steps", str(a.steps)])
+                runs.setdefault((mode, alloc), []).append(r)
+                print(f"round {rnd} {mode} {alloc}: {r[0]['median_step_ms']:.2f} ms/step "
+                      f"({time.time() - t:.0f} s)", flush=True)
+    table = []
+    print(f"\n{'mode':<5} {'allocator':<12} {'step ms':>8} {'vs native':>9} {'peak alloc MiB':>15} "
+          f"{'peak taken MiB':>15} {'utilization':>11} {'losses = native':>16}")
+    for mode in modes:
+        base = statistics.median(r[0]["median_step_ms"] for r in runs[(mode, "native")])
+        ref = runs[(mode, "native")][0]
+        for alloc in allocs:
+            rs = runs[(mode, alloc)]
+            step = statistics.median(r[0]["median_step_ms"] for r in rs)
+            peak = max(max(x["peak_allocated"] for x in r) for r in rs)
+            taken = max(max(x["peak_taken"] for x in r) for r in rs)
+            util = statistics.median(min(x["utilization"] for x in r) for r in rs)
+            same = all(r[k]["losses"] == ref[k]["losses"] for r in rs for k in range(2))
+            row = {"mode": mode, "alloc": alloc, "median_step_ms": step, "vs_native": step / base,
+                   "peak_allocated": peak, "peak_taken": taken, "utilization": util,
+                   "losses_equal_native": same,
+                   "step_ms_per_round": [r[0]["median_step_ms"] for r in rs]}
+            table.append(row)
+            print(f"{mode:<5} {alloc:<12} {step:8.2f} {step / base:9.3f} {peak / 2**20:15.0f} "
+                  f"{taken / 2**20:15.0f} {util:11.3f} {str(same):>16}")
+    print(json.dumps({"rounds": a.rounds, "steps": a.steps, "table": table}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--probe-register", action="store_true")
+    p.add_argument("--probe-worker", action="store_true")
+    p.add_argument("--mode", choices=MODES, default="ddp")
+    p.add_argument("--modes", default="ddp,fsdp")
+    p.add_argument("--alloc", choices=ALLOCS + EXTRA, default="native")
+    p.add_argument("--allocs", default=",".join(ALLOCS),
+                   help="the allocators --all compares (native first); also: vmmbuf-20m")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile", action="store_true",
+                   help="with --worker: torch.profiler over the last 5 steps, tables on rank 0")
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+    if a.worker:
+        worker(a)
+    elif a.probe_worker:
+        probe_register(a)
+    elif a.probe_register:
+        env = {"VMMBUF_TORCH_NCCL_READY": "1", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "REG"}
+        res, out = launch(["--probe-worker"], env, want_stdout=True)
+        for r in res:
+            print(json.dumps(r))
+        # NCCL's own word on what it registered.
+        regs = [l for l in out.splitlines() if "NCCL INFO" in l and "regist" in l.lower()]
+        print(f"NCCL registration lines: {len(regs)}")
+        for l in regs[:8]:
+            print("  " + l.strip())
+    elif a.all:
+        run_all(a)
+    else:
+        p.print_help()
+
+
+if __name__ == "__main__":
+    main()
