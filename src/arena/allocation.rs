@@ -138,7 +138,9 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// graph's replays use it. The same capture's later allocations on this
     /// stream may take it again; nothing else does. For an allocation made
     /// before the capture and freed during it, too (the graph may have used
-    /// it before the free).
+    /// it before the free). Streams given to [`record_stream`](Self::record_stream)
+    /// get a fence at the free, kept with the block until the release: they
+    /// must not be under capture then.
     pub fn free_into_graph(mut self, graph: GraphPoolId) {
         self.into_graph = Some(graph);
     }
@@ -160,17 +162,19 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         // Each fence is recorded and numbered in one step (`order::record`),
         // so that a block freed later on a stream always carries the larger
         // number, whichever thread takes the arena's lock first. A free into
-        // a graph during its capture records none.
+        // a graph during its capture records none on its own, captured,
+        // stream; the streams given to `record_stream` (not captured: work
+        // there runs now) get theirs, which the graph's block keeps until
+        // its release.
         let mut fences = FenceSet::default();
         let mut ok = true;
-        if self.into_graph.is_none() {
-            for s in std::iter::once(&self.stream).chain(self.extra.get_mut().iter()) {
-                match crate::order::record(s.key(), || s.fence(backend)) {
-                    Ok(f) => fences.add(f),
-                    Err(e) => {
-                        tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
-                        ok = false;
-                    }
+        let own = self.into_graph.is_none().then_some(&self.stream);
+        for s in own.into_iter().chain(self.extra.get_mut().iter()) {
+            match crate::order::record(s.key(), || s.fence(backend)) {
+                Ok(f) => fences.add(f),
+                Err(e) => {
+                    tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
+                    ok = false;
                 }
             }
         }

@@ -88,6 +88,7 @@ crate::register! {
         oracle_buffers_map_hook,
         oracle_catches_a_release_under_running_work,
         oracle_case_1,
+        oracle_case_graph_1,
     ],
 }
 
@@ -1104,4 +1105,48 @@ fn oracle_case_1() {
     for _ in 0..20 {
         run_arena(ops.clone(), true).unwrap();
     }
+}
+
+/// A case the oracle printed (found under a map hook, failing without one
+/// too), kept as a regression test: a capture's allocation used on another,
+/// uncaptured stream (`record_stream`), freed into the graph during the
+/// capture; the graph's block kept no fence for that stream, and after the
+/// graph's release the bytes went to a third stream under that work.
+fn oracle_case_graph_1() {
+    use AOp::*;
+    let ops = vec![
+        CaptureBegin { s: 2 },
+        Miss { s: 0 },
+        Alloc { units: 1, s: 0 },
+        Replay { which: 0, s: 0 },
+        Alloc { units: 1, s: 0 },
+        Complete { s: 0, n: 1 },
+        Complete { s: 0, n: 1 },
+        Miss { s: 0 },
+        Free { which: 0 },
+        Free { which: 0 },
+        Alloc { units: 1, s: 1 },
+        Alloc { units: 1, s: 2 },
+        Alloc { units: 1, s: 0 },
+        Complete { s: 0, n: 1 },
+        Free { which: 53 },
+        Use {
+            which: 29,
+            s: 0,
+            record_use: false,
+        },
+        Use {
+            which: 0,
+            s: 0,
+            record_use: false,
+        },
+        Free { which: 0 },
+        Free { which: 0 },
+        CaptureEnd,
+        ReleaseGraph { which: 0 },
+        Alloc { units: 1, s: 1 },
+    ];
+    run_arena_hooked(ops.clone(), false, false).unwrap();
+    eprintln!("  without a hook: no violation");
+    run_arena_hooked(ops, false, true).unwrap();
 }
