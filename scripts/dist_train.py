@@ -98,7 +98,11 @@ def worker(a):
             fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         prof = None
+        cost0 = None
         for step in range(a.steps):
+            if vt is not None and step == WARMUP:
+                torch.cuda.synchronize()
+                cost0 = vt.stats(rank)
             if a.profile and step == a.steps - 5:
                 prof = torch.profiler.profile(activities=[
                     torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
@@ -138,6 +142,12 @@ def worker(a):
         st = vt.stats(rank)
         res["vmmbuf_peak_allocated"] = st["allocated_bytes.all.peak"]
         res["vmmbuf_reserved"] = st["reserved_bytes.all.current"]
+        if cost0 is not None:
+            # What the allocator cost the CPU per step after the warm-up.
+            n = a.steps - WARMUP
+            res["per_step"] = {k: (st.get(k, 0) - cost0.get(k, 0)) / n for k in (
+                "host_ns_in_malloc", "host_ns_in_free", "num_allocs", "num_frees",
+                "num_fence_queries")}
     _result(res)
     dist.barrier()
     dist.destroy_process_group()
@@ -255,6 +265,16 @@ def run_all(a):
             table.append(row)
             print(f"{mode:<5} {alloc:<12} {step:8.2f} {step / base:9.3f} {peak / 2**20:15.0f} "
                   f"{taken / 2**20:15.0f} {util:11.3f} {str(same):>16}")
+    print("\nvmmbuf's CPU cost per step (rank 0, median over rounds): malloc ms, free ms, "
+          "allocs, frees, fence queries")
+    for mode in modes:
+        for alloc in allocs:
+            ps = [r[0]["per_step"] for r in runs[(mode, alloc)] if "per_step" in r[0]]
+            if ps:
+                m = {k: statistics.median(p[k] for p in ps) for k in ps[0]}
+                print(f"{mode:<5} {alloc:<12} {m['host_ns_in_malloc'] / 1e6:7.2f} "
+                      f"{m['host_ns_in_free'] / 1e6:7.2f} {m['num_allocs']:7.0f} "
+                      f"{m['num_frees']:7.0f} {m['num_fence_queries']:8.0f}")
     print(json.dumps({"rounds": a.rounds, "steps": a.steps, "table": table}))
 
 

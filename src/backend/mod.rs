@@ -38,6 +38,10 @@ pub struct LiveCounts {
     /// so far: a count over its life, not a live figure. Buffers wait on
     /// recorded uses instead; this stays 0 in the steady state.
     pub device_syncs: u64,
+    /// Fence queries ([`Backend::fence_done`]: `cuEventQuery`) made so far,
+    /// a count over the backend's life: each is a driver call, made when
+    /// frees settle.
+    pub fence_queries: u64,
 }
 
 /// The operations a [`GrowableBuffer`](crate::GrowableBuffer) needs from a

@@ -279,6 +279,30 @@ pub(crate) fn tag() -> String {
     TAG.with(|t| t.borrow().clone())
 }
 
+/// Nanoseconds spent in `malloc` and `free` so far, all devices: what the
+/// allocator costs the CPU (`host_ns_in_malloc` and `host_ns_in_free` in
+/// the statistics).
+static MALLOC_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FREE_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Adds the time until it drops to a counter.
+struct Timed(&'static std::sync::atomic::AtomicU64, std::time::Instant);
+
+impl Timed {
+    fn start(c: &'static std::sync::atomic::AtomicU64) -> Self {
+        Self(c, std::time::Instant::now())
+    }
+}
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        self.0.fetch_add(
+            self.1.elapsed().as_nanos() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+}
+
 /// Makes `tag` the tag of this thread's allocations ("" for none).
 pub(crate) fn set_tag(tag: &str) {
     TAG.with(|t| tag.clone_into(&mut t.borrow_mut()));
@@ -287,6 +311,7 @@ pub(crate) fn set_tag(tag: &str) {
 /// Allocates `size` bytes on `device` for work on `stream`, under this
 /// thread's tag; the address.
 pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64> {
+    let _t = Timed::start(&MALLOC_NS);
     if size == 0 {
         return Err(Error::InvalidArgument("an allocation of 0 bytes".into()));
     }
@@ -339,6 +364,7 @@ fn relaxed() -> Option<RelaxedCapture> {
 /// Frees `ptr` in stream order on `stream` (if it is not the allocation's
 /// own, the free waits for both).
 pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
+    let _t = Timed::start(&FREE_NS);
     let unknown = || {
         Error::InvalidArgument(format!(
             "free of {ptr:#x} on device {dev}: not a live allocation (unknown, or freed already)"
@@ -408,6 +434,13 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     m.insert("num_device_syncs".into(), s.num_device_syncs.into());
     m.insert("num_allocs".into(), s.num_allocs.into());
     m.insert("num_frees".into(), s.num_frees.into());
+    let ns = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    m.insert("host_ns_in_malloc".into(), ns(&MALLOC_NS).into());
+    m.insert("host_ns_in_free".into(), ns(&FREE_NS).into());
+    m.insert(
+        "num_fence_queries".into(),
+        vmmbuf::Backend::live(&*d.backend).fence_queries.into(),
+    );
     m.insert("live_allocations".into(), d.live.len().into());
     m.insert("pooled_bytes".into(), s.pooled_bytes.into());
     m.insert(

@@ -739,6 +739,7 @@ impl Backend for CudaBackend {
     }
 
     fn fence_done(&self, fence: &CudaFence) -> Result<bool> {
+        self.counters.update(|c| c.fence_queries += 1);
         driver::event_done(fence.event())
     }
 
