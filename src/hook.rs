@@ -27,7 +27,31 @@
 //! Ranges are never merged: a tensor that straddles two reported ranges (an
 //! arena's block that grew into a second mapping) lies in no single
 //! registration, and NCCL treats it as unregistered (correct, not
-//! zero-copy).
+//! zero-copy). An arena with a hook gives a request that needs new memory
+//! a mapping of its own, so such tensors are the exception.
+//!
+//! ```
+//! # #[cfg(target_os = "linux")] {
+//! use std::sync::Arc;
+//! use vmmbuf::hook::{HookCall, RecordingHook};
+//! use vmmbuf::host::HostStream;
+//! use vmmbuf::{Arena, ArenaDesc, HostBackend};
+//!
+//! let arena: Arena<HostBackend, HostStream> =
+//!     Arena::new(HostBackend::new(), ArenaDesc::new(1 << 30))?;
+//! let hook = RecordingHook::new();
+//! arena.set_map_hook(Some(hook.clone()))?;
+//! let a = arena.alloc(3 << 20, &HostStream(0))?; // maps: the hook hears of it
+//! let live = hook.live();
+//! assert!(live.iter().any(|r| r.addr <= a.address() && a.address() + (3 << 20) <= r.end()));
+//! drop(a);
+//! arena.release_cached()?; // the range goes back whole: the hook hears first
+//! assert!(hook.live().is_empty());
+//! assert!(matches!(hook.calls().last(), Some(HookCall::Unmapping(_))));
+//! hook.check().map_err(vmmbuf::Error::InvalidArgument)?;
+//! # }
+//! # Ok::<(), vmmbuf::Error>(())
+//! ```
 #![deny(unsafe_code)]
 
 use crate::location::Location;
