@@ -11,6 +11,8 @@ under one allocator per launch, compared on the same machine (issue 24):
                pass, on autograd's threads, uses the native allocator)
   vmmbuf-20m   process-wide, chunks up to 20 MiB (VMMBUF_TORCH_MAX_CHUNK_BYTES;
                only when named in --allocs)
+  vmmbuf-nographs  process-wide, VMMBUF_TORCH_GRAPHS=0 (no capture query or
+               capture-mode switch per call; only when named in --allocs)
 
     python3 scripts/dist_train.py --all [--modes ddp,fsdp] [--allocs native,...] [--rounds 2] [--steps 30]
     python3 scripts/dist_train.py --probe-register     # register_mem_pool on a vmmbuf pool
@@ -43,7 +45,7 @@ import time
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 20 MiB chunks for large tensors (expandable segments' page
 # for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
-EXTRA = ("vmmbuf-20m",)
+EXTRA = ("vmmbuf-20m", "vmmbuf-nographs")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -55,10 +57,12 @@ def worker(a):
     vt = None
     if a.alloc == "vmmbuf-20m":
         os.environ["VMMBUF_TORCH_MAX_CHUNK_BYTES"] = str(20 << 20)
+    if a.alloc == "vmmbuf-nographs":
+        os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch
-        if a.alloc in ("vmmbuf", "vmmbuf-20m"):
+        if a.alloc in ("vmmbuf", "vmmbuf-20m", "vmmbuf-nographs"):
             vmmbuf.torch.use()
     import random
     import torch.distributed as dist
@@ -129,7 +133,7 @@ def worker(a):
                 print(f"PROFILE {a.mode} {a.alloc} (last 5 steps, rank 0)")
                 print(ka.table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
                 print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    if a.alloc in ("vmmbuf", "vmmbuf-20m"):
+    if a.alloc in ("vmmbuf", "vmmbuf-20m", "vmmbuf-nographs"):
         peak = vt.stats(rank)["allocated_bytes.all.peak"]
     else:
         peak = torch.cuda.max_memory_allocated()
@@ -288,7 +292,7 @@ def main():
     p.add_argument("--modes", default="ddp,fsdp")
     p.add_argument("--alloc", choices=ALLOCS + EXTRA, default="native")
     p.add_argument("--allocs", default=",".join(ALLOCS),
-                   help="the allocators --all compares (native first); also: vmmbuf-20m")
+                   help="the allocators --all compares (native among them); also: vmmbuf-20m, vmmbuf-nographs")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile", action="store_true",
                    help="with --worker: torch.profiler over the last 5 steps, tables on rank 0")

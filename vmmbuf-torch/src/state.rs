@@ -326,7 +326,7 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     let s = d.stream(stream);
     // Captured into a CUDA graph: the memory is the graph's until CUDA
     // destroys it (the graph replays the captured work at these addresses).
-    let graph = match capture_of(&s)? {
+    let graph = match capture(&s)? {
         Some(c) => Some(d.graph_pool(&c)?),
         None => None,
     };
@@ -353,9 +353,34 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     Ok(p)
 }
 
+/// `VMMBUF_TORCH_GRAPHS=0`: the process never captures CUDA graphs, so
+/// malloc and free skip the capture query and the capture-mode switches
+/// (driver calls PyTorch's own cache does not make on a hit). Issue 24
+/// measured 10-12 us per malloc with them on 2x H200 under FSDP; this
+/// switch is there to measure without them. A capture with it set is not
+/// supported (allocations inside it are ordinary ones, and CUDA may refuse
+/// the frees' fences).
+fn graphs_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VMMBUF_TORCH_GRAPHS").as_deref() != Ok("0"))
+}
+
+/// `capture_of`, or `None` without a query when graphs are off.
+fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
+    if graphs_on() {
+        capture_of(s)
+    } else {
+        Ok(None)
+    }
+}
+
 /// This thread in CUDA's relaxed capture mode, if the driver allows it (a
-/// failure is logged: the call goes on in the thread's mode).
+/// failure is logged: the call goes on in the thread's mode). Nothing when
+/// graphs are off.
 fn relaxed() -> Option<RelaxedCapture> {
+    if !graphs_on() {
+        return None;
+    }
     RelaxedCapture::new()
         .map_err(|e| tracing::debug!(error = %e, "vmmbuf-torch: no relaxed capture mode"))
         .ok()
@@ -383,7 +408,7 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     // so they are the graph's until CUDA destroys it. Each stream is asked
     // once; a failed question counts as "not captured".
     let ask = |t: &Arc<CudaStream>| {
-        capture_of(t).unwrap_or_else(|e| {
+        capture(t).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
             None
         })
