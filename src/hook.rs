@@ -92,7 +92,8 @@ impl MappedRange {
 ///
 /// The calls cannot fail: a hook whose registration fails leaves the range
 /// unregistered (NCCL then copies through its own buffers), logs, and is
-/// still told when the range goes.
+/// still told when the range goes. A hook that panics has the panic caught
+/// and logged; the arena or buffer goes on as if the call had returned.
 pub trait MapHook: Send + Sync + 'static {
     /// `range` is mapped and accessible, and nothing in it is in use yet.
     fn mapped(&self, range: MappedRange);

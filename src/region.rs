@@ -135,7 +135,9 @@ impl<B: Backend> Region<B> {
         for &(o, b) in ranges {
             for (at, bytes, placement) in self.table.placement_runs(o, b) {
                 self.spans.insert(at, (bytes, placement));
-                hook.mapped(MappedRange::new(base + at as u64, bytes, placement));
+                call_hook("mapped", || {
+                    hook.mapped(MappedRange::new(base + at as u64, bytes, placement))
+                });
             }
         }
     }
@@ -159,7 +161,9 @@ impl<B: Backend> Region<B> {
         let base = self.base();
         for &(s, b, p) in &cut {
             self.spans.remove(&s);
-            hook.unmapping(MappedRange::new(base + s as u64, b, p));
+            call_hook("unmapping", || {
+                hook.unmapping(MappedRange::new(base + s as u64, b, p))
+            });
         }
         cut.into_iter().map(|(s, b, _)| (s, b)).collect()
     }
@@ -477,6 +481,18 @@ impl<B: Backend> Region<B> {
         for c in self.quarantine.drain(..) {
             let _ = backend.release(c);
         }
+    }
+}
+
+/// Calls a user's hook: a panic in it is caught and logged, never carried
+/// through the arena or buffer (whose lock is held, and whose bookkeeping is
+/// half way through an operation).
+fn call_hook(what: &str, f: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        tracing::error!(
+            call = what,
+            "vmmbuf: a map hook panicked; the panic was caught"
+        );
     }
 }
 

@@ -22,6 +22,7 @@ crate::register! {
         a_map_hook_follows_an_arena_through_growth_release_sleep_and_drop,
         a_map_hook_follows_a_buffer_through_growth_migration_and_shrink,
         a_hook_set_on_a_live_arena_hears_of_its_memory_and_removing_it_tells_all_is_going,
+        a_panicking_hook_is_caught_and_the_arena_goes_on,
     ],
 }
 
@@ -362,4 +363,57 @@ fn a_hook_set_on_a_live_arena_hears_of_its_memory_and_removing_it_tells_all_is_g
     let more = arena.alloc(3 << 20, &Q(1)).unwrap();
     assert_eq!((first.rec.calls().len(), second.rec.calls().len()), calls);
     drop((keep, more));
+}
+
+/// A hook that panics on every call.
+struct Panicky(std::sync::atomic::AtomicUsize);
+
+impl MapHook for Panicky {
+    fn mapped(&self, _: MappedRange) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        panic!("a hook's own bug (mapped)");
+    }
+    fn unmapping(&self, _: MappedRange) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        panic!("a hook's own bug (unmapping)");
+    }
+}
+
+fn a_panicking_hook_is_caught_and_the_arena_goes_on() {
+    let fb = FaultBackend::emulating_gpu(host());
+    let baseline = fb.live();
+    let arena: Arena<Fb, Q> = Arena::new(
+        fb.clone(),
+        ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10),
+    )
+    .unwrap();
+    let hook = Arc::new(Panicky(std::sync::atomic::AtomicUsize::new(0)));
+    arena.set_map_hook(Some(hook.clone())).unwrap();
+    let mut keep = Vec::new();
+    for (i, n) in [5000usize, 3 << 20, 700_000].into_iter().enumerate() {
+        let mut a = arena.alloc(n, &Q(0)).unwrap();
+        let data = random_bytes(40 + i as u64, n);
+        a.write(0, &data).unwrap();
+        keep.push((a, data));
+    }
+    keep.remove(1);
+    assert!(arena.release_cached().unwrap() > 0);
+    arena.sleep(&[Q(0)], &SleepDesc::keep()).unwrap();
+    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    for (a, data) in &keep {
+        let mut got = vec![0u8; data.len()];
+        a.read(0, &mut got).unwrap();
+        assert!(got == *data, "bytes kept through a panicking hook");
+    }
+    assert!(
+        hook.0.load(std::sync::atomic::Ordering::SeqCst) >= 4,
+        "the hook was called"
+    );
+    keep.clear();
+    drop(arena);
+    let now = fb.live();
+    assert_eq!(
+        (now.chunks, now.reservations),
+        (baseline.chunks, baseline.reservations)
+    );
 }
