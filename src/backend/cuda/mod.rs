@@ -124,19 +124,7 @@ impl CudaBackend {
     /// it fails to initialise, [`Error::InvalidDevice`] for an ordinal the
     /// machine lacks, [`Error::VmmUnsupported`] where the device has no VMM.
     pub fn new(ordinal: u32) -> Result<Arc<Self>> {
-        Self::check_driver()?;
-        let unavailable = |e: Error| Error::DriverUnavailable {
-            reason: e.to_string(),
-        };
-        driver::init().map_err(unavailable)?;
-        let count = driver::device_count().map_err(unavailable)?;
-        if ordinal >= count {
-            return Err(Error::InvalidDevice {
-                device: ordinal,
-                count,
-            });
-        }
-        Self::from_context(driver::context(ordinal).map_err(unavailable)?)
+        Self::with_desc(ordinal, &CudaBackendDesc::default())
     }
 
     /// A backend on GPU `ordinal`'s primary context whose chunks are made as
@@ -267,6 +255,30 @@ impl CudaBackend {
         })
     }
 
+    /// The NCCL settings that apply to chunks at `placement`: device chunks
+    /// of an NCCL-ready backend.
+    fn nccl_for(&self, placement: Location) -> Option<&NcclChunks> {
+        self.nccl.as_ref().filter(|_| placement != Location::Host)
+    }
+
+    /// The properties chunks at `location` (`placement`) are made with
+    /// (apart from a shareable chunk's handle type): what their granularity
+    /// is asked with.
+    fn chunk_prop(
+        &self,
+        placement: Location,
+        location: sys::CUmemLocation,
+    ) -> sys::CUmemAllocationProp {
+        match self.nccl_for(placement) {
+            Some(n) => driver::nccl_prop(
+                location,
+                n.handle_types.load(std::sync::atomic::Ordering::Relaxed),
+                n.rdma,
+            ),
+            None => driver::allocation_prop(location),
+        }
+    }
+
     /// Creates a device chunk as `ncclMemAlloc` does: POSIX_FD (and FABRIC
     /// until the driver refuses it), RDMA capable where supported.
     fn create_nccl(
@@ -363,13 +375,14 @@ impl CudaBackend {
         })
     }
 
-    /// The granularity for `placement` with `flag`, asked of the driver.
+    /// The granularity for `placement` with `flag`, asked of the driver with
+    /// the properties this backend's chunks there are made with.
     pub(crate) fn query_granularity(
         &self,
         placement: Location,
         flag: sys::CUmemAllocationGranularity_flags,
     ) -> Result<usize> {
-        let prop = driver::allocation_prop(self.placement(placement)?);
+        let prop = self.chunk_prop(placement, self.placement(placement)?);
         driver::bind(&self.ctx)?;
         let g = driver::allocation_granularity(&prop, flag)?;
         if !g.is_power_of_two() {
@@ -402,7 +415,7 @@ impl CudaBackend {
         super::check_chunk(bytes, granularity)?;
         let location = self.placement(placement)?;
         driver::bind(&self.ctx)?;
-        let nccl = self.nccl.as_ref().filter(|_| placement != Location::Host);
+        let nccl = self.nccl_for(placement);
         let handle = match nccl {
             Some(n) => self.create_nccl(n, bytes, location)?,
             None if shareable => driver::mem_create(bytes, &driver::shareable_prop(location))?,
@@ -444,24 +457,13 @@ impl Backend for CudaBackend {
             return Ok(g);
         }
         use sys::CUmemAllocationGranularity_flags as F;
-        // NCCL-ready device chunks: the recommended granularity, asked with
-        // the properties they are made with, as ncclMemAlloc does.
-        let g = match &self.nccl {
-            Some(n) if placement != Location::Host => {
-                let types = n.handle_types.load(std::sync::atomic::Ordering::Relaxed);
-                let prop = driver::nccl_prop(self.placement(placement)?, types, n.rdma);
-                driver::bind(&self.ctx)?;
-                let g =
-                    driver::allocation_granularity(&prop, F::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?;
-                if !g.is_power_of_two() {
-                    return Err(Error::Unsupported {
-                        what: format!("granularity {g} is not a power of two"),
-                    });
-                }
-                g
-            }
-            _ => self.query_granularity(placement, F::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
+        // NCCL-ready device chunks: the recommended granularity, as
+        // ncclMemAlloc uses.
+        let flag = match self.nccl_for(placement) {
+            Some(_) => F::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            None => F::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         };
+        let g = self.query_granularity(placement, flag)?;
         self.granularity.lock().insert(placement, g);
         Ok(g)
     }
