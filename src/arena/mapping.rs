@@ -224,28 +224,21 @@ impl<B: Backend> Shared<B> {
         // Whole free chunks; with a map hook, whole reported ranges (a
         // hook may hold a registration over all of one, which must not go
         // while a neighbour's use may be in flight).
-        let free = |o: usize, b: usize| {
-            let mid = st.small_end.clamp(o, o + b);
-            (mid == o || st.zones[0].covers(o, mid - o, true))
-                && (mid == o + b || st.zones[1].covers(mid, o + b - mid, true))
-        };
-        let whole: Vec<(usize, usize)> = if st.region.has_hook() {
-            let mut spans: Vec<(usize, usize)> = st
-                .region
-                .table
-                .iter()
-                .filter_map(|(o, _)| st.region.span_of(o))
-                .collect();
-            spans.dedup();
-            spans.into_iter().filter(|&(o, b)| free(o, b)).collect()
-        } else {
-            st.region
-                .table
-                .iter()
-                .map(|(o, e)| (o, e.bytes))
-                .filter(|&(o, b)| free(o, b))
-                .collect()
-        };
+        let hooked = st.region.has_hook();
+        let mut whole: Vec<(usize, usize)> = st
+            .region
+            .table
+            .iter()
+            .filter_map(|(o, e)| match hooked {
+                true => st.region.span_of(o),
+                false => Some((o, e.bytes)),
+            })
+            .collect();
+        whole.dedup();
+        whole.retain(|&(o, b)| {
+            st.zone_pieces(o, b)
+                .all(|(z, at, n)| st.zones[z].covers(at, n, true))
+        });
         let mut released = 0;
         for (o, b) in whole {
             // Settled: the uses of these bytes have passed, no wait needed.
@@ -256,12 +249,8 @@ impl<B: Backend> Shared<B> {
                 sb.give(b);
             }
             // A range a hook was told of at once may cross the zones' border.
-            let mid = st.small_end.clamp(o, o + b);
-            if mid > o {
-                st.zones[0].carve(o, mid - o);
-            }
-            if mid < o + b {
-                st.zones[1].carve(mid, o + b - mid);
+            for (z, at, n) in st.zone_pieces(o, b).collect::<Vec<_>>() {
+                st.zones[z].carve(at, n);
             }
             released += b;
         }

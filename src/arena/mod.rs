@@ -172,6 +172,19 @@ impl<B: Backend> State<B> {
         }
     }
 
+    /// `[offset, offset + size)` split at the zones' border, as
+    /// `(zone, offset, bytes)` pieces (one unless it crosses the border).
+    fn zone_pieces(
+        &self,
+        offset: usize,
+        size: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize)> {
+        let mid = self.small_end.clamp(offset, offset + size);
+        [(0, offset, mid - offset), (1, mid, offset + size - mid)]
+            .into_iter()
+            .filter(|p| p.2 > 0)
+    }
+
     /// The ranges graphs hold free, `(offset, bytes)`: allocated, for
     /// everything but the graph.
     fn graph_held(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
