@@ -20,7 +20,9 @@ use std::time::Instant;
 
 use cudarc::driver::CudaStream;
 use cudarc::nccl::sys;
-use nccl_support::{check, join, unique_id_hex, Comm, NcclRegistrar};
+use nccl_support::{
+    all_gather_f32, all_reduce_f32, check, join, unique_id_hex, Comm, NcclRegistrar,
+};
 use vmmbuf::cuda::{CudaAllocation, CudaArena, CudaBackendDesc};
 use vmmbuf::{Arena, ArenaDesc, CudaBackend};
 
@@ -108,26 +110,11 @@ fn time_op(
         // reads and writes (the caller's), until the synchronisation below.
         let r = unsafe {
             match op {
-                Op::AllReduce => sys::ncclAllReduce(
-                    send as *const _,
-                    recv as *mut _,
-                    bytes / 4,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
-                    comm.0,
-                    s,
-                ),
-                Op::AllGather => sys::ncclAllGather(
-                    send as *const _,
-                    recv as *mut _,
-                    bytes / 4 / RANKS,
-                    sys::ncclDataType_t::ncclFloat32,
-                    comm.0,
-                    s,
-                ),
+                Op::AllReduce => all_reduce_f32(comm, send, recv, bytes / 4, s),
+                Op::AllGather => all_gather_f32(comm, send, recv, bytes / 4 / RANKS, s),
             }
         };
-        check("collective", r).unwrap();
+        r.unwrap();
     }
     stream.synchronize().unwrap();
     t.elapsed().as_secs_f64() / iters as f64

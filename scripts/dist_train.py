@@ -37,6 +37,7 @@ every launch), AdamW. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -221,6 +222,7 @@ def launch(extra, env_extra=None, timeout=600, want_stdout=False):
     for f in sorted(glob.glob(os.path.join(tmp, "rank*.json"))):
         with open(f) as fh:
             res.append(json.load(fh))
+    shutil.rmtree(tmp, ignore_errors=True)
     if p.returncode != 0 or len(res) != 2:
         logs = os.environ.get("DIST_LOG_DIR")
         if logs:

@@ -141,17 +141,7 @@ impl RecordingHook {
     /// unmapping of a range not live, two live ranges that overlap) shows in
     /// [`check`](Self::check).
     pub fn live(&self) -> Vec<MappedRange> {
-        let mut live: Vec<MappedRange> = Vec::new();
-        for c in self.calls.lock().iter() {
-            match c {
-                HookCall::Mapped(r) => live.push(*r),
-                HookCall::Unmapping(r) => {
-                    if let Some(i) = live.iter().position(|l| l == r) {
-                        live.swap_remove(i);
-                    }
-                }
-            }
-        }
+        let mut live = self.replay().0;
         live.sort_by_key(|r| r.addr);
         live
     }
@@ -159,15 +149,22 @@ impl RecordingHook {
     /// Checks the calls against the rules: every unmapping names a live
     /// range exactly, and live ranges never overlap. The first breach, said.
     pub fn check(&self) -> std::result::Result<(), String> {
+        self.replay().1.map_or(Ok(()), Err)
+    }
+
+    /// The calls replayed: the ranges live at the end, and the first breach
+    /// of the rules if any (the replay goes on past it).
+    fn replay(&self) -> (Vec<MappedRange>, Option<String>) {
         let mut live: Vec<MappedRange> = Vec::new();
+        let mut breach = None;
         for (i, c) in self.calls.lock().iter().enumerate() {
             match c {
                 HookCall::Mapped(r) => {
                     if r.bytes == 0 {
-                        return Err(format!("call {i}: an empty range reported mapped"));
+                        breach.get_or_insert(format!("call {i}: an empty range reported mapped"));
                     }
                     if let Some(o) = live.iter().find(|l| l.addr < r.end() && r.addr < l.end()) {
-                        return Err(format!(
+                        breach.get_or_insert(format!(
                             "call {i}: {r:?} reported mapped while {o:?} is live and overlaps it"
                         ));
                     }
@@ -178,14 +175,14 @@ impl RecordingHook {
                         live.swap_remove(k);
                     }
                     None => {
-                        return Err(format!(
+                        breach.get_or_insert(format!(
                             "call {i}: {r:?} reported unmapping, but no such range is live"
-                        ))
+                        ));
                     }
                 },
             }
         }
-        Ok(())
+        (live, breach)
     }
 }
 

@@ -10,12 +10,12 @@ use std::sync::Arc;
 
 use vmmbuf::hook::{HookCall, MapHook, MappedRange, RecordingHook};
 use vmmbuf::{
-    Arena, ArenaDesc, ArenaStream, Backend, BufferDesc, GrowableBuffer, GrowthPolicy, HostBackend,
-    Location, SleepDesc, WakeDesc,
+    Arena, ArenaDesc, Backend, BufferDesc, GrowableBuffer, GrowthPolicy, HostBackend, Location,
+    SleepDesc, WakeDesc,
 };
 
 use crate::common::{host, random_bytes};
-use crate::fault::{FaultBackend, TestFence};
+use crate::fault::FaultBackend;
 
 crate::register! {
     host: [
@@ -28,17 +28,8 @@ crate::register! {
 
 type Fb = FaultBackend<HostBackend>;
 
-#[derive(Clone)]
-struct Q(u64);
-
-impl ArenaStream<Fb> for Q {
-    fn key(&self) -> (u64, u64) {
-        (0, self.0)
-    }
-    fn fence(&self, _: &Fb) -> vmmbuf::Result<TestFence> {
-        Ok(TestFence::passed())
-    }
-}
+// A stream of the emulated GPU; its work has always finished.
+use crate::fault::DoneStream as Q;
 
 /// A hook that writes its calls into the backend's log (so they interleave
 /// with the driver's maps and unmaps) and records them.
@@ -116,6 +107,17 @@ fn check_order(fb: &Fb, hook: &LogHook) {
         }
     }
     hook.rec.check().unwrap();
+}
+
+/// Every chunk and reservation made since `baseline` went back to the
+/// driver.
+fn assert_given_back(fb: &Fb, baseline: vmmbuf::stats::LiveCounts) {
+    let now = fb.live();
+    assert_eq!(
+        (now.chunks, now.reservations),
+        (baseline.chunks, baseline.reservations),
+        "memory went back to the driver"
+    );
 }
 
 fn live_bytes(hook: &LogHook) -> usize {
@@ -216,11 +218,7 @@ fn a_map_hook_follows_an_arena_through_growth_release_sleep_and_drop() {
         "the drop told the hook of every range"
     );
     check_order(&fb, &hook);
-    let now = fb.live();
-    assert_eq!(
-        (now.chunks, now.reservations),
-        (baseline.chunks, baseline.reservations)
-    );
+    assert_given_back(&fb, baseline);
 }
 
 fn a_map_hook_follows_a_buffer_through_growth_migration_and_shrink() {
@@ -309,11 +307,7 @@ fn a_map_hook_follows_a_buffer_through_growth_migration_and_shrink() {
     drop(buf);
     assert!(hook.rec.live().is_empty());
     check_order(&fb, &hook);
-    let now = fb.live();
-    assert_eq!(
-        (now.chunks, now.reservations),
-        (baseline.chunks, baseline.reservations)
-    );
+    assert_given_back(&fb, baseline);
 }
 
 fn a_hook_set_on_a_live_arena_hears_of_its_memory_and_removing_it_tells_all_is_going() {
@@ -411,9 +405,5 @@ fn a_panicking_hook_is_caught_and_the_arena_goes_on() {
     );
     keep.clear();
     drop(arena);
-    let now = fb.live();
-    assert_eq!(
-        (now.chunks, now.reservations),
-        (baseline.chunks, baseline.reservations)
-    );
+    assert_given_back(&fb, baseline);
 }

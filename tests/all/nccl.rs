@@ -15,7 +15,9 @@ use rand::{Rng, SeedableRng};
 use vmmbuf::cuda::{CudaAllocation, CudaArena, CudaBackendDesc};
 use vmmbuf::{Arena, ArenaDesc, Backend, CudaBackend};
 
-use crate::nccl_support::{check, join, unique_id_hex, version, NcclRegistrar};
+use crate::nccl_support::{
+    all_gather_f32, all_reduce_f32, join, unique_id_hex, version, NcclRegistrar,
+};
 
 crate::register! {
     gpu: [nccl_ready_chunks_stay_registered_through_growth_and_release_on_one_gpu],
@@ -96,31 +98,8 @@ fn rank_work(
         // until the stream's work is done (they are dropped in stream order
         // on this stream); the communicator is this process's.
         unsafe {
-            check(
-                "ncclAllGather",
-                sys::ncclAllGather(
-                    x.address() as *const _,
-                    y.address() as *mut _,
-                    n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    comm.0,
-                    s,
-                ),
-            )
-            .unwrap();
-            check(
-                "ncclAllReduce",
-                sys::ncclAllReduce(
-                    x.address() as *const _,
-                    x.address() as *mut _,
-                    n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
-                    comm.0,
-                    s,
-                ),
-            )
-            .unwrap();
+            all_gather_f32(comm, x.address(), y.address(), n, s).unwrap();
+            all_reduce_f32(comm, x.address(), x.address(), n, s).unwrap();
         }
         stream.synchronize().unwrap();
         let sum = read_f32s(&x, n);

@@ -94,6 +94,61 @@ pub fn join(uid_hex: &str, ranks: i32, rank: i32) -> Result<Comm, String> {
     Ok(Comm(comm))
 }
 
+/// Sum-all-reduces `count` f32s from `send` into `recv` (the same address
+/// for in place) on `stream`.
+///
+/// # Safety
+/// `send` and `recv` hold `count` f32s of device memory that stays mapped
+/// until the stream's work has finished; `comm` is this process's.
+pub unsafe fn all_reduce_f32(
+    comm: &Comm,
+    send: u64,
+    recv: u64,
+    count: usize,
+    stream: sys::cudaStream_t,
+) -> Result<(), String> {
+    // SAFETY: forwarded to the caller.
+    let r = unsafe {
+        sys::ncclAllReduce(
+            send as *const _,
+            recv as *mut _,
+            count,
+            sys::ncclDataType_t::ncclFloat32,
+            sys::ncclRedOp_t::ncclSum,
+            comm.0,
+            stream,
+        )
+    };
+    check("ncclAllReduce", r)
+}
+
+/// All-gathers `send_count` f32s of each rank's `send` into `recv` (ranks x
+/// `send_count` f32s) on `stream`.
+///
+/// # Safety
+/// As [`all_reduce_f32`], for `send_count` f32s at `send` and ranks times
+/// that at `recv`.
+pub unsafe fn all_gather_f32(
+    comm: &Comm,
+    send: u64,
+    recv: u64,
+    send_count: usize,
+    stream: sys::cudaStream_t,
+) -> Result<(), String> {
+    // SAFETY: forwarded to the caller.
+    let r = unsafe {
+        sys::ncclAllGather(
+            send as *const _,
+            recv as *mut _,
+            send_count,
+            sys::ncclDataType_t::ncclFloat32,
+            comm.0,
+            stream,
+        )
+    };
+    check("ncclAllGather", r)
+}
+
 /// The map hook that registers device ranges with a communicator.
 pub struct NcclRegistrar {
     comm: sys::ncclComm_t,

@@ -6,13 +6,13 @@
 use std::sync::Arc;
 
 use vmmbuf::{
-    Allocation, Arena, ArenaDesc, ArenaStream, Backend, ChunkPool, CudaBackend, HostBackend,
-    Location, PoolDesc, SleepDesc, SleepMode, WakeDesc,
+    Allocation, Arena, ArenaDesc, Backend, ChunkPool, CudaBackend, HostBackend, Location, PoolDesc,
+    SleepDesc, SleepMode, WakeDesc,
 };
 
 use crate::common::{gpu, host, random_bytes};
 use crate::cuda_only::{pattern, Kernels};
-use crate::fault::{fail_each_call, injected, FaultBackend, TestFence};
+use crate::fault::{fail_each_call, injected, FaultBackend};
 
 crate::register! {
     host: [
@@ -31,18 +31,8 @@ crate::register! {
 
 type Fb = FaultBackend<HostBackend>;
 
-/// A stream of the emulated GPU; its work has always finished.
-#[derive(Clone)]
-struct Q(u64);
-
-impl ArenaStream<Fb> for Q {
-    fn key(&self) -> (u64, u64) {
-        (0, self.0)
-    }
-    fn fence(&self, _: &Fb) -> vmmbuf::Result<TestFence> {
-        Ok(TestFence::passed())
-    }
-}
+// A stream of the emulated GPU; its work has always finished.
+use crate::fault::DoneStream as Q;
 
 type EmuArena = Arena<Fb, Q>;
 type Live = Vec<(Allocation<Fb, Q>, Vec<u8>)>;
