@@ -534,11 +534,7 @@ fn check_stats(
     Ok(())
 }
 
-fn run_arena(ops: Vec<AOp>, keep_mapped: bool) -> std::result::Result<u64, TestCaseError> {
-    run_arena_hooked(ops, keep_mapped, false)
-}
-
-fn run_arena_hooked(
+fn run_arena(
     ops: Vec<AOp>,
     keep_mapped: bool,
     hooked: bool,
@@ -823,7 +819,7 @@ fn oracle_arena_release_before_map() {
     run_property(
         "arena (release before map)",
         prop::collection::vec(aop(), 1..120),
-        |ops| run_arena(ops, false),
+        |ops| run_arena(ops, false, false),
     );
 }
 
@@ -831,7 +827,7 @@ fn oracle_arena_keep_mapped() {
     run_property(
         "arena (keep mapped)",
         prop::collection::vec(aop(), 1..120),
-        |ops| run_arena(ops, true),
+        |ops| run_arena(ops, true, false),
     );
 }
 
@@ -842,7 +838,7 @@ fn oracle_arena_map_hook() {
     run_property(
         "arena with a map hook",
         (prop::collection::vec(aop(), 1..120), any::<bool>()),
-        |(ops, keep_mapped)| run_arena_hooked(ops, keep_mapped, true),
+        |(ops, keep_mapped)| run_arena(ops, keep_mapped, true),
     );
 }
 
@@ -875,11 +871,7 @@ fn bop() -> impl Strategy<Value = BOp> {
     ]
 }
 
-fn run_buffers(ops: Vec<BOp>, policy: GrowthPolicy) -> std::result::Result<u64, TestCaseError> {
-    run_buffers_hooked(ops, policy, false)
-}
-
-fn run_buffers_hooked(
+fn run_buffers(
     ops: Vec<BOp>,
     policy: GrowthPolicy,
     hooked: bool,
@@ -1003,7 +995,7 @@ fn oracle_buffers() {
             prop::collection::vec(bop(), 1..100),
             prop_oneof![Just(GrowthPolicy::Exact), Just(GrowthPolicy::default())],
         ),
-        |(ops, policy)| run_buffers(ops, policy),
+        |(ops, policy)| run_buffers(ops, policy, false),
     );
 }
 
@@ -1016,7 +1008,7 @@ fn oracle_buffers_map_hook() {
             prop::collection::vec(bop(), 1..100),
             prop_oneof![Just(GrowthPolicy::Exact), Just(GrowthPolicy::default())],
         ),
-        |(ops, policy)| run_buffers_hooked(ops, policy, true),
+        |(ops, policy)| run_buffers(ops, policy, true),
     );
 }
 
@@ -1103,7 +1095,7 @@ fn oracle_case_1() {
         AOp::Alloc { units: 22, s: 0 },
     ];
     for _ in 0..20 {
-        run_arena(ops.clone(), true).unwrap();
+        run_arena(ops.clone(), true, false).unwrap();
     }
 }
 
@@ -1146,7 +1138,7 @@ fn oracle_case_graph_1() {
         ReleaseGraph { which: 0 },
         Alloc { units: 1, s: 1 },
     ];
-    run_arena_hooked(ops.clone(), false, false).unwrap();
+    run_arena(ops.clone(), false, false).unwrap();
     eprintln!("  without a hook: no violation");
-    run_arena_hooked(ops, false, true).unwrap();
+    run_arena(ops, false, true).unwrap();
 }
