@@ -113,6 +113,16 @@ pub fn contents<B: Backend>(buf: &GrowableBuffer<B>) -> Vec<u8> {
     v
 }
 
+/// Asserts the backend holds nothing (no reservation, chunk or mapping)
+/// and made no device-wide synchronisation. The fence-query count is a
+/// tally over the backend's life, not a holding: it is not compared.
+#[track_caller]
+pub fn assert_holds_nothing(live: LiveCounts) {
+    let mut holds = live;
+    holds.fence_queries = 0;
+    assert_eq!(holds, LiveCounts::default(), "{live:?}");
+}
+
 /// Asserts the buffer's own bookkeeping agrees with what the backend has live:
 /// one reservation, one live chunk per mapped chunk, mapped bytes = capacity.
 pub fn assert_consistent<B: Backend>(buf: &GrowableBuffer<B>, baseline: LiveCounts) {
