@@ -455,9 +455,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     ///
     /// No fence is recorded or waited for on `stream`. Fences of earlier
     /// frees are queried (`cuEventQuery`), which a capture in CUDA's global
-    /// mode forbids on any thread: call it in relaxed capture mode
-    /// ([`cuda::RelaxedCapture`](crate::cuda::RelaxedCapture)), as the
-    /// PyTorch plug-in does.
+    /// mode forbids on any thread: the CUDA backend makes that query, and
+    /// every other call CUDA counts as unsafe, in relaxed capture mode on
+    /// its own (see [`cuda::RelaxedCapture`](crate::cuda::RelaxedCapture)).
     pub fn alloc_in_graph(
         &self,
         bytes: usize,

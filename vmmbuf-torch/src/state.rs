@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::{Mutex, RwLock};
 use vmmbuf::cuda::CudaAllocation;
-use vmmbuf::cuda::{capture_of, Capture, RelaxedCapture};
+use vmmbuf::cuda::{capture_of, Capture};
 use vmmbuf::stats::ArenaStats;
 use vmmbuf::{
     Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, GraphPoolId, Location,
@@ -144,6 +144,10 @@ impl Device {
     /// Releases the pools of the graphs CUDA has destroyed since the last
     /// call, in every arena (a capture may have used several tags).
     fn release_graphs(&mut self) {
+        if self.graphs.is_empty() {
+            // No graph pool: nothing to release (and no lock taken).
+            return;
+        }
         let gone = std::mem::take(&mut *self.released.lock());
         for id in gone {
             self.graphs.remove(&id);
@@ -220,6 +224,8 @@ impl Device {
             sum.num_ooms += s.num_ooms;
             sum.num_allocs += s.num_allocs;
             sum.num_frees += s.num_frees;
+            sum.num_device_alloc += s.num_device_alloc;
+            sum.num_device_free += s.num_device_free;
             sum.host_bytes += s.host_bytes;
             sum.discarded_bytes += s.discarded_bytes;
             sum.stash_bytes += s.stash_bytes;
@@ -244,6 +250,9 @@ impl Device {
     }
 
     fn stream(&mut self, stream: *mut c_void) -> Arc<CudaStream> {
+        if let Some(s) = self.streams.get(&(stream as usize)) {
+            return s.clone();
+        }
         let ctx = self.backend.context().clone();
         self.streams
             .entry(stream as usize)
@@ -316,9 +325,8 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
         return Err(Error::InvalidArgument("an allocation of 0 bytes".into()));
     }
     // A capture in CUDA's global mode (PyTorch's default) forbids every
-    // thread's unsafe calls: the ones below are safe for it (no query of an
-    // event recorded in a capture, no synchronisation of a captured stream).
-    let _relaxed = relaxed();
+    // thread's unsafe calls: vmmbuf makes each of its own (an event query,
+    // a mapping) in relaxed mode, so the common path switches no mode.
     let d = device(dev)?;
     let mut d = d.lock();
     d.release_graphs();
@@ -354,12 +362,10 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
 }
 
 /// `VMMBUF_TORCH_GRAPHS=0`: the process never captures CUDA graphs, so
-/// malloc and free skip the capture query and the capture-mode switches
-/// (driver calls PyTorch's own cache does not make on a hit). Issue 24
-/// measured 10-12 us per malloc with them on 2x H200 under FSDP; this
-/// switch is there to measure without them. A capture with it set is not
-/// supported (allocations inside it are ordinary ones, and CUDA may refuse
-/// the frees' fences).
+/// malloc and free skip the capture query (`cuStreamIsCapturing`, a driver
+/// call PyTorch's own cache does not make on a hit). A capture with it set
+/// is not supported (allocations inside it are ordinary ones, and CUDA may
+/// refuse the frees' fences).
 fn graphs_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("VMMBUF_TORCH_GRAPHS").as_deref() != Ok("0"))
@@ -374,18 +380,6 @@ fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
     }
 }
 
-/// This thread in CUDA's relaxed capture mode, if the driver allows it (a
-/// failure is logged: the call goes on in the thread's mode). Nothing when
-/// graphs are off.
-fn relaxed() -> Option<RelaxedCapture> {
-    if !graphs_on() {
-        return None;
-    }
-    RelaxedCapture::new()
-        .map_err(|e| tracing::debug!(error = %e, "vmmbuf-torch: no relaxed capture mode"))
-        .ok()
-}
-
 /// Frees `ptr` in stream order on `stream` (if it is not the allocation's
 /// own, the free waits for both).
 pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
@@ -396,7 +390,6 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
         ))
     };
     let d = existing(dev).ok_or_else(unknown)?;
-    let _relaxed = relaxed();
     let mut d = d.lock();
     d.release_graphs();
     let a = d.live.remove(&(ptr as usize)).ok_or_else(unknown)?;
@@ -439,7 +432,6 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
 /// device has no arena yet.
 pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     let d = existing(dev)?;
-    let _relaxed = relaxed();
     let mut d = d.lock();
     d.release_graphs();
     let s = d.stats();
@@ -459,6 +451,8 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     m.insert("num_device_syncs".into(), s.num_device_syncs.into());
     m.insert("num_allocs".into(), s.num_allocs.into());
     m.insert("num_frees".into(), s.num_frees.into());
+    m.insert("num_device_alloc".into(), s.num_device_alloc.into());
+    m.insert("num_device_free".into(), s.num_device_free.into());
     let ns = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     m.insert("host_ns_in_malloc".into(), ns(&MALLOC_NS).into());
     m.insert("host_ns_in_free".into(), ns(&FREE_NS).into());
@@ -530,7 +524,6 @@ pub(crate) fn set_budget(dev: c_int, bytes: usize) -> Result<()> {
 pub(crate) fn empty_cache(dev: c_int) -> Result<()> {
     match existing(dev) {
         Some(d) => {
-            let _relaxed = relaxed();
             let mut d = d.lock();
             d.release_graphs();
             d.arenas.values().try_for_each(|a| a.empty_cache())

@@ -8,7 +8,9 @@
 //!   mode, any thread's "unsafe" call (`cuEventQuery`, `cuMemCreate`,
 //!   `cuStreamCreate`) would invalidate that capture; in relaxed mode the
 //!   calling thread may make them (it still must not query an event
-//!   recorded inside a capture, which the arena never does);
+//!   recorded inside a capture, which the arena never does). vmmbuf makes
+//!   each of its own unsafe calls in relaxed mode already; the guard is for
+//!   a caller's own calls around it;
 //! - [`Capture::on_release`]: a user object whose destructor CUDA runs once
 //!   the graph and every executable graph made from it are destroyed and
 //!   their launches have finished: the moment a graph's memory may go back.

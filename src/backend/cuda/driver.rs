@@ -34,6 +34,34 @@ fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result
     }
 }
 
+/// Runs `f` with this thread in CUDA's relaxed capture mode, the thread's
+/// mode back after. CUDA counts these calls as unsafe during a stream
+/// capture: made in the default global mode while any thread captures a
+/// stream in global mode (PyTorch's default), they invalidate that capture.
+/// None of vmmbuf's touches a captured stream (it never queries an event
+/// recorded in a capture nor synchronises a captured stream), so each runs
+/// in relaxed mode on its own, and the common paths (an allocation from
+/// free memory, a free's fence) make no mode switch at all. A mode that
+/// cannot be switched is logged and the call made in the thread's mode.
+fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: a thread-local exchange of a plain value.
+    let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    let switched = r == sys::CUresult::CUDA_SUCCESS;
+    if !switched {
+        tracing::debug!(error = ?r, "vmmbuf: no relaxed capture mode for an unsafe call");
+    }
+    let out = f();
+    if switched {
+        // SAFETY: as above; puts the thread's previous mode back.
+        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::error!(error = ?r, "vmmbuf: restoring the thread's capture mode failed");
+        }
+    }
+    out
+}
+
 /// Maps an error of cudarc's own layers, naming the call.
 fn cudarc_err(call: &'static str) -> impl Fn(DriverError) -> Error {
     move |e| match check(call, e.0, 0) {
@@ -141,26 +169,23 @@ pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
 
 /// `cuCtxSynchronize`: waits for all work in `ctx`.
 pub(crate) fn synchronize(ctx: &CudaContext) -> Result<()> {
-    ctx.synchronize().map_err(cudarc_err("cuCtxSynchronize"))
+    relaxed(|| ctx.synchronize()).map_err(cudarc_err("cuCtxSynchronize"))
 }
 
 /// `cuStreamCreate`, through cudarc.
 pub(crate) fn new_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
-    ctx.new_stream().map_err(cudarc_err("cuStreamCreate"))
+    relaxed(|| ctx.new_stream()).map_err(cudarc_err("cuStreamCreate"))
 }
 
 /// `cuEventRecord` of a new event on `stream`.
 pub(crate) fn record_event(stream: &CudaStream) -> Result<CudaEvent> {
-    stream
-        .record_event(None)
-        .map_err(cudarc_err("cuEventRecord"))
+    // An event is created first (`cuEventCreate`).
+    relaxed(|| stream.record_event(None)).map_err(cudarc_err("cuEventRecord"))
 }
 
 /// `cuEventSynchronize`: blocks until the work before the event has finished.
 pub(crate) fn event_wait(event: &CudaEvent) -> Result<()> {
-    event
-        .synchronize()
-        .map_err(cudarc_err("cuEventSynchronize"))
+    relaxed(|| event.synchronize()).map_err(cudarc_err("cuEventSynchronize"))
 }
 
 /// `cuEventRecord` of an existing event on `stream`.
@@ -170,14 +195,12 @@ pub(crate) fn event_record(event: &CudaEvent, stream: &CudaStream) -> Result<()>
 
 /// `cuStreamSynchronize`: blocks until `stream`'s work has finished.
 pub(crate) fn stream_synchronize(stream: &CudaStream) -> Result<()> {
-    stream
-        .synchronize()
-        .map_err(cudarc_err("cuStreamSynchronize"))
+    relaxed(|| stream.synchronize()).map_err(cudarc_err("cuStreamSynchronize"))
 }
 
 /// `cuEventQuery`: true once the work before the event has finished.
 pub(crate) fn event_done(event: &CudaEvent) -> Result<bool> {
-    event.try_is_complete().map_err(cudarc_err("cuEventQuery"))
+    relaxed(|| event.try_is_complete()).map_err(cudarc_err("cuEventQuery"))
 }
 
 /// `cuMemGetInfo`: `(free, total)` bytes of the current context's device.
@@ -187,7 +210,7 @@ pub(crate) fn mem_info() -> Result<(usize, usize)> {
     // returns an error.
     check(
         "cuMemGetInfo",
-        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+        relaxed(|| unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }),
         0,
     )?;
     Ok((free, total))
@@ -372,7 +395,7 @@ pub(crate) fn address_reserve(bytes: usize, align: usize) -> Result<sys::CUdevic
     // SAFETY: a valid out-pointer; reserving address space touches no memory.
     check(
         "cuMemAddressReserve",
-        unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) },
+        relaxed(|| unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) }),
         bytes,
     )?;
     Ok(ptr)
@@ -387,7 +410,7 @@ pub(crate) unsafe fn address_free(ptr: sys::CUdeviceptr, bytes: usize) -> Result
     // SAFETY: forwarded to the caller.
     check(
         "cuMemAddressFree",
-        unsafe { sys::cuMemAddressFree(ptr, bytes) },
+        relaxed(|| unsafe { sys::cuMemAddressFree(ptr, bytes) }),
         0,
     )
 }
@@ -401,7 +424,7 @@ pub(crate) fn mem_create(
     // SAFETY: a valid out-pointer and a fully initialised property struct.
     check(
         "cuMemCreate",
-        unsafe { sys::cuMemCreate(&mut handle, bytes, prop, 0) },
+        relaxed(|| unsafe { sys::cuMemCreate(&mut handle, bytes, prop, 0) }),
         bytes,
     )?;
     Ok(handle)
@@ -418,7 +441,11 @@ pub(crate) unsafe fn mem_release(
     bytes: usize,
 ) -> Result<()> {
     // SAFETY: forwarded to the caller.
-    check("cuMemRelease", unsafe { sys::cuMemRelease(handle) }, bytes)
+    check(
+        "cuMemRelease",
+        relaxed(|| unsafe { sys::cuMemRelease(handle) }),
+        bytes,
+    )
 }
 
 /// `cuMemMap` of the whole `handle` at `ptr`, offset 0, no flags.
@@ -434,7 +461,7 @@ pub(crate) unsafe fn mem_map(
     // SAFETY: forwarded to the caller.
     check(
         "cuMemMap",
-        unsafe { sys::cuMemMap(ptr, bytes, 0, handle, 0) },
+        relaxed(|| unsafe { sys::cuMemMap(ptr, bytes, 0, handle, 0) }),
         bytes,
     )
 }
@@ -446,7 +473,11 @@ pub(crate) unsafe fn mem_map(
 /// running or queued, nor any live reference, uses it.
 pub(crate) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
     // SAFETY: forwarded to the caller.
-    check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, bytes) }, bytes)
+    check(
+        "cuMemUnmap",
+        relaxed(|| unsafe { sys::cuMemUnmap(ptr, bytes) }),
+        bytes,
+    )
 }
 
 /// `cuMemSetAccess` of `[ptr, ptr + bytes)` to exactly `descs`.
@@ -463,7 +494,7 @@ pub(crate) unsafe fn mem_set_access(
     // forwarded to the caller.
     check(
         "cuMemSetAccess",
-        unsafe { sys::cuMemSetAccess(ptr, bytes, descs.as_ptr(), descs.len()) },
+        relaxed(|| unsafe { sys::cuMemSetAccess(ptr, bytes, descs.as_ptr(), descs.len()) }),
         bytes,
     )
 }
@@ -516,7 +547,7 @@ pub(crate) unsafe fn memcpy_dtoh(dst: &mut [u8], src: sys::CUdeviceptr) -> Resul
     // forwarded to the caller.
     check(
         "cuMemcpyDtoH",
-        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) },
+        relaxed(|| unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) }),
         dst.len(),
     )
 }
@@ -532,7 +563,7 @@ pub(crate) unsafe fn memcpy_htod(dst: sys::CUdeviceptr, src: &[u8]) -> Result<()
     // forwarded to the caller.
     check(
         "cuMemcpyHtoD",
-        unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) },
+        relaxed(|| unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) }),
         src.len(),
     )
 }
