@@ -175,6 +175,8 @@ def memory_stats(device: Any = None) -> "OrderedDict[str, Any]":
     out["num_alloc_retries"] = raw["num_alloc_retries"]
     out["num_ooms"] = raw["num_ooms"]
     out["num_device_syncs"] = raw["num_device_syncs"]
+    out["num_device_alloc"] = raw["num_device_alloc"]
+    out["num_device_free"] = raw["num_device_free"]
     return OrderedDict(sorted(out.items()))
 
 

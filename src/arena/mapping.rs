@@ -189,6 +189,7 @@ impl<B: Backend> Shared<B> {
                 }
                 e
             })?;
+        st.stats.num_device_alloc += sizes.len() as u64;
         Ok(acquired)
     }
 
@@ -253,6 +254,7 @@ impl<B: Backend> Shared<B> {
                 st.zones[z].carve(at, n);
             }
             released += b;
+            st.stats.num_device_free += 1;
         }
         Ok(released)
     }

@@ -121,6 +121,7 @@ fn freed_chunks_in_the_middle_go_back_to_the_pool_and_are_mapped_again() {
     let blocks: Vec<_> = (0..6).map(|_| a.alloc(4 * G, &s).unwrap()).collect();
     let reserved = a.stats().reserved_bytes.current;
     assert_eq!(reserved, 24 * G);
+    assert_eq!(a.stats().num_device_alloc, 6, "one chunk mapped per block");
     let mut blocks = blocks.into_iter();
     let (b0, b1, b2) = (
         blocks.next().unwrap(),
@@ -130,6 +131,7 @@ fn freed_chunks_in_the_middle_go_back_to_the_pool_and_are_mapped_again() {
     let rest: Vec<_> = blocks.collect();
     drop(b1); // a whole chunk in the middle
     assert_eq!(a.release_cached().unwrap(), 4 * G);
+    assert_eq!(a.stats().num_device_free, 1, "one range unmapped");
     let snap = a.snapshot();
     assert_eq!(snap.segments.len(), 2, "a hole in the middle:\n{snap}");
     assert_eq!(a.stats().pooled_bytes, 4 * G);
@@ -138,6 +140,7 @@ fn freed_chunks_in_the_middle_go_back_to_the_pool_and_are_mapped_again() {
     assert_eq!(again.address(), b0.address() + (4 * G) as u64);
     assert_eq!(a.stats().pooled_bytes, 0);
     assert_eq!(a.stats().reserved_bytes.current, 24 * G);
+    assert_eq!(a.stats().num_device_alloc, 7, "mapped again");
     drop((b0, b2, rest, again));
     assert!(a.snapshot().to_string().contains("free"));
 }
