@@ -13,8 +13,13 @@ under one allocator per launch, compared on the same machine (issue 24):
                only when named in --allocs)
   vmmbuf-nographs  process-wide, VMMBUF_TORCH_GRAPHS=0 (no capture query or
                capture-mode switch per call; only when named in --allocs)
+  vmmbuf-warm  process-wide, one allocation of DIST_WARM_GIB (default 10)
+               made and freed before training, so the arena has mapped
+               what the steps need and never grows during them (a
+               diagnosis: what growth costs; only when named in --allocs)
 
     python3 scripts/dist_train.py --all [--modes ddp,fsdp] [--allocs native,...] [--rounds 2] [--steps 30]
+                                    [--nproc 2] [--out runs.json]
     python3 scripts/dist_train.py --probe-register     # register_mem_pool on a vmmbuf pool
     torchrun --nproc_per_node 2 scripts/dist_train.py --worker --mode fsdp --alloc vmmbuf --profile
       (DIST_RESULT_DIR=dir: where each rank writes its result; --profile:
@@ -46,7 +51,8 @@ import time
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 20 MiB chunks for large tensors (expandable segments' page
 # for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
-EXTRA = ("vmmbuf-20m", "vmmbuf-nographs")
+EXTRA = ("vmmbuf-20m", "vmmbuf-nographs", "vmmbuf-warm")
+PROCESS_WIDE = ("vmmbuf", "vmmbuf-20m", "vmmbuf-nographs", "vmmbuf-warm")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -63,7 +69,7 @@ def worker(a):
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch
-        if a.alloc in ("vmmbuf", "vmmbuf-20m", "vmmbuf-nographs"):
+        if a.alloc in PROCESS_WIDE:
             vmmbuf.torch.use()
     import random
     import torch.distributed as dist
@@ -102,8 +108,15 @@ def worker(a):
                 fully_shard(m)
             fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if a.alloc == "vmmbuf-warm":
+            warm = torch.empty(int(float(os.environ.get("DIST_WARM_GIB", "10")) * 2**30),
+                               dtype=torch.uint8, device=dev)
+            del warm
         prof = None
         cost0 = None
+        # Per step, for vmmbuf: chunks mapped and microseconds inside the
+        # plug-in's malloc and free (what each step's growth cost).
+        step_maps, step_alloc_us, last = [], [], None
         for step in range(a.steps):
             if vt is not None and step == WARMUP:
                 torch.cuda.synchronize()
@@ -124,6 +137,13 @@ def worker(a):
             opt.step()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+            if vt is not None:
+                now = vt.stats(rank)
+                if last is not None:
+                    step_maps.append(now["num_device_alloc"] - last["num_device_alloc"])
+                    step_alloc_us.append((now["host_ns_in_malloc"] + now["host_ns_in_free"]
+                                          - last["host_ns_in_malloc"] - last["host_ns_in_free"]) / 1e3)
+                last = now
             losses.append(loss.item())
             min_free = min(min_free, torch.cuda.mem_get_info()[0])
             del x, y, out, loss
@@ -134,7 +154,7 @@ def worker(a):
                 print(f"PROFILE {a.mode} {a.alloc} (last 5 steps, rank 0)")
                 print(ka.table(sort_by="device_time_total", row_limit=12, max_name_column_width=60))
                 print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    if a.alloc in ("vmmbuf", "vmmbuf-20m", "vmmbuf-nographs"):
+    if a.alloc in PROCESS_WIDE:
         peak = vt.stats(rank)["allocated_bytes.all.peak"]
     else:
         peak = torch.cuda.max_memory_allocated()
@@ -142,17 +162,19 @@ def worker(a):
     res = {"rank": rank, "mode": a.mode, "alloc": a.alloc, "losses": losses,
            "median_step_ms": 1000 * statistics.median(times[WARMUP:]),
            "peak_allocated": peak, "peak_taken": taken,
-           "utilization": peak / taken if taken else 0.0}
+           "utilization": peak / taken if taken else 0.0,
+           "step_ms": [1000 * x for x in times]}
     if vt is not None:
         st = vt.stats(rank)
         res["vmmbuf_peak_allocated"] = st["allocated_bytes.all.peak"]
         res["vmmbuf_reserved"] = st["reserved_bytes.all.current"]
+        res["step_maps"], res["step_alloc_us"] = step_maps, step_alloc_us
         if cost0 is not None:
             # What the allocator cost the CPU per step after the warm-up.
             n = a.steps - WARMUP
             res["per_step"] = {k: (st.get(k, 0) - cost0.get(k, 0)) / n for k in (
                 "host_ns_in_malloc", "host_ns_in_free", "num_allocs", "num_frees",
-                "num_fence_queries")}
+                "num_fence_queries", "num_device_alloc", "num_device_free")}
     _result(res)
     dist.barrier()
     dist.destroy_process_group()
@@ -210,20 +232,20 @@ class _Null:
         return False
 
 
-def launch(extra, env_extra=None, timeout=600, want_stdout=False):
+def launch(extra, env_extra=None, timeout=600, want_stdout=False, nproc=2):
     import glob
     import tempfile
     tmp = tempfile.mkdtemp(prefix="dist_train")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", DIST_RESULT_DIR=tmp, **(env_extra or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", "2", os.path.abspath(__file__)] + extra
+           "--nproc_per_node", str(nproc), os.path.abspath(__file__)] + extra
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     res = []
     for f in sorted(glob.glob(os.path.join(tmp, "rank*.json"))):
         with open(f) as fh:
             res.append(json.load(fh))
     shutil.rmtree(tmp, ignore_errors=True)
-    if p.returncode != 0 or len(res) != 2:
+    if p.returncode != 0 or len(res) != nproc:
         logs = os.environ.get("DIST_LOG_DIR")
         if logs:
             os.makedirs(logs, exist_ok=True)
@@ -247,7 +269,8 @@ def run_all(a):
             order = allocs[rnd % len(allocs):] + allocs[:rnd % len(allocs)]
             for alloc in order:
                 t = time.time()
-                r = launch(["--worker", "--mode", mode, "--alloc", alloc, "--steps", str(a.steps)])
+                r = launch(["--worker", "--mode", mode, "--alloc", alloc, "--steps", str(a.steps)],
+                           nproc=a.nproc)
                 runs.setdefault((mode, alloc), []).append(r)
                 print(f"round {rnd} {mode} {alloc}: {r[0]['median_step_ms']:.2f} ms/step "
                       f"({time.time() - t:.0f} s)", flush=True)
@@ -263,7 +286,7 @@ def run_all(a):
             peak = max(max(x["peak_allocated"] for x in r) for r in rs)
             taken = max(max(x["peak_taken"] for x in r) for r in rs)
             util = statistics.median(min(x["utilization"] for x in r) for r in rs)
-            same = all(r[k]["losses"] == ref[k]["losses"] for r in rs for k in range(2))
+            same = all(r[k]["losses"] == ref[k]["losses"] for r in rs for k in range(a.nproc))
             row = {"mode": mode, "alloc": alloc, "median_step_ms": step, "vs_native": step / base,
                    "peak_allocated": peak, "peak_taken": taken, "utilization": util,
                    "losses_equal_native": same,
@@ -272,7 +295,7 @@ def run_all(a):
             print(f"{mode:<5} {alloc:<12} {step:8.2f} {step / base:9.3f} {peak / 2**20:15.0f} "
                   f"{taken / 2**20:15.0f} {util:11.3f} {str(same):>16}")
     print("\nvmmbuf's CPU cost per step (rank 0, median over rounds): malloc ms, free ms, "
-          "allocs, frees, fence queries")
+          "allocs, frees, fence queries, chunks mapped")
     for mode in modes:
         for alloc in allocs:
             ps = [r[0]["per_step"] for r in runs[(mode, alloc)] if "per_step" in r[0]]
@@ -280,7 +303,11 @@ def run_all(a):
                 m = {k: statistics.median(p[k] for p in ps) for k in ps[0]}
                 print(f"{mode:<5} {alloc:<12} {m['host_ns_in_malloc'] / 1e6:7.2f} "
                       f"{m['host_ns_in_free'] / 1e6:7.2f} {m['num_allocs']:7.0f} "
-                      f"{m['num_frees']:7.0f} {m['num_fence_queries']:8.0f}")
+                      f"{m['num_frees']:7.0f} {m['num_fence_queries']:8.0f} "
+                      f"{m.get('num_device_alloc', 0):8.1f}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({f"{m} {k}": v for (m, k), v in runs.items()}, f)
     print(json.dumps({"rounds": a.rounds, "steps": a.steps, "table": table}))
 
 
@@ -294,11 +321,14 @@ def main():
     p.add_argument("--modes", default="ddp,fsdp")
     p.add_argument("--alloc", choices=ALLOCS + EXTRA, default="native")
     p.add_argument("--allocs", default=",".join(ALLOCS),
-                   help="the allocators --all compares (native among them); also: vmmbuf-20m, vmmbuf-nographs")
+                   help="the allocators --all compares (native among them); also: " + ", ".join(EXTRA))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile", action="store_true",
                    help="with --worker: torch.profiler over the last 5 steps, tables on rank 0")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=2,
+                   help="processes (GPUs) per launch; 1 runs FSDP/DDP on one GPU")
+    p.add_argument("--out", help="with --all: every launch's per-rank results (per-step times) as JSON")
     a = p.parse_args()
     if a.worker:
         worker(a)
