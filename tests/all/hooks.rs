@@ -120,18 +120,25 @@ fn assert_given_back(fb: &Fb, baseline: vmmbuf::stats::LiveCounts) {
     );
 }
 
+/// An emulated GPU, what it holds before the test, and an arena of
+/// 256 KiB chunks on it.
+fn arena_on_emulated_gpu() -> (Arc<Fb>, vmmbuf::stats::LiveCounts, Arena<Fb, Q>) {
+    let fb = FaultBackend::emulating_gpu(host());
+    let baseline = fb.live();
+    let arena = Arena::new(
+        fb.clone(),
+        ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10),
+    )
+    .unwrap();
+    (fb, baseline, arena)
+}
+
 fn live_bytes(hook: &LogHook) -> usize {
     hook.rec.live().iter().map(|r| r.bytes).sum()
 }
 
 fn a_map_hook_follows_an_arena_through_growth_release_sleep_and_drop() {
-    let fb = FaultBackend::emulating_gpu(host());
-    let baseline = fb.live();
-    let arena: Arena<Fb, Q> = Arena::new(
-        fb.clone(),
-        ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10),
-    )
-    .unwrap();
+    let (fb, baseline, arena) = arena_on_emulated_gpu();
     let hook = log_hook(&fb);
     arena.set_map_hook(Some(hook.clone())).unwrap();
     assert!(hook.rec.calls().is_empty(), "nothing mapped yet");
@@ -311,12 +318,7 @@ fn a_map_hook_follows_a_buffer_through_growth_migration_and_shrink() {
 }
 
 fn a_hook_set_on_a_live_arena_hears_of_its_memory_and_removing_it_tells_all_is_going() {
-    let fb = FaultBackend::emulating_gpu(host());
-    let arena: Arena<Fb, Q> = Arena::new(
-        fb.clone(),
-        ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10),
-    )
-    .unwrap();
+    let (fb, _, arena) = arena_on_emulated_gpu();
     let keep: Vec<_> = [4000usize, 2 << 20, 300_000]
         .iter()
         .map(|&n| arena.alloc(n, &Q(0)).unwrap())
@@ -374,13 +376,7 @@ impl MapHook for Panicky {
 }
 
 fn a_panicking_hook_is_caught_and_the_arena_goes_on() {
-    let fb = FaultBackend::emulating_gpu(host());
-    let baseline = fb.live();
-    let arena: Arena<Fb, Q> = Arena::new(
-        fb.clone(),
-        ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10),
-    )
-    .unwrap();
+    let (fb, baseline, arena) = arena_on_emulated_gpu();
     let hook = Arc::new(Panicky(std::sync::atomic::AtomicUsize::new(0)));
     arena.set_map_hook(Some(hook.clone())).unwrap();
     let mut keep = Vec::new();

@@ -988,28 +988,26 @@ fn run_buffers(
     Ok(checks)
 }
 
+/// A buffer case: its operations and its growth policy.
+fn buffer_case() -> impl Strategy<Value = (Vec<BOp>, GrowthPolicy)> {
+    (
+        prop::collection::vec(bop(), 1..100),
+        prop_oneof![Just(GrowthPolicy::Exact), Just(GrowthPolicy::default())],
+    )
+}
+
 fn oracle_buffers() {
-    run_property(
-        "buffers",
-        (
-            prop::collection::vec(bop(), 1..100),
-            prop_oneof![Just(GrowthPolicy::Exact), Just(GrowthPolicy::default())],
-        ),
-        |(ops, policy)| run_buffers(ops, policy, false),
-    );
+    run_property("buffers", buffer_case(), |(ops, policy)| {
+        run_buffers(ops, policy, false)
+    });
 }
 
 /// Buffers with a map hook: each growth is a range; a shrink gives back
 /// whole ranges only, and never one with a use in flight.
 fn oracle_buffers_map_hook() {
-    run_property(
-        "buffers with a map hook",
-        (
-            prop::collection::vec(bop(), 1..100),
-            prop_oneof![Just(GrowthPolicy::Exact), Just(GrowthPolicy::default())],
-        ),
-        |(ops, policy)| run_buffers(ops, policy, true),
-    );
+    run_property("buffers with a map hook", buffer_case(), |(ops, policy)| {
+        run_buffers(ops, policy, true)
+    });
 }
 
 /// The oracle itself can fail: a release under work nobody waited for is
