@@ -253,17 +253,17 @@ impl Device {
         if let Some(s) = self.streams.get(&(stream as usize)) {
             return s.clone();
         }
-        let ctx = self.backend.context().clone();
-        self.streams
-            .entry(stream as usize)
-            .or_insert_with(|| {
-                // SAFETY: the caller (PyTorch, CuPy) passes a stream of this
-                // device's primary context (the one CudaBackend::new retains)
-                // and keeps it alive while it allocates on it; the wrapper
-                // never destroys it.
-                unsafe { ctx.wrap_borrowed_stream(stream as sys::CUstream) }
-            })
-            .clone()
+        // SAFETY: the caller (PyTorch, CuPy) passes a stream of this
+        // device's primary context (the one CudaBackend::new retains) and
+        // keeps it alive while it allocates on it; the wrapper never
+        // destroys it.
+        let s = unsafe {
+            self.backend
+                .context()
+                .wrap_borrowed_stream(stream as sys::CUstream)
+        };
+        self.streams.insert(stream as usize, s.clone());
+        s
     }
 
     /// The streams (once each) of the live allocations that lie in `arena`:

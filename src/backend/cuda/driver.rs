@@ -44,22 +44,13 @@ fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result
 /// free memory, a free's fence) make no mode switch at all. A mode that
 /// cannot be switched is logged and the call made in the thread's mode.
 fn relaxed<T>(f: impl FnOnce() -> T) -> T {
-    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: a thread-local exchange of a plain value.
-    let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-    let switched = r == sys::CUresult::CUDA_SUCCESS;
-    if !switched {
-        tracing::debug!(error = ?r, "vmmbuf: no relaxed capture mode for an unsafe call");
-    }
-    let out = f();
-    if switched {
-        // SAFETY: as above; puts the thread's previous mode back.
-        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            tracing::error!(error = ?r, "vmmbuf: restoring the thread's capture mode failed");
-        }
-    }
-    out
+    // The guard puts the thread's mode back when it drops, after `f`.
+    let _mode = super::capture::RelaxedCapture::new()
+        .map_err(
+            |e| tracing::debug!(error = %e, "vmmbuf: no relaxed capture mode for an unsafe call"),
+        )
+        .ok();
+    f()
 }
 
 /// Maps an error of cudarc's own layers, naming the call.
