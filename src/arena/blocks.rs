@@ -187,23 +187,34 @@ impl<F> Blocks<F> {
                 m.stream = tag;
             }
         };
-        if let Some((lo, left)) = self.ending_at(offset) {
-            if left.mergeable(&f, self.join_settled) {
-                let left = self.unlink(lo).expect("just found");
-                offset = lo;
-                f = merge(left, f, self.join_settled);
-                retag(&mut f);
+        // Until neither neighbour merges: a merge of two settled blocks
+        // may change the tag, and with it whether the block joins the
+        // pending neighbour on its other side.
+        loop {
+            let mut merged = false;
+            if let Some((lo, left)) = self.ending_at(offset) {
+                if left.mergeable(&f, self.join_settled) {
+                    let left = self.unlink(lo).expect("just found");
+                    offset = lo;
+                    f = merge(left, f, self.join_settled);
+                    retag(&mut f);
+                    merged = true;
+                }
             }
-        }
-        let end = offset + f.size;
-        if self
-            .by_offset
-            .get(&end)
-            .is_some_and(|r| f.mergeable(r, self.join_settled))
-        {
-            let right = self.unlink(end).expect("just found");
-            f = merge(f, right, self.join_settled);
-            retag(&mut f);
+            let end = offset + f.size;
+            if self
+                .by_offset
+                .get(&end)
+                .is_some_and(|r| f.mergeable(r, self.join_settled))
+            {
+                let right = self.unlink(end).expect("just found");
+                f = merge(f, right, self.join_settled);
+                retag(&mut f);
+                merged = true;
+            }
+            if !merged {
+                break;
+            }
         }
         self.link(offset, f);
     }
@@ -305,7 +316,19 @@ impl<F> Blocks<F> {
             .collect();
         for (o, mut f) in unlinked {
             f.fences.clear();
-            f.stream = None;
+            // Where pending blocks join settled neighbours as they are
+            // inserted, a settled block keeps its stream as a tag (as fresh
+            // memory does): that stream's next pending block joins it,
+            // another stream's does not take it over. Any stream may still
+            // take it (it is settled). Without the tag, FSDP's all-gather
+            // stream, freeing its unsharded parameters while the GPU ran a
+            // step behind, swallowed the compute stream's settled memory
+            // into blocks only it could use until its fences passed, and the
+            // compute stream mapped more: 1.36x the peak instead of 1.03x
+            // (`lag::two_streams_with_a_lagging_gpu_cost_little`).
+            if !self.join_settled {
+                f.stream = None;
+            }
             self.insert(o, f);
         }
         ready.len()

@@ -15,7 +15,10 @@ use vmmbuf::{
 use crate::fault::{FaultBackend, TestFence};
 
 crate::register! {
-    host: [a_lagging_gpu_costs_the_keep_mapped_arena_little],
+    host: [
+        a_lagging_gpu_costs_the_keep_mapped_arena_little,
+        two_streams_with_a_lagging_gpu_cost_little,
+    ],
 }
 
 type Fb = FaultBackend<HostBackend>;
@@ -24,14 +27,15 @@ type Fb = FaultBackend<HostBackend>;
 /// each was made.
 type Clock = (u64, VecDeque<(u64, TestFence)>);
 
-/// A stream whose fences pass some events late.
+/// A stream whose fences pass some events late: its number and the clock
+/// all streams of one replay share.
 #[derive(Clone, Default)]
-struct Lag(Arc<Mutex<Clock>>);
+struct Lag(u64, Arc<Mutex<Clock>>);
 
 impl Lag {
     /// One more event; fences `lag` events old pass.
     fn tick(&self, lag: u64) {
-        let mut g = self.0.lock();
+        let mut g = self.1.lock();
         g.0 += 1;
         let now = g.0;
         while g.1.front().is_some_and(|(t, _)| t + lag <= now) {
@@ -42,11 +46,11 @@ impl Lag {
 
 impl ArenaStream<Fb> for Lag {
     fn key(&self) -> (u64, u64) {
-        (0, 0)
+        (0, self.0)
     }
     fn fence(&self, _: &Fb) -> vmmbuf::Result<TestFence> {
         let f = TestFence::default();
-        let mut g = self.0.lock();
+        let mut g = self.1.lock();
         let now = g.0;
         g.1.push_back((now, TestFence(f.0.clone(), f.1.clone())));
         Ok(f)
@@ -66,12 +70,16 @@ pub fn replay_lagging(events: &[TraceEvent], lag: u64, desc: ArenaDesc) -> (usiz
     let fb = FaultBackend::new(HostBackend::with_granularity(2 << 20).unwrap());
     let arena: Arena<Fb, Lag> = Arena::new(fb.clone(), desc).unwrap();
     let q = Lag::default();
+    // The trace's streams, numbered in order of appearance, on one clock.
+    let mut streams: HashMap<u64, Lag> = HashMap::new();
     let mut live: HashMap<u64, Allocation<Fb, Lag>> = HashMap::new();
     let mut peak_alloc = 0;
     for ev in events {
         match *ev {
-            TraceEvent::Alloc { id, bytes, .. } => {
-                live.insert(id, arena.alloc(bytes.max(1), &q).unwrap());
+            TraceEvent::Alloc { id, bytes, stream } => {
+                let n = streams.len() as u64;
+                let s = streams.entry(stream).or_insert_with(|| Lag(n, q.1.clone()));
+                live.insert(id, arena.alloc(bytes.max(1), s).unwrap());
             }
             TraceEvent::Free { id } => drop(live.remove(&id)),
         }
@@ -91,6 +99,44 @@ pub fn replay_lagging(events: &[TraceEvent], lag: u64, desc: ArenaDesc) -> (usiz
 /// far the GPU lags. Before frees joined settled neighbours and the growing
 /// tail was spared, the conv trace took 1.06x with fences passing at once and
 /// 1.17x with them 10 or more events late, as live training on an H100 did.
+/// FSDP's trace (one H100, `scripts/dist_train.py --nproc 1`: the compute
+/// stream and the all-gather stream) with the GPU lagging up to two steps
+/// (a step is about 1,440 events), in 2 MiB and 20 MiB chunks: memory
+/// taken stays within 4% of the peak allocated. Before settled blocks kept their stream's tag, the
+/// all-gather stream's pending frees took over the compute stream's
+/// settled neighbours once the lag passed a step, and the arena mapped
+/// 1.19x (1,400 events late) to 1.36x (2,000) its peak; on 2x H200 one
+/// rank took 10.1-10.5 GiB for a 7.1 GiB peak in two launches of three.
+fn two_streams_with_a_lagging_gpu_cost_little() {
+    let events = trace("torch-fsdp-h100.csv.gz");
+    let streams: std::collections::HashSet<u64> = events
+        .iter()
+        .filter_map(|e| match *e {
+            TraceEvent::Alloc { stream, .. } => Some(stream),
+            TraceEvent::Free { .. } => None,
+        })
+        .collect();
+    assert_eq!(streams.len(), 2, "the trace has two streams");
+    // 2 MiB chunks (the arena's default) and 20 MiB (the plug-in's).
+    for (chunk, most_calls) in [
+        (2usize << 20, events.len() / 4),
+        (20 << 20, events.len() / 30),
+    ] {
+        for lag in [0u64, 100, 1000, 1400, 2000, 3000] {
+            let mut desc = ArenaDesc::new(256 << 30).max_chunk_bytes(chunk);
+            desc.release_before_map = false;
+            let (a, m, calls) = replay_lagging(&events, lag, desc);
+            let x = m as f64 / a as f64;
+            eprintln!(
+                "FSDP, {} MiB chunks, fences {lag} events late: {x:.4}x its peak, {calls} driver calls",
+                chunk >> 20
+            );
+            assert!(x <= 1.04, "FSDP, lag {lag}: {x:.4}x");
+            assert!(calls < most_calls, "FSDP: {calls} driver calls");
+        }
+    }
+}
+
 fn a_lagging_gpu_costs_the_keep_mapped_arena_little() {
     for (name, bound) in [
         ("torch-conv-h100.csv.gz", 1.05),

@@ -160,6 +160,41 @@ fn joining_blocks_merge_pending_with_settled() {
     }
 }
 
+/// In joining blocks a settled block keeps the stream it was pending on as
+/// a tag: that stream's next pending free joins it, another stream's does
+/// not take it over, and any stream may still take it.
+#[test]
+fn a_settled_block_stays_with_its_stream_when_joining() {
+    let mut b = Blocks::<u32>::joining();
+    let pending = |s, x| Free {
+        size: 16,
+        stream: Some(s),
+        fences: fs(&[(s, x)]),
+    };
+    b.insert(16, pending(S1, 1));
+    assert_eq!(b.settle(|_| true), 1);
+    // S2's pending free beside it stays apart: S1 (or any stream) may
+    // still take the settled block while S2's fence is pending.
+    b.insert(32, pending(S2, 2));
+    assert_eq!(b.check(), Ok(()));
+    assert_eq!(b.iter().count(), 2);
+    assert_eq!(b.take(16, S2), Some(16), "settled: any stream takes it");
+    // S1's pending free beside its settled block joins it: S1 may use both
+    // at once, S2 neither until S1's fence passes.
+    let mut b = Blocks::<u32>::joining();
+    b.insert(16, pending(S1, 1));
+    b.settle(|_| true);
+    b.insert(0, pending(S1, 3));
+    assert_eq!(b.iter().count(), 1);
+    assert_eq!(b.take(32, S2), None, "S2 waits for S1's fence");
+    assert_eq!(b.take(32, S1), Some(0));
+    // Plain blocks drop the tag: a settled block there is nobody's.
+    let mut b = Blocks::<u32>::default();
+    b.insert(16, pending(S1, 1));
+    b.settle(|_| true);
+    assert!(b.iter().all(|(_, f)| f.stream.is_none()));
+}
+
 /// The spared block (one that can grow) goes only when nothing else fits.
 #[test]
 fn take_sparing_keeps_the_growing_block() {
@@ -260,9 +295,9 @@ proptest! {
         3 => (1..64usize, any::<bool>()).prop_map(|(n, s)| Op::Alloc(n * 16, s)),
         3 => (0..32usize, any::<bool>(), any::<bool>()).prop_map(|(i, s, p)| Op::Free(i, s, p)),
         1 => Just(Op::Settle),
-    ], 1..80)) {
+    ], 1..80), joining in any::<bool>()) {
         const SPACE: usize = 4096;
-        let mut b = Blocks::<u32>::default();
+        let mut b = if joining { Blocks::<u32>::joining() } else { Blocks::<u32>::default() };
         b.insert(0, settled(SPACE));
         // byte -> None free settled / Some(stream) pending on it / allocated marker
         let mut owner: Vec<Option<u8>> = vec![None; SPACE];
