@@ -9,7 +9,8 @@ under one allocator per launch, compared on the same machine (issue 24):
                its wrapping and the training loop (PyTorch routes the
                allocating thread's allocations to the pool: the backward
                pass, on autograd's threads, uses the native allocator)
-  vmmbuf-20m   process-wide, chunks up to 20 MiB (VMMBUF_TORCH_MAX_CHUNK_BYTES;
+  vmmbuf-2m    process-wide, chunks of 2 MiB, the plug-in's default before
+               it took expandable segments' 20 MiB (VMMBUF_TORCH_MAX_CHUNK_BYTES;
                only when named in --allocs)
   vmmbuf-nographs  process-wide, VMMBUF_TORCH_GRAPHS=0 (no capture query or
                capture-mode switch per call; only when named in --allocs)
@@ -49,10 +50,10 @@ import sys
 import time
 
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
-# vmmbuf with 20 MiB chunks for large tensors (expandable segments' page
-# for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
-EXTRA = ("vmmbuf-20m", "vmmbuf-nographs", "vmmbuf-warm")
-PROCESS_WIDE = ("vmmbuf", "vmmbuf-20m", "vmmbuf-nographs", "vmmbuf-warm")
+# vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
+# segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
+EXTRA = ("vmmbuf-2m", "vmmbuf-nographs", "vmmbuf-warm")
+PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-nographs", "vmmbuf-warm")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -62,8 +63,8 @@ def worker(a):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     import torch
     vt = None
-    if a.alloc == "vmmbuf-20m":
-        os.environ["VMMBUF_TORCH_MAX_CHUNK_BYTES"] = str(20 << 20)
+    if a.alloc == "vmmbuf-2m":
+        os.environ["VMMBUF_TORCH_MAX_CHUNK_BYTES"] = str(2 << 20)
     if a.alloc == "vmmbuf-nographs":
         os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
     if a.alloc.startswith("vmmbuf"):

@@ -216,6 +216,9 @@ mod tests {
         assert_eq!(vmmbuf_set_budget(3, 1 << 30), 0);
         assert_eq!(vmmbuf_empty_cache(3), 0);
         vmmbuf_reset_peak(3);
+        // What another test's sleep left in the process's host cache goes
+        // back; then nothing is left to give.
+        assert!(vmmbuf_release_host_cache() >= 0);
         assert_eq!(vmmbuf_release_host_cache(), 0);
         assert_eq!(vmmbuf_set_host_cache_limit(1 << 30), 0);
         assert_eq!(vmmbuf_set_host_cache_limit(usize::MAX), 0);
