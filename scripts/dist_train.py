@@ -12,6 +12,9 @@ under one allocator per launch, compared on the same machine (issue 24):
   vmmbuf-2m    process-wide, chunks of 2 MiB, the plug-in's default before
                it took expandable segments' 20 MiB (VMMBUF_TORCH_MAX_CHUNK_BYTES;
                only when named in --allocs)
+  vmmbuf-defer process-wide, VMMBUF_TORCH_DEFER_FENCES=1 (a free on its own
+               stream records no event; one later event covers many; only
+               when named in --allocs)
   vmmbuf-nographs  process-wide, VMMBUF_TORCH_GRAPHS=0 (no capture query or
                capture-mode switch per call; only when named in --allocs)
   vmmbuf-warm  process-wide, one allocation of DIST_WARM_GIB (default 10)
@@ -52,8 +55,8 @@ import time
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
-EXTRA = ("vmmbuf-2m", "vmmbuf-nographs", "vmmbuf-warm")
-PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-nographs", "vmmbuf-warm")
+EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-warm")
+PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-warm")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -65,6 +68,8 @@ def worker(a):
     vt = None
     if a.alloc == "vmmbuf-2m":
         os.environ["VMMBUF_TORCH_MAX_CHUNK_BYTES"] = str(2 << 20)
+    if a.alloc == "vmmbuf-defer":
+        os.environ["VMMBUF_TORCH_DEFER_FENCES"] = "1"
     if a.alloc == "vmmbuf-nographs":
         os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
     if a.alloc.startswith("vmmbuf"):

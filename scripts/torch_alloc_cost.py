@@ -13,7 +13,8 @@ itself measured inside its malloc and free (`host_ns_in_malloc`,
 `host_ns_in_free`), so what PyTorch adds around it shows.
 
 Allocators: native, expandable (expandable_segments:True), vmmbuf
-(process-wide plug-in), vmmbuf-nographs (VMMBUF_TORCH_GRAPHS=0).
+(process-wide plug-in), vmmbuf-nographs (VMMBUF_TORCH_GRAPHS=0),
+vmmbuf-defer (VMMBUF_TORCH_DEFER_FENCES=1).
 """
 import argparse
 import json
@@ -44,6 +45,8 @@ def worker(alloc):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if alloc == "vmmbuf-nographs":
         os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
+    if alloc == "vmmbuf-defer":
+        os.environ["VMMBUF_TORCH_DEFER_FENCES"] = "1"
     import torch
     vt = None
     if alloc.startswith("vmmbuf"):

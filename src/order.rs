@@ -37,6 +37,17 @@ pub(crate) struct Stamped<F> {
     pub(crate) fence: F,
 }
 
+impl<F> Stamped<F> {
+    /// The same stamp around `f(fence)`.
+    pub(crate) fn map<G>(self, f: impl FnOnce(F) -> G) -> Stamped<G> {
+        Stamped {
+            key: self.key,
+            seq: self.seq,
+            fence: f(self.fence),
+        }
+    }
+}
+
 /// Records a fence on stream `key` with `record` and numbers it, both under
 /// the stream's shard lock: a later recording on the stream gets a larger
 /// number.
@@ -49,6 +60,21 @@ pub(crate) fn record<F>(key: StreamKey, record: impl FnOnce() -> Result<F>) -> R
         seq: *n,
         fence,
     })
+}
+
+/// Numbers a free on stream `key` that records no fence (a deferred free
+/// fence, `arena::owed`): a fence recorded on the stream later gets a
+/// larger number, and covers it.
+pub(crate) fn stamp(key: StreamKey) -> u64 {
+    let mut n = shard(key).lock();
+    *n += 1;
+    *n
+}
+
+/// The largest number handed out on `key`'s shard so far: every free
+/// numbered up to it was made before this call.
+pub(crate) fn current(key: StreamKey) -> u64 {
+    *shard(key).lock()
 }
 
 /// Re-records in place (`rerecord`) the fence of `slot`, and renumbers it.
@@ -106,6 +132,11 @@ impl<F> FenceSet<F> {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The same set with each fence changed by `f` (keys and numbers kept).
+    pub(crate) fn map<G>(self, mut f: impl FnMut(F) -> G) -> FenceSet<G> {
+        FenceSet(self.0.into_iter().map(|s| s.map(&mut f)).collect())
     }
 
     pub(crate) fn clear(&mut self) {

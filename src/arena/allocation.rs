@@ -7,7 +7,7 @@ use parking_lot::Mutex;
 
 use super::blocks::Free;
 use super::graph::{GraphPoolId, Held};
-use super::{ArenaStream, Shared};
+use super::{ArenaStream, Mark, Shared};
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::order::FenceSet;
@@ -169,9 +169,25 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         let mut fences = FenceSet::default();
         let mut ok = true;
         let own = self.into_graph.is_none().then_some(&self.stream);
-        for s in own.into_iter().chain(self.extra.get_mut().iter()) {
+        // A deferred fence: the free is numbered on its own stream, and a
+        // later call there records one fence for many frees (`owed`).
+        // Only on a stream the caller keeps working on (the one of the call
+        // before): a stream called rarely would keep its blocks from the
+        // others until its next call.
+        let owed_on = own
+            .filter(|s| self.arena.defer_free_fences && self.arena.note_stream(s.key()))
+            .map(|s| s.key());
+        if let Some(key) = owed_on {
+            fences.add(crate::order::Stamped {
+                key,
+                seq: crate::order::stamp(key),
+                fence: Mark::Owed,
+            });
+        }
+        let recorded = own.filter(|_| owed_on.is_none());
+        for s in recorded.into_iter().chain(self.extra.get_mut().iter()) {
             match crate::order::record(s.key(), || s.fence(backend)) {
-                Ok(f) => fences.add(f),
+                Ok(f) => fences.add(f.map(Mark::Fence)),
                 Err(e) => {
                     tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
                     ok = false;
@@ -186,8 +202,14 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         // Views and `record_use` recorded their own fences, numbered when
         // recorded: on the allocation's own stream, the free's fence is later
         // and stays.
-        fences.merge(self.uses.take());
+        fences.merge(self.uses.take().map(Mark::Fence));
         let mut st = self.arena.state.lock();
+        if let Some(key) = owed_on {
+            st.owed.owe(key, self.size);
+            if st.owed.needs_cover(key) {
+                self.arena.cover(&mut st, &self.stream);
+            }
+        }
         st.live.remove(&self.offset);
         st.stats.num_frees += 1;
         st.allocated -= self.size;
@@ -241,6 +263,15 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
                     fences,
                 },
             );
+            // Joined into a large free block (settled neighbours), the
+            // owed free would keep all of it from the other streams until
+            // its stream's next call: covered now instead.
+            if let Some(key) = owed_on {
+                let joined = st.zones[z].size_at(self.offset);
+                if joined >= super::owed::BATCH_BYTES && st.owed.needs_any_cover(key) {
+                    self.arena.cover(&mut st, &self.stream);
+                }
+            }
         }
         self.arena.count(&mut st);
     }

@@ -12,8 +12,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::order::FenceSet;
 pub(crate) use crate::order::StreamKey;
+use crate::order::{FenceSet, Stamped};
 
 /// One free block.
 #[derive(Debug)]
@@ -127,6 +127,15 @@ impl<F> Blocks<F> {
             .range(..=offset)
             .next_back()
             .is_some_and(|(&o, f)| o + f.size >= offset + size && (!settled || f.settled()))
+    }
+
+    /// The size of the free block that holds `offset`, or 0.
+    pub(crate) fn size_at(&self, offset: usize) -> usize {
+        self.by_offset
+            .range(..=offset)
+            .next_back()
+            .filter(|(&o, f)| o + f.size > offset)
+            .map_or(0, |(_, f)| f.size)
     }
 
     /// The free block that ends exactly at `end`, if any.
@@ -301,11 +310,11 @@ impl<F> Blocks<F> {
 
     /// Marks every block whose fences `done` says have passed as settled,
     /// and merges settled neighbours. Returns how many settled.
-    pub(crate) fn settle(&mut self, mut done: impl FnMut(&F) -> bool) -> usize {
+    pub(crate) fn settle(&mut self, mut done: impl FnMut(&Stamped<F>) -> bool) -> usize {
         let ready: Vec<usize> = self
             .by_offset
             .iter()
-            .filter(|(_, f)| !f.settled() && f.fences.iter().all(|x| done(&x.fence)))
+            .filter(|(_, f)| !f.settled() && f.fences.iter().all(&mut done))
             .map(|(&o, _)| o)
             .collect();
         // All out first: inserting one may merge it with a neighbour that

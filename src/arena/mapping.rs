@@ -5,7 +5,7 @@
 //! back to the pool. Every function runs under the arena's lock.
 
 use super::blocks::StreamKey;
-use super::{Shared, State};
+use super::{ArenaStream, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
@@ -22,8 +22,12 @@ impl<B: Backend> Shared<B> {
         if let Some(o) = self.take(st, z, size, key) {
             return Ok(o);
         }
-        let backend = &*self.backend;
-        st.zones[z].settle(|f| backend.fence_done(f).unwrap_or(false));
+        // A miss: streams with frees owed record their covers at their next
+        // call, so that their blocks may settle for the others.
+        if self.defer_free_fences {
+            st.owed.want_all_but(key);
+        }
+        self.settle_zone(st, z);
         if let Some(o) = self.take(st, z, size, key) {
             return Ok(o);
         }
@@ -196,14 +200,52 @@ impl<B: Backend> Shared<B> {
     /// Waits for the fences of every free block still pending (their
     /// streams' work only, never the whole device), so that all of them
     /// settle.
-    pub(super) fn wait_pending_frees(&self, st: &State<B>) -> Result<()> {
-        for (_, f) in st.free_blocks() {
-            f.fences.each(|fence| self.backend.wait(fence))?;
+    pub(super) fn wait_pending_frees(&self, st: &mut State<B>) -> Result<()> {
+        let backend = &*self.backend;
+        let State {
+            zones,
+            graphs,
+            owed,
+            ..
+        } = st;
+        for (_, f) in zones.iter().flat_map(|z| z.iter()) {
+            owed.wait_set(backend, &f.fences)?;
         }
-        for h in st.graphs.values().flat_map(|g| g.held.values()) {
-            h.fences.each(|fence| self.backend.wait(fence))?;
+        for h in graphs.values().flat_map(|g| g.held.values()) {
+            owed.wait_set(backend, &h.fences)?;
         }
         Ok(())
+    }
+
+    /// Notes `key` as the stream of the latest call; returns whether it
+    /// was the stream of the call before too.
+    pub(super) fn note_stream(&self, key: StreamKey) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let was = (
+            self.last_stream[0].swap(key.0, Relaxed),
+            self.last_stream[1].swap(key.1, Relaxed),
+        );
+        was == key
+    }
+
+    /// Records, on `stream`, one fence for the frees owed there (see
+    /// [`owed`](super::owed)). On failure they keep waiting for a later
+    /// cover or a device synchronisation (logged).
+    pub(super) fn cover<S: ArenaStream<B>>(&self, st: &mut State<B>, stream: &S) {
+        match crate::order::record(stream.key(), || stream.fence(&*self.backend)) {
+            Ok(c) => st.owed.cover(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "vmmbuf arena: recording a deferred free fence failed; those frees wait for a later one")
+            }
+        }
+    }
+
+    /// Settles zone `z`'s frees whose fences (recorded or owed) have
+    /// passed. Returns how many settled.
+    pub(super) fn settle_zone(&self, st: &mut State<B>, z: usize) -> usize {
+        let backend = &*self.backend;
+        let State { zones, owed, .. } = st;
+        zones[z].settle(|x| owed.stamp_done(backend, x))
     }
 
     /// Waits for the uses recorded on live allocations (views,
@@ -218,9 +260,8 @@ impl<B: Backend> Shared<B> {
     /// Unmaps every chunk that lies wholly inside a settled free block and
     /// hands it to the pool. Returns the bytes released.
     pub(super) fn release_free_chunks(&self, st: &mut State<B>) -> Result<usize> {
-        let backend = &*self.backend;
-        for z in &mut st.zones {
-            z.settle(|f| backend.fence_done(f).unwrap_or(false));
+        for z in 0..st.zones.len() {
+            self.settle_zone(st, z);
         }
         // Whole free chunks; with a map hook, whole reported ranges (a
         // hook may hold a registration over all of one, which must not go
@@ -323,10 +364,9 @@ impl<B: Backend> Shared<B> {
     /// Settles the frees whose fences have passed, then counts; and reads
     /// what only a read needs (pool, placement, device syncs).
     pub(super) fn refresh(&self, st: &mut State<B>) {
-        let backend = &*self.backend;
-        for z in &mut st.zones {
-            if z.any_pending() {
-                z.settle(|f| backend.fence_done(f).unwrap_or(false));
+        for z in 0..st.zones.len() {
+            if st.zones[z].any_pending() {
+                self.settle_zone(st, z);
             }
         }
         self.count(st);
@@ -347,12 +387,11 @@ impl<B: Backend> Drop for Shared<B> {
         let st = self.state.get_mut();
         let backend = &*self.backend;
         let mut waited = true;
-        for (_, f) in st.free_blocks() {
-            for x in f.fences.iter() {
-                if let Err(e) = backend.wait(&x.fence) {
-                    tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");
-                    waited = false;
-                }
+        let State { zones, owed, .. } = &mut *st;
+        for (_, f) in zones.iter().flat_map(|z| z.iter()) {
+            if let Err(e) = owed.wait_set(backend, &f.fences) {
+                tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");
+                waited = false;
             }
         }
         // Unmapped by hand and pooled only if every fence was waited for.

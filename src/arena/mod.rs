@@ -7,6 +7,7 @@ mod blocks;
 mod cuda_view;
 mod graph;
 mod mapping;
+mod owed;
 mod sleep;
 mod stats;
 mod trace;
@@ -34,6 +35,7 @@ use crate::plan::round_up;
 use crate::pool::{Budget, ChunkPool, PoolDesc};
 use crate::region::Region;
 use blocks::{Blocks, Free, StreamKey};
+use owed::{Mark, Owed};
 use sleep::Asleep;
 
 /// A queue of work an allocation belongs to: for CUDA an `Arc<CudaStream>`;
@@ -105,6 +107,17 @@ pub struct ArenaDesc {
     /// with the GPU lagging by 0 to 1000 events: 1.047x the peak (conv net)
     /// and 1.076x (Transformer), with fewer driver calls than events.
     pub release_before_map: bool,
+    /// Defer the fence of a free on the allocation's own stream (false by
+    /// default): instead of recording an event at every free, the arena
+    /// numbers the free and records one event (a "cover") at a later call
+    /// on the same stream, once 32 frees are owed there or another stream
+    /// found no block. The stream reuses the block at once either way;
+    /// other streams once the cover has passed. Where the arena must wait
+    /// for frees that have no cover yet (out of memory, a sleep, its
+    /// drop), it synchronises the device ([`Backend::synchronize`]), which
+    /// covers streams destroyed since. PyTorch's cache records no event for
+    /// such frees either; the PyTorch plug-in turns this on.
+    pub defer_free_fences: bool,
 }
 
 impl ArenaDesc {
@@ -118,7 +131,15 @@ impl ArenaDesc {
             max_reserved_bytes: None,
             shared_budget: None,
             release_before_map: true,
+            defer_free_fences: false,
         }
+    }
+
+    /// Defers the fences of frees on their own stream (see
+    /// [`defer_free_fences`](Self::defer_free_fences)).
+    pub fn defer_free_fences(mut self, defer: bool) -> Self {
+        self.defer_free_fences = defer;
+        self
     }
 
     /// Shares `budget` with the other arenas and buffers given it.
@@ -192,7 +213,7 @@ impl<B: Backend> State<B> {
     }
 
     /// Every free block of both zones.
-    fn free_blocks(&self) -> impl Iterator<Item = (usize, &Free<B::Fence>)> + '_ {
+    fn free_blocks(&self) -> impl Iterator<Item = (usize, &Free<Mark<B::Fence>>)> + '_ {
         self.zones.iter().flat_map(|z| z.iter())
     }
 
@@ -222,7 +243,7 @@ struct State<B: Backend> {
     region: Region<B>,
     /// Free blocks of the small zone (requests up to [`SMALL`]) and of the
     /// large zone.
-    zones: [Blocks<B::Fence>; 2],
+    zones: [Blocks<Mark<B::Fence>>; 2],
     /// Where the large zone starts: the small one is `[0, small_end)`.
     small_end: usize,
     live: BTreeMap<usize, Live<B::Fence>>,
@@ -233,13 +254,15 @@ struct State<B: Backend> {
     /// asleep keeping the data.
     placement: Location,
     /// Set while the arena sleeps.
-    asleep: Option<Asleep<B::Fence>>,
+    asleep: Option<Asleep<Mark<B::Fence>>>,
     /// Where [`SleepMode::Stash`] keeps the data: host pieces mapped at the
     /// arena's own offsets in a reservation of their own, kept from one
     /// sleep to the next.
     stash: Option<Region<B>>,
     /// The blocks CUDA graphs hold (see [`Arena::alloc_in_graph`]).
-    graphs: BTreeMap<GraphPoolId, graph::GraphPool<B::Fence>>,
+    graphs: BTreeMap<GraphPoolId, graph::GraphPool<Mark<B::Fence>>>,
+    /// Frees whose fence is deferred, per stream (see [`owed`]).
+    owed: Owed<B::Fence>,
 }
 
 struct Shared<B: Backend> {
@@ -252,6 +275,9 @@ struct Shared<B: Backend> {
     budget: Option<usize>,
     shared_budget: Option<Arc<Budget>>,
     release_before_map: bool,
+    defer_free_fences: bool,
+    /// The stream of the latest alloc or free (a hint for deferring).
+    last_stream: [std::sync::atomic::AtomicU64; 2],
     placement: Location,
     access: Vec<AccessDesc>,
     syncs_at_start: u64,
@@ -288,7 +314,12 @@ struct Shared<B: Backend> {
 /// [`Allocation::record_stream`], and every view's); its block returns to
 /// the free index at once, for that stream to reuse (its later work is
 /// queued after the free), and for other streams only once the fences have
-/// passed. Nothing waits for the whole device.
+/// passed. Nothing waits for the whole device, unless
+/// [`ArenaDesc::defer_free_fences`] is set: then a free on its own stream
+/// records no fence, one recorded at a later call on that stream stands
+/// for many (`owed.rs`), and a wait for frees still without one (out of
+/// memory, a sleep not given their stream, `empty_cache`, the drop)
+/// synchronises the device.
 pub struct Arena<B: Backend, S: ArenaStream<B>> {
     shared: Arc<Shared<B>>,
     _stream: std::marker::PhantomData<fn(S)>,
@@ -359,6 +390,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 budget: desc.max_reserved_bytes,
                 shared_budget: desc.shared_budget.clone(),
                 release_before_map: desc.release_before_map,
+                defer_free_fences: desc.defer_free_fences,
+                last_stream: Default::default(),
                 placement,
                 access,
                 syncs_at_start,
@@ -379,6 +412,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     placement,
                     asleep: None,
                     stash: None,
+                    owed: Owed::default(),
                 }),
                 trace: Mutex::new(None),
             }),
@@ -533,6 +567,14 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let key = stream.key();
         let mut st = self.shared.state.lock();
         st.region.check_poison()?;
+        // The frees owed on this stream get their fence now if they should
+        // (never inside a capture: the fence would be captured).
+        if graph.is_none() && self.shared.defer_free_fences {
+            self.shared.note_stream(key);
+            if st.owed.needs_cover(key) {
+                self.shared.cover(&mut st, stream);
+            }
+        }
         // A graph's own blocks first; then, from the arena, only memory no
         // pending use touches (a key no stream has: settled blocks only).
         let held = graph.and_then(|g| st.graphs.get_mut(&g)?.take(size, key));
@@ -557,7 +599,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             // still in flight (their streams only), give everything cached
             // back and try once more.
             Err(e) if e.is_transient() => {
-                self.shared.wait_pending_frees(&st)?;
+                self.shared.wait_pending_frees(&mut st)?;
                 self.shared.release_free_chunks(&mut st)?;
                 let _ = self.shared.pool.trim();
                 match self.shared.find(&mut st, size, find_key) {
@@ -636,9 +678,17 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// host pieces a [`wake`](Self::wake) left in the pool for the next
     /// sleep stay (they hold no device memory, and pinning them again costs
     /// ~300 ms per GiB): `pool().trim_at(Location::Host)` gives them back,
-    /// and [`PoolDesc::max_host_bytes`] bounds them.
+    /// and [`PoolDesc::max_host_bytes`] bounds them. With
+    /// [deferred free fences](ArenaDesc::defer_free_fences), frees with no
+    /// fence recorded yet are waited for with a device synchronisation.
     pub fn empty_cache(&self) -> Result<()> {
         let mut st = self.shared.state.lock();
+        // Frees whose fence is deferred and not yet recorded could never
+        // settle here: the device is synchronised instead (as PyTorch's
+        // empty_cache does).
+        if st.owed.any_uncovered() {
+            st.owed.synchronize(&*self.shared.backend)?;
+        }
         self.shared.release_free_chunks(&mut st)?;
         self.shared.refresh(&mut st);
         drop(st);

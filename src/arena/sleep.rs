@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Arena, ArenaStream, Free, Shared, State};
+use super::{Arena, ArenaStream, Free, Mark, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
@@ -314,12 +314,17 @@ impl<B: Backend> Shared<B> {
     /// the pending frees; then gives whole free chunks to the pool.
     fn quiesce<S: ArenaStream<B>>(&self, st: &mut State<B>, streams: &[S]) -> Result<usize> {
         let backend = &*self.backend;
+        // Each stream's fence, numbered: it also covers the frees owed on
+        // the stream so far (no device synchronisation for those).
         let fences = streams
             .iter()
-            .map(|s| s.fence(backend))
+            .map(|s| crate::order::record(s.key(), || s.fence(backend)))
             .collect::<Result<Vec<_>>>()?;
         for f in &fences {
-            backend.wait(f)?;
+            backend.wait(&f.fence)?;
+        }
+        for f in fences {
+            st.owed.cover_passed(f);
         }
         self.wait_live_uses(st)?;
         self.wait_pending_frees(st)?;
@@ -382,7 +387,7 @@ impl<B: Backend> Shared<B> {
     fn sleep_stash(
         &self,
         st: &mut State<B>,
-        asleep: &mut Asleep<B::Fence>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
         r: &mut SleepReport,
     ) -> Result<usize> {
         let backend = &*self.backend;
@@ -492,7 +497,11 @@ impl<B: Backend> Shared<B> {
 
     /// A discarding sleep: every mapped chunk unmapped, to the pool (and
     /// device ones on to the driver by the caller).
-    fn sleep_discard(&self, st: &mut State<B>, asleep: &mut Asleep<B::Fence>) -> Result<usize> {
+    fn sleep_discard(
+        &self,
+        st: &mut State<B>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
+    ) -> Result<usize> {
         let runs = st.region.table.runs();
         let mut unmapped = 0;
         for (o, b) in runs {
@@ -523,7 +532,7 @@ impl<B: Backend> Shared<B> {
     fn wake_discard(
         &self,
         st: &mut State<B>,
-        asleep: &Asleep<B::Fence>,
+        asleep: &Asleep<Mark<B::Fence>>,
         zero: bool,
         r: &mut SleepReport,
     ) -> Result<()> {
@@ -531,7 +540,7 @@ impl<B: Backend> Shared<B> {
         let zero = zero && !from_stash;
         let backend = &*self.backend;
         for fences in &asleep.frees {
-            fences.each(|f| backend.wait(f))?;
+            st.owed.wait_set(backend, fences)?;
         }
         let placement = st.placement;
         let total: usize = asleep.runs.iter().map(|r| r.1).sum();

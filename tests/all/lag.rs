@@ -117,21 +117,30 @@ fn two_streams_with_a_lagging_gpu_cost_little() {
         })
         .collect();
     assert_eq!(streams.len(), 2, "the trace has two streams");
-    // 2 MiB chunks (the arena's default) and 20 MiB (the plug-in's).
-    for (chunk, most_calls) in [
-        (2usize << 20, events.len() / 4),
-        (20 << 20, events.len() / 30),
+    // 2 MiB chunks (the arena's default) and 20 MiB (the plug-in's), with
+    // free fences recorded at each free, and deferred. Deferred, a stream's
+    // frees wait for a later call there before the others may take them:
+    // scanning lags 0-3000 in steps of 50, 58 of 60 stayed within 1.05x,
+    // and 600-650 events late took 1.116-1.118x (recorded at each free:
+    // at most 1.041x).
+    for (chunk, defer, most_calls, bound) in [
+        (2usize << 20, false, events.len() / 4, 1.04),
+        (20 << 20, false, events.len() / 30, 1.04),
+        (2 << 20, true, events.len() / 4, 1.13),
+        (20 << 20, true, events.len() / 30, 1.13),
     ] {
-        for lag in [0u64, 100, 1000, 1400, 2000, 3000] {
-            let mut desc = ArenaDesc::new(256 << 30).max_chunk_bytes(chunk);
+        for lag in [0u64, 100, 600, 1000, 1400, 2000, 3000] {
+            let mut desc = ArenaDesc::new(256 << 30)
+                .max_chunk_bytes(chunk)
+                .defer_free_fences(defer);
             desc.release_before_map = false;
             let (a, m, calls) = replay_lagging(&events, lag, desc);
             let x = m as f64 / a as f64;
             eprintln!(
-                "FSDP, {} MiB chunks, fences {lag} events late: {x:.4}x its peak, {calls} driver calls",
+                "FSDP, {} MiB chunks, deferred fences {defer}, fences {lag} events late: {x:.4}x its peak, {calls} driver calls",
                 chunk >> 20
             );
-            assert!(x <= 1.04, "FSDP, lag {lag}: {x:.4}x");
+            assert!(x <= bound, "FSDP, lag {lag}, deferred {defer}: {x:.4}x");
             assert!(calls < most_calls, "FSDP: {calls} driver calls");
         }
     }

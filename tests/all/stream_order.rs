@@ -9,7 +9,7 @@ use crate::common::gpu;
 use crate::cuda_only::Kernels;
 
 crate::register! {
-    gpu: [rt8_a_view_fence_never_shadows_the_free_fence, offload_waits_for_a_view_kernel_on_another_stream, a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
+    gpu: [rt8_a_view_fence_never_shadows_the_free_fence, deferred_free_fences_hold_blocks_until_the_kernel_finishes, offload_waits_for_a_view_kernel_on_another_stream, a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
     two_gpus: [a_peer_copy_in_flight_holds_off_the_release],
 }
 
@@ -320,4 +320,78 @@ fn offload_waits_for_a_view_kernel_on_another_stream() {
         );
         drop(x);
     }
+}
+
+/// Deferred free fences (`ArenaDesc::defer_free_fences`, the PyTorch
+/// plug-in's option) on the GPU: a 50 ms kernel reads A by raw address on
+/// s, and A is freed on s with no event recorded. While the kernel runs,
+/// s2 gets none of A's bytes, `release_cached` unmaps none of them, and a
+/// sleep that is not given s (s holds only frees with no fence yet)
+/// synchronises the device before it unmaps: the kernel reads intact data
+/// and does not die. s may reuse A at once, in stream order.
+fn deferred_free_fences_hold_blocks_until_the_kernel_finishes() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let desc = vmmbuf::ArenaDesc::new(8 << 30).defer_free_fences(true);
+    let arena: CudaArena = vmmbuf::Arena::new(b.clone(), desc).unwrap();
+    let (s, s2) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let words = 1u64 << 20; // 4 MiB
+    let bytes = words as usize * 4;
+    let syncs = b.live().device_syncs;
+    for round in 0..4u32 {
+        let x = arena.alloc(bytes, &s).unwrap();
+        let at = x.address();
+        k.fill_on(&s, at, 0, words, round);
+        let bad = k.spin_then_check(&s, at, 0, words, round, 50_000_000);
+        drop(x);
+        arena.release_cached().unwrap();
+        let z = arena.alloc(bytes, &s2).unwrap();
+        assert!(
+            z.address() + bytes as u64 <= at || z.address() >= at + bytes as u64,
+            "round {round}: s2 got A's bytes while s's kernel ran"
+        );
+        k.fill_on(&s2, z.address(), 0, words, round + 77);
+        if round % 2 == 0 {
+            // s may take A's bytes back at once (stream order).
+            let again = arena.alloc(bytes, &s).unwrap();
+            k.fill_on(&s, again.address(), 0, words, round + 5);
+            let bad2 = k.spin_then_check(&s, again.address(), 0, words, round + 5, 0);
+            drop(again);
+            s.synchronize()
+                .unwrap_or_else(|e| panic!("round {round}: the kernels on s died: {e:?}"));
+            assert_eq!(
+                s.clone_dtoh(&bad2).unwrap()[0],
+                0,
+                "round {round}: refilled"
+            );
+        } else {
+            // Given only s2 (its allocation is live): s's free has no
+            // fence, so the sleep synchronises the device before it unmaps.
+            let live = [s2.clone()];
+            arena.sleep(&live, &vmmbuf::SleepDesc::discard()).unwrap();
+            arena.wake(&live, &vmmbuf::WakeDesc::default()).unwrap();
+        }
+        s.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: the kernel on s died: {e:?}"));
+        assert_eq!(
+            s.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: A read intact"
+        );
+        s2.synchronize().unwrap();
+        drop(z);
+    }
+    assert!(
+        b.live().device_syncs > syncs,
+        "the sleeps not given s synchronised the device"
+    );
+    arena.empty_cache().unwrap();
+    assert_eq!(
+        arena.stats().reserved_bytes.current,
+        0,
+        "everything given back"
+    );
 }

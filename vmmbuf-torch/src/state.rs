@@ -188,6 +188,13 @@ impl Device {
             // chunks, equal on one chunk). VMMBUF_TORCH_MAX_CHUNK_BYTES
             // sets another largest chunk.
             desc = desc.max_chunk_bytes(DEFAULT_MAX_CHUNK);
+            // VMMBUF_TORCH_DEFER_FENCES=1: a free on the allocation's own
+            // stream records no event; a later call on that stream records
+            // one for many (`ArenaDesc::defer_free_fences`; empty_cache, a
+            // sleep or out of memory then may synchronise the device).
+            desc = desc.defer_free_fences(
+                std::env::var("VMMBUF_TORCH_DEFER_FENCES").as_deref() == Ok("1"),
+            );
             if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
                 match v.parse::<usize>() {
                     Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),

@@ -57,7 +57,7 @@ fn a_merge_keeps_the_newest_fence_on_either_side() {
         assert_eq!(f.size, 32);
         assert_eq!(listed(&f.fences), vec![(S1, 2)], "freed second at {second}");
         assert_eq!(
-            b.settle(|&x| x == 1),
+            b.settle(|x| x.fence == 1),
             0,
             "the older fence passing settles nothing"
         );
@@ -90,7 +90,7 @@ fn a_settled_block_joins_a_streams_pending_neighbour() {
         b.insert(s_at, settled(16));
         b.insert(p_at, pending());
         b.coalesce(S1);
-        assert_eq!(b.settle(|&x| x == 7), 1);
+        assert_eq!(b.settle(|x| x.fence == 7), 1);
         assert_eq!(b.take(32, S2), Some(0), "then anyone may");
     }
 }
@@ -113,9 +113,9 @@ fn coalesce_keeps_the_newest_fence_of_the_stream() {
     assert_eq!(b.coalesce(S1), 2);
     let (_, f) = b.iter().next().unwrap();
     assert_eq!((f.size, listed(&f.fences)), (48, vec![(S1, 3)]));
-    assert_eq!(b.settle(|&x| x == 1), 0);
+    assert_eq!(b.settle(|x| x.fence == 1), 0);
     assert_eq!(b.take(48, S2), None, "S2 waits for S1's newer free");
-    assert_eq!(b.settle(|&x| x <= 3), 1);
+    assert_eq!(b.settle(|x| x.fence <= 3), 1);
     assert_eq!(b.take(48, S2), Some(0));
 }
 
@@ -268,7 +268,7 @@ fn best_fit_split_merge_and_streams() {
             fences: fs(&[(S1, 8)]),
         },
     );
-    assert_eq!(b.settle(|&f| f == 8), 1);
+    assert_eq!(b.settle(|x| x.fence == 8), 1);
     assert_eq!(b.take(40, S2), Some(200), "settled: anyone's");
     b.check().unwrap();
     b.insert(0, settled(50));
