@@ -172,6 +172,35 @@ impl<F> FenceSet<F> {
     }
 }
 
+/// What one pass over many fences (at one instant: settling a zone) has
+/// seen not passed: per stream, the lowest number found so. A fence of that
+/// stream numbered at or above it has not passed either, and is answered
+/// without a query. Why: a fence numbered when recorded (`record`,
+/// `rerecord`, a cover) with a larger number was recorded after it on the
+/// same stream, and finishes after it. A fence numbered when handed over
+/// (`given`) was recorded before its number was taken, so the inference
+/// from it to a larger number still holds; from a smaller number to it, it
+/// may be wrong, but only in the safe direction: a fence taken as not
+/// passed waits for a later pass. So the answer "not passed" is never
+/// wrong where it matters, and "passed" always comes from a query.
+#[derive(Debug, Default)]
+pub(crate) struct NotYet(Vec<(StreamKey, u64)>);
+
+impl NotYet {
+    /// Whether a fence numbered `seq` on `key` is known not to have passed.
+    pub(crate) fn known(&self, key: StreamKey, seq: u64) -> bool {
+        self.0.iter().any(|&(k, s)| k == key && seq >= s)
+    }
+
+    /// A fence numbered `seq` on `key` was found not passed.
+    pub(crate) fn note(&mut self, key: StreamKey, seq: u64) {
+        match self.0.iter_mut().find(|(k, _)| *k == key) {
+            Some(e) => e.1 = e.1.min(seq),
+            None => self.0.push((key, seq)),
+        }
+    }
+}
+
 impl<F> FromIterator<Stamped<F>> for FenceSet<F> {
     fn from_iter<I: IntoIterator<Item = Stamped<F>>>(iter: I) -> Self {
         let mut s = Self::default();

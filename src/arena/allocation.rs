@@ -205,7 +205,7 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         fences.merge(self.uses.take().map(Mark::Fence));
         let mut st = self.arena.state.lock();
         if let Some(key) = owed_on {
-            st.owed.owe(key, self.size);
+            st.owed.owe(key);
             if st.owed.needs_cover(key) {
                 self.arena.cover(&mut st, &self.stream);
             }
@@ -268,7 +268,7 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
             // its stream's next call: covered now instead.
             if let Some(key) = owed_on {
                 let joined = st.zones[z].size_at(self.offset);
-                if joined >= super::owed::BATCH_BYTES && st.owed.needs_any_cover(key) {
+                if joined >= super::owed::JOINED_BYTES && st.owed.needs_any_cover(key) {
                     self.arena.cover(&mut st, &self.stream);
                 }
             }

@@ -245,7 +245,8 @@ impl<B: Backend> Shared<B> {
     pub(super) fn settle_zone(&self, st: &mut State<B>, z: usize) -> usize {
         let backend = &*self.backend;
         let State { zones, owed, .. } = st;
-        zones[z].settle(|x| owed.stamp_done(backend, x))
+        let mut not_yet = crate::order::NotYet::default();
+        zones[z].settle(|x| owed.stamp_done(backend, x, &mut not_yet))
     }
 
     /// Waits for the uses recorded on live allocations (views,

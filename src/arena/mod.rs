@@ -111,12 +111,14 @@ pub struct ArenaDesc {
     /// default): instead of recording an event at every free, the arena
     /// numbers the free and records one event (a "cover") at a later call
     /// on the same stream, once 32 frees are owed there or another stream
-    /// found no block. The stream reuses the block at once either way;
+    /// found no block, and at once when the free joins a free block of 64
+    /// MiB or more. The stream reuses the block at once either way;
     /// other streams once the cover has passed. Where the arena must wait
     /// for frees that have no cover yet (out of memory, a sleep, its
     /// drop), it synchronises the device ([`Backend::synchronize`]), which
     /// covers streams destroyed since. PyTorch's cache records no event for
-    /// such frees either; the PyTorch plug-in turns this on.
+    /// such frees either; the PyTorch plug-in turns this on with
+    /// `VMMBUF_TORCH_DEFER_FENCES=1`.
     pub defer_free_fences: bool,
 }
 

@@ -44,6 +44,8 @@ impl<B: Backend> vmmbuf::ArenaStream<FaultBackend<B>> for DoneStream {
 pub struct FaultBackend<B> {
     pub inner: Arc<B>,
     calls: AtomicUsize,
+    /// Fence queries (`fence_done`) so far: not counted in `calls`.
+    queries: AtomicUsize,
     fail_at: AtomicUsize,
     failed: AtomicUsize,
     /// Every call of this name, from this call number on, fails until
@@ -61,6 +63,7 @@ impl<B: Backend> FaultBackend<B> {
         Arc::new(Self {
             inner,
             calls: AtomicUsize::new(0),
+            queries: AtomicUsize::new(0),
             fail_at: AtomicUsize::new(0),
             failed: AtomicUsize::new(0),
             sticky: parking_lot::Mutex::new(None),
@@ -102,6 +105,11 @@ impl<B: Backend> FaultBackend<B> {
     /// Calls made so far.
     pub fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
+    }
+
+    /// Fence queries (`fence_done`) so far.
+    pub fn queries(&self) -> usize {
+        self.queries.load(Ordering::SeqCst)
     }
 
     /// Faults injected so far.
@@ -272,6 +280,7 @@ impl<B: Backend> Backend for FaultBackend<B> {
         Ok(TestFence::passed())
     }
     fn fence_done(&self, fence: &TestFence) -> Result<bool> {
+        self.queries.fetch_add(1, Ordering::SeqCst);
         if fence.1.load(Ordering::SeqCst) {
             return Err(Error::InvalidArgument("a broken test fence".into()));
         }
