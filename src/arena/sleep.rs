@@ -607,11 +607,23 @@ impl<B: Backend> Shared<B> {
         // (the frees made while asleep were waited for above).
         for &(o, b) in &asleep.runs {
             let mut at = o;
-            let mut held: Vec<(usize, usize)> =
-                st.live.range(o..o + b).map(|(&x, l)| (x, l.size)).collect();
-            held.extend(asleep.lost.iter().filter(|l| l.0 >= o && l.0 < o + b));
+            // What overlaps the run, cut to it: a range may start in an
+            // earlier run (runs of two sleeps lie side by side, and a graph
+            // joins the blocks it holds across their border; counting only
+            // ranges that start in the run handed out a graph's bytes).
+            let cut = |&(x, size): &(usize, usize)| {
+                let (from, to) = (x.max(o), (x + size).min(o + b));
+                (from < to).then_some((from, to - from))
+            };
+            let mut held: Vec<(usize, usize)> = st
+                .live
+                .range(..o + b)
+                .map(|(&x, l)| (x, l.size))
+                .filter_map(|r| cut(&r))
+                .collect();
+            held.extend(asleep.lost.iter().filter_map(cut));
             // Blocks graphs hold stay theirs.
-            held.extend(st.graph_held().filter(|l| l.0 >= o && l.0 < o + b));
+            held.extend(st.graph_held().filter_map(|r| cut(&r)));
             held.sort_unstable();
             for (x, size) in held.into_iter().chain(std::iter::once((o + b, 0))) {
                 // Free bytes, split at the zones' border.
