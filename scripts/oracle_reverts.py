@@ -3,7 +3,8 @@
 that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
 Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
-19), g1 g2 (the CUDA graph pools of issue 23) or h1 h2 (map hooks, issue 24).
+19), g1 g2 (the CUDA graph pools of issue 23), h1 h2 (map hooks, issue 24),
+d1 (deferred free fences) or w1 (a wake around a graph's blocks).
 Run the oracle there afterwards:
   cargo test --test all -- oracle_; cargo test --test all -- redteam
 Never run it on the working tree you commit from.
@@ -81,6 +82,14 @@ elif name == "h2":
     # With a map hook, a buffer's shrink cuts a reported range in two.
     edit("src/buffer/shrink.rs", "let keep_to = g.region.span_boundary_at_or_after(keep_to);",
          "let keep_to = keep_to;")
+elif name == "d1":
+    # A deferred free asks the oldest cover, even one recorded before it.
+    edit("src/arena/owed.rs", "let Some(i) = d.covers.iter().position(|c| c.seq > seq) else {",
+         "let Some(i) = d.covers.iter().position(|_| true) else {")
+elif name == "w1":
+    # A wake counts only the graph-held ranges that start in a run.
+    edit("src/arena/sleep.rs", "held.extend(st.graph_held().filter_map(|r| cut(&r)));",
+         "held.extend(st.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
 else:
     sys.exit(f"unknown revert {name}")
 print(f"reverted {name} in {tree}")

@@ -613,7 +613,7 @@ impl<B: Backend> Shared<B> {
             // ranges that start in the run handed out a graph's bytes).
             let cut = |&(x, size): &(usize, usize)| {
                 let (from, to) = (x.max(o), (x + size).min(o + b));
-                (from < to).then_some((from, to - from))
+                (from < to).then(|| (from, to - from))
             };
             let mut held: Vec<(usize, usize)> = st
                 .live

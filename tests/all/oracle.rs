@@ -91,6 +91,7 @@ crate::register! {
         oracle_case_1,
         oracle_case_graph_1,
         oracle_case_hook_sleep_1,
+        oracle_case_deferred_cover_1,
     ],
 }
 
@@ -1275,4 +1276,49 @@ fn oracle_case_hook_sleep_1() {
                 .unwrap_or_else(|e| panic!("hook {hook}, deferred {deferred}: {e}"));
         }
     }
+}
+
+/// Deferred free fences: a free owed on stream 1 must wait for a cover
+/// recorded after it, not for an older cover that has passed. The random
+/// property found a mutation that asked the oldest cover only after about
+/// 1,000 cases; this case (the shrunk input it found) catches it at once.
+fn oracle_case_deferred_cover_1() {
+    use AOp::*;
+    let ops = vec![
+        Alloc { units: 1, s: 1 },
+        FreeRacing {
+            which: 0,
+            work: false,
+        },
+        Alloc { units: 1, s: 0 },
+        Alloc { units: 1, s: 0 },
+        Complete { s: 0, n: 1 },
+        Free { which: 7 },
+        Free { which: 5 },
+        Alloc { units: 16, s: 1 },
+        Complete { s: 0, n: 1 },
+        Alloc { units: 1, s: 2 },
+        FreeRacing {
+            which: 6,
+            work: false,
+        },
+        Alloc { units: 2, s: 1 },
+        Wake { zero: false },
+        Alloc { units: 13, s: 0 },
+        Free { which: 19 },
+        Alloc { units: 1, s: 0 },
+        Free { which: 0 },
+        Alloc { units: 1, s: 2 },
+        Free { which: 0 },
+        Alloc { units: 32, s: 1 },
+        Alloc { units: 1, s: 1 },
+        Use {
+            which: 42,
+            s: 1,
+            record_use: false,
+        },
+        Free { which: 14 },
+        Alloc { units: 1, s: 0 },
+    ];
+    run_arena(ops, true, false, true).unwrap();
 }
