@@ -310,12 +310,21 @@ impl<F> Blocks<F> {
 
     /// Marks every block whose fences `done` says have passed as settled,
     /// and merges settled neighbours. Returns how many settled.
+    /// Blocks are asked in the order of their fences' numbers, oldest
+    /// first, so that once `done` has seen a stream's fence not passed it
+    /// need not ask of the later ones (`order::NotYet`).
     pub(crate) fn settle(&mut self, mut done: impl FnMut(&Stamped<F>) -> bool) -> usize {
-        let ready: Vec<usize> = self
+        let mut pending: Vec<(u64, usize)> = self
             .by_offset
             .iter()
-            .filter(|(_, f)| !f.settled() && f.fences.iter().all(&mut done))
-            .map(|(&o, _)| o)
+            .filter(|(_, f)| !f.settled())
+            .map(|(&o, f)| (f.fences.iter().map(|x| x.seq).max().unwrap_or(0), o))
+            .collect();
+        pending.sort_unstable();
+        let ready: Vec<usize> = pending
+            .into_iter()
+            .filter(|&(_, o)| self.by_offset[&o].fences.iter().all(&mut done))
+            .map(|(_, o)| o)
             .collect();
         // All out first: inserting one may merge it with a neighbour that
         // is also ready.
