@@ -88,7 +88,7 @@ elif name == "d1":
          "let Some(i) = d.covers.iter().position(|_| true) else {")
 elif name == "w1":
     # A wake counts only the graph-held ranges that start in a run.
-    edit("src/arena/sleep.rs", "held.extend(st.graph_held().filter_map(|r| cut(&r)));",
+    edit("src/arena/sleep.rs", "held.extend(st.graph_held().filter_map(cut));",
          "held.extend(st.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
 else:
     sys.exit(f"unknown revert {name}")

@@ -199,6 +199,20 @@ impl NotYet {
             None => self.0.push((key, seq)),
         }
     }
+
+    /// Whether the fence numbered `seq` on `key` has passed: false without
+    /// asking if it is known not to have, else `query`'s answer, noted
+    /// when it is no.
+    pub(crate) fn ask(&mut self, key: StreamKey, seq: u64, query: impl FnOnce() -> bool) -> bool {
+        if self.known(key, seq) {
+            return false;
+        }
+        let done = query();
+        if !done {
+            self.note(key, seq);
+        }
+        done
+    }
 }
 
 impl<F> FromIterator<Stamped<F>> for FenceSet<F> {

@@ -314,17 +314,17 @@ impl<F> Blocks<F> {
     /// first, so that once `done` has seen a stream's fence not passed it
     /// need not ask of the later ones (`order::NotYet`).
     pub(crate) fn settle(&mut self, mut done: impl FnMut(&Stamped<F>) -> bool) -> usize {
-        let mut pending: Vec<(u64, usize)> = self
+        let mut pending: Vec<(u64, usize, &Free<F>)> = self
             .by_offset
             .iter()
             .filter(|(_, f)| !f.settled())
-            .map(|(&o, f)| (f.fences.iter().map(|x| x.seq).max().unwrap_or(0), o))
+            .map(|(&o, f)| (f.fences.iter().map(|x| x.seq).max().unwrap_or(0), o, f))
             .collect();
-        pending.sort_unstable();
+        pending.sort_unstable_by_key(|&(seq, o, _)| (seq, o));
         let ready: Vec<usize> = pending
             .into_iter()
-            .filter(|&(_, o)| self.by_offset[&o].fences.iter().all(&mut done))
-            .map(|(_, o)| o)
+            .filter(|(_, _, f)| f.fences.iter().all(&mut done))
+            .map(|(_, o, _)| o)
             .collect();
         // All out first: inserting one may merge it with a neighbour that
         // is also ready.

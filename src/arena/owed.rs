@@ -163,11 +163,7 @@ impl<F> Owed<F> {
             return false;
         };
         let c = &d.covers[i];
-        if not_yet.known(key, c.seq) {
-            return false;
-        }
-        if !backend.fence_done(&c.fence).unwrap_or(false) {
-            not_yet.note(key, c.seq);
+        if !not_yet.ask(key, c.seq, || backend.fence_done(&c.fence).unwrap_or(false)) {
             return false;
         }
         d.passed_below = d.passed_below.max(c.seq);
@@ -231,14 +227,7 @@ impl<F> Owed<F> {
         not_yet: &mut NotYet,
     ) -> bool {
         match &x.fence {
-            Mark::Fence(_) if not_yet.known(x.key, x.seq) => false,
-            Mark::Fence(f) => {
-                let done = backend.fence_done(f).unwrap_or(false);
-                if !done {
-                    not_yet.note(x.key, x.seq);
-                }
-                done
-            }
+            Mark::Fence(f) => not_yet.ask(x.key, x.seq, || backend.fence_done(f).unwrap_or(false)),
             Mark::Owed => self.done_in(backend, x.key, x.seq, not_yet),
         }
     }

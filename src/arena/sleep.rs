@@ -611,19 +611,24 @@ impl<B: Backend> Shared<B> {
             // earlier run (runs of two sleeps lie side by side, and a graph
             // joins the blocks it holds across their border; counting only
             // ranges that start in the run handed out a graph's bytes).
-            let cut = |&(x, size): &(usize, usize)| {
+            let cut = |(x, size): (usize, usize)| {
                 let (from, to) = (x.max(o), (x + size).min(o + b));
                 (from < to).then(|| (from, to - from))
             };
+            // Live allocations do not overlap: of those starting before the
+            // run, only the last may reach into it.
             let mut held: Vec<(usize, usize)> = st
                 .live
-                .range(..o + b)
+                .range(..o)
+                .next_back()
+                .into_iter()
+                .chain(st.live.range(o..o + b))
                 .map(|(&x, l)| (x, l.size))
-                .filter_map(|r| cut(&r))
+                .filter_map(cut)
                 .collect();
-            held.extend(asleep.lost.iter().filter_map(cut));
+            held.extend(asleep.lost.iter().copied().filter_map(cut));
             // Blocks graphs hold stay theirs.
-            held.extend(st.graph_held().filter_map(|r| cut(&r)));
+            held.extend(st.graph_held().filter_map(cut));
             held.sort_unstable();
             for (x, size) in held.into_iter().chain(std::iter::once((o + b, 0))) {
                 // Free bytes, split at the zones' border.
