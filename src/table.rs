@@ -355,6 +355,14 @@ impl<C> ChunkTable<C> {
             .filter(move |(o, e)| o + e.bytes > range.start && *o < range.end)
     }
 
+    /// The chunk holding `offset`, as `(its offset, its bytes)`: one search.
+    pub(crate) fn chunk_at(&self, offset: usize) -> Option<(usize, usize)> {
+        match self.entries.range(..=offset).next_back() {
+            Some((&k, e)) if k + e.bytes > offset => Some((k, e.bytes)),
+            _ => None,
+        }
+    }
+
     /// The key from which chunks may touch `offset`: the chunk holding it if
     /// any, else `offset`.
     fn first_touching(&self, offset: usize) -> usize {

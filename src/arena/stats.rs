@@ -63,15 +63,8 @@ impl SplitCount {
             return;
         }
         let end = offset + size;
-        let first = table
-            .overlapping(offset..end)
-            .next()
-            .map(|(o, e)| (o, e.bytes));
-        let last = table
-            .overlapping(end - 1..end)
-            .next()
-            .map(|(o, e)| (o, e.bytes));
-        let (Some(first), Some(last)) = (first, last) else {
+        // The chunks holding the first and the last byte (one search each).
+        let (Some(first), Some(last)) = (table.chunk_at(offset), table.chunk_at(end - 1)) else {
             return; // not mapped: nothing counts
         };
         self.one(first, offset, end, add);

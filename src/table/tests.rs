@@ -159,6 +159,9 @@ fn agree(t: &ChunkTable<u32>, m: &Model) {
             let b = (a + len).min(GRANULES * G);
             let got: Vec<usize> = t.overlapping(a..b).map(|(o, _)| o).collect();
             assert_eq!(got, m.touching(a, b), "overlapping {a:#x}..{b:#x}");
+            // The chunk holding one byte, from the model's granule.
+            let want = m.granules[a / G].map(|(s, _)| (s * G, m.chunk_len(s) * G));
+            assert_eq!(t.chunk_at(a), want, "chunk_at {a:#x}");
             let covered = (a / G..b.div_ceil(G)).all(|i| m.granules[i].is_some());
             assert_eq!(
                 t.covering(a, b - a, false).is_ok(),
