@@ -17,6 +17,10 @@ under one allocator per launch, compared on the same machine (issue 24):
                when named in --allocs)
   vmmbuf-nographs  process-wide, VMMBUF_TORCH_GRAPHS=0 (no capture query or
                capture-mode switch per call; only when named in --allocs)
+  vmmbuf-asked process-wide, VMMBUF_TORCH_ANNOUNCE_CAPTURES=0 (every
+               malloc and free asks the driver whether its stream is
+               captured, as before captures were announced; only when named
+               in --allocs)
   vmmbuf-warm  process-wide, one allocation of DIST_WARM_GIB (default 10)
                made and freed before training, so the arena has mapped
                what the steps need and never grows during them (a
@@ -55,8 +59,9 @@ import time
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
-EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-warm")
-PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-warm")
+EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-warm")
+PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked",
+                "vmmbuf-warm")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -72,6 +77,8 @@ def worker(a):
         os.environ["VMMBUF_TORCH_DEFER_FENCES"] = "1"
     if a.alloc == "vmmbuf-nographs":
         os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
+    if a.alloc == "vmmbuf-asked":
+        os.environ["VMMBUF_TORCH_ANNOUNCE_CAPTURES"] = "0"
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch

@@ -14,7 +14,9 @@ itself measured inside its malloc and free (`host_ns_in_malloc`,
 
 Allocators: native, expandable (expandable_segments:True), vmmbuf
 (process-wide plug-in), vmmbuf-nographs (VMMBUF_TORCH_GRAPHS=0),
-vmmbuf-defer (VMMBUF_TORCH_DEFER_FENCES=1).
+vmmbuf-defer (VMMBUF_TORCH_DEFER_FENCES=1), vmmbuf-asked
+(VMMBUF_TORCH_ANNOUNCE_CAPTURES=0: every call asks the driver whether its
+stream is captured, as before captures were announced).
 """
 import argparse
 import json
@@ -47,6 +49,8 @@ def worker(alloc):
         os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
     if alloc == "vmmbuf-defer":
         os.environ["VMMBUF_TORCH_DEFER_FENCES"] = "1"
+    if alloc == "vmmbuf-asked":
+        os.environ["VMMBUF_TORCH_ANNOUNCE_CAPTURES"] = "0"
     import torch
     vt = None
     if alloc.startswith("vmmbuf"):

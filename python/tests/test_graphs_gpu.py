@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_script
 
 # Capture a function with temporaries, replay it with new inputs while other
@@ -34,10 +36,19 @@ _CAPTURE = """
     base = vmmbuf.stats(0) if MODE == "wide" else None
     pool = vt.MemPool() if MODE == "mempool" else None
     g = torch.cuda.CUDAGraph()
+    from vmmbuf import _captures
     with torch.cuda.graph(g, pool=pool.id if pool is not None else None):
         y = f(x)
+        inside = list(_captures.state())
     st = vmmbuf.stats(0)
-    out = dict(graph_pools=st["graph_pools"], graph_bytes=st["graph_bytes"])
+    out = dict(graph_pools=st["graph_pools"], graph_bytes=st["graph_bytes"], inside=inside,
+               after_capture=list(_captures.state()))
+    # Outside a capture, announced: no stream is asked about its capture.
+    q0 = st["num_capture_queries"]
+    for i in range(500):
+        del_me = torch.empty(4096 + i, device="cuda")
+        del del_me
+    out["queries_per_pair"] = (vmmbuf.stats(0)["num_capture_queries"] - q0) / 500
     bad = 0
     for i in range(40):
         x.copy_(torch.randn(x.shape, device="cuda", generator=g0))
@@ -74,13 +85,24 @@ _CAPTURE = """
 """
 
 
-def _capture(mode: str) -> dict:
-    return json.loads(run_script(_CAPTURE.format(mode=mode)).strip().splitlines()[-1])
+def _capture(mode: str, announce: bool = True) -> dict:
+    env = {} if announce else {"VMMBUF_TORCH_ANNOUNCE_CAPTURES": "0"}
+    out = run_script(_CAPTURE.format(mode=mode), env=env)
+    return json.loads(out.strip().splitlines()[-1])
 
 
-def test_graph_capture_and_replay_process_wide(torch_gpu):
-    r = _capture("wide")
+@pytest.mark.parametrize("announce", [True, False], ids=["announced", "asked-every-call"])
+def test_graph_capture_and_replay_process_wide(torch_gpu, announce):
+    r = _capture("wide", announce)
     assert r["bad"] == 0, f"{r['bad']} of 40 replays differed from eager"
+    if announce:
+        # The capture was counted while under way, and no call outside it
+        # asked a stream.
+        assert r["inside"] == [True, 1] and r["after_capture"] == [True, 0], r
+        assert r["queries_per_pair"] == 0, r
+    else:
+        assert r["inside"] == [False, 0], r
+        assert r["queries_per_pair"] >= 2, r
     assert r["graph_pools"] == 1 and r["graph_bytes"] > 0, r
     # Destroyed: the graph's pool went back (CUDA ran the user object's
     # destructor after the last replay), and the memory with empty_cache.
@@ -92,6 +114,7 @@ def test_graph_capture_and_replay_process_wide(torch_gpu):
 def test_graph_capture_and_replay_in_a_mempool(torch_gpu):
     r = _capture("mempool")
     assert r["bad"] == 0, f"{r['bad']} of 40 replays differed from eager"
+    assert r["inside"] == [True, 1] and r["after_capture"] == [True, 0], r
     # PyTorch's private pool asks vmmbuf for segments during the capture:
     # vmmbuf keeps them the graph's too.
     assert r["graph_pools"] == 1, r

@@ -17,7 +17,8 @@ ENTRY_POINTS = ("vmmbuf_malloc", "vmmbuf_torch_malloc", "vmmbuf_free", "vmmbuf_s
                 "vmmbuf_set_tag", "vmmbuf_sleep", "vmmbuf_wake", "vmmbuf_empty_cache",
                 "vmmbuf_prepare_sleep", "vmmbuf_release_host_cache",
                 "vmmbuf_set_host_cache_limit",
-                "vmmbuf_reset_peak", "vmmbuf_last_error")
+                "vmmbuf_reset_peak", "vmmbuf_last_error", "vmmbuf_announce_captures",
+                "vmmbuf_capture_begins", "vmmbuf_capture_ends")
 
 
 def test_the_package_finds_its_library_by_its_own_path():

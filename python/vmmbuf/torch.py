@@ -31,6 +31,14 @@ as ``graph_bytes``, the graphs alive as ``graph_pools``. With
 ``torch.cuda.graph(g, pool=vmmbuf.torch.MemPool().id)`` PyTorch's private
 pool takes its segments from vmmbuf. ``torch.compile(mode="reduce-overhead")``
 works in a ``MemPool`` scope (its graphs use PyTorch's own graph pool).
+Captures are announced, as PyTorch announces them to its own cache: once
+this module makes its allocator, it counts the captures begun and ended
+through ``torch.cuda.CUDAGraph`` (which all of the above use), and the
+plug-in asks the driver whether a stream is captured only while one is
+under way, instead of at every malloc and free. A capture begun some other
+way (``cudaStreamBeginCapture`` from another library on a stream where
+vmmbuf allocates) is then not seen, as PyTorch's own cache does not see it;
+``VMMBUF_TORCH_ANNOUNCE_CAPTURES=0`` makes every call ask.
 Process-wide, PyTorch's CUDA graph trees raise "pluggable does not yet
 support checkPoolLiveAllocations" (PyTorch routes that check to no
 pluggable allocator); set ``torch._inductor.config.triton.cudagraph_trees
@@ -47,12 +55,13 @@ whose message starts "CUDA out of memory (vmmbuf)" and carries the cause
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from . import _native, library_path, stats
+from . import _captures, _native, library_path, stats
 from .errors import InvalidArgumentError, VmmbufError
 
 _ALLOCATORS: Dict[str, Any] = {}
@@ -74,7 +83,26 @@ def _allocator(malloc: str = "vmmbuf_torch_malloc") -> Any:
     if malloc not in _ALLOCATORS:
         _ALLOCATORS[malloc] = torch.cuda.memory.CUDAPluggableAllocator(
             library_path(), malloc, "vmmbuf_free")
+        _announce_captures()
     return _ALLOCATORS[malloc]
+
+
+def _capturing(stream: Any) -> bool:
+    with torch.cuda.stream(stream):
+        return bool(torch.cuda.is_current_stream_capturing())
+
+
+def _announce_captures() -> bool:
+    """Counts PyTorch's CUDA graph captures for the plug-in, which then asks
+    the driver about a stream's capture only while one is under way (see
+    :mod:`vmmbuf._captures`). Not when ``VMMBUF_TORCH_ANNOUNCE_CAPTURES=0``,
+    nor if this thread's stream is being captured now (a capture begun
+    before the hook would go uncounted). True if captures are announced."""
+    if os.environ.get("VMMBUF_TORCH_ANNOUNCE_CAPTURES", "1") == "0":
+        return False
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return False
+    return _captures.hook(torch._C._CUDAGraph, torch.cuda.current_stream, _capturing)
 
 
 def _dev(device: Any) -> int:

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{sys, CudaContext, CudaStream, LaunchConfig, PushKernelArg};
-use vmmbuf::{Arena, ArenaDesc, CudaBackend};
+use vmmbuf::{Arena, ArenaDesc, ChunkPool, CudaBackend, PoolDesc};
 
 /// A kernel that spins on the global timer for `ns` nanoseconds.
 const PTX: &str = r#"
@@ -224,6 +224,34 @@ fn main() {
             draw,
             c.as_deref_mut(),
         );
+        // The same with captures announced (as the Python package does):
+        // no capture query while none is under way.
+        vmmbuf_torch::vmmbuf_announce_captures(1);
+        let announced = pairs(
+            |n| {
+                let p = vmmbuf_torch::vmmbuf_malloc(n as isize, 0, cu as *mut c_void);
+                assert!(!p.is_null(), "vmmbuf_malloc({n}) failed");
+                (p, n)
+            },
+            |(p, n)| vmmbuf_torch::vmmbuf_free(p, n as isize, 0, cu as *mut c_void),
+            draw,
+            c.as_deref_mut(),
+        );
+        vmmbuf_torch::vmmbuf_announce_captures(0);
+        // The arena as the plug-in makes it (a chunk pool, 20 MiB chunks,
+        // free chunks kept mapped): the plug-in's figure less this one is
+        // what its own layer (lookups, locks, timers) costs.
+        let pool = ChunkPool::new(backend.clone(), PoolDesc::default()).unwrap();
+        let mut desc = ArenaDesc::new(1 << 40).max_chunk_bytes(20 << 20);
+        desc.release_before_map = false;
+        let same = Arena::with_pool(pool, desc).unwrap();
+        let as_plugin = pairs(
+            |n| same.alloc(n, &stream).unwrap(),
+            drop,
+            draw,
+            c.as_deref_mut(),
+        );
+        drop(same);
         let arena = Arena::new(backend.clone(), ArenaDesc::new(1 << 40)).unwrap();
         let core = pairs(
             |n| arena.alloc(n, &stream).unwrap(),
@@ -250,10 +278,12 @@ fn main() {
         );
         for (name, (mean, median)) in [
             ("plug-in vmmbuf_malloc/vmmbuf_free", plugin),
+            ("plug-in, captures announced", announced),
             ("Arena::alloc + drop", core),
+            ("Arena::alloc + drop, the plug-in's arena", as_plugin),
             ("cuMemAllocAsync/cuMemFreeAsync", driver),
         ] {
-            println!("  {regime:9} {name:36} {mean:8.0} / {median:8.0}");
+            println!("  {regime:9} {name:44} {mean:8.0} / {median:8.0}");
         }
         println!(
             "  {regime:9} plug-in / driver pool: {:.2}x (mean)",

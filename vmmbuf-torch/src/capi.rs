@@ -235,6 +235,45 @@ pub extern "C" fn vmmbuf_set_host_cache_limit(bytes: usize) -> c_int {
     )
 }
 
+/// Tells the plug-in that every CUDA graph capture which may allocate or
+/// free through it will be announced with [`vmmbuf_capture_begins`] and
+/// [`vmmbuf_capture_ends`] (as PyTorch's `beginAllocateToPool` and
+/// `endAllocateToPool` announce them to its own cache). From then on malloc
+/// and free ask the driver whether a stream is captured only while an
+/// announced capture is under way, instead of at every call. A capture
+/// that is not announced is then not seen: its allocations are ordinary
+/// ones, which its replays may overwrite after they are freed. The Python
+/// package calls this when it hooks `torch.cuda.CUDAGraph`. `on` = 0 turns
+/// it off again: every call asks.
+#[no_mangle]
+pub extern "C" fn vmmbuf_announce_captures(on: c_int) {
+    guard("vmmbuf_announce_captures", (), || {
+        state::CAPTURES.announce(on != 0)
+    })
+}
+
+/// A CUDA graph capture is about to begin: call it before the capture
+/// begins (`cudaStreamBeginCapture`), even if it may then fail to begin.
+#[no_mangle]
+pub extern "C" fn vmmbuf_capture_begins() {
+    guard("vmmbuf_capture_begins", (), || state::CAPTURES.begins())
+}
+
+/// An announced capture has ended: call it after `cudaStreamEndCapture`,
+/// once the stream is no longer captured. Returns 0, or -1 if no capture
+/// was under way (nothing changes; logged). A capture whose end is never
+/// announced keeps the plug-in asking at every call: correct, only slower.
+#[no_mangle]
+pub extern "C" fn vmmbuf_capture_ends() -> c_int {
+    guard("vmmbuf_capture_ends", -1, || match state::CAPTURES.ends() {
+        Ok(()) => 0,
+        Err(e) => {
+            fail("vmmbuf_capture_ends", &e);
+            -1
+        }
+    })
+}
+
 /// The tag `tag` names: null or "" for the default one; `None` if it is not
 /// UTF-8.
 fn tag_of(tag: *const c_char) -> Option<String> {

@@ -20,6 +20,44 @@ use vmmbuf::{
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
 
+/// A hasher for the maps malloc and free consult at every call (addresses,
+/// stream handles, tags): one multiply per word, where the standard
+/// library's SipHash, built to resist keys chosen by an attacker, costs
+/// several times that. These keys come from the driver and the caller.
+#[derive(Clone, Copy, Default)]
+struct Quick(u64);
+
+impl std::hash::Hasher for Quick {
+    fn finish(&self) -> u64 {
+        // The product's low bits are poor (an address aligned to 512 B
+        // leaves the low 9 at zero), and the table picks a bucket by its
+        // low bits: rotate the well-mixed high bits down, as rustc-hash 2
+        // does.
+        self.0.rotate_left(26)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for c in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            self.write_u64(u64::from_le_bytes(w));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        // FxHash's step: rotate, mix in the word, multiply by an odd
+        // constant. The top bits (which hashbrown uses for its tags) then
+        // depend on every bit of the word.
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}
+
+type QuickMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<Quick>>;
+
 /// Address space each tag's arena reserves on a device (no memory until
 /// used).
 const RESERVE: usize = 1 << 40;
@@ -31,16 +69,16 @@ const DEFAULT_MAX_CHUNK: usize = 20 << 20;
 /// One CUDA device's arenas, chunk pool, budget and live allocations.
 pub(crate) struct Device {
     /// One arena per tag (the default tag is "").
-    arenas: HashMap<String, TorchArena>,
+    arenas: QuickMap<String, TorchArena>,
     /// Shared by the device's arenas.
     pool: Arc<ChunkPool<CudaBackend>>,
     backend: Arc<CudaBackend>,
     /// Foreign streams (PyTorch's, CuPy's), wrapped (not owned) once each.
-    streams: HashMap<usize, Arc<CudaStream>>,
+    streams: QuickMap<usize, Arc<CudaStream>>,
     /// The device's budget, shared by all its tags' arenas.
     budget: Option<Arc<Budget>>,
     /// Live allocations by address.
-    live: HashMap<usize, CudaAllocation>,
+    live: QuickMap<usize, CudaAllocation>,
     /// Host pieces being created ahead of a sleep (`prepare_sleep`): a
     /// sleep waits for them rather than pin the same pages again.
     preparing: Option<std::thread::JoinHandle<Result<usize>>>,
@@ -80,10 +118,35 @@ fn ordinal(device: c_int) -> Result<u32> {
     u32::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device}")))
 }
 
+thread_local! {
+    /// The device of this thread's last call: malloc and free find it
+    /// without the registry's lock (a device, once made, stays for the
+    /// process).
+    static LAST: std::cell::RefCell<Option<(c_int, Arc<Mutex<Device>>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The device's state if it has been used, from this thread's last call
+/// or the registry.
+fn existing(device: c_int) -> Option<Arc<Mutex<Device>>> {
+    let last = LAST.with(|l| {
+        l.borrow()
+            .as_ref()
+            .filter(|(k, _)| *k == device)
+            .map(|(_, d)| d.clone())
+    });
+    if last.is_some() {
+        return last;
+    }
+    let d = registry().read().devices.get(&device).cloned()?;
+    LAST.with(|l| *l.borrow_mut() = Some((device, d.clone())));
+    Some(d)
+}
+
 /// The device's state, created (driver, pool) on first use.
 fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
-    if let Some(d) = registry().read().devices.get(&device) {
-        return Ok(d.clone());
+    if let Some(d) = existing(device) {
+        return Ok(d);
     }
     let mut r = registry().write();
     if let Some(d) = r.devices.get(&device) {
@@ -103,23 +166,18 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         PoolDesc::default().max_host_bytes(HOST_LIMIT.load(std::sync::atomic::Ordering::Relaxed)),
     )?;
     let d = Arc::new(Mutex::new(Device {
-        arenas: HashMap::new(),
+        arenas: QuickMap::default(),
         pool,
         backend,
         budget: r.budgets.get(&device).map(|&b| Budget::new(b)),
-        streams: HashMap::new(),
-        live: HashMap::new(),
+        streams: QuickMap::default(),
+        live: QuickMap::default(),
         preparing: None,
         graphs: HashSet::new(),
         released: Arc::default(),
     }));
     r.devices.insert(device, d.clone());
     Ok(d)
-}
-
-/// The device's state if it has been used.
-fn existing(device: c_int) -> Option<Arc<Mutex<Device>>> {
-    registry().read().devices.get(&device).cloned()
 }
 
 /// Every device in use.
@@ -390,9 +448,84 @@ fn graphs_on() -> bool {
     *ON.get_or_init(|| std::env::var("VMMBUF_TORCH_GRAPHS").as_deref() != Ok("0"))
 }
 
-/// `capture_of`, or `None` without a query when graphs are off.
+/// What the plug-in has been told of CUDA graph captures. Unless told,
+/// malloc and free ask the driver about the stream at every call
+/// (`cuStreamIsCapturing`, 0.4-0.7 us with cold caches, twice a pair).
+/// Once a caller announces captures (the Python package does: it hooks
+/// `torch.cuda.CUDAGraph`'s capture_begin and capture_end), the plug-in
+/// asks only while one is under way, as PyTorch's own cache consults its
+/// list of captures under way. Every uncertainty keeps it asking: a count
+/// that cannot be brought down stays up.
+pub(crate) struct Captures {
+    /// Every capture that can touch this plug-in's memory is announced.
+    announced: std::sync::atomic::AtomicBool,
+    /// Captures begun and not yet ended.
+    underway: std::sync::atomic::AtomicUsize,
+}
+
+impl Captures {
+    const fn new() -> Self {
+        Self {
+            announced: std::sync::atomic::AtomicBool::new(false),
+            underway: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// From now on every capture is announced (`on`): a stream is asked
+    /// only while one is under way; or not (every call asks again).
+    pub(crate) fn announce(&self, on: bool) {
+        self.announced
+            .store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A capture is about to begin (call it before `cudaStreamBeginCapture`).
+    pub(crate) fn begins(&self) {
+        self.underway
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A capture has ended (call it after `cudaStreamEndCapture`). An end
+    /// with none under way is refused and changes nothing.
+    pub(crate) fn ends(&self) -> Result<()> {
+        self.underway
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .map(drop)
+            .map_err(|_| {
+                Error::InvalidArgument("a capture ended with none announced as begun".into())
+            })
+    }
+
+    /// Whether streams must be asked: captures are not announced, or one is
+    /// under way.
+    fn may_capture(&self) -> bool {
+        !self.announced.load(std::sync::atomic::Ordering::SeqCst)
+            || self.underway.load(std::sync::atomic::Ordering::SeqCst) > 0
+    }
+
+    /// `(announced, under way)`.
+    pub(crate) fn state(&self) -> (bool, usize) {
+        (
+            self.announced.load(std::sync::atomic::Ordering::SeqCst),
+            self.underway.load(std::sync::atomic::Ordering::SeqCst),
+        )
+    }
+}
+
+/// Streams asked about their capture so far (`num_capture_queries`).
+static CAPTURE_QUERIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The process's announcements (see [`Captures`]).
+pub(crate) static CAPTURES: Captures = Captures::new();
+
+/// `capture_of`, or `None` without a query when graphs are off or no
+/// announced capture is under way.
 fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
-    if graphs_on() {
+    if graphs_on() && CAPTURES.may_capture() {
+        CAPTURE_QUERIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         capture_of(s)
     } else {
         Ok(None)
@@ -480,6 +613,10 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
         vmmbuf::Backend::live(&*d.backend).fence_queries.into(),
     );
     m.insert("live_allocations".into(), d.live.len().into());
+    let (announced, underway) = CAPTURES.state();
+    m.insert("captures_announced".into(), announced.into());
+    m.insert("captures_underway".into(), underway.into());
+    m.insert("num_capture_queries".into(), ns(&CAPTURE_QUERIES).into());
     m.insert("pooled_bytes".into(), s.pooled_bytes.into());
     m.insert(
         "pooled_host_bytes".into(),
@@ -696,3 +833,67 @@ pub(crate) fn set_host_cache_limit(bytes: usize) -> Result<()> {
 
 /// The host bound for devices used later (`usize::MAX`: none).
 static HOST_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+#[cfg(test)]
+mod tests {
+    use super::{Captures, Quick};
+
+    #[test]
+    fn the_quick_hash_spreads_aligned_addresses_over_buckets() {
+        use std::hash::{BuildHasher, BuildHasherDefault};
+        let b = BuildHasherDefault::<Quick>::default();
+        // 4096 allocations 512 B apart, and 4096 streams 64 B apart: the
+        // low 10 bits (a 1024-bucket table's index) and the top 7 (the
+        // table's tags) must take many values.
+        for step in [512usize, 64, 2 << 20] {
+            let mut low = std::collections::HashSet::new();
+            let mut top = std::collections::HashSet::new();
+            for i in 0..4096usize {
+                let h = b.hash_one(0x7f00_0000_0000usize + i * step);
+                low.insert(h & 1023);
+                top.insert(h >> 57);
+            }
+            assert!(
+                low.len() > 900,
+                "step {step}: {} of 1024 buckets",
+                low.len()
+            );
+            assert_eq!(top.len(), 128, "step {step}");
+        }
+        // Strings hash by all their bytes.
+        assert_ne!(b.hash_one("weights"), b.hash_one("weightz"));
+        assert_ne!(b.hash_one(""), b.hash_one("a"));
+    }
+
+    #[test]
+    fn captures_are_asked_about_until_announced_and_while_one_is_under_way() {
+        // A local instance: the process's own is shared with GPU tests.
+        let c = Captures::new();
+        assert!(c.may_capture(), "not announced: every call asks");
+        c.begins();
+        c.ends().unwrap();
+        assert!(c.may_capture(), "counting alone does not announce");
+        c.announce(true);
+        assert!(!c.may_capture());
+        assert_eq!(c.state(), (true, 0));
+        c.begins();
+        c.begins();
+        assert!(c.may_capture());
+        c.ends().unwrap();
+        assert!(c.may_capture(), "one of two still under way");
+        c.ends().unwrap();
+        assert!(!c.may_capture());
+        // An end too many is refused and leaves the count at 0 (not
+        // wrapped round to a huge number, which would also ask: refused
+        // loudly instead).
+        assert!(c.ends().is_err());
+        assert_eq!(c.state(), (true, 0));
+        c.begins();
+        assert_eq!(c.state(), (true, 1));
+        assert!(c.may_capture());
+        c.ends().unwrap();
+        assert!(!c.may_capture());
+        c.announce(false);
+        assert!(c.may_capture(), "announcing off: every call asks again");
+    }
+}

@@ -103,6 +103,33 @@ fn get_tag() -> String {
     state::tag()
 }
 
+/// From now on every CUDA graph capture is announced (`capture_begins`,
+/// `capture_ends`): streams are asked about captures only while one is
+/// under way. `on=False`: every call asks again.
+#[pyfunction]
+#[pyo3(signature = (on=true))]
+fn announce_captures(on: bool) {
+    state::CAPTURES.announce(on)
+}
+
+/// An announced capture is about to begin.
+#[pyfunction]
+fn capture_begins() {
+    state::CAPTURES.begins()
+}
+
+/// An announced capture has ended; raises if none was under way.
+#[pyfunction]
+fn capture_ends() -> PyResult<()> {
+    state::CAPTURES.ends().map_err(to_py)
+}
+
+/// `(announced, captures under way)`.
+#[pyfunction]
+fn captures() -> (bool, usize) {
+    state::CAPTURES.state()
+}
+
 /// The mode a sleep's keywords name.
 fn mode_of(discard: bool, reachable: bool) -> vmmbuf::SleepMode {
     match (discard, reachable) {
@@ -200,6 +227,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release_host_cache, m)?)?;
     m.add_function(wrap_pyfunction!(set_host_cache_limit, m)?)?;
     m.add_function(wrap_pyfunction!(last_error, m)?)?;
+    m.add_function(wrap_pyfunction!(announce_captures, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_begins, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_ends, m)?)?;
+    m.add_function(wrap_pyfunction!(captures, m)?)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
