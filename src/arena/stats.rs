@@ -63,8 +63,17 @@ impl SplitCount {
             return;
         }
         let end = offset + size;
-        // The chunks holding the first and the last byte (one search each).
-        let (Some(first), Some(last)) = (table.chunk_at(offset), table.chunk_at(end - 1)) else {
+        // The first chunk the range overlaps and the chunk holding its last
+        // byte. Most ranges lie in mapped chunks: one search each. A range
+        // partly unmapped (a sleep discarded under a live allocation) may
+        // start in a hole: then the first mapped chunk after it.
+        let first = table.chunk_at(offset).or_else(|| {
+            table
+                .overlapping(offset..end)
+                .next()
+                .map(|(o, e)| (o, e.bytes))
+        });
+        let (Some(first), Some(last)) = (first, table.chunk_at(end - 1)) else {
             return; // not mapped: nothing counts
         };
         self.one(first, offset, end, add);
@@ -147,6 +156,16 @@ pub struct ArenaStats {
     /// Ranges unmapped so far when cached memory went back (PyTorch's
     /// name: its count of `cuMemUnmap` and `cudaFree` calls).
     pub num_device_free: u64,
+    /// Growths (each mapping one or more chunks) made while a free block of
+    /// another stream, large enough for the request, was still pending: its
+    /// fences had not passed, so the request could not take it. Memory the
+    /// GPU's lag behind the CPU made the arena map.
+    pub num_grows_past_pending: u64,
+    /// Bytes those growths mapped.
+    pub grown_past_pending_bytes: u64,
+    /// Requests that waited for another stream's pending free block
+    /// instead of growing ([`ArenaDesc::wait_before_grow`](crate::ArenaDesc::wait_before_grow)).
+    pub num_waits_before_grow: u64,
     /// Inactive split bytes over reserved bytes (0 when nothing is
     /// reserved): the share of mapped memory that is free but pinned by
     /// allocations in the same chunks. 0 when nothing is allocated.

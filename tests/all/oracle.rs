@@ -93,6 +93,7 @@ crate::register! {
         oracle_case_hook_sleep_1,
         oracle_case_deferred_cover_1,
         oracle_case_buffer_tail_1,
+        oracle_case_split_sleep_1,
     ],
 }
 
@@ -1345,4 +1346,41 @@ fn oracle_case_buffer_tail_1() {
         run_buffers(ops.clone(), GrowthPolicy::Exact, hooked)
             .unwrap_or_else(|e| panic!("hooked {hooked}: {e}"));
     }
+}
+
+/// The split count over a range a sleep left partly unmapped: a change of
+/// 750f4cd looked up only the chunk holding a range's first byte, and an
+/// allocation whose first bytes a discarding sleep had unmapped then left
+/// its mapped chunks counted (inactive split bytes with nothing allocated).
+/// The random property found it; this is its shrunk input.
+fn oracle_case_split_sleep_1() {
+    use AOp::*;
+    let ops = vec![
+        CaptureBegin { s: 1 },
+        Use {
+            which: 0,
+            s: 0,
+            record_use: false,
+        },
+        Alloc { units: 3, s: 0 },
+        Alloc { units: 19, s: 0 },
+        Free { which: 14 },
+        Alloc { units: 1, s: 0 },
+        Use {
+            which: 32,
+            s: 0,
+            record_use: false,
+        },
+        Free { which: 0 },
+        Alloc { units: 18, s: 1 },
+        Free { which: 20 },
+        Restore,
+        Alloc { units: 8, s: 1 },
+        SleepUnmapping { stash: false },
+        Alloc { units: 17, s: 1 },
+        Free { which: 0 },
+        Free { which: 0 },
+        Free { which: 0 },
+    ];
+    run_arena(ops, false, false, false).unwrap();
 }
