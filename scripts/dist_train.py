@@ -21,6 +21,12 @@ under one allocator per launch, compared on the same machine (issue 24):
                malloc and free asks the driver whether its stream is
                captured, as before captures were announced; only when named
                in --allocs)
+  vmmbuf-grow  process-wide, VMMBUF_TORCH_WAIT_BEFORE_GROW=0 (a request
+               that would map new memory while another stream's free block
+               that fits is pending maps it, as before the plug-in waited
+               for such blocks by default; only when named in --allocs)
+  vmmbuf-wait  process-wide, VMMBUF_TORCH_WAIT_BEFORE_GROW=1 (the
+               plug-in's default now; the name of the runs that measured it)
   vmmbuf-warm  process-wide, one allocation of DIST_WARM_GIB (default 10)
                made and freed before training, so the arena has mapped
                what the steps need and never grows during them (a
@@ -59,9 +65,10 @@ import time
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
-EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-warm")
+EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-wait",
+         "vmmbuf-grow", "vmmbuf-warm")
 PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked",
-                "vmmbuf-warm")
+                "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -79,6 +86,10 @@ def worker(a):
         os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
     if a.alloc == "vmmbuf-asked":
         os.environ["VMMBUF_TORCH_ANNOUNCE_CAPTURES"] = "0"
+    if a.alloc == "vmmbuf-wait":
+        os.environ["VMMBUF_TORCH_WAIT_BEFORE_GROW"] = "1"
+    if a.alloc == "vmmbuf-grow":
+        os.environ["VMMBUF_TORCH_WAIT_BEFORE_GROW"] = "0"
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch
@@ -129,7 +140,7 @@ def worker(a):
         cost0 = None
         # Per step, for vmmbuf: chunks mapped and microseconds inside the
         # plug-in's malloc and free (what each step's growth cost).
-        step_maps, step_alloc_us, last = [], [], None
+        step_maps, step_alloc_us, step_past, last = [], [], [], None
         for step in range(a.steps):
             if vt is not None and step == WARMUP:
                 torch.cuda.synchronize()
@@ -154,6 +165,8 @@ def worker(a):
                 now = vt.stats(rank)
                 if last is not None:
                     step_maps.append(now["num_device_alloc"] - last["num_device_alloc"])
+                    step_past.append(now.get("grown_past_pending_bytes", 0)
+                                     - last.get("grown_past_pending_bytes", 0))
                     step_alloc_us.append((now["host_ns_in_malloc"] + now["host_ns_in_free"]
                                           - last["host_ns_in_malloc"] - last["host_ns_in_free"]) / 1e3)
                 last = now
@@ -181,7 +194,13 @@ def worker(a):
         st = vt.stats(rank)
         res["vmmbuf_peak_allocated"] = st["allocated_bytes.all.peak"]
         res["vmmbuf_reserved"] = st["reserved_bytes.all.current"]
+        # Growth while another stream's pending free could have served:
+        # memory the GPU's lag made the arena map.
+        res["grows_past_pending"] = st.get("num_grows_past_pending")
+        res["grown_past_pending_bytes"] = st.get("grown_past_pending_bytes")
+        res["waits_before_grow"] = st.get("num_waits_before_grow")
         res["step_maps"], res["step_alloc_us"] = step_maps, step_alloc_us
+        res["step_past_pending_bytes"] = step_past
         if cost0 is not None:
             # What the allocator cost the CPU per step after the warm-up.
             n = a.steps - WARMUP

@@ -4,7 +4,8 @@ that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
 Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
 19), g1 g2 (the CUDA graph pools of issue 23), h1 h2 (map hooks, issue 24),
-d1 (deferred free fences) or w1 (a wake around a graph's blocks).
+d1 (deferred free fences), w1 (a wake around a graph's blocks) or b1
+(waiting for another stream's block before growing).
 Run the oracle there afterwards:
   cargo test --test all -- oracle_; cargo test --test all -- redteam
 Never run it on the working tree you commit from.
@@ -90,6 +91,13 @@ elif name == "w1":
     # A wake counts only the graph-held ranges that start in a run.
     edit("src/arena/sleep.rs", "held.extend(st.graph_held().filter_map(cut));",
          "held.extend(st.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
+elif name == "b1":
+    # Waiting before growth takes another stream's pending block as settled
+    # without waiting for its fences.
+    edit("src/arena/mapping.rs", "        if let Err(e) = owed.wait_set(backend, &f.fences) {",
+         "        let _ = (&f, &owed);\n        if let Err(e) = Ok::<(), crate::Error>(()) {")
+    edit("src/arena/mapping.rs", "        self.settle_zone(st, z);\n        let o = self.take(st, z, size, key)?;",
+         "        st.zones[z].settle(|_| true);\n        let o = self.take(st, z, size, key)?;")
 else:
     sys.exit(f"unknown revert {name}")
 print(f"reverted {name} in {tree}")

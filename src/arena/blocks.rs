@@ -34,7 +34,7 @@ impl<F> Free<F> {
     }
 
     /// May `key`'s stream take this block now?
-    fn usable_by(&self, key: StreamKey) -> bool {
+    pub(crate) fn usable_by(&self, key: StreamKey) -> bool {
         self.settled() || self.stream == Some(key)
     }
 

@@ -36,17 +36,70 @@ impl<B: Backend> Shared<B> {
                 return Ok(o);
             }
         }
-        if st.region.has_hook() {
+        if self.wait_before_grow {
+            if let Some(o) = self.wait_for_pending(st, z, size, key) {
+                return Ok(o);
+            }
+        }
+        // Growth. Counted apart when another stream's pending block could
+        // have served (the GPU's lag made this memory).
+        let past_pending = st.zones[z]
+            .iter()
+            .any(|(_, f)| f.size >= size && !f.usable_by(key));
+        let before = st.region.table.mapped_bytes();
+        let got = if st.region.has_hook() {
             // With a map hook, a request that needs new memory gets a
             // mapping of its own, so that it lies in one reported range
             // (one NCCL registration) instead of straddling the free tail
             // before it and the new chunks.
-            return self.map_whole(st, z, size, key);
+            self.map_whole(st, z, size, key)
+        } else {
+            self.map_for(st, z, size, key).and_then(|()| {
+                st.zones[z]
+                    .take(size, key)
+                    .ok_or_else(|| Error::invalid("mapped memory did not make a block (a bug)"))
+            })
+        };
+        if past_pending && got.is_ok() {
+            st.stats.num_grows_past_pending += 1;
+            st.stats.grown_past_pending_bytes +=
+                st.region.table.mapped_bytes().saturating_sub(before) as u64;
         }
-        self.map_for(st, z, size, key)?;
-        st.zones[z]
-            .take(size, key)
-            .ok_or_else(|| Error::invalid("mapped memory did not make a block (a bug)"))
+        got
+    }
+
+    /// Instead of growing: waits on the CPU for the fences of the pending
+    /// free block of another stream that fits `size` and whose newest fence
+    /// is the oldest (it passes first), then settles the zone and takes a
+    /// block. Blocks with a deferred free (no fence recorded yet) are left
+    /// alone. `None` if there is no such block, or the wait failed (logged:
+    /// the caller grows instead).
+    fn wait_for_pending(
+        &self,
+        st: &mut State<B>,
+        z: usize,
+        size: usize,
+        key: StreamKey,
+    ) -> Option<usize> {
+        use super::owed::Mark;
+        let backend = &*self.backend;
+        let State { zones, owed, .. } = &mut *st;
+        let (_, f) = zones[z]
+            .iter()
+            .filter(|(_, f)| {
+                f.size >= size
+                    && !f.usable_by(key)
+                    && f.fences.iter().all(|x| matches!(x.fence, Mark::Fence(_)))
+            })
+            .min_by_key(|(_, f)| f.fences.iter().map(|x| x.seq).max())?;
+        if let Err(e) = owed.wait_set(backend, &f.fences) {
+            tracing::warn!(error = %e, "vmmbuf arena: waiting for a pending free failed; growing instead");
+            return None;
+        }
+        self.settle_zone(st, z);
+        let o = self.take(st, z, size, key)?;
+        st.stats.num_waits_before_grow += 1;
+        Some(o)
     }
 
     /// Maps chunks for `size` bytes at the lowest hole of zone `z` where

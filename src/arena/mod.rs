@@ -120,6 +120,19 @@ pub struct ArenaDesc {
     /// such frees either; the PyTorch plug-in turns this on with
     /// `VMMBUF_TORCH_DEFER_FENCES=1`.
     pub defer_free_fences: bool,
+    /// Wait rather than grow (false by default): when a request finds no
+    /// block it may take and would map new memory, but a free block of
+    /// another stream that fits is still pending (its fences recorded and
+    /// not yet passed), the arena waits on the CPU for that block's fences
+    /// and takes it. The GPU's lag behind the CPU then no longer decides how
+    /// much memory the arena maps: under FSDP on two GPUs, the same
+    /// training mapped up to 1.4x more in the launches where one stream's
+    /// frees had not passed when another stream asked. A block with a free
+    /// whose fence is deferred (and may not be recorded yet) is never waited
+    /// for. [`ArenaStats::num_waits_before_grow`] counts the waits. The
+    /// PyTorch plug-in turns it on (`VMMBUF_TORCH_WAIT_BEFORE_GROW=0` turns
+    /// it off there).
+    pub wait_before_grow: bool,
 }
 
 impl ArenaDesc {
@@ -134,7 +147,15 @@ impl ArenaDesc {
             shared_budget: None,
             release_before_map: true,
             defer_free_fences: false,
+            wait_before_grow: false,
         }
+    }
+
+    /// Waits for another stream's pending free block rather than growing
+    /// (see [`wait_before_grow`](Self::wait_before_grow)).
+    pub fn wait_before_grow(mut self, wait: bool) -> Self {
+        self.wait_before_grow = wait;
+        self
     }
 
     /// Defers the fences of frees on their own stream (see
@@ -278,6 +299,7 @@ struct Shared<B: Backend> {
     shared_budget: Option<Arc<Budget>>,
     release_before_map: bool,
     defer_free_fences: bool,
+    wait_before_grow: bool,
     /// The stream of the latest alloc or free (a hint for deferring).
     last_stream: [std::sync::atomic::AtomicU64; 2],
     placement: Location,
@@ -393,6 +415,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 shared_budget: desc.shared_budget.clone(),
                 release_before_map: desc.release_before_map,
                 defer_free_fences: desc.defer_free_fences,
+                wait_before_grow: desc.wait_before_grow,
                 last_stream: Default::default(),
                 placement,
                 access,

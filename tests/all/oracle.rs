@@ -86,6 +86,7 @@ crate::register! {
         oracle_buffers,
         oracle_arena_map_hook,
         oracle_arena_deferred_fences,
+        oracle_arena_wait_before_grow,
         oracle_buffers_map_hook,
         oracle_catches_a_release_under_running_work,
         oracle_case_1,
@@ -94,6 +95,7 @@ crate::register! {
         oracle_case_deferred_cover_1,
         oracle_case_buffer_tail_1,
         oracle_case_split_sleep_1,
+        a_growth_past_another_streams_pending_free_is_counted,
     ],
 }
 
@@ -553,12 +555,25 @@ fn run_arena(
     hooked: bool,
     deferred: bool,
 ) -> std::result::Result<u64, TestCaseError> {
+    run_arena_waiting(ops, keep_mapped, hooked, deferred, false)
+}
+
+/// [`run_arena`], with `wait`: the arena waits for other streams' pending
+/// blocks rather than grow (`ArenaDesc::wait_before_grow`).
+fn run_arena_waiting(
+    ops: Vec<AOp>,
+    keep_mapped: bool,
+    hooked: bool,
+    deferred: bool,
+    wait: bool,
+) -> std::result::Result<u64, TestCaseError> {
     let backend = OracleBackend::new();
     let baseline = backend.live();
     let model = backend.model.clone();
     let mut desc = ArenaDesc::new(1024 * G).max_chunk_bytes(2 * G);
     desc.release_before_map = !keep_mapped;
     desc.defer_free_fences = deferred;
+    desc.wait_before_grow = wait;
     let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
     let hook = hooked.then(|| ModelHook::new(&model));
     let streams: Vec<QStream> = (1..=STREAMS as u64).map(QStream::new).collect();
@@ -937,6 +952,25 @@ fn oracle_arena_deferred_fences() {
             any::<bool>(),
         ),
         |(ops, keep_mapped, hooked)| run_arena(ops, keep_mapped, hooked, true),
+    );
+}
+
+/// Waiting rather than growing (`ArenaDesc::wait_before_grow`), in both
+/// mapping modes, with a map hook or without, with deferred fences or
+/// without: a request that takes another stream's pending block after
+/// waiting for its fences never precedes the work it follows.
+fn oracle_arena_wait_before_grow() {
+    run_property(
+        "arena waiting before it grows",
+        (
+            prop::collection::vec(aop(), 1..120),
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+        ),
+        |(ops, keep_mapped, hooked, deferred)| {
+            run_arena_waiting(ops, keep_mapped, hooked, deferred, true)
+        },
     );
 }
 
@@ -1383,4 +1417,82 @@ fn oracle_case_split_sleep_1() {
         Free { which: 0 },
     ];
     run_arena(ops, false, false, false).unwrap();
+}
+
+/// A request that must grow while another stream's free block (large
+/// enough) is still pending is counted, with the bytes it mapped; growth
+/// with nothing pending elsewhere, and reuse after the fences pass, are not.
+fn a_growth_past_another_streams_pending_free_is_counted() {
+    let backend = OracleBackend::new();
+    let mut desc = ArenaDesc::new(1 << 30);
+    desc.release_before_map = false;
+    let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
+    let (s1, s2) = (QStream::new(1), QStream::new(2));
+    let a = arena.alloc(4 * G, &s1).unwrap();
+    assert_eq!(
+        arena.stats().num_grows_past_pending,
+        0,
+        "nothing was pending"
+    );
+    // Work queued on stream 1 and not finished: its free stays pending.
+    s1.q.queued.fetch_add(1, Ordering::SeqCst);
+    drop(a);
+    let b = arena.alloc(4 * G, &s2).unwrap();
+    let st = arena.stats();
+    assert_eq!(st.num_grows_past_pending, 1, "{st:?}");
+    assert_eq!(st.grown_past_pending_bytes, (4 * G) as u64, "{st:?}");
+    // Stream 1 itself may take its own pending block: no growth.
+    let c = arena.alloc(4 * G, &s1).unwrap();
+    assert_eq!(arena.stats().num_grows_past_pending, 1);
+    drop(c);
+    // Once stream 1's work is done, stream 2 takes the block: no growth.
+    s1.q.complete_all();
+    let d = arena.alloc(4 * G, &s2).unwrap();
+    let st = arena.stats();
+    assert_eq!(
+        (st.num_grows_past_pending, st.reserved_bytes.current),
+        (1, 8 * G),
+        "{st:?}"
+    );
+    drop((b, d));
+
+    // Waiting instead: stream 2 waits for stream 1's block (its queue
+    // completes to the fence) and takes it; nothing more is mapped, and no
+    // hand-out precedes the work it follows.
+    let backend = OracleBackend::new();
+    let model = backend.model.clone();
+    let mut desc = ArenaDesc::new(1 << 30).wait_before_grow(true);
+    desc.release_before_map = false;
+    let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
+    let (s1, s2) = (QStream::new(1), QStream::new(2));
+    let a = arena.alloc(4 * G, &s1).unwrap();
+    let at = a.address();
+    model
+        .lock()
+        .launch(&s1.q, at, 4 * G, "stream 1's kernel".into());
+    drop(a);
+    assert!(!s1.q.passed(1), "the kernel is still queued");
+    let b = arena.alloc(4 * G, &s2).unwrap();
+    let st = arena.stats();
+    assert_eq!(b.address(), at, "the waited-for block");
+    assert!(s1.q.passed(1), "the wait completed stream 1 to its fence");
+    assert_eq!(
+        (
+            st.num_waits_before_grow,
+            st.num_grows_past_pending,
+            st.reserved_bytes.current
+        ),
+        (1, 0, 4 * G),
+        "{st:?}"
+    );
+    // The hand-out is checked against the model as every one is.
+    model
+        .lock()
+        .check(at, 4 * G, Some(2), "hand-out to stream 2");
+    assert!(
+        model.lock().violations.is_empty(),
+        "{:?}",
+        model.lock().violations
+    );
+    drop(b);
 }

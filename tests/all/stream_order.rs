@@ -9,7 +9,7 @@ use crate::common::gpu;
 use crate::cuda_only::Kernels;
 
 crate::register! {
-    gpu: [rt8_a_view_fence_never_shadows_the_free_fence, deferred_free_fences_hold_blocks_until_the_kernel_finishes, offload_waits_for_a_view_kernel_on_another_stream, a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
+    gpu: [rt8_a_view_fence_never_shadows_the_free_fence, deferred_free_fences_hold_blocks_until_the_kernel_finishes, waiting_before_growth_hands_a_block_over_only_after_its_kernel, offload_waits_for_a_view_kernel_on_another_stream, a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
     two_gpus: [a_peer_copy_in_flight_holds_off_the_release],
 }
 
@@ -394,4 +394,50 @@ fn deferred_free_fences_hold_blocks_until_the_kernel_finishes() {
         0,
         "everything given back"
     );
+}
+
+/// `ArenaDesc::wait_before_grow`: stream s fills A, runs a 50 ms kernel
+/// that then checks A, and frees A. Stream s2 asks for as many bytes; the
+/// only block is A, pending on s. The arena waits for s's fence on the CPU
+/// and hands A to s2 (no growth); s2 overwrites it at once. Had the hand-out
+/// not waited, the overwrite would run under the kernel's check.
+fn waiting_before_growth_hands_a_block_over_only_after_its_kernel() {
+    let b = gpu();
+    let k = Kernels::load(&b);
+    let mut desc = vmmbuf::ArenaDesc::new(8 << 30).wait_before_grow(true);
+    desc.release_before_map = false;
+    let arena: CudaArena = vmmbuf::Arena::new(b.clone(), desc).unwrap();
+    let (s, s2) = (
+        b.context().new_stream().unwrap(),
+        b.context().new_stream().unwrap(),
+    );
+    let words = 1u64 << 20; // 4 MiB
+    let bytes = words as usize * 4;
+    for round in 0..4u32 {
+        let x = arena.alloc(bytes, &s).unwrap();
+        let at = x.address();
+        let reserved = arena.stats().reserved_bytes.current;
+        k.fill_on(&s, at, 0, words, round);
+        let bad = k.spin_then_check(&s, at, 0, words, round, 50_000_000);
+        drop(x);
+        let waits = arena.stats().num_waits_before_grow;
+        let z = arena.alloc(bytes, &s2).unwrap();
+        let st = arena.stats();
+        assert_eq!(z.address(), at, "round {round}: the waited-for block");
+        assert_eq!(st.num_waits_before_grow, waits + 1, "round {round}: {st:?}");
+        assert_eq!(
+            st.reserved_bytes.current, reserved,
+            "round {round}: no growth"
+        );
+        k.fill_on(&s2, z.address(), 0, words, round + 77);
+        s.synchronize()
+            .unwrap_or_else(|e| panic!("round {round}: the kernel on s died: {e:?}"));
+        assert_eq!(
+            s.clone_dtoh(&bad).unwrap()[0],
+            0,
+            "round {round}: A read intact"
+        );
+        s2.synchronize().unwrap();
+        drop(z);
+    }
 }

@@ -253,6 +253,18 @@ impl Device {
             desc = desc.defer_free_fences(
                 std::env::var("VMMBUF_TORCH_DEFER_FENCES").as_deref() == Ok("1"),
             );
+            // A request that would map new memory while another stream's
+            // free block that fits is pending waits for that block on the
+            // CPU instead (`ArenaDesc::wait_before_grow`). Under FSDP on
+            // 2x H200 (issue 24), growing instead left 6 of 11 launches at
+            // 0.79-0.93 utilization on one rank, as the GPU's lag decided;
+            // waiting kept all 11 at or above expandable segments' (0.948,
+            // 0.952), after 0-5 waits a launch, with no step-time cost the
+            // noise could show (per-round ratio median 1.00).
+            // VMMBUF_TORCH_WAIT_BEFORE_GROW=0 grows instead.
+            desc = desc.wait_before_grow(
+                std::env::var("VMMBUF_TORCH_WAIT_BEFORE_GROW").as_deref() != Ok("0"),
+            );
             if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
                 match v.parse::<usize>() {
                     Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),
@@ -303,6 +315,9 @@ impl Device {
             sum.num_frees += s.num_frees;
             sum.num_device_alloc += s.num_device_alloc;
             sum.num_device_free += s.num_device_free;
+            sum.num_grows_past_pending += s.num_grows_past_pending;
+            sum.grown_past_pending_bytes += s.grown_past_pending_bytes;
+            sum.num_waits_before_grow += s.num_waits_before_grow;
             sum.host_bytes += s.host_bytes;
             sum.discarded_bytes += s.discarded_bytes;
             sum.stash_bytes += s.stash_bytes;
@@ -605,6 +620,18 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     m.insert("num_frees".into(), s.num_frees.into());
     m.insert("num_device_alloc".into(), s.num_device_alloc.into());
     m.insert("num_device_free".into(), s.num_device_free.into());
+    m.insert(
+        "num_grows_past_pending".into(),
+        s.num_grows_past_pending.into(),
+    );
+    m.insert(
+        "grown_past_pending_bytes".into(),
+        s.grown_past_pending_bytes.into(),
+    );
+    m.insert(
+        "num_waits_before_grow".into(),
+        s.num_waits_before_grow.into(),
+    );
     let ns = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     m.insert("host_ns_in_malloc".into(), ns(&MALLOC_NS).into());
     m.insert("host_ns_in_free".into(), ns(&FREE_NS).into());
