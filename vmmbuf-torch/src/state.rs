@@ -259,8 +259,8 @@ impl Device {
             // 2x H200 (issue 24), growing instead left 6 of 11 launches at
             // 0.79-0.93 utilization on one rank, as the GPU's lag decided;
             // waiting kept all 11 at or above expandable segments' (0.948,
-            // 0.952), after 0-5 waits a launch, with no step-time cost the
-            // noise could show (per-round ratio median 1.00).
+            // 0.952), after 0-11 waits a launch and rank, with no step-time
+            // cost the noise could show (per-round ratio median 1.00).
             // VMMBUF_TORCH_WAIT_BEFORE_GROW=0 grows instead.
             desc = desc.wait_before_grow(
                 std::env::var("VMMBUF_TORCH_WAIT_BEFORE_GROW").as_deref() != Ok("0"),
