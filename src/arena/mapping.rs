@@ -68,12 +68,14 @@ impl<B: Backend> Shared<B> {
         got
     }
 
-    /// Instead of growing: waits on the CPU for the fences of the pending
-    /// free block of another stream that fits `size` and whose newest fence
-    /// is the oldest (it passes first), then settles the zone and takes a
-    /// block. Blocks with a deferred free (no fence recorded yet) are left
-    /// alone. `None` if there is no such block, or the wait failed (logged:
-    /// the caller grows instead).
+    /// Instead of growing: waits on the CPU for the fences of a pending
+    /// free block of another stream that fits `size`, then settles the
+    /// zone and takes a block. Of several, the one whose newest fence has
+    /// the lowest number: on one stream, the one that passes first; numbers
+    /// of different streams are not comparable, so across streams this is
+    /// only a tie-break. Blocks with a deferred free (no fence recorded
+    /// yet) are left alone. `None` if there is no such block, or the wait
+    /// failed (logged: the caller grows instead).
     fn wait_for_pending(
         &self,
         st: &mut State<B>,
