@@ -56,6 +56,10 @@ pub struct FaultBackend<B> {
     /// The maps `(address, 0)` and unmaps `(address, bytes)` that succeeded,
     /// in order, named; tests add their own events (a map hook's calls).
     pub log: parking_lot::Mutex<Vec<(&'static str, u64, usize)>>,
+    /// Called at each `wait`, before the fence is looked at: a test's model
+    /// of the GPU catching up while the CPU waits (the lag replay).
+    #[allow(clippy::type_complexity)]
+    pub on_wait: parking_lot::Mutex<Option<Box<dyn Fn(&TestFence) + Send + Sync>>>,
 }
 
 impl<B: Backend> FaultBackend<B> {
@@ -69,6 +73,7 @@ impl<B: Backend> FaultBackend<B> {
             sticky: parking_lot::Mutex::new(None),
             emulate_gpu: false,
             log: parking_lot::Mutex::new(Vec::new()),
+            on_wait: parking_lot::Mutex::new(None),
         })
     }
 
@@ -256,6 +261,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn wait(&self, fence: &TestFence) -> Result<()> {
         self.step("wait", 0)?;
+        if let Some(f) = self.on_wait.lock().as_ref() {
+            f(fence);
+        }
         match self.fence_done(fence)? {
             true => Ok(()),
             // A test that waits on a fence it never opens would hang a GPU.
