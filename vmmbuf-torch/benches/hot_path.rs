@@ -214,29 +214,24 @@ fn main() {
             }
             .unwrap();
         }
-        let plugin = pairs(
-            |n| {
-                let p = vmmbuf_torch::vmmbuf_malloc(n as isize, 0, cu as *mut c_void);
-                assert!(!p.is_null(), "vmmbuf_malloc({n}) failed");
-                (p, n)
-            },
-            |(p, n)| vmmbuf_torch::vmmbuf_free(p, n as isize, 0, cu as *mut c_void),
-            draw,
-            c.as_deref_mut(),
-        );
+        // The plug-in's C entry points, as PyTorch calls them.
+        let plugin_pairs = |c: Option<&mut Cold>| {
+            pairs(
+                |n| {
+                    let p = vmmbuf_torch::vmmbuf_malloc(n as isize, 0, cu as *mut c_void);
+                    assert!(!p.is_null(), "vmmbuf_malloc({n}) failed");
+                    (p, n)
+                },
+                |(p, n)| vmmbuf_torch::vmmbuf_free(p, n as isize, 0, cu as *mut c_void),
+                draw,
+                c,
+            )
+        };
+        let plugin = plugin_pairs(c.as_deref_mut());
         // The same with captures announced (as the Python package does):
         // no capture query while none is under way.
         vmmbuf_torch::vmmbuf_announce_captures(1);
-        let announced = pairs(
-            |n| {
-                let p = vmmbuf_torch::vmmbuf_malloc(n as isize, 0, cu as *mut c_void);
-                assert!(!p.is_null(), "vmmbuf_malloc({n}) failed");
-                (p, n)
-            },
-            |(p, n)| vmmbuf_torch::vmmbuf_free(p, n as isize, 0, cu as *mut c_void),
-            draw,
-            c.as_deref_mut(),
-        );
+        let announced = plugin_pairs(c.as_deref_mut());
         vmmbuf_torch::vmmbuf_announce_captures(0);
         // The arena as the plug-in makes it (a chunk pool, 20 MiB chunks,
         // free chunks kept mapped): the plug-in's figure less this one is
