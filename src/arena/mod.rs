@@ -125,9 +125,10 @@ pub struct ArenaDesc {
     /// another stream that fits is still pending (its fences recorded and
     /// not yet passed), the arena waits on the CPU for that block's fences
     /// and takes it. The GPU's lag behind the CPU then no longer decides how
-    /// much memory the arena maps: under FSDP on two GPUs, the same
-    /// training mapped up to 1.4x more in the launches where one stream's
-    /// frees had not passed when another stream asked. A block with a free
+    /// much memory the arena maps: under FSDP on two GPUs, one rank took
+    /// up to 1.48x its peak allocated (expandable segments: 1.05x) in the
+    /// launches where one stream's frees had not passed when another
+    /// stream asked, and about 1.05x in the others. A block with a free
     /// whose fence is deferred (and may not be recorded yet) is never waited
     /// for. [`ArenaStats::num_waits_before_grow`] counts the waits. The
     /// PyTorch plug-in turns it on (`VMMBUF_TORCH_WAIT_BEFORE_GROW=0` turns
