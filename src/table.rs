@@ -111,10 +111,22 @@ pub(crate) struct ChunkTable<C> {
     reserved: usize,
     granularity: usize,
     entries: BTreeMap<usize, Entry<C>>,
+    /// Per granule of the reservation, the chunk over it: `0` for none,
+    /// else its first granule plus one, and its length in granules in the
+    /// high half. `chunk_at` reads one word instead of searching the tree
+    /// (an allocator call asks it at both ends of its range: with cold
+    /// caches a tree search is a handful of misses). Kept only for up to
+    /// [`INDEX_MAX`] granules; larger tables search.
+    index: Option<Vec<u64>>,
     len: usize,
     mapped_bytes: usize,
     host_bytes: usize,
 }
+
+/// The most granules a table keeps a flat index for: 16 MiB of words at
+/// most, touched only where chunks are mapped (a 1 TiB reservation at
+/// 2 MiB granularity is 512 Ki granules).
+const INDEX_MAX: usize = 1 << 21;
 
 impl<C> ChunkTable<C> {
     /// An empty table over a reservation of `reserved` bytes whose chunks are
@@ -125,10 +137,12 @@ impl<C> ChunkTable<C> {
                 "a table of {reserved} bytes with granularity {granularity}"
             )));
         }
+        let granules = reserved / granularity;
         Ok(Self {
             reserved,
             granularity,
             entries: BTreeMap::new(),
+            index: (granules <= INDEX_MAX).then(|| vec![0u64; granules]),
             len: 0,
             mapped_bytes: 0,
             host_bytes: 0,
@@ -231,8 +245,26 @@ impl<C> ChunkTable<C> {
         if entry.placement == Location::Host {
             self.host_bytes += entry.bytes;
         }
+        self.index_set(offset, entry.bytes, true);
         self.entries.insert(offset, entry);
         Ok(())
+    }
+
+    /// Marks the granules of the chunk `[offset, offset + bytes)` in the
+    /// flat index as its (`mapped`) or as no chunk's.
+    fn index_set(&mut self, offset: usize, bytes: usize, mapped: bool) {
+        let shift = self.granularity.trailing_zeros();
+        let Some(index) = self.index.as_mut() else {
+            return;
+        };
+        let (g, n) = (offset >> shift, bytes >> shift);
+        // Both fit in 32 bits: the index has at most INDEX_MAX granules.
+        let word = if mapped {
+            (g as u64 + 1) | ((n as u64) << 32)
+        } else {
+            0
+        };
+        index[g..g + n].fill(word);
     }
 
     /// Forgets every chunk that starts at or past `from` (none of them may
@@ -252,6 +284,7 @@ impl<C> ChunkTable<C> {
             return None;
         }
         let e = self.entries.remove(&offset)?;
+        self.index_set(offset, e.bytes, false);
         self.mapped_bytes -= e.bytes;
         if e.placement == Location::Host {
             self.host_bytes -= e.bytes;
@@ -277,6 +310,7 @@ impl<C> ChunkTable<C> {
         let mut old = Vec::with_capacity(keys.len());
         for k in keys {
             let e = self.entries.remove(&k).expect("listed");
+            self.index_set(k, e.bytes, false);
             self.mapped_bytes -= e.bytes;
             if e.placement == Location::Host {
                 self.host_bytes -= e.bytes;
@@ -284,6 +318,7 @@ impl<C> ChunkTable<C> {
             old.push((k, e));
         }
         for (o, e) in new {
+            self.index_set(o, e.bytes, true);
             self.mapped_bytes += e.bytes;
             if e.placement == Location::Host {
                 self.host_bytes += e.bytes;
@@ -357,6 +392,23 @@ impl<C> ChunkTable<C> {
 
     /// The chunk holding `offset`, as `(its offset, its bytes)`: one search.
     pub(crate) fn chunk_at(&self, offset: usize) -> Option<(usize, usize)> {
+        let Some(index) = &self.index else {
+            return self.chunk_at_searched(offset);
+        };
+        let shift = self.granularity.trailing_zeros();
+        let found = match index.get(offset >> shift) {
+            None | Some(0) => None,
+            Some(&w) => Some((
+                ((w & 0xffff_ffff) as usize - 1) << shift,
+                ((w >> 32) as usize) << shift,
+            )),
+        };
+        debug_assert_eq!(found, self.chunk_at_searched(offset), "the flat index");
+        found
+    }
+
+    /// [`chunk_at`](Self::chunk_at) by a search of the tree.
+    fn chunk_at_searched(&self, offset: usize) -> Option<(usize, usize)> {
         match self.entries.range(..=offset).next_back() {
             Some((&k, e)) if k + e.bytes > offset => Some((k, e.bytes)),
             _ => None,
@@ -541,6 +593,24 @@ impl<C> ChunkTable<C> {
                 self.len,
                 self.mapped_prefix()
             ));
+        }
+        if let Some(index) = &self.index {
+            let shift = self.granularity.trailing_zeros();
+            let mut at = 0;
+            for (&o, e) in &self.entries {
+                let (g, n) = (o >> shift, e.bytes >> shift);
+                let word = (g as u64 + 1) | ((n as u64) << 32);
+                if index[at..g].iter().any(|&w| w != 0) {
+                    return Err(format!("the flat index maps a hole before {o:#x}"));
+                }
+                if index[g..g + n].iter().any(|&w| w != word) {
+                    return Err(format!("the flat index is wrong over the chunk at {o:#x}"));
+                }
+                at = g + n;
+            }
+            if index[at..].iter().any(|&w| w != 0) {
+                return Err("the flat index maps a hole at the end".into());
+            }
         }
         Ok(())
     }

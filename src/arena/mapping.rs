@@ -127,7 +127,7 @@ impl<B: Backend> Shared<B> {
         let State { zones, region, .. } = st;
         let table = &region.table;
         zones[z].take_sparing(size, key, |end| {
-            end < table.reserved() && table.overlapping(end..end + 1).next().is_none()
+            end < table.reserved() && table.chunk_at(end).is_none()
         })
     }
 

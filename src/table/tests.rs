@@ -100,6 +100,9 @@ enum Op {
     Remove(usize),
     SetLen(usize),
     Place(usize, bool),
+    /// Replaces the chunk at a granule and the one right after it with one
+    /// chunk over both (as a sleep regroups chunks).
+    Join(usize),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -108,6 +111,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..GRANULES + 2).prop_map(Op::Remove),
         1 => (0..(GRANULES + 2) * G).prop_map(Op::SetLen),
         1 => (0..GRANULES, any::<bool>()).prop_map(|(s, h)| Op::Place(s, h)),
+        1 => (0..GRANULES).prop_map(Op::Join),
     ]
 }
 
@@ -233,10 +237,49 @@ proptest! {
                     }
                     t.set_placement(s * G, place(h));
                 }
+                Op::Join(s) => {
+                    let Some((start, p)) = m.granules[s] else { continue };
+                    if start != s {
+                        continue;
+                    }
+                    let n = m.chunk_len(s);
+                    let Some(Some((next, q))) = m.granules.get(s + n).copied() else { continue };
+                    if next != s + n || q != p {
+                        continue;
+                    }
+                    let k = m.chunk_len(next);
+                    for g in &mut m.granules[s..s + n + k] {
+                        *g = Some((s, p));
+                    }
+                    let old = t.replace(s * G, (n + k) * G, vec![(s * G, Entry::new(s as u32, (n + k) * G, p))]);
+                    prop_assert_eq!(old.len(), 2);
+                }
             }
             agree(&t, &m);
         }
     }
+}
+
+/// A reservation of more granules than the flat index keeps: `chunk_at`
+/// searches the tree instead, with the same answers.
+#[test]
+fn a_table_too_large_for_the_flat_index_still_finds_its_chunks() {
+    let granules = INDEX_MAX + 8;
+    let mut t = ChunkTable::<u32>::new(granules * G, G).unwrap();
+    assert!(t.index.is_none());
+    let far = (granules - 4) * G;
+    t.insert(G, Entry::new(1, 3 * G, Location::Device(0)))
+        .unwrap();
+    t.insert(far, Entry::new(2, 2 * G, Location::Host)).unwrap();
+    assert_eq!(t.chunk_at(0), None);
+    assert_eq!(t.chunk_at(G), Some((G, 3 * G)));
+    assert_eq!(t.chunk_at(4 * G - 1), Some((G, 3 * G)));
+    assert_eq!(t.chunk_at(4 * G), None);
+    assert_eq!(t.chunk_at(far + G + 5), Some((far, 2 * G)));
+    t.check().unwrap();
+    assert!(t.remove(G).is_some());
+    assert_eq!(t.chunk_at(2 * G), None);
+    t.check().unwrap();
 }
 
 #[test]
