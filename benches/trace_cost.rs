@@ -8,6 +8,10 @@
 //! free chunks stay mapped), then `PASSES` times more, each event timed.
 //! The default trace is FSDP on one H100 (`scripts/dist_train.py --nproc 1
 //! --modes fsdp`, `VMMBUF_TORCH_TRACE`): 721 allocs and frees a step.
+//!
+//! `--cold MIB` writes MIB MiB of other memory before every fourth call,
+//! which alone is timed (one timed pass): the caches a training step's
+//! Python and launches evict between two allocator calls.
 
 use std::collections::HashMap;
 use std::io::BufReader;
@@ -22,10 +26,37 @@ const PASSES: usize = 5;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args()
         .skip(1)
+        .scan(false, |after_cold, a| {
+            let skip = std::mem::replace(after_cold, a == "--cold");
+            Some((!skip).then_some(a))
+        })
+        .flatten()
         .find(|a| !a.starts_with('-'))
         .unwrap_or_else(|| "traces/torch-fsdp-h100.csv.gz".into());
     let file = std::fs::File::open(&path)?;
     let events = parse_trace(BufReader::new(flate2::read::GzDecoder::new(file)))?;
+    let args: Vec<String> = std::env::args().collect();
+    let cold_mib: usize = args
+        .iter()
+        .position(|a| a == "--cold")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(0);
+    let passes = if cold_mib > 0 { 1 } else { PASSES };
+    let mut evict = vec![0u64; cold_mib << 17];
+    let mut round = 0u64;
+    let mut calls = 0usize;
+    // Whether this call is timed: every call warm, every fourth cold.
+    let mut timed = |cold: bool| {
+        calls += 1;
+        !cold || calls.is_multiple_of(4)
+    };
+    let mut cool = || {
+        round += 1;
+        for (i, w) in evict.iter_mut().enumerate().step_by(8) {
+            *w = w.wrapping_add(round ^ i as u64);
+        }
+        std::hint::black_box(&evict);
+    };
     raise_fd_limit();
     let host = HostBackend::with_granularity(2 << 20)?;
     let mut desc = ArenaDesc::new(256 << 30);
@@ -35,7 +66,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut alloc_ns = Vec::new();
     let mut free_ns = Vec::new();
     let mut grown = 0;
-    for pass in 0..=PASSES {
+    for pass in 0..=passes {
         if pass == 1 {
             grown = arena.stats().num_device_alloc;
         }
@@ -45,20 +76,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 TraceEvent::Alloc { id, bytes, stream } => {
                     let n = streams.len() as u64;
                     let s = streams.entry(stream).or_insert(HostStream(n));
+                    let timed = pass > 0 && timed(cold_mib > 0);
+                    if timed && cold_mib > 0 {
+                        cool();
+                    }
                     let t = Instant::now();
                     let a = arena.alloc(bytes.max(1), s)?;
                     let dt = t.elapsed().as_nanos() as u64;
-                    if pass > 0 {
+                    if timed {
                         alloc_ns.push(dt);
                     }
                     live.insert(id, a);
                 }
                 TraceEvent::Free { id } => {
                     if let Some(a) = live.remove(&id) {
+                        let timed = pass > 0 && timed(cold_mib > 0);
+                        if timed && cold_mib > 0 {
+                            cool();
+                        }
                         let t = Instant::now();
                         drop(a);
                         let dt = t.elapsed().as_nanos() as u64;
-                        if pass > 0 {
+                        if timed {
                             free_ns.push(dt);
                         }
                     }
@@ -68,7 +107,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let stats = arena.stats();
     println!(
-        "{path}: {} events, {PASSES} timed passes after one that grows; chunks mapped in the timed passes: {}",
+        "{path}: {} events, {passes} timed passes (caches evicted before each call: {cold_mib} MiB) after one that grows; chunks mapped in the timed passes: {}",
         events.len(),
         stats.num_device_alloc - grown
     );
