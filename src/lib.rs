@@ -86,6 +86,7 @@ mod arena;
 mod backend;
 mod buffer;
 mod error;
+pub mod hash;
 pub mod hook;
 #[cfg(target_os = "linux")]
 pub mod ipc;

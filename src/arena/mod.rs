@@ -270,7 +270,9 @@ struct State<B: Backend> {
     zones: [Blocks<Mark<B::Fence>>; 2],
     /// Where the large zone starts: the small one is `[0, small_end)`.
     small_end: usize,
-    live: BTreeMap<usize, Live<B::Fence>>,
+    /// Live allocations by offset: a hash map, consulted at every alloc
+    /// and free (with cold caches a tree costs several misses a call).
+    live: crate::hash::QuickMap<usize, Live<B::Fence>>,
     /// Allocated bytes per chunk: the inactive split, kept per operation.
     split: SplitCount,
     stats: ArenaStats,
@@ -431,7 +433,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                         [Blocks::joining(), Blocks::joining()]
                     },
                     small_end: round_up(reserved / 8, g).unwrap_or(reserved).min(reserved),
-                    live: BTreeMap::new(),
+                    live: Default::default(),
                     graphs: BTreeMap::new(),
                     split: SplitCount::default(),
                     stats: ArenaStats::default(),

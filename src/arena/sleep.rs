@@ -603,6 +603,10 @@ impl<B: Backend> Shared<B> {
             return Err(e);
         }
         hold.keep();
+        // Live allocations in address order (the map is not ordered).
+        let mut by_offset: Vec<(usize, usize)> =
+            st.live.iter().map(|(&x, l)| (x, l.size)).collect();
+        by_offset.sort_unstable();
         // Every byte of a run that no live allocation holds is free again
         // (the frees made while asleep were waited for above).
         for &(o, b) in &asleep.runs {
@@ -617,13 +621,13 @@ impl<B: Backend> Shared<B> {
             };
             // Live allocations do not overlap: of those starting before the
             // run, only the last may reach into it.
-            let mut held: Vec<(usize, usize)> = st
-                .live
-                .range(..o)
-                .next_back()
-                .into_iter()
-                .chain(st.live.range(o..o + b))
-                .map(|(&x, l)| (x, l.size))
+            let (from, to) = (
+                by_offset.partition_point(|&(x, _)| x < o),
+                by_offset.partition_point(|&(x, _)| x < o + b),
+            );
+            let mut held: Vec<(usize, usize)> = by_offset[from.saturating_sub(1)..to]
+                .iter()
+                .copied()
                 .filter_map(cut)
                 .collect();
             held.extend(asleep.lost.iter().copied().filter_map(cut));

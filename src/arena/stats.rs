@@ -1,6 +1,5 @@
 //! The arena's counters and snapshots, as plain data with tables for people.
 
-use std::collections::HashMap;
 use std::fmt;
 
 use crate::report::Bytes;
@@ -20,7 +19,7 @@ use crate::table::ChunkTable;
 pub(super) struct SplitCount {
     /// Chunk offset -> allocated bytes in it, for chunks allocated in part
     /// (never 0, never the whole chunk).
-    allocated: HashMap<usize, usize>,
+    allocated: crate::hash::QuickMap<usize, usize>,
     /// Sum over chunks holding allocated bytes of their free bytes.
     inactive_split: usize,
 }

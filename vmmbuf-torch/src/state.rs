@@ -12,6 +12,9 @@ use cudarc::driver::{sys, CudaStream};
 use parking_lot::{Mutex, RwLock};
 use vmmbuf::cuda::CudaAllocation;
 use vmmbuf::cuda::{capture_of, Capture};
+// The maps malloc and free consult at every call (addresses, stream
+// handles, tags) hash with one multiply per word.
+use vmmbuf::hash::QuickMap;
 use vmmbuf::stats::ArenaStats;
 use vmmbuf::{
     Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, GraphPoolId, Location,
@@ -19,44 +22,6 @@ use vmmbuf::{
 };
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
-
-/// A hasher for the maps malloc and free consult at every call (addresses,
-/// stream handles, tags): one multiply per word, where the standard
-/// library's SipHash, built to resist keys chosen by an attacker, costs
-/// several times that. These keys come from the driver and the caller.
-#[derive(Clone, Copy, Default)]
-struct Quick(u64);
-
-impl std::hash::Hasher for Quick {
-    fn finish(&self) -> u64 {
-        // The product's low bits are poor (an address aligned to 512 B
-        // leaves the low 9 at zero), and the table picks a bucket by its
-        // low bits: rotate the well-mixed high bits down, as rustc-hash 2
-        // does.
-        self.0.rotate_left(26)
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for c in bytes.chunks(8) {
-            let mut w = [0u8; 8];
-            w[..c.len()].copy_from_slice(c);
-            self.write_u64(u64::from_le_bytes(w));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        // FxHash's step: rotate, mix in the word, multiply by an odd
-        // constant. The top bits (which hashbrown uses for its tags) then
-        // depend on every bit of the word.
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-}
-
-type QuickMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<Quick>>;
 
 /// Address space each tag's arena reserves on a device (no memory until
 /// used).
@@ -863,34 +828,7 @@ static HOST_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsi
 
 #[cfg(test)]
 mod tests {
-    use super::{Captures, Quick};
-
-    #[test]
-    fn the_quick_hash_spreads_aligned_addresses_over_buckets() {
-        use std::hash::{BuildHasher, BuildHasherDefault};
-        let b = BuildHasherDefault::<Quick>::default();
-        // 4096 allocations 512 B apart, and 4096 streams 64 B apart: the
-        // low 10 bits (a 1024-bucket table's index) and the top 7 (the
-        // table's tags) must take many values.
-        for step in [512usize, 64, 2 << 20] {
-            let mut low = std::collections::HashSet::new();
-            let mut top = std::collections::HashSet::new();
-            for i in 0..4096usize {
-                let h = b.hash_one(0x7f00_0000_0000usize + i * step);
-                low.insert(h & 1023);
-                top.insert(h >> 57);
-            }
-            assert!(
-                low.len() > 900,
-                "step {step}: {} of 1024 buckets",
-                low.len()
-            );
-            assert_eq!(top.len(), 128, "step {step}");
-        }
-        // Strings hash by all their bytes.
-        assert_ne!(b.hash_one("weights"), b.hash_one("weightz"));
-        assert_ne!(b.hash_one(""), b.hash_one("a"));
-    }
+    use super::Captures;
 
     #[test]
     fn captures_are_asked_about_until_announced_and_while_one_is_under_way() {
