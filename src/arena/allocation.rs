@@ -211,6 +211,16 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
             }
         }
         st.live.remove(&self.offset);
+        // Its use list (emptied above, and now held by nothing else: the
+        // arena's entry just went, views borrow the allocation) serves the
+        // next allocation.
+        if Arc::strong_count(&self.uses) == 1
+            && Arc::weak_count(&self.uses) == 0
+            && st.spare_uses.len() < super::SPARE_USES
+            && self.uses.is_empty()
+        {
+            st.spare_uses.push(self.uses.clone());
+        }
         st.stats.num_frees += 1;
         st.allocated -= self.size;
         st.requested -= self.requested;

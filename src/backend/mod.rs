@@ -322,6 +322,11 @@ impl<F> Uses<F> {
         self.fences.lock().each(f)
     }
 
+    /// Whether no fence is recorded.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.fences.lock().is_empty()
+    }
+
     /// Every recorded fence, taken out, leaving none.
     pub(crate) fn take(&self) -> FenceSet<F> {
         std::mem::take(&mut *self.fences.lock())
