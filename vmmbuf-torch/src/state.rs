@@ -525,9 +525,12 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let mut d = d.lock();
     d.release_graphs();
     let a = d.live.remove(&(ptr as usize)).ok_or_else(unknown)?;
-    let s = d.stream(stream);
+    // PyTorch frees on the allocation's own stream: then its handle is the
+    // allocation's, and the stream map is not consulted.
+    let s =
+        (!std::ptr::eq(a.stream().cu_stream().cast::<c_void>(), stream)).then(|| d.stream(stream));
     let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
-    let other = key(&s) != key(a.stream());
+    let other = s.as_ref().filter(|s| key(s) != key(a.stream()));
     // Freed while its stream (or the one named) is captured: no fence can
     // be recorded there, and the graph may use the bytes in every replay,
     // so they are the graph's until CUDA destroys it. Each stream is asked
@@ -539,21 +542,25 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
         })
     };
     let own = ask(a.stream());
-    let named = if other { ask(&s) } else { None };
+    let named = other.and_then(ask);
     match own.as_ref().or(named.as_ref()) {
         Some(c) => {
             let g = d.graph_pool(c)?;
             // The stream not being captured, if any, gets a real fence.
-            if other && own.is_none() {
-                a.record_use(d.backend.fence(a.stream())?);
-            }
-            if other && named.is_none() {
-                a.record_use(d.backend.fence(&s)?);
+            if let Some(other) = other {
+                if own.is_none() {
+                    a.record_use(d.backend.fence(a.stream())?);
+                }
+                if named.is_none() {
+                    a.record_use(d.backend.fence(other)?);
+                }
             }
             a.free_into_graph(g);
         }
         None => {
-            a.record_stream(&s);
+            if let Some(other) = other {
+                a.record_stream(other);
+            }
             drop(a);
         }
     }
