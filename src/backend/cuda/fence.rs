@@ -11,7 +11,8 @@ pub struct CudaFence {
     /// `None` only while dropping.
     pub(super) event: Option<CudaEvent>,
     pub(super) key: crate::StreamKey,
-    pub(super) spares: std::sync::Weak<Mutex<Vec<CudaEvent>>>,
+    /// The backend's spare events, each with its context's handle.
+    pub(super) spares: std::sync::Weak<Mutex<Vec<(u64, CudaEvent)>>>,
 }
 
 impl Drop for CudaFence {
@@ -20,7 +21,9 @@ impl Drop for CudaFence {
         if let (Some(e), Some(spares)) = (self.event.take(), self.spares.upgrade()) {
             let mut v = spares.lock();
             if v.len() < 256 {
-                v.push(e);
+                // The key's first half is the event's context: recorded on
+                // a stream of that context.
+                v.push((self.key.0, e));
             }
         }
     }

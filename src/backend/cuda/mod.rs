@@ -48,7 +48,7 @@ pub struct CudaBackend {
     /// Where the backend's own copies (migration) are ordered.
     stream: Arc<CudaStream>,
     /// Events of dropped fences, recorded again by the next ones.
-    spare_events: Arc<Mutex<Vec<CudaEvent>>>,
+    spare_events: Arc<Mutex<Vec<(u64, CudaEvent)>>>,
     counters: Arc<Counters>,
     /// Where its default pool lives (see [`Backend::pool_slot`]).
     pool_slot: super::PoolSlot,
@@ -324,12 +324,14 @@ impl CudaBackend {
     pub fn fence(&self, stream: &CudaStream) -> Result<CudaFence> {
         // A recycled event of this context if there is one: creating and
         // destroying an event per fence costs more than the fence.
+        // Spares carry their context's handle: matching one reads no
+        // event's context (a miss with cold caches). The latest returned
+        // is tried first: its memory is the likeliest still cached.
+        let key = stream_key(stream);
         let spare = {
             let mut spares = self.spare_events.lock();
-            let at = spares
-                .iter()
-                .position(|e| e.context().cu_ctx() == stream.context().cu_ctx());
-            at.map(|i| spares.swap_remove(i))
+            let at = spares.iter().rposition(|(ctx, _)| *ctx == key.0);
+            at.map(|i| spares.swap_remove(i).1)
         };
         let event = match spare {
             Some(e) => {
@@ -340,7 +342,7 @@ impl CudaBackend {
         };
         Ok(CudaFence {
             event: Some(event),
-            key: stream_key(stream),
+            key,
             spares: Arc::downgrade(&self.spare_events),
         })
     }
