@@ -12,9 +12,10 @@ use crate::table::ChunkTable;
 /// the list holds no allocated byte or is allocated whole, and neither
 /// counts. Which of the two an operation tells: a freed range's chunks held
 /// its bytes, an allocated range's chunks did not. So an operation costs
-/// time logarithmic in the chunks mapped, whatever its size (issue 24:
-/// walking each chunk of a 70 MiB tensor at every alloc and free was half
-/// of the allocator's time under FSDP).
+/// two chunk lookups (one word each in the table's flat index, a tree
+/// search in tables too large for one) and two map updates, whatever its
+/// size (issue 24: walking each chunk of a 70 MiB tensor at every alloc
+/// and free was half of the allocator's time under FSDP).
 #[derive(Debug, Default)]
 pub(super) struct SplitCount {
     /// Chunk offset -> allocated bytes in it, for chunks allocated in part
