@@ -128,6 +128,14 @@ pub(crate) struct ChunkTable<C> {
 /// 2 MiB granularity is 512 Ki granules).
 const INDEX_MAX: usize = 1 << 21;
 
+/// The flat index's word for a granule of the chunk that starts at granule
+/// `g` and spans `n`: `g + 1` in the low half (0 means no chunk), `n` in
+/// the high half. Both fit in 32 bits: an index has at most [`INDEX_MAX`]
+/// granules.
+fn index_word(g: usize, n: usize) -> u64 {
+    (g as u64 + 1) | ((n as u64) << 32)
+}
+
 impl<C> ChunkTable<C> {
     /// An empty table over a reservation of `reserved` bytes whose chunks are
     /// multiples of `granularity` (a power of two dividing `reserved`).
@@ -258,13 +266,7 @@ impl<C> ChunkTable<C> {
             return;
         };
         let (g, n) = (offset >> shift, bytes >> shift);
-        // Both fit in 32 bits: the index has at most INDEX_MAX granules.
-        let word = if mapped {
-            (g as u64 + 1) | ((n as u64) << 32)
-        } else {
-            0
-        };
-        index[g..g + n].fill(word);
+        index[g..g + n].fill(if mapped { index_word(g, n) } else { 0 });
     }
 
     /// Forgets every chunk that starts at or past `from` (none of them may
@@ -599,7 +601,7 @@ impl<C> ChunkTable<C> {
             let mut at = 0;
             for (&o, e) in &self.entries {
                 let (g, n) = (o >> shift, e.bytes >> shift);
-                let word = (g as u64 + 1) | ((n as u64) << 32);
+                let word = index_word(g, n);
                 if index[at..g].iter().any(|&w| w != 0) {
                     return Err(format!("the flat index maps a hole before {o:#x}"));
                 }
