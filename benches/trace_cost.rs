@@ -24,38 +24,44 @@ use vmmbuf::{Allocation, Arena, ArenaDesc, HostBackend};
 const PASSES: usize = 5;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args()
-        .skip(1)
-        .scan(false, |after_cold, a| {
-            let skip = std::mem::replace(after_cold, a == "--cold");
-            Some((!skip).then_some(a))
-        })
-        .flatten()
-        .find(|a| !a.starts_with('-'))
-        .unwrap_or_else(|| "traces/torch-fsdp-h100.csv.gz".into());
-    let file = std::fs::File::open(&path)?;
-    let events = parse_trace(BufReader::new(flate2::read::GzDecoder::new(file)))?;
-    let args: Vec<String> = std::env::args().collect();
-    let cold_mib: usize = args
-        .iter()
-        .position(|a| a == "--cold")
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cold_at = args.iter().position(|a| a == "--cold");
+    let cold_mib: usize = cold_at
         .and_then(|i| args.get(i + 1)?.parse().ok())
         .unwrap_or(0);
+    // The first argument that is neither a flag nor --cold's value.
+    let path = args
+        .iter()
+        .enumerate()
+        .find(|&(i, a)| !a.starts_with('-') && cold_at.map(|c| c + 1) != Some(i))
+        .map_or_else(
+            || "traces/torch-fsdp-h100.csv.gz".into(),
+            |(_, a)| a.clone(),
+        );
+    let file = std::fs::File::open(&path)?;
+    let events = parse_trace(BufReader::new(flate2::read::GzDecoder::new(file)))?;
     let passes = if cold_mib > 0 { 1 } else { PASSES };
     let mut evict = vec![0u64; cold_mib << 17];
-    let mut round = 0u64;
-    let mut calls = 0usize;
-    // Whether this call is timed: every call warm, every fourth cold.
-    let mut timed = |cold: bool| {
+    let (mut calls, mut round) = (0usize, 0u64);
+    // Before a call of pass `pass`: whether to time it (every call of a
+    // timed pass warm; cold, every fourth, after evicting the caches).
+    let mut before_call = |pass: usize| {
+        if pass == 0 {
+            return false;
+        }
+        if cold_mib == 0 {
+            return true;
+        }
         calls += 1;
-        !cold || calls.is_multiple_of(4)
-    };
-    let mut cool = || {
+        if !calls.is_multiple_of(4) {
+            return false;
+        }
         round += 1;
         for (i, w) in evict.iter_mut().enumerate().step_by(8) {
             *w = w.wrapping_add(round ^ i as u64);
         }
         std::hint::black_box(&evict);
+        true
     };
     raise_fd_limit();
     let host = HostBackend::with_granularity(2 << 20)?;
@@ -76,10 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 TraceEvent::Alloc { id, bytes, stream } => {
                     let n = streams.len() as u64;
                     let s = streams.entry(stream).or_insert(HostStream(n));
-                    let timed = pass > 0 && timed(cold_mib > 0);
-                    if timed && cold_mib > 0 {
-                        cool();
-                    }
+                    let timed = before_call(pass);
                     let t = Instant::now();
                     let a = arena.alloc(bytes.max(1), s)?;
                     let dt = t.elapsed().as_nanos() as u64;
@@ -90,10 +93,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
                 TraceEvent::Free { id } => {
                     if let Some(a) = live.remove(&id) {
-                        let timed = pass > 0 && timed(cold_mib > 0);
-                        if timed && cold_mib > 0 {
-                            cool();
-                        }
+                        let timed = before_call(pass);
                         let t = Instant::now();
                         drop(a);
                         let dt = t.elapsed().as_nanos() as u64;
@@ -107,7 +107,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let stats = arena.stats();
     println!(
-        "{path}: {} events, {passes} timed passes (caches evicted before each call: {cold_mib} MiB) after one that grows; chunks mapped in the timed passes: {}",
+        "{path}: {} events, {passes} timed passes (caches evicted before each timed call: {cold_mib} MiB) after one that grows; chunks mapped in the timed passes: {}",
         events.len(),
         stats.num_device_alloc - grown
     );
