@@ -11,7 +11,7 @@ use vmmbuf::{
 };
 
 use crate::common::gpu;
-use crate::cuda_only::{pattern, Kernels};
+use crate::cuda_only::{counted, pattern, Kernels};
 
 crate::register! {
     host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena],
@@ -127,9 +127,8 @@ fn cuda_frees_are_stream_ordered() {
             // (Later rounds have other free blocks of the same size to pick.)
             assert_eq!(again.address(), at, "A reuses its own free at once");
         }
-        sa.synchronize().unwrap();
         assert_eq!(
-            sa.clone_dtoh(&bad).unwrap()[0],
+            counted(&sa, &bad, &format!("round {round}: A")),
             0,
             "round {round}: the kernel read intact data"
         );

@@ -105,6 +105,20 @@ DONE:
 }
 "#;
 
+/// Waits for `stream`'s work (panicking with `what` if a kernel there
+/// died) and reads the mismatch counter `bad` that a check queued on it
+/// filled: 0 when every word read as written.
+pub(crate) fn counted(
+    stream: &Arc<CudaStream>,
+    bad: &cudarc::driver::CudaSlice<u32>,
+    what: &str,
+) -> u32 {
+    stream
+        .synchronize()
+        .unwrap_or_else(|e| panic!("{what}: a kernel on the stream died: {e:?}"));
+    stream.clone_dtoh(bad).unwrap()[0]
+}
+
 pub(crate) fn pattern(idx: u64, seed: u32) -> u32 {
     let v = (idx as u32).wrapping_mul(0x9E37_79B1) ^ seed;
     v ^ (v >> 15)

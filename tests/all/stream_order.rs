@@ -6,7 +6,7 @@ use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
 use vmmbuf::{Backend, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy, Location};
 
 use crate::common::gpu;
-use crate::cuda_only::Kernels;
+use crate::cuda_only::{counted, Kernels};
 
 crate::register! {
     gpu: [rt8_a_view_fence_never_shadows_the_free_fence, deferred_free_fences_hold_blocks_until_the_kernel_finishes, waiting_before_growth_hands_a_block_over_only_after_its_kernel, offload_waits_for_a_view_kernel_on_another_stream, a_deferred_release_waits_for_a_view_kernel_on_another_stream, shrink_migrate_and_drop_wait_for_view_kernels_100_times, reads_and_foreign_stream_copies_are_ordered],
@@ -32,10 +32,8 @@ fn a_deferred_release_waits_for_a_view_kernel_on_another_stream() {
         let bad = view_kernel(&k, &buf, &s, 2 * g, words, round, 5_000_000);
         buf.truncate(g);
         buf.shrink_to_fit_after(b.fence(&a).unwrap()).unwrap();
-        s.synchronize()
-            .unwrap_or_else(|e| panic!("round {round}: the kernel on B died: {e:?}"));
         assert_eq!(
-            s.clone_dtoh(&bad).unwrap()[0],
+            counted(&s, &bad, &format!("round {round}: B")),
             0,
             "round {round}: it read the tail intact"
         );
@@ -113,9 +111,11 @@ fn shrink_migrate_and_drop_wait_for_view_kernels_100_times() {
             }
             _ => drop(buf),
         }
-        s.synchronize()
-            .unwrap_or_else(|e| panic!("round {round}: the kernel died: {e:?}"));
-        assert_eq!(s.clone_dtoh(&bad).unwrap()[0], 0, "round {round}");
+        assert_eq!(
+            counted(&s, &bad, &format!("round {round}")),
+            0,
+            "round {round}"
+        );
     }
     assert_eq!(
         b.live().device_syncs,
@@ -210,9 +210,11 @@ fn a_peer_copy_in_flight_holds_off_the_release() {
                 "round {round}: GPU 1 still reads the tail"
             );
         }
-        s1.synchronize()
-            .unwrap_or_else(|e| panic!("round {round}: GPU 1's kernel died: {e:?}"));
-        assert_eq!(s1.clone_dtoh(&bad).unwrap()[0], 0, "round {round}");
+        assert_eq!(
+            counted(&s1, &bad, &format!("round {round}: GPU 1")),
+            0,
+            "round {round}"
+        );
         let copied = s1.clone_dtoh(&copy).unwrap();
         assert!(
             copied
@@ -267,13 +269,9 @@ fn rt8_a_view_fence_never_shadows_the_free_fence() {
             "round {round}: s2 got A's bytes before s's kernel finished"
         );
         k.fill_on(&s2, z0, 0, 2 * words, round + 77);
-        s.synchronize()
-            .unwrap_or_else(|e| panic!("round {round}: the kernel on s died: {e:?}"));
+        let what = format!("round {round}: s");
         assert_eq!(
-            (
-                s.clone_dtoh(&bad).unwrap()[0],
-                s.clone_dtoh(&bad_raw).unwrap()[0]
-            ),
+            (counted(&s, &bad, &what), counted(&s, &bad_raw, &what)),
             (0, 0),
             "round {round}: A read intact"
         );
@@ -303,10 +301,8 @@ fn offload_waits_for_a_view_kernel_on_another_stream() {
         sa.synchronize().unwrap();
         let bad = k.spin_check_view(&sb, x.view::<u32>(&sb).unwrap(), words, round, 50_000_000);
         arena.offload(std::slice::from_ref(&sa)).unwrap();
-        sb.synchronize()
-            .unwrap_or_else(|e| panic!("round {round}: the kernel on B died: {e:?}"));
         assert_eq!(
-            sb.clone_dtoh(&bad).unwrap()[0],
+            counted(&sb, &bad, &format!("round {round}: B")),
             0,
             "round {round}: it read intact data"
         );
@@ -360,10 +356,8 @@ fn deferred_free_fences_hold_blocks_until_the_kernel_finishes() {
             k.fill_on(&s, again.address(), 0, words, round + 5);
             let bad2 = k.spin_then_check(&s, again.address(), 0, words, round + 5, 0);
             drop(again);
-            s.synchronize()
-                .unwrap_or_else(|e| panic!("round {round}: the kernels on s died: {e:?}"));
             assert_eq!(
-                s.clone_dtoh(&bad2).unwrap()[0],
+                counted(&s, &bad2, &format!("round {round}: s")),
                 0,
                 "round {round}: refilled"
             );
@@ -374,10 +368,8 @@ fn deferred_free_fences_hold_blocks_until_the_kernel_finishes() {
             arena.sleep(&live, &vmmbuf::SleepDesc::discard()).unwrap();
             arena.wake(&live, &vmmbuf::WakeDesc::default()).unwrap();
         }
-        s.synchronize()
-            .unwrap_or_else(|e| panic!("round {round}: the kernel on s died: {e:?}"));
         assert_eq!(
-            s.clone_dtoh(&bad).unwrap()[0],
+            counted(&s, &bad, &format!("round {round}: s")),
             0,
             "round {round}: A read intact"
         );
@@ -430,10 +422,8 @@ fn waiting_before_growth_hands_a_block_over_only_after_its_kernel() {
             "round {round}: no growth"
         );
         k.fill_on(&s2, z.address(), 0, words, round + 77);
-        s.synchronize()
-            .unwrap_or_else(|e| panic!("round {round}: the kernel on s died: {e:?}"));
         assert_eq!(
-            s.clone_dtoh(&bad).unwrap()[0],
+            counted(&s, &bad, &format!("round {round}: s")),
             0,
             "round {round}: A read intact"
         );
