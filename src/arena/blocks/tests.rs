@@ -343,3 +343,256 @@ proptest! {
         }
     }
 }
+
+/// One call on the free-block indexes.
+#[derive(Clone, Debug)]
+enum Call {
+    /// Free the `i`th live range: pending on a stream (with a fence
+    /// numbered `seq`), settled, or as fresh memory of a stream.
+    Free {
+        i: usize,
+        s: bool,
+        how: u8,
+        seq: u8,
+    },
+    Take(usize, bool),
+    /// Take, sparing blocks that end on a multiple of `unit * 16`.
+    TakeSparing(usize, bool, usize),
+    /// Settle the blocks whose fences are numbered below `below`.
+    Settle(u8),
+    Coalesce(bool),
+    Carve(usize, usize),
+    RemoveWithin(usize, usize),
+}
+
+/// Every block as `(offset, size, stream, fences)`.
+type Listing = Vec<(usize, usize, Option<StreamKey>, Vec<(StreamKey, u32)>)>;
+
+fn listing<'a>(it: impl Iterator<Item = (usize, &'a Free<u32>)>) -> Listing {
+    it.map(|(o, f)| (o, f.size, f.stream, listed(&f.fences)))
+        .collect()
+}
+
+/// The calls every form of the free blocks answers.
+trait Form {
+    fn insert(&mut self, o: usize, f: Free<u32>);
+    fn insert_fresh(&mut self, o: usize, n: usize, key: StreamKey);
+    fn take_sparing(
+        &mut self,
+        n: usize,
+        key: StreamKey,
+        spare: &dyn Fn(usize) -> bool,
+    ) -> Option<usize>;
+    fn settle(&mut self, done: &mut dyn FnMut(&crate::order::Stamped<u32>) -> bool) -> usize;
+    fn coalesce(&mut self, key: StreamKey) -> usize;
+    fn carve(&mut self, o: usize, n: usize) -> bool;
+    fn remove_within(&mut self, r: std::ops::Range<usize>);
+    fn listing(&self) -> Listing;
+    fn bytes(&self) -> (usize, usize);
+    fn check(&self) -> Result<(), String>;
+    fn size_at(&self, o: usize) -> usize;
+    fn ending_at(&self, o: usize) -> Option<(usize, usize)>;
+    fn covers(&self, o: usize, n: usize, settled: bool) -> bool;
+}
+
+macro_rules! form {
+    ($t:ty) => {
+        impl Form for $t {
+            fn insert(&mut self, o: usize, f: Free<u32>) {
+                <$t>::insert(self, o, f)
+            }
+            fn insert_fresh(&mut self, o: usize, n: usize, key: StreamKey) {
+                <$t>::insert_fresh(self, o, n, key)
+            }
+            fn take_sparing(
+                &mut self,
+                n: usize,
+                key: StreamKey,
+                spare: &dyn Fn(usize) -> bool,
+            ) -> Option<usize> {
+                <$t>::take_sparing(self, n, key, spare)
+            }
+            fn settle(
+                &mut self,
+                done: &mut dyn FnMut(&crate::order::Stamped<u32>) -> bool,
+            ) -> usize {
+                <$t>::settle(self, done)
+            }
+            fn coalesce(&mut self, key: StreamKey) -> usize {
+                <$t>::coalesce(self, key)
+            }
+            fn carve(&mut self, o: usize, n: usize) -> bool {
+                <$t>::carve(self, o, n)
+            }
+            fn remove_within(&mut self, r: std::ops::Range<usize>) {
+                <$t>::remove_within(self, r)
+            }
+            fn listing(&self) -> Listing {
+                listing(<$t>::iter(self))
+            }
+            fn bytes(&self) -> (usize, usize) {
+                (<$t>::free_bytes(self), <$t>::pending_bytes(self))
+            }
+            fn check(&self) -> Result<(), String> {
+                <$t>::check(self)
+            }
+            fn size_at(&self, o: usize) -> usize {
+                <$t>::size_at(self, o)
+            }
+            fn ending_at(&self, o: usize) -> Option<(usize, usize)> {
+                <$t>::ending_at(self, o).map(|(x, f)| (x, f.size))
+            }
+            fn covers(&self, o: usize, n: usize, settled: bool) -> bool {
+                <$t>::covers(self, o, n, settled)
+            }
+        }
+    };
+}
+
+form!(few::Few<u32>);
+form!(many::Many<u32>);
+form!(Blocks<u32>);
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// The two forms of the free blocks, sorted arrays and trees, answer
+    /// every call alike, and hold the same blocks with the same streams and
+    /// fences after every call; so does a `Blocks` that moves between them
+    /// at every few blocks (bounds of 3 and 1). The trees are the code as it
+    /// was before the arrays came.
+    #[test]
+    fn blocks_agree_with_each_other(calls in prop::collection::vec(prop_oneof![
+        4 => (0..32usize, any::<bool>(), 0..3u8, 0..8u8)
+            .prop_map(|(i, s, how, seq)| Call::Free { i, s, how, seq }),
+        4 => (1..64usize, any::<bool>()).prop_map(|(n, s)| Call::Take(n * 16, s)),
+        2 => (1..64usize, any::<bool>(), 1..8usize).prop_map(|(n, s, u)| Call::TakeSparing(n * 16, s, u)),
+        1 => (0..9u8).prop_map(Call::Settle),
+        1 => any::<bool>().prop_map(Call::Coalesce),
+        1 => (0..256usize, 1..32usize).prop_map(|(o, n)| Call::Carve(o * 16, n * 16)),
+        1 => (0..256usize, 1..64usize).prop_map(|(o, n)| Call::RemoveWithin(o * 16, n * 16)),
+    ], 1..120), joining in any::<bool>()) {
+        const SPACE: usize = 4096;
+        let (few, many) = if joining {
+            (few::Few::<u32>::joining(), many::Many::<u32>::joining())
+        } else {
+            (few::Few::<u32>::default(), many::Many::<u32>::default())
+        };
+        let mut forms: Vec<Box<dyn Form>> = vec![
+            Box::new(many),
+            Box::new(few),
+            Box::new(Blocks::<u32>::with_bounds(joining, 3, 1)),
+        ];
+        for b in &mut forms {
+            b.insert(0, settled(SPACE));
+        }
+        let mut live: Vec<(usize, usize)> = Vec::new();
+        let key = |s: bool| if s { S1 } else { S2 };
+        for call in calls {
+            // Each form's answer; the first form's (the trees') is the one.
+            let mut answers = Vec::new();
+            match call {
+                Call::Free { i, s, how, seq } => {
+                    if live.is_empty() {
+                        continue;
+                    }
+                    let (at, n) = live.swap_remove(i % live.len());
+                    for b in &mut forms {
+                        if how == 2 {
+                            b.insert_fresh(at, n, key(s));
+                        } else if how == 0 {
+                            b.insert(at, Free { size: n, stream: Some(key(s)), fences: fs(&[(key(s), u32::from(seq))]) });
+                        } else {
+                            b.insert(at, settled(n));
+                        }
+                    }
+                }
+                Call::Take(n, s) | Call::TakeSparing(n, s, _) => {
+                    let u = match call { Call::TakeSparing(_, _, u) => u, _ => 0 };
+                    let spare = |end: usize| u > 0 && end.is_multiple_of(u * 16);
+                    let got: Vec<Option<usize>> =
+                        forms.iter_mut().map(|b| b.take_sparing(n, key(s), &spare)).collect();
+                    answers.extend(got.iter().map(|g| format!("{g:?}")));
+                    live.extend(got[0].map(|o| (o, n)));
+                }
+                Call::Settle(below) => {
+                    for b in &mut forms {
+                        let mut done = |x: &crate::order::Stamped<u32>| x.fence < u32::from(below);
+                        answers.push(format!("{}", b.settle(&mut done)));
+                    }
+                }
+                Call::Coalesce(s) => {
+                    for b in &mut forms {
+                        answers.push(format!("{}", b.coalesce(key(s))));
+                    }
+                }
+                Call::Carve(o, n) => {
+                    for b in &mut forms {
+                        answers.push(format!("{}", b.carve(o, n)));
+                    }
+                }
+                Call::RemoveWithin(o, n) => {
+                    for b in &mut forms {
+                        b.remove_within(o..o + n);
+                    }
+                }
+            }
+            let want = forms[0].listing();
+            for (i, b) in forms.iter().enumerate() {
+                prop_assert_eq!(&answers.get(i), &answers.first(), "form {}'s answer", i);
+                prop_assert_eq!(&b.listing(), &want, "form {}'s blocks", i);
+                prop_assert_eq!(b.bytes(), forms[0].bytes(), "form {}'s byte counts", i);
+                // The same blocks, so the same verdict on the merge rule (a
+                // carve may leave two mergeable pieces side by side, in all).
+                prop_assert_eq!(b.check(), forms[0].check(), "form {}'s check", i);
+                for o in (0..=SPACE).step_by(16) {
+                    prop_assert_eq!(b.size_at(o), forms[0].size_at(o), "size_at {}", o);
+                    prop_assert_eq!(b.ending_at(o), forms[0].ending_at(o), "ending_at {}", o);
+                    for n in [0, 16, 512] {
+                        for settled in [false, true] {
+                            prop_assert_eq!(b.covers(o, n, settled), forms[0].covers(o, n, settled));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A zone that grows past the bound moves to trees, and back to arrays once
+/// few blocks are left, keeping every block as it was.
+#[test]
+fn a_zone_moves_between_the_forms_by_its_count() {
+    let mut b = Blocks::<u32>::with_bounds(false, 4, 2);
+    // Eight blocks pending on alternating streams: none merges.
+    for i in 0..8u32 {
+        let s = if i % 2 == 0 { S1 } else { S2 };
+        b.insert(
+            i as usize * 32,
+            Free {
+                size: 16,
+                stream: Some(s),
+                fences: fs(&[(s, i)]),
+            },
+        );
+        assert_eq!(b.in_trees(), i >= 4, "after {} blocks", i + 1);
+        b.check().unwrap();
+    }
+    let before = listing(b.iter());
+    assert_eq!(before.len(), 8);
+    // Taking all but one block of S1 leaves 5: still trees (not below 2).
+    for _ in 0..3 {
+        assert!(b.take(16, S1).is_some());
+    }
+    assert!(b.in_trees());
+    for _ in 0..4 {
+        assert!(b.take(16, S2).is_some());
+    }
+    assert!(!b.in_trees(), "one block left: back to arrays");
+    let after = listing(b.iter());
+    assert_eq!(
+        after,
+        vec![before[6].clone()],
+        "the block left is S1's last, as it was"
+    );
+    b.check().unwrap();
+}
