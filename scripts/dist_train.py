@@ -310,22 +310,29 @@ def run_all(a):
     print(f"\n{'mode':<5} {'allocator':<12} {'step ms':>8} {'vs native':>9} {'peak alloc MiB':>15} "
           f"{'peak taken MiB':>15} {'utilization':>11} {'losses = native':>16}")
     for mode in modes:
-        base = statistics.median(r[0]["median_step_ms"] for r in runs[(mode, "native")])
-        ref = runs[(mode, "native")][0]
+        # Without native among the allocators (comparing builds of one),
+        # there is nothing to compare with: "-".
+        natives = runs.get((mode, "native"))
+        base = statistics.median(r[0]["median_step_ms"] for r in natives) if natives else None
+        ref = natives[0] if natives else None
         for alloc in allocs:
             rs = runs[(mode, alloc)]
             step = statistics.median(r[0]["median_step_ms"] for r in rs)
             peak = max(max(x["peak_allocated"] for x in r) for r in rs)
             taken = max(max(x["peak_taken"] for x in r) for r in rs)
             util = statistics.median(min(x["utilization"] for x in r) for r in rs)
-            same = all(r[k]["losses"] == ref[k]["losses"] for r in rs for k in range(a.nproc))
-            row = {"mode": mode, "alloc": alloc, "median_step_ms": step, "vs_native": step / base,
+            same = (all(r[k]["losses"] == ref[k]["losses"] for r in rs for k in range(a.nproc))
+                    if ref else None)
+            vs = step / base if base else None
+            row = {"mode": mode, "alloc": alloc, "median_step_ms": step, "vs_native": vs,
                    "peak_allocated": peak, "peak_taken": taken, "utilization": util,
                    "losses_equal_native": same,
                    "step_ms_per_round": [r[0]["median_step_ms"] for r in rs]}
             table.append(row)
-            print(f"{mode:<5} {alloc:<12} {step:8.2f} {step / base:9.3f} {peak / 2**20:15.0f} "
-                  f"{taken / 2**20:15.0f} {util:11.3f} {str(same):>16}")
+            vs_s = f"{vs:9.3f}" if vs is not None else f"{'-':>9}"
+            same_s = str(same) if same is not None else "-"
+            print(f"{mode:<5} {alloc:<12} {step:8.2f} {vs_s} {peak / 2**20:15.0f} "
+                  f"{taken / 2**20:15.0f} {util:11.3f} {same_s:>16}")
     print("\nvmmbuf's CPU cost per step (rank 0, median over rounds): malloc ms, free ms, "
           "allocs, frees, fence queries, chunks mapped")
     for mode in modes:
