@@ -67,8 +67,9 @@ impl<F> Free<F> {
 /// Kept in one of two forms, switched by the count. A zone holds few
 /// blocks in practice (replaying PyTorch's traces: 11 on average, 28-63 at
 /// most), and for those sorted arrays ([`few::Few`]) touch a few contiguous
-/// cache lines where trees walk and shift several nodes: an allocator call
-/// made with cold caches missed about a third less. But each array update
+/// cache lines where trees walk and shift several nodes (with cold caches,
+/// FSDP's trace: a quarter fewer simulated misses an alloc, a tenth fewer
+/// a free; issue 24, seventh pass). But each array update
 /// shifts the tail, so past [`TO_MANY`] blocks the zone moves to two trees
 /// ([`many::Many`], O(log n) a call), and back below [`TO_FEW`]. Both
 /// answer every call alike (`blocks_agree_with_each_other`); a move keeps
@@ -88,9 +89,11 @@ enum Form<F> {
 }
 
 /// Blocks past which a zone moves to trees: with more, a shift of the
-/// arrays costs more than a tree's walk (a free and an alloc of 4 KiB,
-/// warm, on a zone of 500 free blocks that cannot merge: 567 ns a pair in
-/// arrays against 402 ns in trees; with 32 blocks, 252 against 408).
+/// arrays costs more than a tree's walk. Warm alloc/free pairs of 4 KiB on
+/// a zone of free blocks that cannot merge (`benches/fragmented.rs`'s
+/// pattern), arrays alone against trees alone: 32 blocks 252 against 408
+/// ns, 128 blocks 346 against 364, 256 blocks 452 against 366, 500 blocks
+/// 567 against 402.
 const TO_MANY: usize = 128;
 
 /// Blocks below which a zone in trees moves back to arrays (apart from
