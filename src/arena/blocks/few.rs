@@ -2,7 +2,7 @@
 //! holds in practice (see [`Few`]).
 
 use super::{merge, Free, StreamKey};
-use crate::order::{FenceSet, Stamped};
+use crate::order::FenceSet;
 
 /// Who may take a free block now, kept in the size index so that the
 /// best-fit search reads no block: any stream (settled), one stream (its
@@ -92,7 +92,7 @@ impl<F> Few<F> {
     /// Less fragmentation for memory that stays mapped; but the settled part
     /// cannot be unmapped until then, so an arena that gives free chunks
     /// back before mapping keeps the two apart (and joins them only on a
-    /// miss, [`Few::coalesce`]).
+    /// miss, [`Blocks::coalesce`](super::Blocks::coalesce)).
     pub(crate) fn joining() -> Self {
         Self {
             join_settled: true,
@@ -135,26 +135,6 @@ impl<F> Few<F> {
     /// Every block, by offset.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (usize, &Free<F>)> + '_ {
         (0..self.by_offset.len()).map(|i| self.nth(i))
-    }
-
-    /// The block with the largest offset at or below `offset`.
-    fn at_or_before(&self, offset: usize) -> Option<(usize, &Free<F>)> {
-        let n = self.by_offset.partition_point(|&(o, _)| o <= offset);
-        n.checked_sub(1).map(|i| self.nth(i))
-    }
-
-    /// True if one free block (a settled one, with `settled`) covers
-    /// `[offset, offset + size)`.
-    pub(crate) fn covers(&self, offset: usize, size: usize, settled: bool) -> bool {
-        self.at_or_before(offset)
-            .is_some_and(|(o, f)| o + f.size >= offset + size && (!settled || f.settled()))
-    }
-
-    /// The size of the free block that holds `offset`, or 0.
-    pub(crate) fn size_at(&self, offset: usize) -> usize {
-        self.at_or_before(offset)
-            .filter(|(o, f)| o + f.size > offset)
-            .map_or(0, |(_, f)| f.size)
     }
 
     /// The free block that ends exactly at `end`, if any.
@@ -351,88 +331,6 @@ impl<F> Few<F> {
         Some(e.offset)
     }
 
-    /// Joins each of `key`'s pending blocks with its settled neighbours, so
-    /// that `key` may use them as one block at once (other streams once the
-    /// fences pass). For when `key` finds no block that fits and blocks are
-    /// not [joining](Self::joining) as they are inserted: the GPU lags the
-    /// CPU, so free blocks settle in patches, and a large request may fit
-    /// only across a settled and a pending neighbour (a conv net trained on
-    /// one stream on an H100 mapped 4.1 GiB for a 3.1 GiB peak without
-    /// this; 3.3 GiB when every fence had passed). Returns how many joined.
-    pub(crate) fn coalesce(&mut self, key: StreamKey) -> usize {
-        let joinable = |a: &Free<F>, b: &Free<F>| {
-            (a.settled() && b.stream == Some(key) && !b.settled())
-                || (b.settled() && a.stream == Some(key) && !a.settled())
-        };
-        let mut pairs = Vec::new();
-        let mut prev: Option<(usize, &Free<F>)> = None;
-        for (o, f) in self.iter() {
-            if let Some((po, p)) = prev {
-                if po + p.size == o && joinable(p, f) {
-                    pairs.push(po);
-                }
-            }
-            prev = Some((o, f));
-        }
-        // Right to left, so each left offset still names a block.
-        let mut joined = 0;
-        for &left in pairs.iter().rev() {
-            let Some(l) = self.unlink(left) else {
-                continue;
-            };
-            let right = left + l.size;
-            let Some(r) = self.unlink(right) else {
-                unreachable!("both blocks were listed");
-            };
-            self.link(left, merge(l, r, self.join_settled));
-            joined += 1;
-        }
-        joined
-    }
-
-    /// Marks every block whose fences `done` says have passed as settled,
-    /// and merges settled neighbours. Returns how many settled.
-    /// Blocks are asked in the order of their fences' numbers, oldest
-    /// first, so that once `done` has seen a stream's fence not passed it
-    /// need not ask of the later ones (`order::NotYet`).
-    pub(crate) fn settle(&mut self, mut done: impl FnMut(&Stamped<F>) -> bool) -> usize {
-        let mut pending: Vec<(u64, usize, &Free<F>)> = self
-            .iter()
-            .filter(|(_, f)| !f.settled())
-            .map(|(o, f)| (f.fences.iter().map(|x| x.seq).max().unwrap_or(0), o, f))
-            .collect();
-        pending.sort_unstable_by_key(|&(seq, o, _)| (seq, o));
-        let ready: Vec<usize> = pending
-            .into_iter()
-            .filter(|(_, _, f)| f.fences.iter().all(&mut done))
-            .map(|(_, o, _)| o)
-            .collect();
-        // All out first: inserting one may merge it with a neighbour that
-        // is also ready.
-        let unlinked: Vec<(usize, Free<F>)> = ready
-            .iter()
-            .map(|&o| (o, self.unlink(o).expect("listed")))
-            .collect();
-        for (o, mut f) in unlinked {
-            f.fences.clear();
-            // Where pending blocks join settled neighbours as they are
-            // inserted, a settled block keeps its stream as a tag (as fresh
-            // memory does): that stream's next pending block joins it,
-            // another stream's does not take it over. Any stream may still
-            // take it (it is settled). Without the tag, FSDP's all-gather
-            // stream, freeing its unsharded parameters while the GPU ran a
-            // step behind, swallowed the compute stream's settled memory
-            // into blocks only it could use until its fences passed, and the
-            // compute stream mapped more: 1.36x the peak instead of 1.03x
-            // (`lag::two_streams_with_a_lagging_gpu_cost_little`).
-            if !self.join_settled {
-                f.stream = None;
-            }
-            self.insert(o, f);
-        }
-        ready.len()
-    }
-
     /// Takes out every block that starts in `range` (a settled one whose
     /// memory was given back).
     pub(crate) fn remove_within(&mut self, range: std::ops::Range<usize>) {
@@ -440,41 +338,6 @@ impl<F> Few<F> {
         for i in (a..b).rev() {
             self.unlink_at(i);
         }
-    }
-
-    /// Removes `[offset, offset + size)` from the free space: it must lie
-    /// within one settled block (the caller unmaps it). Returns false, and
-    /// changes nothing, otherwise.
-    pub(crate) fn carve(&mut self, offset: usize, size: usize) -> bool {
-        let Some((o, f)) = self.at_or_before(offset) else {
-            return false;
-        };
-        if !f.settled() || o + f.size < offset + size {
-            return false;
-        }
-        let f = self.unlink(o).expect("found");
-        if offset > o {
-            self.link(
-                o,
-                Free {
-                    size: offset - o,
-                    stream: None,
-                    fences: FenceSet::default(),
-                },
-            );
-        }
-        let end = offset + size;
-        if o + f.size > end {
-            self.link(
-                end,
-                Free {
-                    size: o + f.size - end,
-                    stream: None,
-                    fences: FenceSet::default(),
-                },
-            );
-        }
-        true
     }
 
     /// Checks the indexes agree and no blocks overlap or could have merged
@@ -553,5 +416,35 @@ impl<F> Few<F> {
     /// Lists a block as it is (no merge): one of a valid set, moved here.
     pub(super) fn push(&mut self, offset: usize, f: Free<F>) {
         self.link(offset, f);
+    }
+}
+
+impl<F> super::Store<F> for Few<F> {
+    fn iter<'a>(&'a self) -> impl Iterator<Item = (usize, &'a Free<F>)> + 'a
+    where
+        F: 'a,
+    {
+        Few::iter(self)
+    }
+
+    fn at_or_before(&self, offset: usize) -> Option<(usize, &Free<F>)> {
+        let n = self.by_offset.partition_point(|&(o, _)| o <= offset);
+        n.checked_sub(1).map(|i| self.nth(i))
+    }
+
+    fn unlink(&mut self, offset: usize) -> Option<Free<F>> {
+        Few::unlink(self, offset)
+    }
+
+    fn link(&mut self, offset: usize, f: Free<F>) {
+        Few::link(self, offset, f);
+    }
+
+    fn insert(&mut self, offset: usize, f: Free<F>) {
+        Few::insert(self, offset, f);
+    }
+
+    fn join_settled(&self) -> bool {
+        self.join_settled
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{merge, Free, StreamKey};
-use crate::order::{FenceSet, Stamped};
+use crate::order::FenceSet;
 
 /// The free blocks, by offset and by size.
 #[derive(Debug)]
@@ -40,7 +40,7 @@ impl<F> Many<F> {
     /// Less fragmentation for memory that stays mapped; but the settled part
     /// cannot be unmapped until then, so an arena that gives free chunks
     /// back before mapping keeps the two apart (and joins them only on a
-    /// miss, [`Many::coalesce`]).
+    /// miss, [`Blocks::coalesce`](super::Blocks::coalesce)).
     pub(crate) fn joining() -> Self {
         Self {
             join_settled: true,
@@ -65,24 +65,6 @@ impl<F> Many<F> {
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = (usize, &Free<F>)> + '_ {
         self.by_offset.iter().map(|(&o, f)| (o, f))
-    }
-
-    /// True if one free block (a settled one, with `settled`) covers
-    /// `[offset, offset + size)`.
-    pub(crate) fn covers(&self, offset: usize, size: usize, settled: bool) -> bool {
-        self.by_offset
-            .range(..=offset)
-            .next_back()
-            .is_some_and(|(&o, f)| o + f.size >= offset + size && (!settled || f.settled()))
-    }
-
-    /// The size of the free block that holds `offset`, or 0.
-    pub(crate) fn size_at(&self, offset: usize) -> usize {
-        self.by_offset
-            .range(..=offset)
-            .next_back()
-            .filter(|(&o, f)| o + f.size > offset)
-            .map_or(0, |(_, f)| f.size)
     }
 
     /// The free block that ends exactly at `end`, if any.
@@ -211,89 +193,6 @@ impl<F> Many<F> {
         Some(offset)
     }
 
-    /// Joins each of `key`'s pending blocks with its settled neighbours, so
-    /// that `key` may use them as one block at once (other streams once the
-    /// fences pass). For when `key` finds no block that fits and blocks are
-    /// not [joining](Self::joining) as they are inserted: the GPU lags the
-    /// CPU, so free blocks settle in patches, and a large request may fit
-    /// only across a settled and a pending neighbour (a conv net trained on
-    /// one stream on an H100 mapped 4.1 GiB for a 3.1 GiB peak without
-    /// this; 3.3 GiB when every fence had passed). Returns how many joined.
-    pub(crate) fn coalesce(&mut self, key: StreamKey) -> usize {
-        let joinable = |a: &Free<F>, b: &Free<F>| {
-            (a.settled() && b.stream == Some(key) && !b.settled())
-                || (b.settled() && a.stream == Some(key) && !a.settled())
-        };
-        let mut pairs = Vec::new();
-        let mut prev: Option<(usize, &Free<F>)> = None;
-        for (&o, f) in &self.by_offset {
-            if let Some((po, p)) = prev {
-                if po + p.size == o && joinable(p, f) {
-                    pairs.push(po);
-                }
-            }
-            prev = Some((o, f));
-        }
-        // Right to left, so each left offset still names a block.
-        let mut joined = 0;
-        for &left in pairs.iter().rev() {
-            let Some(l) = self.by_offset.get(&left) else {
-                continue;
-            };
-            let right = left + l.size;
-            let (Some(l), Some(r)) = (self.unlink(left), self.unlink(right)) else {
-                unreachable!("both blocks were listed");
-            };
-            self.link(left, merge(l, r, self.join_settled));
-            joined += 1;
-        }
-        joined
-    }
-
-    /// Marks every block whose fences `done` says have passed as settled,
-    /// and merges settled neighbours. Returns how many settled.
-    /// Blocks are asked in the order of their fences' numbers, oldest
-    /// first, so that once `done` has seen a stream's fence not passed it
-    /// need not ask of the later ones (`order::NotYet`).
-    pub(crate) fn settle(&mut self, mut done: impl FnMut(&Stamped<F>) -> bool) -> usize {
-        let mut pending: Vec<(u64, usize, &Free<F>)> = self
-            .by_offset
-            .iter()
-            .filter(|(_, f)| !f.settled())
-            .map(|(&o, f)| (f.fences.iter().map(|x| x.seq).max().unwrap_or(0), o, f))
-            .collect();
-        pending.sort_unstable_by_key(|&(seq, o, _)| (seq, o));
-        let ready: Vec<usize> = pending
-            .into_iter()
-            .filter(|(_, _, f)| f.fences.iter().all(&mut done))
-            .map(|(_, o, _)| o)
-            .collect();
-        // All out first: inserting one may merge it with a neighbour that
-        // is also ready.
-        let unlinked: Vec<(usize, Free<F>)> = ready
-            .iter()
-            .map(|&o| (o, self.unlink(o).expect("listed")))
-            .collect();
-        for (o, mut f) in unlinked {
-            f.fences.clear();
-            // Where pending blocks join settled neighbours as they are
-            // inserted, a settled block keeps its stream as a tag (as fresh
-            // memory does): that stream's next pending block joins it,
-            // another stream's does not take it over. Any stream may still
-            // take it (it is settled). Without the tag, FSDP's all-gather
-            // stream, freeing its unsharded parameters while the GPU ran a
-            // step behind, swallowed the compute stream's settled memory
-            // into blocks only it could use until its fences passed, and the
-            // compute stream mapped more: 1.36x the peak instead of 1.03x
-            // (`lag::two_streams_with_a_lagging_gpu_cost_little`).
-            if !self.join_settled {
-                f.stream = None;
-            }
-            self.insert(o, f);
-        }
-        ready.len()
-    }
-
     /// Takes out every block that starts in `range` (a settled one whose
     /// memory was given back).
     pub(crate) fn remove_within(&mut self, range: std::ops::Range<usize>) {
@@ -301,41 +200,6 @@ impl<F> Many<F> {
         for k in keys {
             self.unlink(k);
         }
-    }
-
-    /// Removes `[offset, offset + size)` from the free space: it must lie
-    /// within one settled block (the caller unmaps it). Returns false, and
-    /// changes nothing, otherwise.
-    pub(crate) fn carve(&mut self, offset: usize, size: usize) -> bool {
-        let Some((&o, f)) = self.by_offset.range(..=offset).next_back() else {
-            return false;
-        };
-        if !f.settled() || o + f.size < offset + size {
-            return false;
-        }
-        let f = self.unlink(o).expect("found");
-        if offset > o {
-            self.link(
-                o,
-                Free {
-                    size: offset - o,
-                    stream: None,
-                    fences: FenceSet::default(),
-                },
-            );
-        }
-        let end = offset + size;
-        if o + f.size > end {
-            self.link(
-                end,
-                Free {
-                    size: o + f.size - end,
-                    stream: None,
-                    fences: FenceSet::default(),
-                },
-            );
-        }
-        true
     }
 
     /// Checks the indexes agree and no blocks overlap or could have merged.
@@ -392,5 +256,37 @@ impl<F> Many<F> {
     /// Lists a block as it is (no merge): one of a valid set, moved here.
     pub(super) fn push(&mut self, offset: usize, f: Free<F>) {
         self.link(offset, f);
+    }
+}
+
+impl<F> super::Store<F> for Many<F> {
+    fn iter<'a>(&'a self) -> impl Iterator<Item = (usize, &'a Free<F>)> + 'a
+    where
+        F: 'a,
+    {
+        Many::iter(self)
+    }
+
+    fn at_or_before(&self, offset: usize) -> Option<(usize, &Free<F>)> {
+        self.by_offset
+            .range(..=offset)
+            .next_back()
+            .map(|(&o, f)| (o, f))
+    }
+
+    fn unlink(&mut self, offset: usize) -> Option<Free<F>> {
+        Many::unlink(self, offset)
+    }
+
+    fn link(&mut self, offset: usize, f: Free<F>) {
+        Many::link(self, offset, f);
+    }
+
+    fn insert(&mut self, offset: usize, f: Free<F>) {
+        Many::insert(self, offset, f);
+    }
+
+    fn join_settled(&self) -> bool {
+        self.join_settled
     }
 }

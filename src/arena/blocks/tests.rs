@@ -383,16 +383,16 @@ trait Form {
         key: StreamKey,
         spare: &dyn Fn(usize) -> bool,
     ) -> Option<usize>;
-    fn settle(&mut self, done: &mut dyn FnMut(&crate::order::Stamped<u32>) -> bool) -> usize;
-    fn coalesce(&mut self, key: StreamKey) -> usize;
-    fn carve(&mut self, o: usize, n: usize) -> bool;
+    fn call_settle(&mut self, done: &mut dyn FnMut(&crate::order::Stamped<u32>) -> bool) -> usize;
+    fn call_coalesce(&mut self, key: StreamKey) -> usize;
+    fn call_carve(&mut self, o: usize, n: usize) -> bool;
     fn remove_within(&mut self, r: std::ops::Range<usize>);
     fn listing(&self) -> Listing;
     fn bytes(&self) -> (usize, usize);
     fn check(&self) -> Result<(), String>;
-    fn size_at(&self, o: usize) -> usize;
+    fn call_size_at(&self, o: usize) -> usize;
     fn ending_at(&self, o: usize) -> Option<(usize, usize)>;
-    fn covers(&self, o: usize, n: usize, settled: bool) -> bool;
+    fn call_covers(&self, o: usize, n: usize, settled: bool) -> bool;
 }
 
 macro_rules! form {
@@ -412,16 +412,16 @@ macro_rules! form {
             ) -> Option<usize> {
                 <$t>::take_sparing(self, n, key, spare)
             }
-            fn settle(
+            fn call_settle(
                 &mut self,
                 done: &mut dyn FnMut(&crate::order::Stamped<u32>) -> bool,
             ) -> usize {
                 <$t>::settle(self, done)
             }
-            fn coalesce(&mut self, key: StreamKey) -> usize {
+            fn call_coalesce(&mut self, key: StreamKey) -> usize {
                 <$t>::coalesce(self, key)
             }
-            fn carve(&mut self, o: usize, n: usize) -> bool {
+            fn call_carve(&mut self, o: usize, n: usize) -> bool {
                 <$t>::carve(self, o, n)
             }
             fn remove_within(&mut self, r: std::ops::Range<usize>) {
@@ -436,13 +436,13 @@ macro_rules! form {
             fn check(&self) -> Result<(), String> {
                 <$t>::check(self)
             }
-            fn size_at(&self, o: usize) -> usize {
+            fn call_size_at(&self, o: usize) -> usize {
                 <$t>::size_at(self, o)
             }
             fn ending_at(&self, o: usize) -> Option<(usize, usize)> {
                 <$t>::ending_at(self, o).map(|(x, f)| (x, f.size))
             }
-            fn covers(&self, o: usize, n: usize, settled: bool) -> bool {
+            fn call_covers(&self, o: usize, n: usize, settled: bool) -> bool {
                 <$t>::covers(self, o, n, settled)
             }
         }
@@ -517,17 +517,17 @@ proptest! {
                 Call::Settle(below) => {
                     for b in &mut forms {
                         let mut done = |x: &crate::order::Stamped<u32>| x.fence < u32::from(below);
-                        answers.push(format!("{}", b.settle(&mut done)));
+                        answers.push(format!("{}", b.call_settle(&mut done)));
                     }
                 }
                 Call::Coalesce(s) => {
                     for b in &mut forms {
-                        answers.push(format!("{}", b.coalesce(key(s))));
+                        answers.push(format!("{}", b.call_coalesce(key(s))));
                     }
                 }
                 Call::Carve(o, n) => {
                     for b in &mut forms {
-                        answers.push(format!("{}", b.carve(o, n)));
+                        answers.push(format!("{}", b.call_carve(o, n)));
                     }
                 }
                 Call::RemoveWithin(o, n) => {
@@ -545,11 +545,11 @@ proptest! {
                 // carve may leave two mergeable pieces side by side, in all).
                 prop_assert_eq!(b.check(), forms[0].check(), "form {}'s check", i);
                 for o in (0..=SPACE).step_by(16) {
-                    prop_assert_eq!(b.size_at(o), forms[0].size_at(o), "size_at {}", o);
+                    prop_assert_eq!(b.call_size_at(o), forms[0].call_size_at(o), "size_at {}", o);
                     prop_assert_eq!(b.ending_at(o), forms[0].ending_at(o), "ending_at {}", o);
                     for n in [0, 16, 512] {
                         for settled in [false, true] {
-                            prop_assert_eq!(b.covers(o, n, settled), forms[0].covers(o, n, settled));
+                            prop_assert_eq!(b.call_covers(o, n, settled), forms[0].call_covers(o, n, settled));
                         }
                     }
                 }
