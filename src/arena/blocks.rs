@@ -78,11 +78,46 @@ trait Store<F> {
     /// Lists `f` at `offset` as it is (no merge; no block holds `offset`).
     fn link(&mut self, offset: usize, f: Free<F>);
 
-    /// Adds a free block, merging it with mergeable neighbours.
-    fn insert(&mut self, offset: usize, f: Free<F>);
+    /// Adds a free block (not overlapping any), merging it with mergeable
+    /// neighbours that touch it; with `keep_tag`, what it merges into keeps
+    /// its stream as a tag while settled (see [`insert_fresh`](Self::insert_fresh)).
+    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool);
 
     /// Whether pending blocks join settled neighbours as they are inserted.
     fn join_settled(&self) -> bool;
+
+    /// No blocks; pending blocks joining settled neighbours as they are
+    /// inserted with `join_settled` (see [`Blocks::joining`]).
+    fn empty(join_settled: bool) -> Self
+    where
+        Self: Sized;
+
+    /// How many blocks.
+    fn len(&self) -> usize;
+
+    /// Every block, by offset, taken out.
+    fn into_blocks(self) -> impl Iterator<Item = (usize, Free<F>)>
+    where
+        Self: Sized;
+
+    /// Adds a free block (not overlapping any), merging it with mergeable
+    /// neighbours that touch it.
+    fn insert(&mut self, offset: usize, f: Free<F>) {
+        self.insert_tagged(offset, f, false);
+    }
+
+    /// Adds fresh memory mapped for stream `key` (settled, tagged with
+    /// `key`): merged with neighbours as [`insert`](Self::insert) does, but
+    /// what it merges into stays tagged with `key` while settled, so that it
+    /// never joins another stream's pending block and `key` can take it.
+    fn insert_fresh(&mut self, offset: usize, size: usize, key: StreamKey) {
+        let f = Free {
+            size,
+            stream: Some(key),
+            fences: FenceSet::default(),
+        };
+        self.insert_tagged(offset, f, true);
+    }
 
     /// True if one free block (a settled one, with `settled`) covers
     /// `[offset, offset + size)`.
@@ -298,11 +333,7 @@ impl<T, A: Iterator<Item = T>, B: Iterator<Item = T>> Iterator for Either<A, B> 
 impl<F> Blocks<F> {
     fn new(join_settled: bool) -> Self {
         Self {
-            form: Form::Few(if join_settled {
-                few::Few::joining()
-            } else {
-                few::Few::default()
-            }),
+            form: Form::Few(few::Few::empty(join_settled)),
             join_settled,
             to_many: TO_MANY,
             to_few: TO_FEW,
@@ -350,30 +381,18 @@ impl<F> Blocks<F> {
         if !move_now {
             return;
         }
-        let placeholder = Form::Few(few::Few::default());
+        // Every block as it is, stream and fences kept: no merge.
+        fn moved<F, A: Store<F>, B: Store<F>>(from: A, join_settled: bool) -> B {
+            let mut to = B::empty(join_settled);
+            for (o, f) in from.into_blocks() {
+                to.link(o, f);
+            }
+            to
+        }
+        let placeholder = Form::Few(few::Few::empty(false));
         self.form = match std::mem::replace(&mut self.form, placeholder) {
-            Form::Few(b) => {
-                let mut m = if self.join_settled {
-                    many::Many::joining()
-                } else {
-                    many::Many::default()
-                };
-                for (o, f) in b.into_blocks() {
-                    m.push(o, f);
-                }
-                Form::Many(m)
-            }
-            Form::Many(b) => {
-                let mut m = if self.join_settled {
-                    few::Few::joining()
-                } else {
-                    few::Few::default()
-                };
-                for (o, f) in b.into_blocks() {
-                    m.push(o, f);
-                }
-                Form::Few(m)
-            }
+            Form::Few(b) => Form::Many(moved(b, self.join_settled)),
+            Form::Many(b) => Form::Few(moved(b, self.join_settled)),
         };
     }
 

@@ -2,7 +2,6 @@
 //! holds in practice (see [`Few`]).
 
 use super::{merge, Free, StreamKey};
-use crate::order::FenceSet;
 
 /// Who may take a free block now, kept in the size index so that the
 /// best-fit search reads no block: any stream (settled), one stream (its
@@ -67,39 +66,11 @@ pub(crate) struct Few<F> {
     /// but not allocated).
     pending_bytes: usize,
     /// Whether a stream's pending block joins settled neighbours as it is
-    /// inserted (see [`Few::joining`]).
+    /// inserted (see [`Blocks::joining`](super::Blocks::joining)).
     join_settled: bool,
 }
 
-impl<F> Default for Few<F> {
-    fn default() -> Self {
-        Self {
-            by_offset: Vec::new(),
-            by_size: Vec::new(),
-            slots: Vec::new(),
-            vacant: Vec::new(),
-            free_bytes: 0,
-            pending_bytes: 0,
-            join_settled: false,
-        }
-    }
-}
-
 impl<F> Few<F> {
-    /// Blocks where a stream's pending block joins its settled neighbours
-    /// as it is inserted (as PyTorch's per-stream blocks merge on free): the
-    /// stream may use the whole at once, other streams once the fences pass.
-    /// Less fragmentation for memory that stays mapped; but the settled part
-    /// cannot be unmapped until then, so an arena that gives free chunks
-    /// back before mapping keeps the two apart (and joins them only on a
-    /// miss, [`Blocks::coalesce`](super::Blocks::coalesce)).
-    pub(crate) fn joining() -> Self {
-        Self {
-            join_settled: true,
-            ..Self::default()
-        }
-    }
-
     #[cfg(test)]
     pub(crate) fn free_bytes(&self) -> usize {
         self.free_bytes
@@ -210,25 +181,6 @@ impl<F> Few<F> {
         );
         self.count(&f, true);
         self.slots[s as usize] = Some(f);
-    }
-
-    /// Adds a free block (not overlapping any), merging it with mergeable
-    /// neighbours that touch it.
-    pub(crate) fn insert(&mut self, offset: usize, f: Free<F>) {
-        self.insert_tagged(offset, f, false);
-    }
-
-    /// Adds fresh memory mapped for stream `key` (settled, tagged with
-    /// `key`): merged with neighbours as [`insert`](Self::insert) does, but
-    /// what it merges into stays tagged with `key` while settled, so that it
-    /// never joins another stream's pending block and `key` can take it.
-    pub(crate) fn insert_fresh(&mut self, offset: usize, size: usize, key: StreamKey) {
-        let f = Free {
-            size,
-            stream: Some(key),
-            fences: FenceSet::default(),
-        };
-        self.insert_tagged(offset, f, true);
     }
 
     fn insert_tagged(&mut self, mut offset: usize, mut f: Free<F>, keep_tag: bool) {
@@ -396,29 +348,6 @@ impl<F> Few<F> {
     }
 }
 
-impl<F> Few<F> {
-    /// How many blocks.
-    pub(super) fn len(&self) -> usize {
-        self.by_offset.len()
-    }
-
-    /// Every block, by offset, taken out.
-    pub(super) fn into_blocks(mut self) -> impl Iterator<Item = (usize, Free<F>)> {
-        let order = std::mem::take(&mut self.by_offset);
-        order.into_iter().map(move |(o, s)| {
-            let f = self.slots[s as usize]
-                .take()
-                .expect("a listed slot holds a block");
-            (o, f)
-        })
-    }
-
-    /// Lists a block as it is (no merge): one of a valid set, moved here.
-    pub(super) fn push(&mut self, offset: usize, f: Free<F>) {
-        self.link(offset, f);
-    }
-}
-
 impl<F> super::Store<F> for Few<F> {
     fn iter<'a>(&'a self) -> impl Iterator<Item = (usize, &'a Free<F>)> + 'a
     where
@@ -440,11 +369,37 @@ impl<F> super::Store<F> for Few<F> {
         Few::link(self, offset, f);
     }
 
-    fn insert(&mut self, offset: usize, f: Free<F>) {
-        Few::insert(self, offset, f);
+    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool) {
+        Few::insert_tagged(self, offset, f, keep_tag);
     }
 
     fn join_settled(&self) -> bool {
         self.join_settled
+    }
+
+    fn empty(join_settled: bool) -> Self {
+        Self {
+            by_offset: Vec::new(),
+            by_size: Vec::new(),
+            slots: Vec::new(),
+            vacant: Vec::new(),
+            free_bytes: 0,
+            pending_bytes: 0,
+            join_settled,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.by_offset.len()
+    }
+
+    fn into_blocks(mut self) -> impl Iterator<Item = (usize, Free<F>)> {
+        let order = std::mem::take(&mut self.by_offset);
+        order.into_iter().map(move |(o, s)| {
+            let f = self.slots[s as usize]
+                .take()
+                .expect("a listed slot holds a block");
+            (o, f)
+        })
     }
 }

@@ -5,7 +5,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::{merge, Free, StreamKey};
-use crate::order::FenceSet;
 
 /// The free blocks, by offset and by size.
 #[derive(Debug)]
@@ -17,37 +16,11 @@ pub(crate) struct Many<F> {
     /// but not allocated).
     pending_bytes: usize,
     /// Whether a stream's pending block joins settled neighbours as it is
-    /// inserted (see [`Many::joining`]).
+    /// inserted (see [`Blocks::joining`](super::Blocks::joining)).
     join_settled: bool,
 }
 
-impl<F> Default for Many<F> {
-    fn default() -> Self {
-        Self {
-            by_offset: BTreeMap::new(),
-            by_size: BTreeSet::new(),
-            free_bytes: 0,
-            pending_bytes: 0,
-            join_settled: false,
-        }
-    }
-}
-
 impl<F> Many<F> {
-    /// Blocks where a stream's pending block joins its settled neighbours
-    /// as it is inserted (as PyTorch's per-stream blocks merge on free): the
-    /// stream may use the whole at once, other streams once the fences pass.
-    /// Less fragmentation for memory that stays mapped; but the settled part
-    /// cannot be unmapped until then, so an arena that gives free chunks
-    /// back before mapping keeps the two apart (and joins them only on a
-    /// miss, [`Blocks::coalesce`](super::Blocks::coalesce)).
-    pub(crate) fn joining() -> Self {
-        Self {
-            join_settled: true,
-            ..Self::default()
-        }
-    }
-
     #[cfg(test)]
     pub(crate) fn free_bytes(&self) -> usize {
         self.free_bytes
@@ -93,25 +66,6 @@ impl<F> Many<F> {
             self.pending_bytes += f.size;
         }
         self.by_offset.insert(offset, f);
-    }
-
-    /// Adds a free block (not overlapping any), merging it with mergeable
-    /// neighbours that touch it.
-    pub(crate) fn insert(&mut self, offset: usize, f: Free<F>) {
-        self.insert_tagged(offset, f, false);
-    }
-
-    /// Adds fresh memory mapped for stream `key` (settled, tagged with
-    /// `key`): merged with neighbours as [`insert`](Self::insert) does, but
-    /// what it merges into stays tagged with `key` while settled, so that it
-    /// never joins another stream's pending block and `key` can take it.
-    pub(crate) fn insert_fresh(&mut self, offset: usize, size: usize, key: StreamKey) {
-        let f = Free {
-            size,
-            stream: Some(key),
-            fences: FenceSet::default(),
-        };
-        self.insert_tagged(offset, f, true);
     }
 
     fn insert_tagged(&mut self, mut offset: usize, mut f: Free<F>, keep_tag: bool) {
@@ -242,23 +196,6 @@ impl<F> Many<F> {
     }
 }
 
-impl<F> Many<F> {
-    /// How many blocks.
-    pub(super) fn len(&self) -> usize {
-        self.by_offset.len()
-    }
-
-    /// Every block, by offset, taken out.
-    pub(super) fn into_blocks(self) -> impl Iterator<Item = (usize, Free<F>)> {
-        self.by_offset.into_iter()
-    }
-
-    /// Lists a block as it is (no merge): one of a valid set, moved here.
-    pub(super) fn push(&mut self, offset: usize, f: Free<F>) {
-        self.link(offset, f);
-    }
-}
-
 impl<F> super::Store<F> for Many<F> {
     fn iter<'a>(&'a self) -> impl Iterator<Item = (usize, &'a Free<F>)> + 'a
     where
@@ -282,11 +219,29 @@ impl<F> super::Store<F> for Many<F> {
         Many::link(self, offset, f);
     }
 
-    fn insert(&mut self, offset: usize, f: Free<F>) {
-        Many::insert(self, offset, f);
+    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool) {
+        Many::insert_tagged(self, offset, f, keep_tag);
     }
 
     fn join_settled(&self) -> bool {
         self.join_settled
+    }
+
+    fn empty(join_settled: bool) -> Self {
+        Self {
+            by_offset: BTreeMap::new(),
+            by_size: BTreeSet::new(),
+            free_bytes: 0,
+            pending_bytes: 0,
+            join_settled,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.by_offset.len()
+    }
+
+    fn into_blocks(self) -> impl Iterator<Item = (usize, Free<F>)> {
+        self.by_offset.into_iter()
     }
 }

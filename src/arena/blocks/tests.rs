@@ -375,8 +375,8 @@ fn listing<'a>(it: impl Iterator<Item = (usize, &'a Free<u32>)>) -> Listing {
 
 /// The calls every form of the free blocks answers.
 trait Form {
-    fn insert(&mut self, o: usize, f: Free<u32>);
-    fn insert_fresh(&mut self, o: usize, n: usize, key: StreamKey);
+    fn call_insert(&mut self, o: usize, f: Free<u32>);
+    fn call_insert_fresh(&mut self, o: usize, n: usize, key: StreamKey);
     fn take_sparing(
         &mut self,
         n: usize,
@@ -398,10 +398,10 @@ trait Form {
 macro_rules! form {
     ($t:ty) => {
         impl Form for $t {
-            fn insert(&mut self, o: usize, f: Free<u32>) {
+            fn call_insert(&mut self, o: usize, f: Free<u32>) {
                 <$t>::insert(self, o, f)
             }
-            fn insert_fresh(&mut self, o: usize, n: usize, key: StreamKey) {
+            fn call_insert_fresh(&mut self, o: usize, n: usize, key: StreamKey) {
                 <$t>::insert_fresh(self, o, n, key)
             }
             fn take_sparing(
@@ -472,18 +472,15 @@ proptest! {
         1 => (0..256usize, 1..64usize).prop_map(|(o, n)| Call::RemoveWithin(o * 16, n * 16)),
     ], 1..120), joining in any::<bool>()) {
         const SPACE: usize = 4096;
-        let (few, many) = if joining {
-            (few::Few::<u32>::joining(), many::Many::<u32>::joining())
-        } else {
-            (few::Few::<u32>::default(), many::Many::<u32>::default())
-        };
+        let few = few::Few::<u32>::empty(joining);
+        let many = many::Many::<u32>::empty(joining);
         let mut forms: Vec<Box<dyn Form>> = vec![
             Box::new(many),
             Box::new(few),
             Box::new(Blocks::<u32>::with_bounds(joining, 3, 1)),
         ];
         for b in &mut forms {
-            b.insert(0, settled(SPACE));
+            b.call_insert(0, settled(SPACE));
         }
         let mut live: Vec<(usize, usize)> = Vec::new();
         let key = |s: bool| if s { S1 } else { S2 };
@@ -498,11 +495,11 @@ proptest! {
                     let (at, n) = live.swap_remove(i % live.len());
                     for b in &mut forms {
                         if how == 2 {
-                            b.insert_fresh(at, n, key(s));
+                            b.call_insert_fresh(at, n, key(s));
                         } else if how == 0 {
-                            b.insert(at, Free { size: n, stream: Some(key(s)), fences: fs(&[(key(s), u32::from(seq))]) });
+                            b.call_insert(at, Free { size: n, stream: Some(key(s)), fences: fs(&[(key(s), u32::from(seq))]) });
                         } else {
-                            b.insert(at, settled(n));
+                            b.call_insert(at, settled(n));
                         }
                     }
                 }
