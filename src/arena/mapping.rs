@@ -73,8 +73,10 @@ impl<B: Backend> Shared<B> {
     /// zone and takes a block. Of several, the one whose newest fence has
     /// the lowest number: on one stream, the one that passes first; numbers
     /// of different streams are not comparable, so across streams this is
-    /// only a tie-break. Blocks with a deferred free (no fence recorded
-    /// yet) are left alone. `None` if there is no such block, or the wait
+    /// only a tie-break. A block with a deferred free is a candidate once
+    /// a cover stands for that free (the wait is on the cover's event);
+    /// before, it is left alone: only a device-wide synchronisation could
+    /// wait for it. `None` if there is no such block, or the wait
     /// failed (logged: the caller grows instead).
     fn wait_for_pending(
         &self,
@@ -91,7 +93,10 @@ impl<B: Backend> Shared<B> {
             .filter(|(_, f)| {
                 f.size >= size
                     && !f.usable_by(key)
-                    && f.fences.iter().all(|x| matches!(x.fence, Mark::Fence(_)))
+                    && f.fences.iter().all(|x| match x.fence {
+                        Mark::Fence(_) => true,
+                        Mark::Owed => owed.covered(x.key, x.seq),
+                    })
             })
             .min_by_key(|(_, f)| f.fences.iter().map(|x| x.seq).max())?;
         if let Err(e) = owed.wait_set(backend, &f.fences) {

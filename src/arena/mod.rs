@@ -128,9 +128,13 @@ pub struct ArenaDesc {
     /// much memory the arena maps: under FSDP on two GPUs, one rank took
     /// up to 1.48x its peak allocated (expandable segments: 1.05x) in the
     /// launches where one stream's frees had not passed when another
-    /// stream asked, and about 1.05x in the others. A block with a free
-    /// whose fence is deferred (and may not be recorded yet) is never waited
-    /// for. [`ArenaStats::num_waits_before_grow`] counts the waits. The
+    /// stream asked, and about 1.05x in the others. A block with a
+    /// [deferred](Self::defer_free_fences) free is waited for once a cover
+    /// stands for that free (the wait is on the cover's event), never
+    /// before: only a device-wide synchronisation could wait for it then,
+    /// and the request grows instead (the miss asks that stream for a
+    /// cover at its next call). [`ArenaStats::num_waits_before_grow`]
+    /// counts the waits. The
     /// PyTorch plug-in turns it on (`VMMBUF_TORCH_WAIT_BEFORE_GROW=0` turns
     /// it off there).
     pub wait_before_grow: bool,

@@ -105,6 +105,15 @@ impl<F> Owed<F> {
             .is_some_and(|d| d.uncovered > 0 && (d.uncovered >= BATCH || d.wanted))
     }
 
+    /// Whether a wait for the free numbered `seq` on `key` needs no device
+    /// synchronisation: it has passed, or a cover numbered above it was
+    /// recorded (a wait on that one event suffices).
+    pub(super) fn covered(&self, key: StreamKey, seq: u64) -> bool {
+        self.streams
+            .get(&key)
+            .is_some_and(|d| d.passed_below > seq || d.covers.back().is_some_and(|c| c.seq > seq))
+    }
+
     /// Whether `key` owes any free no cover stands for yet.
     pub(super) fn needs_any_cover(&self, key: StreamKey) -> bool {
         self.streams.get(&key).is_some_and(|d| d.uncovered > 0)

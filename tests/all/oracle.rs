@@ -96,6 +96,7 @@ crate::register! {
         oracle_case_buffer_tail_1,
         oracle_case_split_sleep_1,
         a_growth_past_another_streams_pending_free_is_counted,
+        waiting_before_growth_waits_on_a_cover_of_deferred_frees,
     ],
 }
 
@@ -1495,4 +1496,66 @@ fn a_growth_past_another_streams_pending_free_is_counted() {
         model.lock().violations
     );
     drop(b);
+}
+
+/// Deferred free fences with waiting before growth (the plug-in's
+/// `VMMBUF_TORCH_DEFER_FENCES=1`): stream 1 frees a block its kernel still
+/// uses, with no fence. Stream 2's first request cannot wait for it (no
+/// event stands for the free yet; only a device synchronisation could), so
+/// it grows, counted past a pending block, and asks stream 1 for a cover.
+/// Stream 1's next call records one. Stream 2's next request waits on that
+/// cover and takes the block instead of growing; the model checks that the
+/// hand-out follows the kernel.
+fn waiting_before_growth_waits_on_a_cover_of_deferred_frees() {
+    let backend = OracleBackend::new();
+    let model = backend.model.clone();
+    let mut desc = ArenaDesc::new(1 << 30)
+        .wait_before_grow(true)
+        .defer_free_fences(true);
+    desc.release_before_map = false;
+    let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
+    let (s1, s2) = (QStream::new(1), QStream::new(2));
+    let a = arena.alloc(4 * G, &s1).unwrap();
+    let at = a.address();
+    model
+        .lock()
+        .launch(&s1.q, at, 4 * G, "stream 1's kernel".into());
+    drop(a);
+    let b = arena.alloc(4 * G, &s2).unwrap();
+    let st = arena.stats();
+    assert_ne!(b.address(), at, "no cover yet: stream 2 grows");
+    assert_eq!(
+        (st.num_waits_before_grow, st.num_grows_past_pending),
+        (0, 1),
+        "{st:?}"
+    );
+    assert!(!s1.q.passed(1), "nothing waited for the kernel");
+    // Stream 1's next call covers its owed free (stream 2 missed). It asks
+    // for more than the block holds, so it does not take the block back.
+    let other = arena.alloc(8 * G, &s1).unwrap();
+    assert_ne!(other.address(), at);
+    assert!(!s1.q.passed(1), "a cover is recorded, not waited for");
+    let reserved = arena.stats().reserved_bytes.current;
+    let c = arena.alloc(4 * G, &s2).unwrap();
+    let st = arena.stats();
+    assert_eq!(c.address(), at, "the block the cover stands for");
+    assert!(s1.q.passed(1), "the wait completed stream 1 to its cover");
+    assert_eq!(
+        (
+            st.num_waits_before_grow,
+            st.num_grows_past_pending,
+            st.reserved_bytes.current
+        ),
+        (1, 1, reserved),
+        "{st:?}"
+    );
+    model
+        .lock()
+        .check(at, 4 * G, Some(2), "hand-out to stream 2");
+    assert!(
+        model.lock().violations.is_empty(),
+        "{:?}",
+        model.lock().violations
+    );
+    drop((b, c, other));
 }
