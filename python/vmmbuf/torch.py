@@ -62,7 +62,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from . import _captures, _native, library_path, stats
-from .errors import InvalidArgumentError, VmmbufError
+from .errors import InvalidArgumentError, UnsupportedError, VmmbufError
 
 _ALLOCATORS: Dict[str, Any] = {}
 _POOLS: Dict[Tuple[str, int], Any] = {}
@@ -241,6 +241,107 @@ def empty_cache(device: Any = None) -> None:
     _native.empty_cache(_dev(device))
 
 
+class NcclRegistration:
+    """Every device range vmmbuf maps on ``device`` stays registered with one
+    NCCL communicator (``ncclCommRegister``) while this lives: the ranges
+    mapped when it was made at once, later ones as they are mapped, and each
+    one deregistered before vmmbuf unmaps it (``empty_cache``, a budget, a
+    sleep). ``close()`` (or leaving its ``with`` block) undoes every
+    registration; call it before the communicator is destroyed
+    (``torch.distributed.destroy_process_group``). Made by
+    :func:`register_nccl`."""
+
+    def __init__(self, device: int, comm: int, ident: int) -> None:
+        self._device = device
+        self._comm = comm
+        self._id: Optional[int] = ident
+
+    @property
+    def device(self) -> int:
+        """The CUDA device whose memory is registered."""
+        return self._device
+
+    @property
+    def comm(self) -> int:
+        """The communicator (an ``ncclComm_t``, as an integer)."""
+        return self._comm
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` undid the registrations."""
+        return self._id is None
+
+    def close(self) -> None:
+        """Deregisters every range from the communicator and stops
+        registering new ones. A second call does nothing."""
+        if self._id is None:
+            return
+        ident, self._id = self._id, None
+        _native.nccl_deregister(self._device, ident)
+
+    def __enter__(self) -> "NcclRegistration":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._id is None else f"id {self._id}"
+        return f"NcclRegistration(device={self._device}, comm={self._comm:#x}, {state})"
+
+
+def _nccl_comm(group: Any, device: int) -> int:
+    """The ``ncclComm_t`` of ``group`` (a ``ProcessGroup``; ``None``: the
+    default group) on ``device``, or ``group`` itself if it is an integer."""
+    if isinstance(group, int) and not isinstance(group, bool):
+        return group
+    import torch.distributed as dist
+
+    if group is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidArgumentError(
+                "no default process group: call torch.distributed.init_process_group "
+                "first, or pass an ncclComm_t as an int")
+        group = dist.distributed_c10d._get_default_group()
+    try:
+        backend = group._get_backend(torch.device("cuda", device))
+    except (RuntimeError, AttributeError) as e:
+        raise InvalidArgumentError(
+            f"{group!r} has no NCCL backend on cuda:{device}") from e
+    comm_ptr = getattr(backend, "_comm_ptr", None)
+    if comm_ptr is None:
+        raise UnsupportedError(
+            f"{type(backend).__name__} does not expose its NCCL communicator "
+            "(_comm_ptr); pass an ncclComm_t as an int")
+    comm = int(comm_ptr())
+    if comm == 0:
+        raise InvalidArgumentError(
+            "the process group's NCCL communicator does not exist yet: run a collective "
+            "first, or pass device_id to init_process_group")
+    return comm
+
+
+def register_nccl(group: Any = None, device: Any = None,
+                  library: Optional[str] = None) -> NcclRegistration:
+    """Keeps vmmbuf's memory on ``device`` registered with the NCCL
+    communicator of ``group`` as it grows, shrinks and sleeps: what PyTorch's
+    ``register_mem_pool`` does once, for segments that exist at the call.
+
+    ``group``: a NCCL ``ProcessGroup`` (``None``: the default group), or an
+    ``ncclComm_t`` as an integer (vLLM's ``PyNcclCommunicator.comm.value``).
+    ``library``: the path of the NCCL library the communicator belongs to;
+    by default the one PyTorch loaded. vmmbuf's chunks must be made as
+    ``ncclMemAlloc`` makes them: set ``VMMBUF_TORCH_NCCL_READY=1`` before
+    the first CUDA allocation. Returns a :class:`NcclRegistration`; close it
+    before the communicator is destroyed. Its counters are in
+    ``vmmbuf.stats()``: ``nccl_comms``, ``nccl_registrations``,
+    ``nccl_deregistrations``, ``nccl_failures`` (calls NCCL refused, also
+    logged), ``nccl_registered_bytes`` and ``nccl_mapped_bytes``."""
+    d = _dev(device)
+    comm = _nccl_comm(group, d)
+    return NcclRegistration(d, comm, _native.nccl_register(d, comm, library))
+
+
 def _fmt(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -290,4 +391,6 @@ __all__ = [
     "reset_peak_memory_stats",
     "empty_cache",
     "memory_summary",
+    "register_nccl",
+    "NcclRegistration",
 ]

@@ -369,3 +369,67 @@ fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
         }
     }
 }
+
+/// Keeps every device range the plug-in maps on `device` registered with
+/// the NCCL communicator `comm` (`ncclCommRegister`), registering those
+/// mapped already at once and deregistering each before it is unmapped,
+/// until [`vmmbuf_nccl_deregister`]. `library`: null for the NCCL the
+/// process loaded (PyTorch's `libnccl.so.2`), or the path of the library
+/// `comm` belongs to. Needs `VMMBUF_TORCH_NCCL_READY=1` before the device's
+/// first allocation. The registration's id (>= 1), or -1 (the cause in
+/// [`vmmbuf_last_error`]).
+///
+/// # Safety
+///
+/// `comm` must be a live communicator of that NCCL library and stay live
+/// until [`vmmbuf_nccl_deregister`] is called with the id returned;
+/// `library` must be null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_nccl_register(
+    device: c_int,
+    comm: *mut c_void,
+    library: *const c_char,
+) -> i64 {
+    guard("vmmbuf_nccl_register", -1, || {
+        let library = if library.is_null() {
+            None
+        } else {
+            // SAFETY: FFI: the caller passes a NUL-terminated string.
+            match unsafe { CStr::from_ptr(library) }.to_str() {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    fail("vmmbuf_nccl_register", &format!("the library path: {e}"));
+                    return -1;
+                }
+            }
+        };
+        // SAFETY: the caller keeps `comm` live until it deregisters.
+        match unsafe { state::nccl_register(device, comm as usize, library) } {
+            Ok(id) => id as i64,
+            Err(e) => {
+                fail(&format!("vmmbuf_nccl_register(device {device})"), &e);
+                -1
+            }
+        }
+    })
+}
+
+/// Undoes every registration [`vmmbuf_nccl_register`] made under `id` on
+/// `device`. 0, or -1 (an unknown id; the cause in [`vmmbuf_last_error`]).
+#[no_mangle]
+pub extern "C" fn vmmbuf_nccl_deregister(device: c_int, id: u64) -> c_int {
+    guard(
+        "vmmbuf_nccl_deregister",
+        -1,
+        || match state::nccl_deregister(device, id) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail(
+                    &format!("vmmbuf_nccl_deregister(device {device}, {id})"),
+                    &e,
+                );
+                -1
+            }
+        },
+    )
+}

@@ -8,6 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, OnceLock};
 
+use crate::nccl::{NcclHook, NcclLib};
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::{Mutex, RwLock};
 use vmmbuf::cuda::CudaAllocation;
@@ -54,6 +55,12 @@ pub(crate) struct Device {
     /// here, on a driver thread that may not call CUDA): released into the
     /// arenas at the next call.
     released: Arc<Mutex<Vec<GraphPoolId>>>,
+    /// Chunks made as `ncclMemAlloc` makes them (`VMMBUF_TORCH_NCCL_READY=1`
+    /// when the device was first used).
+    nccl_ready: bool,
+    /// Made at the first [`nccl_register`]: while it has communicators, the
+    /// map hook of every arena of the device (kept after, for its counters).
+    nccl: Option<Arc<NcclHook<NcclLib>>>,
 }
 
 #[derive(Default)]
@@ -120,7 +127,8 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
     // VMMBUF_TORCH_NCCL_READY=1: chunks made as ncclMemAlloc makes them
     // (POSIX_FD/fabric handles, RDMA capable, mapped for every peer), so
     // that NCCL can register the memory (issue 24).
-    let desc = if std::env::var("VMMBUF_TORCH_NCCL_READY").as_deref() == Ok("1") {
+    let nccl_ready = std::env::var("VMMBUF_TORCH_NCCL_READY").as_deref() == Ok("1");
+    let desc = if nccl_ready {
         vmmbuf::cuda::CudaBackendDesc::nccl_ready()
     } else {
         vmmbuf::cuda::CudaBackendDesc::default()
@@ -140,6 +148,8 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         preparing: None,
         graphs: HashSet::new(),
         released: Arc::default(),
+        nccl_ready,
+        nccl: None,
     }));
     r.devices.insert(device, d.clone());
     Ok(d)
@@ -252,6 +262,9 @@ impl Device {
                         tracing::warn!(error = %e, path, "vmmbuf-torch: cannot write the trace")
                     }
                 }
+            }
+            if let Some(h) = self.nccl.as_ref().filter(|h| !h.is_empty()) {
+                arena.set_map_hook(Some(h.clone()))?;
             }
             self.arenas.insert(tag.to_owned(), arena);
         }
@@ -567,6 +580,73 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     Ok(())
 }
 
+/// Keeps every device range the plug-in maps on `dev` registered with the
+/// NCCL communicator `comm` (an `ncclComm_t` of the NCCL this process
+/// loaded, PyTorch's unless `library` names another), from now until
+/// [`nccl_deregister`]: the ranges mapped already are registered at once,
+/// those mapped later when they are mapped, and each is deregistered
+/// before it is unmapped (`empty_cache`, a budget, a sleep). The id of the
+/// registration. The device's chunks must be NCCL-ready
+/// (`VMMBUF_TORCH_NCCL_READY=1` before its first allocation). `library` is
+/// used by the first registration on a device only.
+///
+/// # Safety
+///
+/// `comm` must be a live communicator of that NCCL library, and stay live
+/// until [`nccl_deregister`] is called with the id returned (a communicator
+/// destroyed first would be called through a dangling pointer).
+pub(crate) unsafe fn nccl_register(dev: c_int, comm: usize, library: Option<&str>) -> Result<u64> {
+    let d = device(dev)?;
+    let mut d = d.lock();
+    if !d.nccl_ready {
+        return Err(Error::Unsupported {
+            what: format!(
+                "NCCL registration on device {dev}: its chunks were not made NCCL-ready; set VMMBUF_TORCH_NCCL_READY=1 before its first allocation"
+            ),
+        });
+    }
+    let hook = match &d.nccl {
+        Some(h) => h.clone(),
+        None => {
+            let h = Arc::new(NcclHook::new(NcclLib::loaded(library)?));
+            d.nccl = Some(h.clone());
+            h
+        }
+    };
+    // The first communicator: the hook joins every arena, which tells it
+    // of each range mapped now.
+    if hook.is_empty() {
+        for a in d.arenas.values() {
+            a.set_map_hook(Some(hook.clone()))?;
+        }
+    }
+    let id = hook.add(comm);
+    if hook.is_empty() {
+        // Refused: no communicator, no hook.
+        for a in d.arenas.values() {
+            a.set_map_hook(None)?;
+        }
+    }
+    id
+}
+
+/// Undoes every registration `nccl_register` made under `id` on `dev` and
+/// stops registering with that communicator; with none left, the arenas
+/// go back to having no map hook.
+pub(crate) fn nccl_deregister(dev: c_int, id: u64) -> Result<()> {
+    let unknown = || Error::InvalidArgument(format!("no NCCL registration {id} on device {dev}"));
+    let d = existing(dev).ok_or_else(unknown)?;
+    let d = d.lock();
+    let hook = d.nccl.clone().ok_or_else(unknown)?;
+    hook.remove(id)?;
+    if hook.is_empty() {
+        for a in d.arenas.values() {
+            a.set_map_hook(None)?;
+        }
+    }
+    Ok(())
+}
+
 /// The device's statistics with PyTorch's key names, as JSON; `None` if the
 /// device has no arena yet.
 pub(crate) fn stats_json(dev: c_int) -> Option<String> {
@@ -612,6 +692,13 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
         vmmbuf::Backend::live(&*d.backend).fence_queries.into(),
     );
     m.insert("live_allocations".into(), d.live.len().into());
+    let n = d.nccl.as_ref().map(|h| h.counts()).unwrap_or_default();
+    m.insert("nccl_comms".into(), n.comms.into());
+    m.insert("nccl_registrations".into(), n.registrations.into());
+    m.insert("nccl_deregistrations".into(), n.deregistrations.into());
+    m.insert("nccl_failures".into(), n.failures.into());
+    m.insert("nccl_registered_bytes".into(), n.registered_bytes.into());
+    m.insert("nccl_mapped_bytes".into(), n.mapped_bytes.into());
     let (announced, underway) = CAPTURES.state();
     m.insert("captures_announced".into(), announced.into());
     m.insert("captures_underway".into(), underway.into());

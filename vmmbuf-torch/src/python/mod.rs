@@ -197,6 +197,30 @@ fn set_host_cache_limit(py: Python<'_>, bytes: usize) -> PyResult<()> {
 
 /// This thread's last failure in the C entry points (what PyTorch saw as a
 /// null from `vmmbuf_malloc`), or None.
+/// `vmmbuf.torch.register_nccl`'s native half: see `state::nccl_register`.
+/// The Python wrapper passes a communicator from a PyTorch process group or
+/// its caller, who promises it stays live until `nccl_deregister`.
+#[pyfunction]
+#[pyo3(signature = (device, comm, library=None))]
+fn nccl_register(
+    py: Python<'_>,
+    device: c_int,
+    comm: usize,
+    library: Option<String>,
+) -> PyResult<u64> {
+    // SAFETY: the caller keeps `comm` live until it deregisters (the
+    // package's documented contract).
+    py.detach(|| unsafe { crate::state::nccl_register(device, comm, library.as_deref()) })
+        .map_err(to_py)
+}
+
+/// Undoes a registration `nccl_register` made.
+#[pyfunction]
+fn nccl_deregister(py: Python<'_>, device: c_int, id: u64) -> PyResult<()> {
+    py.detach(|| crate::state::nccl_deregister(device, id))
+        .map_err(to_py)
+}
+
 #[pyfunction]
 fn last_error() -> Option<String> {
     let p = crate::capi::vmmbuf_last_error();
@@ -231,6 +255,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(capture_begins, m)?)?;
     m.add_function(wrap_pyfunction!(capture_ends, m)?)?;
     m.add_function(wrap_pyfunction!(captures, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_register, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_deregister, m)?)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
