@@ -15,8 +15,8 @@ import pytest
 
 from conftest import run_script
 
-# One process-wide vmmbuf, NCCL over one rank, growth, a shrink, a second
-# registration by communicator, and every refusal; NCCL logs its
+# One process-wide vmmbuf, NCCL over one rank, growth, a shrink, a sleep
+# and a wake, a second registration by communicator, and every refusal; NCCL logs its
 # registrations (REG) into a file the test reads.
 ONE_RANK = """
     import os, sys, torch, torch.distributed as dist, vmmbuf, vmmbuf.torch as vt
@@ -68,6 +68,21 @@ ONE_RANK = """
         dist.all_reduce(x)
         assert torch.equal(x, ref)
 
+    # A sleep that unmaps (the data stashed in host memory) deregisters
+    # every range first; the wake registers the new mappings, data kept.
+    torch.cuda.synchronize()
+    slept = vmmbuf.sleep(reachable=False)
+    asleep = s()
+    assert slept > 0 and asleep["nccl_registered_bytes"] == asleep["nccl_mapped_bytes"] == 0, asleep
+    assert asleep["nccl_deregistrations"] > shrunk["nccl_deregistrations"], asleep
+    vmmbuf.wake()
+    woke = registered_is_mapped("after the wake")
+    assert woke["nccl_registrations"] > asleep["nccl_registrations"], woke
+    for x, ref in kept:
+        assert torch.equal(x, ref)
+        dist.all_reduce(x)
+        assert torch.equal(x, ref)
+
     # Refusals: the same communicator twice, a null one, an unknown id.
     for bad in (reg.comm, 0):
         try:
@@ -76,6 +91,12 @@ ONE_RANK = """
             print("refused:", e)
         else:
             raise SystemExit(f"register_nccl({bad:#x}) was not refused")
+    try:
+        vmmbuf._native.nccl_deregister(0, 999)
+    except InvalidArgumentError as e:
+        print("refused:", e)
+    else:
+        raise SystemExit("an unknown registration was not refused")
 
     # Closed: every registration undone; growth registers nothing more.
     reg.close()
@@ -118,13 +139,14 @@ def test_registration_follows_growth_shrink_and_close(torch_gpu, tmp_path: Path)
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], capture_output=True,
                        text=True, timeout=300, env={**os.environ, **_nccl_env(log)})
     assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
-    assert "OK" in p.stdout and p.stdout.count("refused:") == 2, p.stdout
+    assert "OK" in p.stdout and p.stdout.count("refused:") == 3, p.stdout
     logs = _read_logs(log)
     # NCCL's own word: its INFO lines name each buffer it registered.
     lines = [ln for ln in logs.splitlines() if "register comm" in ln.lower()]
-    assert lines, logs[-4000:]
+    ok = p.stdout.strip().splitlines()[-1].split()
     print("\n".join(lines[:4]))
-    print(f"NCCL logged {len(lines)} registrations;", p.stdout.strip().splitlines()[-1])
+    print(f"NCCL logged {len(lines)} registrations; vmmbuf made {ok[1]}, undid {ok[2]}")
+    assert len(lines) == int(ok[1]) > 0, logs[-4000:]
 
 
 def test_registration_needs_nccl_ready_chunks(torch_gpu):
