@@ -44,6 +44,13 @@ support checkPoolLiveAllocations" (PyTorch routes that check to no
 pluggable allocator); set ``torch._inductor.config.triton.cudagraph_trees
 = False`` and the compiled graphs run on vmmbuf's memory.
 
+NCCL: with ``VMMBUF_TORCH_NCCL_READY=1`` (set before the first CUDA
+allocation) vmmbuf makes its chunks as ``ncclMemAlloc`` does, and
+``register_nccl(group)`` keeps all of vmmbuf's device memory registered
+with the group's communicator as it grows and shrinks (PyTorch's
+``register_mem_pool`` registers only the segments that exist at its call);
+close the registration before ``destroy_process_group``.
+
 Out of memory: in a ``MemPool`` scope PyTorch raises ``torch.OutOfMemoryError``
 as usual. Process-wide, PyTorch's pluggable interface has no way to report a
 failed allocation (it would make a tensor at address 0 of a null), so vmmbuf
