@@ -27,6 +27,10 @@ under one allocator per launch, compared on the same machine (issue 24):
                for such blocks by default; only when named in --allocs)
   vmmbuf-wait  process-wide, VMMBUF_TORCH_WAIT_BEFORE_GROW=1 (the
                plug-in's default now; the name of the runs that measured it)
+  vmmbuf-nccl  process-wide, NCCL-ready chunks (VMMBUF_TORCH_NCCL_READY=1),
+               and every device range vmmbuf maps kept registered with the
+               default group's NCCL communicator from before the model is
+               built (vmmbuf.torch.register_nccl; only when named in --allocs)
   vmmbuf-warm  process-wide, one allocation of DIST_WARM_GIB (default 10)
                made and freed before training, so the arena has mapped
                what the steps need and never grows during them (a
@@ -66,9 +70,9 @@ ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
 EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-wait",
-         "vmmbuf-grow", "vmmbuf-warm")
+         "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl")
 PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked",
-                "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm")
+                "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -90,6 +94,8 @@ def worker(a):
         os.environ["VMMBUF_TORCH_WAIT_BEFORE_GROW"] = "1"
     if a.alloc == "vmmbuf-grow":
         os.environ["VMMBUF_TORCH_WAIT_BEFORE_GROW"] = "0"
+    if a.alloc == "vmmbuf-nccl":
+        os.environ["VMMBUF_TORCH_NCCL_READY"] = "1"
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch
@@ -109,6 +115,7 @@ def worker(a):
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.backends.cuda.enable_cudnn_sdp(False)
     dist.barrier()
+    reg = vmmbuf.torch.register_nccl() if a.alloc == "vmmbuf-nccl" else None
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     pool = None
@@ -201,6 +208,12 @@ def worker(a):
         res["waits_before_grow"] = st.get("num_waits_before_grow")
         res["step_maps"], res["step_alloc_us"] = step_maps, step_alloc_us
         res["step_past_pending_bytes"] = step_past
+        if reg is not None:
+            # Registered bytes equal mapped device bytes if every range
+            # the steps mapped was registered and every one unmapped undone.
+            res["nccl"] = {k: st[k] for k in (
+                "nccl_registrations", "nccl_deregistrations", "nccl_failures",
+                "nccl_registered_bytes", "nccl_mapped_bytes")}
         if cost0 is not None:
             # What the allocator cost the CPU per step after the warm-up.
             n = a.steps - WARMUP
@@ -209,6 +222,8 @@ def worker(a):
                 "num_fence_queries", "num_device_alloc", "num_device_free")}
     _result(res)
     dist.barrier()
+    if reg is not None:
+        reg.close()
     dist.destroy_process_group()
 
 
@@ -344,6 +359,17 @@ def run_all(a):
                       f"{m['host_ns_in_free'] / 1e6:7.2f} {m['num_allocs']:7.0f} "
                       f"{m['num_frees']:7.0f} {m['num_fence_queries']:8.0f} "
                       f"{m.get('num_device_alloc', 0):8.1f}")
+    for (mode, alloc), rs in runs.items():
+        regs = [x["nccl"] for r in rs for x in r if "nccl" in x]
+        if regs:
+            same = all(g["nccl_registered_bytes"] == g["nccl_mapped_bytes"] > 0 for g in regs)
+            print(f"\n{mode} {alloc}: NCCL registrations per rank and launch "
+                  f"{min(g['nccl_registrations'] for g in regs)}-"
+                  f"{max(g['nccl_registrations'] for g in regs)}, deregistrations "
+                  f"{min(g['nccl_deregistrations'] for g in regs)}-"
+                  f"{max(g['nccl_deregistrations'] for g in regs)}, failures "
+                  f"{sum(g['nccl_failures'] for g in regs)}, registered bytes = mapped "
+                  f"device bytes at the end in every rank: {same}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({f"{m} {k}": v for (m, k), v in runs.items()}, f)
