@@ -343,7 +343,18 @@ def register_nccl(group: Any = None, device: Any = None,
     before the communicator is destroyed. Its counters are in
     ``vmmbuf.stats()``: ``nccl_comms``, ``nccl_registrations``,
     ``nccl_deregistrations``, ``nccl_failures`` (calls NCCL refused, also
-    logged), ``nccl_registered_bytes`` and ``nccl_mapped_bytes``."""
+    logged), ``nccl_registered_bytes`` and ``nccl_mapped_bytes``.
+
+    The registrations are local (``ncclCommRegister``): each rank makes its
+    own when its memory grows, with no collective call, so ranks that grow
+    at different times cannot deadlock. NCCL's symmetric windows
+    (``ncclCommWindowRegister``) are collective, every rank at once, and
+    cannot follow one rank's growth this way.
+
+    With a registration, each growth maps a range of its own (so that a
+    tensor lies in one registration) and only whole ranges go back: under
+    FSDP on one H100 that took 3% more memory (utilization 0.927 against
+    0.953)."""
     d = _dev(device)
     comm = _nccl_comm(group, d)
     return NcclRegistration(d, comm, _native.nccl_register(d, comm, library))
