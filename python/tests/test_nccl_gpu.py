@@ -149,6 +149,48 @@ def test_registration_follows_growth_shrink_and_close(torch_gpu, tmp_path: Path)
     assert len(lines) == int(ok[1]) > 0, logs[-4000:]
 
 
+def test_growth_inside_a_cuda_graph_capture_is_registered(torch_gpu, tmp_path: Path):
+    """An arena that grows while a CUDA graph is captured (global mode,
+    PyTorch's default) registers the new range without breaking the
+    capture, and the replays compute what eager code does. (NCCL's calls
+    run in relaxed mode as a precaution; with NCCL 2.28 on the H100 this
+    test passed with that switch taken out too.)"""
+    out = run_script("""
+        import sys, torch, torch.distributed as dist, vmmbuf, vmmbuf.torch as vt
+        vt.use()
+        dev = torch.device("cuda", 0)
+        dist.init_process_group("nccl", store=dist.FileStore(sys.argv[1], 1), rank=0,
+                                world_size=1, device_id=dev)
+        reg = vt.register_nccl()
+        x = torch.arange(1 << 20, device=dev, dtype=torch.float32)
+        before = vmmbuf.stats(0)
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(g, stream=s):
+                big = torch.empty(96 << 20, device=dev, dtype=torch.uint8)  # grows the arena
+                y = x * 3 + 1
+                big[: y.numel() * 4].view(torch.float32).copy_(y)
+        torch.cuda.current_stream().wait_stream(s)
+        during = vmmbuf.stats(0)
+        assert during["nccl_registrations"] > before["nccl_registrations"], (before, during)
+        assert during["nccl_failures"] == 0, during
+        assert during["nccl_registered_bytes"] == during["nccl_mapped_bytes"], during
+        for k in range(3):
+            x.fill_(k)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(big[: x.numel() * 4].view(torch.float32), x * 3 + 1), k
+        dist.all_reduce(x)
+        reg.close()
+        dist.destroy_process_group()
+        print("OK", during["nccl_registrations"] - before["nccl_registrations"])
+    """.replace("sys.argv[1]", repr(str(tmp_path / "store"))),
+        env={"VMMBUF_TORCH_NCCL_READY": "1", "NCCL_NVLS_ENABLE": "0"})
+    assert out.strip().splitlines()[-1].startswith("OK"), out
+
+
 def test_registration_needs_nccl_ready_chunks(torch_gpu):
     out = run_script("""
         import torch, vmmbuf.torch as vt

@@ -15,7 +15,10 @@
 //! a communicator belongs to the library instance that made it), found by
 //! its name without loading another ([`NcclLib::loaded`]). They run in
 //! CUDA's relaxed capture mode, as vmmbuf's own driver calls do, so that an
-//! arena growing inside a CUDA graph capture does not invalidate it.
+//! arena growing inside a CUDA graph capture cannot invalidate it through a
+//! call the capture forbids (a precaution: NCCL 2.28's registration made
+//! none in `test_growth_inside_a_cuda_graph_capture_is_registered`, with
+//! the switch or without).
 
 use std::collections::{BTreeMap, HashMap};
 
