@@ -113,9 +113,21 @@ ONE_RANK = """
         assert x["nccl_registrations"] > closed["nccl_registrations"], x
         dist.all_reduce(kept[0][0])
     assert again.closed and s()["nccl_registered_bytes"] == 0
-    final = s()
-    assert final["nccl_deregistrations"] == final["nccl_registrations"], final
+    closed_again = s()
+    assert closed_again["nccl_deregistrations"] == closed_again["nccl_registrations"], closed_again
+
+    # Left open: destroy_process_group closes it before the communicator
+    # goes, so a later unmapping calls no destroyed communicator.
+    left_open = vt.register_nccl()
+    assert s()["nccl_comms"] == 1 and not left_open.closed
     dist.destroy_process_group()
+    assert left_open.closed, left_open
+    del kept, x, more, warm
+    torch.cuda.synchronize()
+    vt.empty_cache()
+    final = s()
+    assert final["nccl_comms"] == 0 and final["nccl_registered_bytes"] == 0, final
+    assert final["nccl_deregistrations"] == final["nccl_registrations"], final
     print("OK", final["nccl_registrations"], final["nccl_deregistrations"])
 """
 

@@ -258,10 +258,11 @@ class NcclRegistration:
     (``torch.distributed.destroy_process_group``). Made by
     :func:`register_nccl`."""
 
-    def __init__(self, device: int, comm: int, ident: int) -> None:
+    def __init__(self, device: int, comm: int, ident: int, group: Any = None) -> None:
         self._device = device
         self._comm = comm
         self._id: Optional[int] = ident
+        self._group = group
 
     @property
     def device(self) -> int:
@@ -284,6 +285,8 @@ class NcclRegistration:
         if self._id is None:
             return
         ident, self._id = self._id, None
+        if self in _REGISTRATIONS:
+            _REGISTRATIONS.remove(self)
         _native.nccl_deregister(self._device, ident)
 
     def __enter__(self) -> "NcclRegistration":
@@ -297,11 +300,37 @@ class NcclRegistration:
         return f"NcclRegistration(device={self._device}, comm={self._comm:#x}, {state})"
 
 
-def _nccl_comm(group: Any, device: int) -> int:
-    """The ``ncclComm_t`` of ``group`` (a ``ProcessGroup``; ``None``: the
-    default group) on ``device``, or ``group`` itself if it is an integer."""
-    if isinstance(group, int) and not isinstance(group, bool):
-        return group
+# Registrations made from a process group, closed by
+# ``torch.distributed.destroy_process_group`` before the group's
+# communicator goes (see ``_guard_destroy``).
+_REGISTRATIONS: list = []
+
+
+def _guard_destroy() -> None:
+    """Wraps ``torch.distributed.destroy_process_group`` (once) so that it
+    first closes the registrations made from the groups it destroys (all of
+    them for ``None``): a registration left open would later be undone
+    through a destroyed communicator."""
+    import torch.distributed as dist
+
+    if getattr(dist.destroy_process_group, "_vmmbuf_guard", False):
+        return
+    inner = dist.destroy_process_group
+
+    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
+        for r in list(_REGISTRATIONS):
+            if group is None or r._group is group:
+                r.close()
+        return inner(group, *args, **kwargs)
+
+    destroy_process_group._vmmbuf_guard = True  # type: ignore[attr-defined]
+    destroy_process_group.__doc__ = inner.__doc__
+    dist.destroy_process_group = destroy_process_group
+    dist.distributed_c10d.destroy_process_group = destroy_process_group
+
+
+def _group_of(group: Any) -> Any:
+    """``group``, or the default process group for ``None``."""
     import torch.distributed as dist
 
     if group is None:
@@ -309,7 +338,12 @@ def _nccl_comm(group: Any, device: int) -> int:
             raise InvalidArgumentError(
                 "no default process group: call torch.distributed.init_process_group "
                 "first, or pass an ncclComm_t as an int")
-        group = dist.distributed_c10d._get_default_group()
+        return dist.distributed_c10d._get_default_group()
+    return group
+
+
+def _nccl_comm(group: Any, device: int) -> int:
+    """The ``ncclComm_t`` of ``group`` (a ``ProcessGroup``) on ``device``."""
     try:
         backend = group._get_backend(torch.device("cuda", device))
     except (RuntimeError, AttributeError) as e:
@@ -340,7 +374,9 @@ def register_nccl(group: Any = None, device: Any = None,
     by default the one PyTorch loaded. vmmbuf's chunks must be made as
     ``ncclMemAlloc`` makes them: set ``VMMBUF_TORCH_NCCL_READY=1`` before
     the first CUDA allocation. Returns a :class:`NcclRegistration`; close it
-    before the communicator is destroyed. Its counters are in
+    before the communicator is destroyed (``destroy_process_group`` closes
+    the registrations made from the groups it destroys first; one made
+    from an integer is its caller's to close). Its counters are in
     ``vmmbuf.stats()``: ``nccl_comms``, ``nccl_registrations``,
     ``nccl_deregistrations``, ``nccl_failures`` (calls NCCL refused, also
     logged), ``nccl_registered_bytes`` and ``nccl_mapped_bytes``.
@@ -356,8 +392,14 @@ def register_nccl(group: Any = None, device: Any = None,
     FSDP on one H100 that took 3% more memory (utilization 0.927 against
     0.953)."""
     d = _dev(device)
+    if isinstance(group, int) and not isinstance(group, bool):
+        return NcclRegistration(d, group, _native.nccl_register(d, group, library))
+    group = _group_of(group)
     comm = _nccl_comm(group, d)
-    return NcclRegistration(d, comm, _native.nccl_register(d, comm, library))
+    _guard_destroy()
+    reg = NcclRegistration(d, comm, _native.nccl_register(d, comm, library), group)
+    _REGISTRATIONS.append(reg)
+    return reg
 
 
 def _fmt(n: float) -> str:

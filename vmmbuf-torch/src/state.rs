@@ -615,17 +615,28 @@ pub(crate) unsafe fn nccl_register(dev: c_int, comm: usize, library: Option<&str
     };
     // The first communicator: the hook joins every arena, which tells it
     // of each range mapped now.
-    if hook.is_empty() {
+    // Refused (an arena cannot take the hook, or the communicator): no
+    // arena keeps a hook with no communicator.
+    let unhook = |d: &Device| {
         for a in d.arenas.values() {
-            a.set_map_hook(Some(hook.clone()))?;
+            if let Err(e) = a.set_map_hook(None) {
+                tracing::warn!(error = %e, "vmmbuf-torch: taking the NCCL hook off an arena failed");
+            }
+        }
+    };
+    if hook.is_empty() {
+        if let Err(e) = d
+            .arenas
+            .values()
+            .try_for_each(|a| a.set_map_hook(Some(hook.clone())))
+        {
+            unhook(&d);
+            return Err(e);
         }
     }
     let id = hook.add(comm);
     if hook.is_empty() {
-        // Refused: no communicator, no hook.
-        for a in d.arenas.values() {
-            a.set_map_hook(None)?;
-        }
+        unhook(&d);
     }
     id
 }
