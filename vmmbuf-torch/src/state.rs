@@ -271,6 +271,17 @@ impl Device {
         Ok(&self.arenas[tag])
     }
 
+    /// Takes the NCCL hook off every arena (each tells it its ranges are
+    /// unmapping: with no communicator left, nothing is deregistered). An
+    /// arena that cannot (poisoned by an earlier failure) is logged.
+    fn unhook_nccl(&self) {
+        for a in self.arenas.values() {
+            if let Err(e) = a.set_map_hook(None) {
+                tracing::warn!(error = %e, "vmmbuf-torch: taking the NCCL hook off an arena failed");
+            }
+        }
+    }
+
     /// The sum of the device's arenas' counters (peaks too: exact with one
     /// tag, an upper bound with several).
     fn stats(&self) -> ArenaStats {
@@ -614,29 +625,21 @@ pub(crate) unsafe fn nccl_register(dev: c_int, comm: usize, library: Option<&str
         }
     };
     // The first communicator: the hook joins every arena, which tells it
-    // of each range mapped now.
-    // Refused (an arena cannot take the hook, or the communicator): no
-    // arena keeps a hook with no communicator.
-    let unhook = |d: &Device| {
-        for a in d.arenas.values() {
-            if let Err(e) = a.set_map_hook(None) {
-                tracing::warn!(error = %e, "vmmbuf-torch: taking the NCCL hook off an arena failed");
-            }
-        }
-    };
+    // of each range mapped now. Refused (an arena cannot take the hook, or
+    // the communicator is), no arena keeps a hook with no communicator.
     if hook.is_empty() {
         if let Err(e) = d
             .arenas
             .values()
             .try_for_each(|a| a.set_map_hook(Some(hook.clone())))
         {
-            unhook(&d);
+            d.unhook_nccl();
             return Err(e);
         }
     }
     let id = hook.add(comm);
     if hook.is_empty() {
-        unhook(&d);
+        d.unhook_nccl();
     }
     id
 }
@@ -651,9 +654,7 @@ pub(crate) fn nccl_deregister(dev: c_int, id: u64) -> Result<()> {
     let hook = d.nccl.clone().ok_or_else(unknown)?;
     hook.remove(id)?;
     if hook.is_empty() {
-        for a in d.arenas.values() {
-            a.set_map_hook(None)?;
-        }
+        d.unhook_nccl();
     }
     Ok(())
 }

@@ -195,8 +195,6 @@ fn set_host_cache_limit(py: Python<'_>, bytes: usize) -> PyResult<()> {
         .map_err(to_py)
 }
 
-/// This thread's last failure in the C entry points (what PyTorch saw as a
-/// null from `vmmbuf_malloc`), or None.
 /// `vmmbuf.torch.register_nccl`'s native half: see `state::nccl_register`.
 /// The Python wrapper passes a communicator from a PyTorch process group or
 /// its caller, who promises it stays live until `nccl_deregister`.
@@ -221,6 +219,8 @@ fn nccl_deregister(py: Python<'_>, device: c_int, id: u64) -> PyResult<()> {
         .map_err(to_py)
 }
 
+/// This thread's last failure in the C entry points (what PyTorch saw as a
+/// null from `vmmbuf_malloc`), or None.
 #[pyfunction]
 fn last_error() -> Option<String> {
     let p = crate::capi::vmmbuf_last_error();
