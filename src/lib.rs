@@ -92,6 +92,7 @@ pub mod hook;
 pub mod ipc;
 mod location;
 mod migration;
+pub mod nccl;
 mod order;
 mod plan;
 mod pool;

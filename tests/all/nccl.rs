@@ -1,6 +1,6 @@
 //! NCCL over vmmbuf (issue 24): chunks made as `ncclMemAlloc` makes them
 //! (`CudaBackendDesc::nccl_ready`), and an arena that stays registered with
-//! NCCL through a map hook (`nccl_support::NcclRegistrar`) while it grows
+//! NCCL through the library's map hook (`vmmbuf::nccl::NcclHook`) while it grows
 //! and gives memory back. All-reduce and all-gather over it, every element
 //! checked: on one GPU with one rank, and on two GPUs with one process per
 //! GPU (the 2-GPU machine, `VMMBUF_REQUIRE_PEERS=1`). NVLink multicast stays
@@ -16,7 +16,7 @@ use vmmbuf::cuda::{CudaAllocation, CudaArena, CudaBackendDesc};
 use vmmbuf::{Arena, ArenaDesc, Backend, CudaBackend};
 
 use crate::nccl_support::{
-    all_gather_f32, all_reduce_f32, join, unique_id_hex, version, NcclRegistrar,
+    all_gather_f32, all_reduce_f32, join, registered_hook, unique_id_hex, version,
 };
 
 crate::register! {
@@ -64,7 +64,7 @@ fn rank_work(
 ) -> String {
     let stream: Arc<CudaStream> = backend.context().new_stream().unwrap();
     let arena: CudaArena = Arena::new(backend.clone(), ArenaDesc::new(16 << 30)).unwrap();
-    let reg = NcclRegistrar::new(comm);
+    let (reg, id) = registered_hook(comm);
     arena.set_map_hook(Some(reg.clone())).unwrap();
     // The same sizes on every rank.
     let mut rng = rand::rngs::StdRng::seed_from_u64(24);
@@ -75,11 +75,11 @@ fn rank_work(
         if round == rounds / 2 {
             // Give memory back: the older half goes; its ranges are
             // deregistered before they are unmapped.
-            let before = reg.deregistered.load(std::sync::atomic::Ordering::Relaxed);
+            let before = reg.counts().deregistrations;
             kept.drain(..kept.len() / 2);
             stream.synchronize().unwrap();
             released = arena.release_cached().unwrap();
-            let after = reg.deregistered.load(std::sync::atomic::Ordering::Relaxed);
+            let after = reg.counts().deregistrations;
             assert!(
                 released > 0 && after > before,
                 "the release gave back registered ranges"
@@ -117,19 +117,22 @@ fn rank_work(
         }
         kept.push((x, y));
     }
-    let registered = reg.registered.load(std::sync::atomic::Ordering::Relaxed);
-    let live_ranges = reg.ranges().len();
+    let at_end = reg.counts();
+    let (registered, live_ranges) = (at_end.registrations, at_end.mapped_ranges);
     let mapped = arena.stats().reserved_bytes.current;
-    let registered_bytes: usize = reg.ranges().iter().map(|r| r.1).sum();
-    assert_eq!(registered_bytes, mapped, "every mapped byte is registered");
+    assert_eq!(
+        at_end.registered_bytes, mapped as u64,
+        "every mapped byte is registered"
+    );
     kept.clear();
     stream.synchronize().unwrap();
     drop(arena);
-    let deregistered = reg.deregistered.load(std::sync::atomic::Ordering::Relaxed);
-    let failures = reg.failures.lock().clone();
-    assert!(failures.is_empty(), "NCCL refused: {failures:?}");
+    let n = reg.counts();
+    let deregistered = n.deregistrations;
+    assert_eq!(n.failures, 0, "NCCL refused calls: {n:?}");
     assert_eq!(registered, deregistered, "every registration was undone");
-    assert!(reg.ranges().is_empty());
+    assert_eq!((n.registered_bytes, n.mapped_ranges), (0, 0), "{n:?}");
+    reg.remove(id).unwrap();
     format!(
         "RANK {rank} OK rounds={rounds} registrations={registered} deregistrations={deregistered} \
          ranges_at_end={live_ranges} mapped_at_end={mapped} released_mid={released} \

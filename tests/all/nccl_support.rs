@@ -1,19 +1,15 @@
 //! NCCL for the tests and the bandwidth bench (`benches/nccl.rs` includes
-//! this file): a communicator per process, and [`NcclRegistrar`], the map
-//! hook that keeps an arena or a buffer registered with NCCL
-//! (`ncclCommRegister` on every device range reported mapped,
-//! `ncclCommDeregister` before it goes). NCCL is loaded at run time
+//! this file): a communicator per process, collectives over raw addresses,
+//! and [`registered_hook`], the library's map hook that keeps an arena or a
+//! buffer registered with NCCL (`ncclCommRegister` on every device range
+//! reported mapped, `ncclCommDeregister` before it goes). NCCL is loaded at run time
 //! (cudarc's loader looks for `libnccl.so`: PyTorch's wheel ships one under
 //! `site-packages/nvidia/nccl/lib`; put a `libnccl.so` link to it on
 //! `LD_LIBRARY_PATH`).
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use cudarc::nccl::sys;
-use vmmbuf::hook::{MapHook, MappedRange};
-use vmmbuf::Location;
+use vmmbuf::nccl::NcclHook;
 
 /// A communicator, destroyed on drop.
 pub struct Comm(pub sys::ncclComm_t);
@@ -149,97 +145,12 @@ pub unsafe fn all_gather_f32(
     check("ncclAllGather", r)
 }
 
-/// The map hook that registers device ranges with a communicator.
-pub struct NcclRegistrar {
-    comm: sys::ncclComm_t,
-    /// address -> (bytes, NCCL's handle)
-    regs: parking_lot::Mutex<BTreeMap<u64, (usize, usize)>>,
-    pub registered: AtomicUsize,
-    pub deregistered: AtomicUsize,
-    pub skipped_host: AtomicUsize,
-    pub failures: parking_lot::Mutex<Vec<String>>,
-}
-
-// SAFETY: see `Comm`; the registrar's NCCL calls are made under the lock of
-// the arena or buffer that calls it.
-unsafe impl Send for NcclRegistrar {}
-// SAFETY: as above.
-unsafe impl Sync for NcclRegistrar {}
-
-impl NcclRegistrar {
-    /// A registrar for `comm`, which must outlive it.
-    pub fn new(comm: &Comm) -> std::sync::Arc<Self> {
-        std::sync::Arc::new(Self {
-            comm: comm.0,
-            regs: Default::default(),
-            registered: AtomicUsize::new(0),
-            deregistered: AtomicUsize::new(0),
-            skipped_host: AtomicUsize::new(0),
-            failures: Default::default(),
-        })
-    }
-
-    /// The registered ranges, `(address, bytes)`.
-    pub fn ranges(&self) -> Vec<(u64, usize)> {
-        self.regs
-            .lock()
-            .iter()
-            .map(|(&a, &(b, _))| (a, b))
-            .collect()
-    }
-
-    /// Whether `[addr, addr + bytes)` lies in one registered range.
-    pub fn covers(&self, addr: u64, bytes: usize) -> bool {
-        self.regs
-            .lock()
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&a, &(b, _))| addr + bytes as u64 <= a + b as u64)
-    }
-}
-
-impl MapHook for NcclRegistrar {
-    fn mapped(&self, r: MappedRange) {
-        if r.placement == Location::Host {
-            // NCCL skips a registration with any host-backed chunk.
-            self.skipped_host.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: the range is mapped and accessible (the hook's promise)
-        // until `unmapping`, which deregisters it first.
-        let res =
-            unsafe { sys::ncclCommRegister(self.comm, r.addr as *mut _, r.bytes, &mut handle) };
-        match check("ncclCommRegister", res) {
-            Ok(()) => {
-                self.regs.lock().insert(r.addr, (r.bytes, handle as usize));
-                self.registered.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => self
-                .failures
-                .lock()
-                .push(format!("{e} at {:#x}+{:#x}", r.addr, r.bytes)),
-        }
-    }
-
-    fn unmapping(&self, r: MappedRange) {
-        let Some((bytes, handle)) = self.regs.lock().remove(&r.addr) else {
-            return;
-        };
-        if bytes != r.bytes {
-            self.failures.lock().push(format!(
-                "unmapping {:#x}+{:#x}, registered {bytes:#x}",
-                r.addr, r.bytes
-            ));
-        }
-        // SAFETY: a handle ncclCommRegister gave for this communicator,
-        // deregistered once.
-        let res = unsafe { sys::ncclCommDeregister(self.comm, handle as *mut _) };
-        match check("ncclCommDeregister", res) {
-            Ok(()) => {
-                self.deregistered.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => self.failures.lock().push(e),
-        }
-    }
+/// The library's NCCL hook ([`vmmbuf::nccl::NcclHook`]) over the NCCL
+/// cudarc loaded, with `comm` added; the id to remove it with.
+pub fn registered_hook(comm: &Comm) -> (std::sync::Arc<NcclHook>, u64) {
+    let hook = std::sync::Arc::new(NcclHook::loaded().expect("the NCCL cudarc loaded"));
+    // SAFETY: `comm` outlives the hook's use: the callers remove it (or
+    // drop the arenas that call it) before the communicator goes.
+    let id = unsafe { hook.add(comm.0.cast()) }.expect("a communicator added");
+    (hook, id)
 }

@@ -32,7 +32,6 @@
 //! one pointer is logged and changes nothing.
 
 mod capi;
-mod nccl;
 #[cfg(feature = "python")]
 mod python;
 mod state;

@@ -8,7 +8,6 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, OnceLock};
 
-use crate::nccl::{NcclHook, NcclLib};
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::{Mutex, RwLock};
 use vmmbuf::cuda::CudaAllocation;
@@ -16,6 +15,7 @@ use vmmbuf::cuda::{capture_of, Capture};
 // The maps malloc and free consult at every call (addresses, stream
 // handles, tags) hash with one multiply per word.
 use vmmbuf::hash::QuickMap;
+use vmmbuf::nccl::NcclHook;
 use vmmbuf::stats::ArenaStats;
 use vmmbuf::{
     Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, GraphPoolId, Location,
@@ -60,7 +60,7 @@ pub(crate) struct Device {
     nccl_ready: bool,
     /// Made at the first [`nccl_register`]: while it has communicators, the
     /// map hook of every arena of the device (kept after, for its counters).
-    nccl: Option<Arc<NcclHook<NcclLib>>>,
+    nccl: Option<Arc<NcclHook>>,
 }
 
 #[derive(Default)]
@@ -619,7 +619,10 @@ pub(crate) unsafe fn nccl_register(dev: c_int, comm: usize, library: Option<&str
     let hook = match &d.nccl {
         Some(h) => h.clone(),
         None => {
-            let h = Arc::new(NcclHook::new(NcclLib::loaded(library)?));
+            let h = Arc::new(match library {
+                Some(path) => NcclHook::open(path)?,
+                None => NcclHook::loaded()?,
+            });
             d.nccl = Some(h.clone());
             h
         }
@@ -637,7 +640,8 @@ pub(crate) unsafe fn nccl_register(dev: c_int, comm: usize, library: Option<&str
             return Err(e);
         }
     }
-    let id = hook.add(comm);
+    // SAFETY: forwarded to the caller: `comm` is live until deregistered.
+    let id = unsafe { hook.add(comm as *mut c_void) };
     if hook.is_empty() {
         d.unhook_nccl();
     }

@@ -16,6 +16,7 @@ pub(crate) mod capture;
 pub(crate) mod driver;
 mod fence;
 pub(crate) mod interop;
+pub(crate) mod nccl;
 pub(crate) mod probe;
 pub(crate) mod tensor;
 mod tokens;

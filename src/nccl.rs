@@ -1,33 +1,59 @@
-//! Keeping the plug-in's memory registered with NCCL communicators while it
-//! grows, shrinks and sleeps (issue 24).
+//! Keeping an arena's or a buffer's memory registered with NCCL
+//! communicators while it grows, shrinks, sleeps and migrates (issue 24):
+//! [`NcclHook`], a [`MapHook`] that registers each device range with every
+//! communicator added ([`NcclHook::add`]) when it is mapped, and
+//! deregisters it before it is unmapped; a communicator added later gets
+//! the ranges mapped so far at once, and one removed
+//! ([`NcclHook::remove`]) has each of its registrations undone.
 //!
-//! PyTorch's `ProcessGroupNCCL.register_mem_pool` registers a pool's
-//! segments as its caching layer sees them at the call: memory mapped later
-//! is not registered (PyTorch PR #192112), and nothing deregisters a range
-//! before the allocator unmaps it. Here one [`NcclHook`] per device is the
-//! map hook of every arena of the device ([`vmmbuf::hook`]): each range the
-//! arenas map is registered with every communicator added
-//! ([`NcclHook::add`]), and deregistered before it is unmapped; a
-//! communicator added later gets the ranges mapped so far at once, and one
-//! removed ([`NcclHook::remove`]) has each of its registrations undone.
+//! The registrations are local (`ncclCommRegister`): each process makes
+//! its own when its memory grows, with no collective call, so ranks that
+//! grow at different times cannot deadlock. (NCCL's symmetric windows,
+//! `ncclCommWindowRegister`, are collective and cannot follow one rank's
+//! growth.) The NCCL calls go to a library already loaded in the process
+//! ([`NcclHook::loaded`]: the communicator's own library instance, such as
+//! PyTorch's or the one cudarc loaded), or to one named by path
+//! ([`NcclHook::open`]). They run in CUDA's relaxed capture mode, as
+//! vmmbuf's own driver calls do, so that an arena growing inside a CUDA
+//! graph capture cannot invalidate it through a call the capture forbids
+//! (a precaution: NCCL 2.28's registration made none in the Python
+//! package's capture test, with the switch or without).
 //!
-//! The NCCL calls go to the library the process already loaded (PyTorch's:
-//! a communicator belongs to the library instance that made it), found by
-//! its name without loading another ([`NcclLib::loaded`]). They run in
-//! CUDA's relaxed capture mode, as vmmbuf's own driver calls do, so that an
-//! arena growing inside a CUDA graph capture cannot invalidate it through a
-//! call the capture forbids (a precaution: NCCL 2.28's registration made
-//! none in `test_growth_inside_a_cuda_graph_capture_is_registered`, with
-//! the switch or without).
+//! Chunks NCCL can use are made by a backend created with
+//! [`CudaBackendDesc::nccl_ready`](crate::cuda::CudaBackendDesc::nccl_ready).
+//!
+//! ```no_run
+//! # fn main() -> vmmbuf::Result<()> {
+//! use std::sync::Arc;
+//! use vmmbuf::cuda::{CudaArena, CudaBackendDesc};
+//! use vmmbuf::nccl::NcclHook;
+//! use vmmbuf::{Arena, ArenaDesc, CudaBackend};
+//!
+//! let gpu = CudaBackend::with_desc(0, &CudaBackendDesc::nccl_ready())?;
+//! let arena: CudaArena = Arena::new(gpu, ArenaDesc::new(64 << 30))?;
+//! # let comm: *mut std::ffi::c_void = std::ptr::null_mut();
+//! // `comm`: an ncclComm_t made by the NCCL this process loaded.
+//! let hook = Arc::new(NcclHook::loaded()?);
+//! // SAFETY: `comm` stays live until `remove` below.
+//! let id = unsafe { hook.add(comm)? };
+//! arena.set_map_hook(Some(hook.clone()))?;
+//! // ... allocate, grow, run collectives over the arena's memory ...
+//! hook.remove(id)?; // before the communicator is destroyed
+//! # Ok(()) }
+//! ```
+#![deny(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap};
 
 use parking_lot::Mutex;
-use vmmbuf::hook::{MapHook, MappedRange};
-use vmmbuf::{Error, Location, Result};
 
-/// What the hook calls to register and deregister: NCCL ([`NcclLib`]), or a
-/// test's recorder.
+use crate::hook::{MapHook, MappedRange};
+use crate::{Error, Location, Result};
+
+/// What the hook calls to register and deregister: NCCL
+/// (`backend::cuda::nccl::NcclLib`), or a test's recorder. Callers outside
+/// the crate cannot implement it: a registrar's calls are trusted with the
+/// communicators [`NcclHook::add`] was given.
 pub(crate) trait Registrar: Send + Sync + 'static {
     /// Registers `bytes` at `addr` with the communicator `comm`; NCCL's
     /// handle for the registration.
@@ -36,9 +62,10 @@ pub(crate) trait Registrar: Send + Sync + 'static {
     fn deregister(&self, comm: usize, handle: usize) -> std::result::Result<(), String>;
 }
 
-/// Counters of a device's NCCL registrations (in the plug-in's statistics).
+/// Counters of an [`NcclHook`]'s registrations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct NcclCounts {
+#[non_exhaustive]
+pub struct NcclCounts {
     /// Communicators whose registrations the hook keeps now.
     pub comms: usize,
     /// Registrations made (one per range and communicator).
@@ -52,6 +79,8 @@ pub(crate) struct NcclCounts {
     pub registered_bytes: u64,
     /// Device bytes mapped now in ranges the hook was told of.
     pub mapped_bytes: u64,
+    /// Those ranges, counted.
+    pub mapped_ranges: usize,
 }
 
 /// One communicator's registrations: address -> (bytes, NCCL's handle).
@@ -70,18 +99,47 @@ struct HookState {
     counts: NcclCounts,
 }
 
-/// The map hook of every arena of one device while communicators are
-/// added: see the [module docs](self).
-pub(crate) struct NcclHook<R: Registrar> {
-    lib: R,
+/// A map hook that keeps every device range it is told of registered with
+/// each NCCL communicator added: see the [module docs](self). Give it to
+/// an arena or a buffer (`set_map_hook`), or to several.
+pub struct NcclHook {
+    lib: Box<dyn Registrar>,
     st: Mutex<HookState>,
 }
 
-impl<R: Registrar> NcclHook<R> {
+impl std::fmt::Debug for NcclHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclHook")
+            .field("counts", &self.counts())
+            .finish()
+    }
+}
+
+impl NcclHook {
+    /// A hook calling the NCCL this process has loaded already
+    /// (`libnccl.so.2`, found without loading another: a communicator
+    /// belongs to the library instance that made it).
+    /// [`Error::Unsupported`] if none is loaded, or it has no
+    /// `ncclCommRegister` (NCCL before 2.19), or off Unix.
+    pub fn loaded() -> Result<Self> {
+        Ok(Self::with(crate::backend::cuda::nccl::NcclLib::loaded(
+            None,
+        )?))
+    }
+
+    /// A hook calling the NCCL library at `path` (the same file as a
+    /// loaded one is that same instance; another file is another NCCL,
+    /// whose communicators are not the loaded one's).
+    pub fn open(path: &str) -> Result<Self> {
+        Ok(Self::with(crate::backend::cuda::nccl::NcclLib::loaded(
+            Some(path),
+        )?))
+    }
+
     /// A hook with no communicator yet, calling `lib`.
-    pub(crate) fn new(lib: R) -> Self {
+    pub(crate) fn with(lib: impl Registrar) -> Self {
         Self {
-            lib,
+            lib: Box::new(lib),
             st: Mutex::new(HookState {
                 live: BTreeMap::new(),
                 comms: Vec::new(),
@@ -92,7 +150,13 @@ impl<R: Registrar> NcclHook<R> {
     }
 
     /// Registers one range with one communicator, counting the outcome.
-    fn register(lib: &R, counts: &mut NcclCounts, c: &mut Comm, addr: u64, bytes: usize) {
+    fn register(
+        lib: &dyn Registrar,
+        counts: &mut NcclCounts,
+        c: &mut Comm,
+        addr: u64,
+        bytes: usize,
+    ) {
         match lib.register(c.comm, addr, bytes) {
             Ok(h) => {
                 c.handles.insert(addr, (bytes, h));
@@ -102,28 +166,46 @@ impl<R: Registrar> NcclHook<R> {
             Err(e) => {
                 counts.failures += 1;
                 tracing::warn!(error = %e, addr = format_args!("{addr:#x}"), bytes, comm = format_args!("{:#x}", c.comm),
-                    "vmmbuf-torch: ncclCommRegister failed; the range stays unregistered with this communicator");
+                    "vmmbuf: ncclCommRegister failed; the range stays unregistered with this communicator");
             }
         }
     }
 
     /// Undoes one registration, counting the outcome.
-    fn deregister(lib: &R, counts: &mut NcclCounts, comm: usize, bytes: usize, handle: usize) {
+    fn deregister(
+        lib: &dyn Registrar,
+        counts: &mut NcclCounts,
+        comm: usize,
+        bytes: usize,
+        handle: usize,
+    ) {
         counts.registered_bytes -= bytes as u64;
         match lib.deregister(comm, handle) {
             Ok(()) => counts.deregistrations += 1,
             Err(e) => {
                 counts.failures += 1;
                 tracing::warn!(error = %e, comm = format_args!("{comm:#x}"),
-                    "vmmbuf-torch: ncclCommDeregister failed");
+                    "vmmbuf: ncclCommDeregister failed");
             }
         }
     }
 
-    /// Keeps every mapped range registered with `comm` from now on,
-    /// registering those mapped already at once; the registration's id for
-    /// [`remove`](Self::remove). A communicator added twice is refused.
-    pub(crate) fn add(&self, comm: usize) -> Result<u64> {
+    /// Keeps every device range the hook is told of registered with the
+    /// communicator `comm` from now on, registering those mapped already
+    /// at once; the id to [`remove`](Self::remove) it with. A null
+    /// communicator, or one added already, is refused. A registration NCCL
+    /// refuses leaves that range unregistered with `comm` (NCCL then copies
+    /// through its own buffers), is logged and counted
+    /// ([`NcclCounts::failures`]).
+    ///
+    /// # Safety
+    ///
+    /// `comm` must be an `ncclComm_t` of the library this hook calls, live
+    /// until [`remove`](Self::remove) is called with the id returned: the
+    /// hook calls NCCL with it whenever memory is mapped or unmapped.
+    #[allow(unsafe_code)]
+    pub unsafe fn add(&self, comm: *mut std::ffi::c_void) -> Result<u64> {
+        let comm = comm as usize;
         if comm == 0 {
             return Err(Error::InvalidArgument(
                 "a null NCCL communicator (PyTorch creates a process group's communicator at its first collective, or at init_process_group with device_id)".into(),
@@ -145,7 +227,7 @@ impl<R: Registrar> NcclHook<R> {
         let HookState { live, counts, .. } = &mut *st;
         Self::relaxed(|| {
             for (&addr, &bytes) in live.iter() {
-                Self::register(&self.lib, counts, &mut c, addr, bytes);
+                Self::register(&*self.lib, counts, &mut c, addr, bytes);
             }
         });
         st.comms.push(c);
@@ -155,8 +237,8 @@ impl<R: Registrar> NcclHook<R> {
 
     /// Undoes every registration of the communicator added as `id` and
     /// stops registering with it. Call it before the communicator is
-    /// destroyed (`destroy_process_group`). An unknown id is refused.
-    pub(crate) fn remove(&self, id: u64) -> Result<()> {
+    /// destroyed. An unknown id is refused.
+    pub fn remove(&self, id: u64) -> Result<()> {
         let mut st = self.st.lock();
         let Some(i) = st.comms.iter().position(|c| c.id == id) else {
             return Err(Error::InvalidArgument(format!(
@@ -168,29 +250,47 @@ impl<R: Registrar> NcclHook<R> {
         let counts = &mut st.counts;
         Self::relaxed(|| {
             for (_, (bytes, h)) in c.handles {
-                Self::deregister(&self.lib, counts, c.comm, bytes, h);
+                Self::deregister(&*self.lib, counts, c.comm, bytes, h);
             }
         });
         Ok(())
     }
 
     /// Whether no communicator is added.
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.st.lock().comms.is_empty()
     }
 
     /// The counters now.
-    pub(crate) fn counts(&self) -> NcclCounts {
-        self.st.lock().counts
+    pub fn counts(&self) -> NcclCounts {
+        let st = self.st.lock();
+        NcclCounts {
+            mapped_ranges: st.live.len(),
+            ..st.counts
+        }
+    }
+
+    /// Whether `[addr, addr + bytes)` lies in one range registered with
+    /// every communicator added (and there is one): a tensor NCCL can use
+    /// zero-copy, where its registrations matter.
+    pub fn covers(&self, addr: u64, bytes: usize) -> bool {
+        let st = self.st.lock();
+        let end = addr + bytes as u64;
+        let Some((&a, &len)) = st.live.range(..=addr).next_back() else {
+            return false;
+        };
+        !st.comms.is_empty()
+            && end <= a + len as u64
+            && st.comms.iter().all(|c| c.handles.contains_key(&a))
     }
 
     /// Runs `f` in CUDA's relaxed capture mode where a driver is loaded (a
     /// failure to switch is logged, and `f` runs in the thread's mode).
     fn relaxed<T>(f: impl FnOnce() -> T) -> T {
-        let _guard = match vmmbuf::cuda::RelaxedCapture::new() {
+        let _guard = match crate::cuda::RelaxedCapture::new() {
             Ok(g) => Some(g),
             Err(e) => {
-                tracing::debug!(error = %e, "vmmbuf-torch: no relaxed capture mode for NCCL's calls");
+                tracing::debug!(error = %e, "vmmbuf: no relaxed capture mode for NCCL's calls");
                 None
             }
         };
@@ -198,7 +298,7 @@ impl<R: Registrar> NcclHook<R> {
     }
 }
 
-impl<R: Registrar> MapHook for NcclHook<R> {
+impl MapHook for NcclHook {
     fn mapped(&self, range: MappedRange) {
         // NCCL skips a registration with any host-backed chunk.
         if range.placement == Location::Host {
@@ -218,7 +318,7 @@ impl<R: Registrar> MapHook for NcclHook<R> {
         }
         Self::relaxed(|| {
             for c in comms.iter_mut() {
-                Self::register(&self.lib, counts, c, range.addr, range.bytes);
+                Self::register(&*self.lib, counts, c, range.addr, range.bytes);
             }
         });
     }
@@ -238,119 +338,12 @@ impl<R: Registrar> MapHook for NcclHook<R> {
         Self::relaxed(|| {
             for c in comms.iter_mut() {
                 if let Some((bytes, h)) = c.handles.remove(&range.addr) {
-                    Self::deregister(&self.lib, counts, c.comm, bytes, h);
+                    Self::deregister(&*self.lib, counts, c.comm, bytes, h);
                 }
             }
         });
     }
 }
-
-/// `ncclResult_t ncclCommRegister(ncclComm_t, void*, size_t, void**)`.
-type RegisterFn = unsafe extern "C" fn(
-    *mut std::ffi::c_void,
-    *mut std::ffi::c_void,
-    usize,
-    *mut *mut std::ffi::c_void,
-) -> std::ffi::c_int;
-/// `ncclResult_t ncclCommDeregister(ncclComm_t, void*)`.
-type DeregisterFn =
-    unsafe extern "C" fn(*mut std::ffi::c_void, *mut std::ffi::c_void) -> std::ffi::c_int;
-
-/// NCCL's registration calls, from a library already loaded.
-pub(crate) struct NcclLib {
-    register: RegisterFn,
-    deregister: DeregisterFn,
-    /// Keeps the library loaded while the hook may call it.
-    #[cfg(unix)]
-    _lib: libloading::os::unix::Library,
-}
-
-impl NcclLib {
-    /// The NCCL the process loaded already (PyTorch's `libnccl.so.2`), or
-    /// the library at `path` (the same file as the loaded one yields the
-    /// same instance; another file, another NCCL, whose communicators are
-    /// not PyTorch's). Nothing is loaded by name that is not loaded yet.
-    #[cfg(unix)]
-    pub(crate) fn loaded(path: Option<&str>) -> Result<Self> {
-        use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-        /// `dlopen`'s "only if loaded already" flag (glibc and musl).
-        const RTLD_NOLOAD: std::ffi::c_int = 0x4;
-        let (name, flags) = match path {
-            Some(p) => (p, RTLD_NOW | RTLD_LOCAL),
-            None => ("libnccl.so.2", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD),
-        };
-        // SAFETY: FFI: dlopen of NCCL, which the process has loaded already
-        // (RTLD_NOLOAD) or the caller names: its initialisers ran or are
-        // NCCL's own, which run no code of ours.
-        let lib = unsafe { Library::open(Some(name), flags) }.map_err(|e| Error::Unsupported {
-            what: format!(
-                "NCCL registration: {name} is not loaded in this process ({e}); import torch with CUDA first, or pass NCCL's path"
-            ),
-        })?;
-        // SAFETY: FFI: the symbols' C signatures as nccl.h declares them
-        // (ncclCommRegister since NCCL 2.19); the library stays loaded in
-        // `_lib` as long as the pointers are used.
-        let (register, deregister) = unsafe {
-            let r = lib.get::<RegisterFn>(b"ncclCommRegister\0");
-            let d = lib.get::<DeregisterFn>(b"ncclCommDeregister\0");
-            match (r, d) {
-                (Ok(r), Ok(d)) => (*r, *d),
-                (Err(e), _) | (_, Err(e)) => {
-                    return Err(Error::Unsupported {
-                        what: format!(
-                            "NCCL registration: {name} has no ncclCommRegister/ncclCommDeregister (NCCL 2.19 or later has them): {e}"
-                        ),
-                    })
-                }
-            }
-        };
-        Ok(Self {
-            register,
-            deregister,
-            _lib: lib,
-        })
-    }
-
-    /// NCCL registration needs `dlopen` (Unix).
-    #[cfg(not(unix))]
-    pub(crate) fn loaded(_path: Option<&str>) -> Result<Self> {
-        Err(Error::Unsupported {
-            what: "NCCL registration on this platform".into(),
-        })
-    }
-}
-
-impl Registrar for NcclLib {
-    fn register(&self, comm: usize, addr: u64, bytes: usize) -> std::result::Result<usize, String> {
-        let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: FFI: `comm` is a live communicator of this NCCL (the
-        // caller of `add` promised it and removes it before destroying it);
-        // `addr..addr + bytes` is device memory mapped now (the arena calls
-        // the hook after mapping it); `handle` is a valid out-pointer.
-        let res = unsafe { (self.register)(comm as *mut _, addr as *mut _, bytes, &mut handle) };
-        match res {
-            0 => Ok(handle as usize),
-            e => Err(format!("ncclCommRegister returned {e}")),
-        }
-    }
-
-    fn deregister(&self, comm: usize, handle: usize) -> std::result::Result<(), String> {
-        // SAFETY: FFI: a handle this communicator's ncclCommRegister gave,
-        // undone once (the hook drops it from its table here).
-        let res = unsafe { (self.deregister)(comm as *mut _, handle as *mut _) };
-        match res {
-            0 => Ok(()),
-            e => Err(format!("ncclCommDeregister returned {e}")),
-        }
-    }
-}
-
-// SAFETY: the struct holds plain function pointers and a library handle;
-// NCCL's registration calls may come from any thread (the hook makes them
-// one at a time, under its lock).
-unsafe impl Send for NcclLib {}
-// SAFETY: as above.
-unsafe impl Sync for NcclLib {}
 
 #[cfg(test)]
 mod tests {
@@ -394,6 +387,14 @@ mod tests {
 
     const HOST_AT: u64 = 1 << 40;
 
+    /// `add` with a recorder: the communicator is a number it never
+    /// dereferences.
+    #[allow(unsafe_code)]
+    fn add(hook: &NcclHook, comm: usize) -> Result<u64> {
+        // SAFETY: the recorder only records the number.
+        unsafe { hook.add(comm as *mut _) }
+    }
+
     fn dev(addr: u64, bytes: usize) -> MappedRange {
         MappedRange::new(addr, bytes, Location::Device(0))
     }
@@ -415,7 +416,7 @@ mod tests {
         let mut seen = (0u64, 0u64, 0u64);
         for case in 0..200 {
             let rec = Arc::new(Recorder::default());
-            let hook = NcclHook::new(rec.clone());
+            let hook = NcclHook::with(rec.clone());
             let mut mapped: BTreeMap<u64, MappedRange> = BTreeMap::new();
             let mut comms: Vec<(u64, usize)> = Vec::new();
             let mut next_comm = 0x10usize;
@@ -445,7 +446,7 @@ mod tests {
                     }
                     3 => {
                         next_comm += 1;
-                        comms.push((hook.add(next_comm).unwrap(), next_comm));
+                        comms.push((add(&hook, next_comm).unwrap(), next_comm));
                     }
                     4 => {
                         if !comms.is_empty() {
@@ -489,6 +490,15 @@ mod tests {
                 let reg_bytes: u64 = open.iter().map(|(_, a)| mapped[a].bytes as u64).sum();
                 assert_eq!(n.registered_bytes, reg_bytes, "case {case}");
                 assert_eq!(n.comms, comms.len());
+                // A range is covered where every communicator holds it; a
+                // byte past it never is (ranges are not merged).
+                for r in mapped.values() {
+                    let want = r.placement != Location::Host
+                        && !comms.is_empty()
+                        && comms.iter().all(|&(_, c)| open.contains(&(c, r.addr)));
+                    assert_eq!(hook.covers(r.addr, r.bytes), want, "case {case}: {r:?}");
+                    assert!(!hook.covers(r.addr, r.bytes + 1), "case {case}: {r:?}");
+                }
                 assert_eq!(
                     n.registrations - n.deregistrations,
                     open.len() as u64,
@@ -510,13 +520,13 @@ mod tests {
 
     #[test]
     fn a_null_or_repeated_communicator_is_refused() {
-        let hook = NcclHook::new(Arc::new(Recorder::default()));
-        assert!(matches!(hook.add(0), Err(Error::InvalidArgument(_))));
-        let id = hook.add(7).unwrap();
-        let e = hook.add(7).unwrap_err().to_string();
+        let hook = NcclHook::with(Arc::new(Recorder::default()));
+        assert!(matches!(add(&hook, 0), Err(Error::InvalidArgument(_))));
+        let id = add(&hook, 7).unwrap();
+        let e = add(&hook, 7).unwrap_err().to_string();
         assert!(e.contains("registered already"), "{e}");
         hook.remove(id).unwrap();
         assert!(hook.is_empty());
-        assert!(hook.add(7).is_ok(), "added again once removed");
+        assert!(add(&hook, 7).is_ok(), "added again once removed");
     }
 }
