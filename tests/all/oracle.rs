@@ -1460,18 +1460,8 @@ fn a_growth_past_another_streams_pending_free_is_counted() {
     // Waiting instead: stream 2 waits for stream 1's block (its queue
     // completes to the fence) and takes it; nothing more is mapped, and no
     // hand-out precedes the work it follows.
-    let backend = OracleBackend::new();
-    let model = backend.model.clone();
-    let mut desc = ArenaDesc::new(1 << 30).wait_before_grow(true);
-    desc.release_before_map = false;
-    let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
-    let (s1, s2) = (QStream::new(1), QStream::new(2));
-    let a = arena.alloc(4 * G, &s1).unwrap();
-    let at = a.address();
-    model
-        .lock()
-        .launch(&s1.q, at, 4 * G, "stream 1's kernel".into());
-    drop(a);
+    let (model, arena, s1, s2, at) =
+        a_block_freed_under_its_kernel(ArenaDesc::new(1 << 30).wait_before_grow(true));
     assert!(!s1.q.passed(1), "the kernel is still queued");
     let b = arena.alloc(4 * G, &s2).unwrap();
     let st = arena.stats();
@@ -1487,14 +1477,7 @@ fn a_growth_past_another_streams_pending_free_is_counted() {
         "{st:?}"
     );
     // The hand-out is checked against the model as every one is.
-    model
-        .lock()
-        .check(at, 4 * G, Some(2), "hand-out to stream 2");
-    assert!(
-        model.lock().violations.is_empty(),
-        "{:?}",
-        model.lock().violations
-    );
+    handed_to_stream_2_after_the_kernel(&model, at);
     drop(b);
 }
 
@@ -1507,20 +1490,11 @@ fn a_growth_past_another_streams_pending_free_is_counted() {
 /// cover and takes the block instead of growing; the model checks that the
 /// hand-out follows the kernel.
 fn waiting_before_growth_waits_on_a_cover_of_deferred_frees() {
-    let backend = OracleBackend::new();
-    let model = backend.model.clone();
-    let mut desc = ArenaDesc::new(1 << 30)
-        .wait_before_grow(true)
-        .defer_free_fences(true);
-    desc.release_before_map = false;
-    let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
-    let (s1, s2) = (QStream::new(1), QStream::new(2));
-    let a = arena.alloc(4 * G, &s1).unwrap();
-    let at = a.address();
-    model
-        .lock()
-        .launch(&s1.q, at, 4 * G, "stream 1's kernel".into());
-    drop(a);
+    let (model, arena, s1, s2, at) = a_block_freed_under_its_kernel(
+        ArenaDesc::new(1 << 30)
+            .wait_before_grow(true)
+            .defer_free_fences(true),
+    );
     let b = arena.alloc(4 * G, &s2).unwrap();
     let st = arena.stats();
     assert_ne!(b.address(), at, "no cover yet: stream 2 grows");
@@ -1549,6 +1523,34 @@ fn waiting_before_growth_waits_on_a_cover_of_deferred_frees() {
         (1, 1, reserved),
         "{st:?}"
     );
+    handed_to_stream_2_after_the_kernel(&model, at);
+    drop((b, c, other));
+}
+
+/// An arena of `desc` (free chunks kept mapped) on the oracle backend, with
+/// a block of 4 * G freed on stream 1 while stream 1's kernel still uses
+/// it: the model, the arena, both streams and the block's address.
+fn a_block_freed_under_its_kernel(
+    desc: ArenaDesc,
+) -> (Arc<Mutex<Model>>, OArena, QStream, QStream, u64) {
+    let backend = OracleBackend::new();
+    let model = backend.model.clone();
+    let mut desc = desc;
+    desc.release_before_map = false;
+    let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
+    let (s1, s2) = (QStream::new(1), QStream::new(2));
+    let a = arena.alloc(4 * G, &s1).unwrap();
+    let at = a.address();
+    model
+        .lock()
+        .launch(&s1.q, at, 4 * G, "stream 1's kernel".into());
+    drop(a);
+    (model, arena, s1, s2, at)
+}
+
+/// Stream 2 was handed `[at, at + 4 * G)`: the model finds no work of
+/// another stream still on it.
+fn handed_to_stream_2_after_the_kernel(model: &Mutex<Model>, at: u64) {
     model
         .lock()
         .check(at, 4 * G, Some(2), "hand-out to stream 2");
@@ -1557,5 +1559,4 @@ fn waiting_before_growth_waits_on_a_cover_of_deferred_frees() {
         "{:?}",
         model.lock().violations
     );
-    drop((b, c, other));
 }
