@@ -64,7 +64,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -303,7 +303,7 @@ class NcclRegistration:
 # Registrations made from a process group, closed by
 # ``torch.distributed.destroy_process_group`` before the group's
 # communicator goes (see ``_guard_destroy``).
-_REGISTRATIONS: list = []
+_REGISTRATIONS: List["NcclRegistration"] = []
 
 
 def _guard_destroy() -> None:
