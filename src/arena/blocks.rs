@@ -560,5 +560,57 @@ fn merge<F>(mut left: Free<F>, right: Free<F>, keep_tags: bool) -> Free<F> {
     left
 }
 
+/// How a block being inserted joins its neighbours ([`Store::insert_tagged`]
+/// of both forms): [`merge`], and where tags are kept (joining mode, and
+/// asked for), a settled result takes the inserted block's tag again.
+#[derive(Clone, Copy)]
+struct Join {
+    join_settled: bool,
+    /// The inserted block's tag, where tags are kept.
+    tag: Option<Option<StreamKey>>,
+}
+
+impl Join {
+    fn new<F>(inserted: &Free<F>, keep_tag: bool, join_settled: bool) -> Self {
+        // Tags matter only where settled blocks join pending ones as they
+        // are inserted; elsewhere merges drop them (see `merge`).
+        Self {
+            join_settled,
+            tag: (keep_tag && join_settled).then_some(inserted.stream),
+        }
+    }
+
+    #[inline]
+    fn merge<F>(self, left: Free<F>, right: Free<F>) -> Free<F> {
+        let mut m = merge(left, right, self.join_settled);
+        if let Some(tag) = self.tag.filter(|_| m.settled()) {
+            m.stream = tag;
+        }
+        m
+    }
+}
+
+/// The best fit among `usable` (blocks a stream may take, each with where
+/// it ends, in the size index's order, the smallest fitting first): the
+/// first one `spare` does not hold for, or else the first one (a block
+/// kept to grow into is taken only if no other fits). Both forms'
+/// `take_sparing`.
+#[inline]
+fn first_fit<T>(
+    usable: impl Iterator<Item = (T, usize)>,
+    spare: impl Fn(usize) -> bool,
+) -> Option<T> {
+    let mut fallback = None;
+    for (t, end) in usable {
+        if !spare(end) {
+            return Some(t);
+        }
+        if fallback.is_none() {
+            fallback = Some(t);
+        }
+    }
+    fallback
+}
+
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,7 @@
 //! Free blocks in two sorted arrays and a slab: for the few blocks a zone
 //! holds in practice (see [`Few`]).
 
-use super::{merge, Free, StreamKey};
+use super::{first_fit, Free, Join, StreamKey};
 
 /// Who may take a free block now, kept in the size index so that the
 /// best-fit search reads no block: any stream (settled), one stream (its
@@ -185,15 +185,7 @@ impl<F> Few<F> {
 
     fn insert_tagged(&mut self, mut offset: usize, mut f: Free<F>, keep_tag: bool) {
         debug_assert!(f.size > 0);
-        let tag = f.stream;
-        // Tags matter only where settled blocks join pending ones as they
-        // are inserted; elsewhere merges drop them (see `merge`).
-        let keep_tag = keep_tag && self.join_settled;
-        let retag = |m: &mut Free<F>| {
-            if keep_tag && m.settled() {
-                m.stream = tag;
-            }
-        };
+        let join = Join::new(&f, keep_tag, self.join_settled);
         // Until neither neighbour merges: a merge of two settled blocks
         // may change the tag, and with it whether the block joins the
         // pending neighbour on its other side.
@@ -207,8 +199,7 @@ impl<F> Few<F> {
                     let (lo, left) = self.unlink_at(l);
                     offset = lo;
                     i = l;
-                    f = merge(left, f, self.join_settled);
-                    retag(&mut f);
+                    f = join.merge(left, f);
                     merged = true;
                 }
             }
@@ -217,8 +208,7 @@ impl<F> Few<F> {
                 let (ro, right) = self.nth(i);
                 if ro == offset + f.size && f.mergeable(right, self.join_settled) {
                     let (_, right) = self.unlink_at(i);
-                    f = merge(f, right, self.join_settled);
-                    retag(&mut f);
+                    f = join.merge(f, right);
                     merged = true;
                 }
             }
@@ -240,20 +230,10 @@ impl<F> Few<F> {
         spare: impl Fn(usize) -> bool,
     ) -> Option<usize> {
         let start = self.by_size.partition_point(|e| e.size < size);
-        let mut fallback = None;
-        let mut found = None;
-        for (j, e) in self.by_size.iter().enumerate().skip(start) {
-            if !e.taker.allows(key) {
-                continue;
-            }
-            if spare(e.offset + e.size) {
-                fallback.get_or_insert(j);
-            } else {
-                found = Some(j);
-                break;
-            }
-        }
-        let j = found.or(fallback)?;
+        let usable = (self.by_size.iter().enumerate().skip(start))
+            .filter(|(_, e)| e.taker.allows(key))
+            .map(|(j, e)| (j, e.offset + e.size));
+        let j = first_fit(usable, spare)?;
         let e = self.by_size[j];
         let i = self.below(e.offset);
         if e.size == size {

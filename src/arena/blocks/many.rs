@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{merge, Free, StreamKey};
+use super::{first_fit, Free, Join, StreamKey};
 
 /// The free blocks, by offset and by size.
 #[derive(Debug)]
@@ -70,15 +70,7 @@ impl<F> Many<F> {
 
     fn insert_tagged(&mut self, mut offset: usize, mut f: Free<F>, keep_tag: bool) {
         debug_assert!(f.size > 0);
-        let tag = f.stream;
-        // Tags matter only where settled blocks join pending ones as they
-        // are inserted; elsewhere merges drop them (see `merge`).
-        let keep_tag = keep_tag && self.join_settled;
-        let retag = |m: &mut Free<F>| {
-            if keep_tag && m.settled() {
-                m.stream = tag;
-            }
-        };
+        let join = Join::new(&f, keep_tag, self.join_settled);
         // Until neither neighbour merges: a merge of two settled blocks
         // may change the tag, and with it whether the block joins the
         // pending neighbour on its other side.
@@ -88,8 +80,7 @@ impl<F> Many<F> {
                 if left.mergeable(&f, self.join_settled) {
                     let left = self.unlink(lo).expect("just found");
                     offset = lo;
-                    f = merge(left, f, self.join_settled);
-                    retag(&mut f);
+                    f = join.merge(left, f);
                     merged = true;
                 }
             }
@@ -100,8 +91,7 @@ impl<F> Many<F> {
                 .is_some_and(|r| f.mergeable(r, self.join_settled))
             {
                 let right = self.unlink(end).expect("just found");
-                f = merge(f, right, self.join_settled);
-                retag(&mut f);
+                f = join.merge(f, right);
                 merged = true;
             }
             if !merged {
@@ -121,20 +111,10 @@ impl<F> Many<F> {
         key: StreamKey,
         spare: impl Fn(usize) -> bool,
     ) -> Option<usize> {
-        let mut fallback = None;
-        let mut found = None;
-        for &(s, o) in self.by_size.range((size, 0)..) {
-            if !self.by_offset[&o].usable_by(key) {
-                continue;
-            }
-            if spare(o + s) {
-                fallback.get_or_insert(o);
-            } else {
-                found = Some(o);
-                break;
-            }
-        }
-        let offset = found.or(fallback)?;
+        let usable = (self.by_size.range((size, 0)..))
+            .filter(|&&(_, o)| self.by_offset[&o].usable_by(key))
+            .map(|&(s, o)| (o, o + s));
+        let offset = first_fit(usable, spare)?;
         let f = self.unlink(offset).expect("indexed");
         if f.size > size {
             let rest = Free {

@@ -195,6 +195,33 @@ fn a_settled_block_stays_with_its_stream_when_joining() {
     assert!(b.iter().all(|(_, f)| f.stream.is_none()));
 }
 
+/// Fresh memory mapped for a stream keeps that stream's tag when it merges
+/// into a settled block tagged for another (`insert_fresh`'s promise), so
+/// the stream's next pending free joins the whole; in both forms.
+#[test]
+fn fresh_memory_keeps_its_streams_tag_through_a_merge() {
+    for (trees, mut b) in [
+        (false, Blocks::<u32>::joining()),
+        (true, Blocks::with_bounds(true, 0, 0)),
+    ] {
+        b.insert_fresh(0, 16, S1);
+        b.insert_fresh(16, 16, S2);
+        assert_eq!(b.in_trees(), trees);
+        let all: Vec<_> = b.iter().map(|(o, f)| (o, f.size, f.stream)).collect();
+        assert_eq!(all, vec![(0, 32, Some(S2))], "trees: {trees}");
+        b.insert(
+            32,
+            Free {
+                size: 16,
+                stream: Some(S2),
+                fences: fs(&[(S2, 1)]),
+            },
+        );
+        assert_eq!(b.iter().count(), 1, "S2's pending free joined its memory");
+        assert_eq!(b.check(), Ok(()));
+    }
+}
+
 /// The spared block (one that can grow) goes only when nothing else fits.
 #[test]
 fn take_sparing_keeps_the_growing_block() {
