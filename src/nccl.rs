@@ -96,6 +96,8 @@ struct HookState {
     live: BTreeMap<u64, usize>,
     comms: Vec<Comm>,
     next_id: u64,
+    /// The counters kept call by call; `comms` and the mapped figures
+    /// stay 0 here and are derived in [`NcclHook::counts`].
     counts: NcclCounts,
 }
 
@@ -211,7 +213,7 @@ impl NcclHook {
                 "a null NCCL communicator (PyTorch creates a process group's communicator at its first collective, or at init_process_group with device_id)".into(),
             ));
         }
-        let mut st = self.st.lock();
+        let st = &mut *self.st.lock();
         if st.comms.iter().any(|c| c.comm == comm) {
             return Err(Error::InvalidArgument(format!(
                 "NCCL communicator {comm:#x} is registered already"
@@ -224,14 +226,12 @@ impl NcclHook {
             comm,
             handles: HashMap::new(),
         };
-        let HookState { live, counts, .. } = &mut *st;
         Self::relaxed(|| {
-            for (&addr, &bytes) in live.iter() {
-                Self::register(&*self.lib, counts, &mut c, addr, bytes);
+            for (&addr, &bytes) in &st.live {
+                Self::register(&*self.lib, &mut st.counts, &mut c, addr, bytes);
             }
         });
         st.comms.push(c);
-        st.counts.comms = st.comms.len();
         Ok(id)
     }
 
@@ -239,18 +239,16 @@ impl NcclHook {
     /// stops registering with it. Call it before the communicator is
     /// destroyed. An unknown id is refused.
     pub fn remove(&self, id: u64) -> Result<()> {
-        let mut st = self.st.lock();
+        let st = &mut *self.st.lock();
         let Some(i) = st.comms.iter().position(|c| c.id == id) else {
             return Err(Error::InvalidArgument(format!(
                 "no NCCL registration {id} (removed already, or never made)"
             )));
         };
         let c = st.comms.remove(i);
-        st.counts.comms = st.comms.len();
-        let counts = &mut st.counts;
         Self::relaxed(|| {
             for (_, (bytes, h)) in c.handles {
-                Self::deregister(&*self.lib, counts, c.comm, bytes, h);
+                Self::deregister(&*self.lib, &mut st.counts, c.comm, bytes, h);
             }
         });
         Ok(())
@@ -265,6 +263,8 @@ impl NcclHook {
     pub fn counts(&self) -> NcclCounts {
         let st = self.st.lock();
         NcclCounts {
+            comms: st.comms.len(),
+            mapped_bytes: st.live.values().map(|&b| b as u64).sum(),
             mapped_ranges: st.live.len(),
             ..st.counts
         }
@@ -304,41 +304,27 @@ impl MapHook for NcclHook {
         if range.placement == Location::Host {
             return;
         }
-        let mut st = self.st.lock();
-        let HookState {
-            live,
-            comms,
-            counts,
-            ..
-        } = &mut *st;
-        live.insert(range.addr, range.bytes);
-        counts.mapped_bytes += range.bytes as u64;
-        if comms.is_empty() {
+        let st = &mut *self.st.lock();
+        st.live.insert(range.addr, range.bytes);
+        if st.comms.is_empty() {
             return;
         }
         Self::relaxed(|| {
-            for c in comms.iter_mut() {
-                Self::register(&*self.lib, counts, c, range.addr, range.bytes);
+            for c in &mut st.comms {
+                Self::register(&*self.lib, &mut st.counts, c, range.addr, range.bytes);
             }
         });
     }
 
     fn unmapping(&self, range: MappedRange) {
-        let mut st = self.st.lock();
-        let HookState {
-            live,
-            comms,
-            counts,
-            ..
-        } = &mut *st;
-        if live.remove(&range.addr).is_none() {
+        let st = &mut *self.st.lock();
+        if st.live.remove(&range.addr).is_none() {
             return;
         }
-        counts.mapped_bytes -= range.bytes as u64;
         Self::relaxed(|| {
-            for c in comms.iter_mut() {
+            for c in &mut st.comms {
                 if let Some((bytes, h)) = c.handles.remove(&range.addr) {
-                    Self::deregister(&*self.lib, counts, c.comm, bytes, h);
+                    Self::deregister(&*self.lib, &mut st.counts, c.comm, bytes, h);
                 }
             }
         });
