@@ -3,7 +3,7 @@
 that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
 Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
-19), g1 g2 (the CUDA graph pools of issue 23), h1 h2 (map hooks, issue 24),
+19), g1 g2 (the CUDA graph pools of issue 23), g3 (RT4-1, issue 38), h1 h2 (map hooks, issue 24),
 d1 (deferred free fences), w1 (a wake around a graph's blocks) or b1
 (waiting for another stream's block before growing).
 Run the oracle there afterwards:
@@ -98,6 +98,14 @@ elif name == "b1":
          "        let _ = (&f, &owed);\n        if let Err(e) = Ok::<(), crate::Error>(()) {")
     edit("src/arena/mapping.rs", "        self.settle_zone(st, z);\n        let o = self.take(st, z, size, key)?;",
          "        st.zones[z].settle(|_| true);\n        let o = self.take(st, z, size, key)?;")
+elif name == "g3":
+    # RT4-1 (issue 38): a block allocated before a capture and freed into
+    # it owes no fence on its stream: the capture retakes it, and after
+    # the release other streams take it, while work queued before the
+    # capture may still use it.
+    edit("src/arena/allocation.rs",
+         "            Freeing::IntoGraph(_) | Freeing::Deferred => Some(own_key),",
+         "            Freeing::IntoGraph(_) => None,\n            Freeing::Deferred => Some(own_key),")
 else:
     sys.exit(f"unknown revert {name}")
 print(f"reverted {name} in {tree}")

@@ -126,7 +126,9 @@ pub use report::BufferStats;
 /// probe.
 pub mod cuda {
     pub use crate::arena::{CudaAllocation, CudaArena};
-    pub use crate::backend::cuda::capture::{capture_of, Capture, RelaxedCapture};
+    pub use crate::backend::cuda::capture::{
+        capture_of, capture_state, Capture, CaptureState, RelaxedCapture,
+    };
     pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
     pub use crate::backend::cuda::probe::{probe, DeviceProbe, Probe};
     pub use crate::backend::cuda::tensor::CudaTensor;

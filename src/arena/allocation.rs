@@ -27,12 +27,34 @@ pub struct Allocation<B: Backend, S: ArenaStream<B>> {
     /// Uses recorded by views and [`record_use`](Self::record_use); the
     /// arena holds the same list, so that offload waits for them.
     pub(super) uses: Arc<Uses<B::Fence>>,
-    /// The graph whose pool it came from ([`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph)).
-    pub(super) graph: Option<GraphPoolId>,
-    /// Set by [`free_into_graph`](Self::free_into_graph): the drop records
-    /// no fence and hands the block to this graph.
-    pub(super) into_graph: Option<GraphPoolId>,
+    /// How the drop frees it: set by [`free_into_graph`](Self::free_into_graph),
+    /// [`free_deferred`](Self::free_deferred) and
+    /// [`free_stream_destroyed`](Self::free_stream_destroyed).
+    pub(super) how: Freeing,
 }
+
+/// How an [`Allocation`]'s drop orders its free on its own stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Freeing {
+    /// A fence recorded on the stream now (or deferred, with
+    /// [`ArenaDesc::defer_free_fences`](crate::ArenaDesc::defer_free_fences)).
+    Fence,
+    /// No fence now (the stream is being captured into this graph): the
+    /// block is the graph's until it is released.
+    IntoGraph(GraphPoolId),
+    /// No fence now (the stream cannot take one): one recorded at a later
+    /// call on the stream covers the free, and a wait before then
+    /// synchronises the device.
+    Deferred,
+    /// The stream is gone: no fence is ever recorded on it; only a device
+    /// synchronisation shows its work finished.
+    StreamGone,
+}
+
+/// The key owed frees of destroyed streams are numbered on: no stream has
+/// it, so no cover ever stands for them and no stream takes their blocks
+/// before a device synchronisation.
+pub(super) const GONE_KEY: crate::StreamKey = (u64::MAX, u64::MAX - 1);
 
 impl<B: Backend, S: ArenaStream<B>> fmt::Debug for Allocation<B, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -125,9 +147,13 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     }
 
     /// The graph whose pool it came from, if it was allocated with
-    /// [`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph).
+    /// [`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph) and that
+    /// graph has not been released since (after
+    /// [`Arena::release_graph`](crate::Arena::release_graph) it is an
+    /// ordinary allocation).
     pub fn graph(&self) -> Option<GraphPoolId> {
-        self.graph
+        let st = self.arena.state.lock();
+        st.live.get(&self.offset).and_then(|l| l.graph)
     }
 
     /// Frees it while its stream (and every stream it was recorded on) is
@@ -141,8 +167,43 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// it before the free). Streams given to [`record_stream`](Self::record_stream)
     /// get a fence at the free, kept with the block until the release: they
     /// must not be under capture then.
+    ///
+    /// An allocation made before the capture (or in another graph's) may
+    /// still be used by work queued on its stream before the capture
+    /// began: its free is then owed on that stream as with
+    /// [`free_deferred`](Self::free_deferred), and the block reaches other
+    /// streams after the graph's release only once a fence recorded on its
+    /// stream after the capture (or a device synchronisation) has passed.
+    /// The capture never takes such a block again.
     pub fn free_into_graph(mut self, graph: GraphPoolId) {
-        self.into_graph = Some(graph);
+        self.how = Freeing::IntoGraph(graph);
+    }
+
+    /// Frees it without recording a fence on its stream now, for a stream
+    /// that cannot take one: its capture was invalidated and not yet ended,
+    /// or it is being captured into a graph that does not own the block.
+    /// The free is numbered on the stream; the next allocation or free on
+    /// that stream outside a capture records one fence after it, and the
+    /// block reaches other streams once that fence has passed (a wait
+    /// before then, out of memory or in
+    /// [`Arena::empty_cache`](crate::Arena::empty_cache), synchronises the
+    /// device). Its own stream may take it again at once, as after any
+    /// free. Streams given to [`record_stream`](Self::record_stream) get
+    /// their fences as usual.
+    pub fn free_deferred(mut self) {
+        self.how = Freeing::Deferred;
+    }
+
+    /// Frees it after its stream was destroyed (a stream cannot be asked
+    /// whether it still exists: the caller knows). Nothing is recorded on
+    /// it; the work it queued may still run, so no stream takes the block
+    /// until a device synchronisation (out of memory, a sleep,
+    /// [`Arena::empty_cache`](crate::Arena::empty_cache)) shows that work
+    /// finished. A new stream that gets the old one's handle is not taken
+    /// for it. Streams given to [`record_stream`](Self::record_stream) get
+    /// their fences as usual.
+    pub fn free_stream_destroyed(mut self) {
+        self.how = Freeing::StreamGone;
     }
 
     /// Records that work on `stream` uses this allocation: its free waits
@@ -156,9 +217,20 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     }
 }
 
+/// A free's mark on `key` with no fence: numbered now in the stream's order;
+/// a fence recorded there later (a cover) stands for it.
+fn owed_mark<F>(key: crate::StreamKey) -> crate::order::Stamped<Mark<F>> {
+    crate::order::Stamped {
+        key,
+        seq: crate::order::stamp(key),
+        fence: Mark::Owed,
+    }
+}
+
 impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
     fn drop(&mut self) {
         let backend = &*self.arena.backend;
+        let own_key = self.stream.key();
         // Each fence is recorded and numbered in one step (`order::record`),
         // so that a block freed later on a stream always carries the larger
         // number, whichever thread takes the arena's lock first. A free into
@@ -167,36 +239,36 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         // there runs now) get theirs, which the graph's block keeps until
         // its release.
         let mut fences = FenceSet::default();
-        let mut ok = true;
-        let own = self.into_graph.is_none().then_some(&self.stream);
+        let fence_own = self.how == Freeing::Fence;
         // A deferred fence: the free is numbered on its own stream, and a
         // later call there records one fence for many frees (`owed`).
         // Only on a stream the caller keeps working on (the one of the call
         // before): a stream called rarely would keep its blocks from the
         // others until its next call.
-        let owed_on = own
-            .filter(|s| self.arena.defer_free_fences && self.arena.note_stream(s.key()))
-            .map(|s| s.key());
+        let owed_on =
+            (fence_own && self.arena.defer_free_fences && self.arena.note_stream(own_key))
+                .then_some(own_key);
         if let Some(key) = owed_on {
-            fences.add(crate::order::Stamped {
-                key,
-                seq: crate::order::stamp(key),
-                fence: Mark::Owed,
-            });
+            fences.add(owed_mark(key));
         }
-        let recorded = own.filter(|_| owed_on.is_none());
+        // Streams on which recording failed: their frees are owed there
+        // instead (a later fence, or a device synchronisation, stands for
+        // them), so a failure loses no memory.
+        let mut failed = Vec::new();
+        let recorded = (fence_own && owed_on.is_none()).then_some(&self.stream);
         for s in recorded.into_iter().chain(self.extra.get_mut().iter()) {
             match crate::order::record(s.key(), || s.fence(backend)) {
                 Ok(f) => fences.add(f.map(Mark::Fence)),
                 Err(e) => {
-                    tracing::error!(error = %e, "vmmbuf arena: recording a free's fence failed; the block is never reused");
-                    ok = false;
+                    tracing::warn!(error = %e, "vmmbuf arena: recording a free's fence failed; the free waits for a later fence on that stream or a device synchronisation");
+                    fences.add(owed_mark(s.key()));
+                    failed.push(s.key());
                 }
             }
         }
         if self.id != 0 {
             if let Some(sink) = self.arena.trace.lock().as_mut() {
-                sink.line("free", self.id, self.requested, self.stream.key());
+                sink.line("free", self.id, self.requested, own_key);
             }
         }
         // Views and `record_use` recorded their own fences, numbered when
@@ -204,13 +276,37 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         // and stays.
         fences.merge(self.uses.take().map(Mark::Fence));
         let mut st = self.arena.state.lock();
+        // The graph it came from, unless that graph was released since (it
+        // is an ordinary allocation then, whatever pool has the id now).
+        let graph = st.live.remove(&self.offset).and_then(|l| l.graph);
+        let into = match self.how {
+            Freeing::IntoGraph(g) => Some(g),
+            _ => None,
+        };
+        // The own stream's free, when no fence can be recorded there now:
+        // owed on it, or (a stream destroyed) on a key no stream has. A
+        // block freed into the graph it came from needs none: only the
+        // capture used it.
+        let owe_own = match self.how {
+            Freeing::Fence => None,
+            Freeing::IntoGraph(g) if graph == Some(g) => None,
+            Freeing::IntoGraph(_) | Freeing::Deferred => Some(own_key),
+            Freeing::StreamGone => Some(GONE_KEY),
+        };
+        if let Some(key) = owe_own {
+            fences.add(owed_mark(key));
+        }
+        for key in owe_own.into_iter().chain(failed) {
+            st.owed.owe_wanted(key);
+        }
         if let Some(key) = owed_on {
             st.owed.owe(key);
-            if st.owed.needs_cover(key) {
-                self.arena.cover(&mut st, &self.stream);
-            }
         }
-        st.live.remove(&self.offset);
+        // Frees owed on this stream get their cover now if they should: a
+        // call on the stream outside a capture.
+        if fence_own && st.owed.needs_cover(own_key) {
+            self.arena.cover(&mut st, &self.stream);
+        }
         // Its use list (emptied above, and now held by nothing else: the
         // arena's entry just went, views borrow the allocation) serves the
         // next allocation.
@@ -224,22 +320,20 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         st.stats.num_frees += 1;
         st.allocated -= self.size;
         st.requested -= self.requested;
-        if let Some(g) = self.graph {
+        if let Some(g) = graph {
             if let Some(p) = st.graphs.get_mut(&g) {
                 p.live -= 1;
             }
         }
-        // The graph that keeps the block: the one it is freed into, or the
-        // one it came from while that graph lives.
-        let keeper = self
-            .into_graph
-            .or(self.graph.filter(|g| st.graphs.contains_key(g)));
-        if let (Some(g), true) = (keeper, ok) {
+        // The graph that keeps the block: the one it came from while that
+        // graph lives (its replays use the bytes, whatever capture frees
+        // them), else the one it is freed into.
+        let keeper = graph.filter(|g| st.graphs.contains_key(g)).or(into);
+        if let Some(g) = keeper {
             // Retaken in the capture only if nothing but its own, captured,
-            // stream used it.
-            let reuse =
-                (self.into_graph.is_some() && fences.is_empty() && self.extra.get_mut().is_empty())
-                    .then(|| self.stream.key());
+            // stream used it (and nothing was queued on it before).
+            let reuse = (into.is_some() && fences.is_empty() && self.extra.get_mut().is_empty())
+                .then_some(own_key);
             let zone = st.zone_range(self.offset);
             st.graphs.entry(g).or_default().put(
                 self.offset,
@@ -256,14 +350,12 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         st.note_free(self.offset, self.size);
         if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(self.offset)) {
             // Its memory was given back: the bytes are free again at the
-            // wake, once these fences have passed (never, if recording
-            // one failed).
-            a.note_free(self.offset, self.size, ok.then_some(fences));
-        } else if ok {
+            // wake, once these fences have passed.
+            a.note_free(self.offset, self.size, Some(fences));
+        } else {
             // Only the allocation's own stream may reuse the block before
             // the fences pass, and only if no other stream used it.
-            let own = self.stream.key();
-            let stream = fences.only_on(own).then_some(own);
+            let stream = fences.only_on(own_key).then_some(own_key);
             let z = st.zone_of_offset(self.offset);
             st.zones[z].insert(
                 self.offset,

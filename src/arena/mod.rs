@@ -608,8 +608,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         st.region.check_poison()?;
         // The frees owed on this stream get their fence now if they should
         // (never inside a capture: the fence would be captured).
-        if graph.is_none() && self.shared.defer_free_fences {
-            self.shared.note_stream(key);
+        if graph.is_none() {
+            if self.shared.defer_free_fences {
+                self.shared.note_stream(key);
+            }
             if st.owed.needs_cover(key) {
                 self.shared.cover(&mut st, stream);
             }
@@ -697,8 +699,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             stream: stream.clone(),
             extra: Mutex::new(Vec::new()),
             uses,
-            graph,
-            into_graph: None,
+            how: allocation::Freeing::Fence,
         })
     }
 

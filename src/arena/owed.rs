@@ -98,11 +98,24 @@ impl<F> Owed<F> {
         self.streams.entry(key).or_default().uncovered += 1;
     }
 
+    /// Counts a free owed on `key` that no batch should wait for: the next
+    /// call on `key` covers it (a free whose fence could not be recorded,
+    /// or made while the stream could take none).
+    pub(super) fn owe_wanted(&mut self, key: StreamKey) {
+        let d = self.streams.entry(key).or_default();
+        d.uncovered += 1;
+        d.wanted = true;
+    }
+
     /// Whether a call on `key` should record a cover now.
+    #[inline]
     pub(super) fn needs_cover(&self, key: StreamKey) -> bool {
-        self.streams
-            .get(&key)
-            .is_some_and(|d| d.uncovered > 0 && (d.uncovered >= BATCH || d.wanted))
+        // Most arenas never owe a free: no lookup then.
+        !self.streams.is_empty()
+            && self
+                .streams
+                .get(&key)
+                .is_some_and(|d| d.uncovered > 0 && (d.uncovered >= BATCH || d.wanted))
     }
 
     /// Whether a wait for the free numbered `seq` on `key` needs no device

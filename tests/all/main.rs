@@ -23,6 +23,7 @@ mod placement;
 mod pool;
 mod props;
 mod redteam;
+mod redteam4;
 mod reserve;
 mod share;
 mod sleep;
@@ -59,6 +60,7 @@ fn main() {
         oracle::trials(),
         props::trials(),
         redteam::trials(),
+        redteam4::trials(),
         share::trials(),
         sleep::trials(),
         soak::trials(),

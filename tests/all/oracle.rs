@@ -91,6 +91,7 @@ crate::register! {
         oracle_catches_a_release_under_running_work,
         oracle_case_1,
         oracle_case_graph_1,
+        oracle_case_rt4_1,
         oracle_case_hook_sleep_1,
         oracle_case_deferred_cover_1,
         oracle_case_buffer_tail_1,
@@ -335,6 +336,9 @@ impl Backend for OracleBackend {
 pub struct QStream {
     q: Arc<Queue>,
     jitter: Arc<AtomicBool>,
+    /// Its capture was invalidated and not yet ended: no fence can be
+    /// recorded on it (CUDA refuses the event record).
+    broken: Arc<AtomicBool>,
 }
 
 impl QStream {
@@ -342,6 +346,7 @@ impl QStream {
         Self {
             q: Queue::new(id),
             jitter: Arc::new(AtomicBool::new(false)),
+            broken: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -351,6 +356,12 @@ impl ArenaStream<OracleBackend> for QStream {
         (0, self.q.id)
     }
     fn fence(&self, _: &OracleBackend) -> Result<QFence> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(Error::InvalidArgument(format!(
+                "stream {}: its capture was invalidated",
+                self.q.id
+            )));
+        }
         let pos = self.q.queued.load(Ordering::SeqCst);
         if self.jitter.swap(false, Ordering::SeqCst) {
             std::thread::sleep(std::time::Duration::from_millis(4));
@@ -448,9 +459,19 @@ enum AOp {
     /// `CaptureEnd`, its allocations come from the graph's pool, its uses of
     /// them are captured (queued only when the graph replays) and their
     /// frees go into the graph.
+    ///
+    /// With `reuse`, the graph takes the id of a graph released before (a
+    /// `GraphPoolId` is the caller's number: nothing stops it coming back).
     CaptureBegin {
         s: usize,
+        reuse: bool,
     },
+    /// The capture is invalidated (a synchronising call on another stream,
+    /// say): until `CaptureEnd` nothing can be recorded on its stream and
+    /// its work never runs; the end fails and the graph is destroyed
+    /// without a replay. Frees on the stream meanwhile are deferred, as
+    /// the PyTorch plug-in makes them.
+    CaptureInvalidate,
     CaptureEnd,
     /// A graph replays on stream `s`: every range it captured is used there.
     Replay {
@@ -471,6 +492,7 @@ struct Capturing {
     s: usize,
     id: GraphPoolId,
     ranges: Vec<(u64, usize)>,
+    invalid: bool,
 }
 
 /// A captured graph: its pool, the ranges it uses, its replays' fences.
@@ -497,7 +519,8 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => Just(AOp::Restore),
         2 => any::<bool>().prop_map(|stash| AOp::SleepUnmapping { stash }),
         1 => any::<bool>().prop_map(|zero| AOp::Wake { zero }),
-        1 => (0..STREAMS).prop_map(|s| AOp::CaptureBegin { s }),
+        1 => (0..STREAMS, any::<bool>()).prop_map(|(s, reuse)| AOp::CaptureBegin { s, reuse }),
+        1 => Just(AOp::CaptureInvalidate),
         1 => Just(AOp::CaptureEnd),
         2 => (0..8usize, 0..STREAMS).prop_map(|(which, s)| AOp::Replay { which, s }),
         1 => (0..8usize).prop_map(|which| AOp::ReleaseGraph { which }),
@@ -604,6 +627,11 @@ fn run_arena_waiting(
     };
     let mut next_id = 0u64;
     let mut capturing: Option<Capturing> = None;
+    // Ids of graphs released, for a capture that takes one again.
+    let mut released: Vec<GraphPoolId> = Vec::new();
+    // A free was owed on a stream (a capture invalidated under it, or a
+    // block made before a capture freed into it).
+    let mut owed_ever = false;
     let mut graphs: Vec<Graph> = Vec::new();
     let mut next_graph = 0u64;
     // Every byte handed to a capture is its graph's until the graph is
@@ -655,7 +683,11 @@ fn run_arena_waiting(
         }
         match *op {
             AOp::Alloc { units, s } => match match &capturing {
-                Some(c) if c.s == s => arena.alloc_in_graph(units * 4096, &streams[s], c.id),
+                // An invalidated capture is no capture to the plug-in: its
+                // allocations are ordinary ones.
+                Some(c) if c.s == s && !c.invalid => {
+                    arena.alloc_in_graph(units * 4096, &streams[s], c.id)
+                }
                 _ => arena.alloc(units * 4096, &streams[s]),
             } {
                 Ok(a) => {
@@ -710,6 +742,9 @@ fn run_arena_waiting(
                 );
                 drop(a);
             }
+            // Work queued on a stream whose capture was invalidated never
+            // runs (CUDA refuses it).
+            AOp::Use { s, .. } if capturing.as_ref().is_some_and(|c| c.s == s && c.invalid) => {}
             AOp::Use { which, s, .. }
                 if !live.is_empty()
                     && capturing.as_ref().is_some_and(|c| {
@@ -743,26 +778,67 @@ fn run_arena_waiting(
             AOp::Free { which } if !live.is_empty() => {
                 let (a, s, _) = live.remove(which % live.len());
                 match &capturing {
-                    // Freed on its stream while that stream is captured.
-                    Some(c) if c.s == s && a.graph() == Some(c.id) => a.free_into_graph(c.id),
+                    // Freed on its stream while that stream is captured,
+                    // as the plug-in frees: into the graph, whether the
+                    // capture made it or not (RT4-1: one made before may
+                    // still be used by work queued before the capture).
+                    Some(c) if c.s == s && !c.invalid => {
+                        owed_ever |= a.graph() != Some(c.id);
+                        a.free_into_graph(c.id)
+                    }
+                    // Its stream's capture was invalidated: no fence can
+                    // be recorded there. The plug-in defers the free; a
+                    // plain drop (its fence failing) must lose nothing
+                    // either.
+                    Some(c) if c.s == s => {
+                        owed_ever = true;
+                        if which % 2 == 0 {
+                            a.free_deferred()
+                        } else {
+                            drop(a)
+                        }
+                    }
                     _ => drop(a),
                 }
             }
-            AOp::CaptureBegin { s } if capturing.is_none() => {
-                next_graph += 1;
+            AOp::CaptureBegin { s, reuse } if capturing.is_none() => {
+                let id = match released.pop() {
+                    Some(old) if reuse => old,
+                    _ => {
+                        next_graph += 1;
+                        GraphPoolId(next_graph)
+                    }
+                };
                 capturing = Some(Capturing {
                     s,
-                    id: GraphPoolId(next_graph),
+                    id,
                     ranges: Vec::new(),
+                    invalid: false,
                 });
+            }
+            AOp::CaptureInvalidate => {
+                if let Some(c) = capturing.as_mut() {
+                    owed_ever = true;
+                    c.invalid = true;
+                    streams[c.s].broken.store(true, Ordering::SeqCst);
+                }
             }
             AOp::CaptureEnd => {
                 if let Some(c) = capturing.take() {
-                    graphs.push(Graph {
-                        id: c.id,
-                        ranges: c.ranges,
-                        replays: Vec::new(),
-                    });
+                    if c.invalid {
+                        // The end fails; CUDA destroys the graph it was
+                        // building, never launched.
+                        streams[c.s].broken.store(false, Ordering::SeqCst);
+                        graph_owned.retain(|o| o.0 != c.id);
+                        arena.release_graph(c.id).unwrap();
+                        released.push(c.id);
+                    } else {
+                        graphs.push(Graph {
+                            id: c.id,
+                            ranges: c.ranges,
+                            replays: Vec::new(),
+                        });
+                    }
                 }
             }
             AOp::Replay { which, s } if !graphs.is_empty() => {
@@ -784,6 +860,7 @@ fn run_arena_waiting(
                 let n = graphs.len();
                 let g = graphs.remove(which % n);
                 graph_owned.retain(|o| o.0 != g.id);
+                released.push(g.id);
                 release(&arena, g);
             }
             AOp::FreeRacing { which, work } if live.len() >= 2 => {
@@ -812,6 +889,11 @@ fn run_arena_waiting(
             }
             AOp::Complete { s, n } => streams[s].q.complete_more(n),
             AOp::CompleteAll => streams.iter().for_each(|s| s.q.complete_all()),
+            // No sleep, wake, offload or restore is given a stream whose
+            // capture was invalidated (they record fences on every stream
+            // given, and would fail): the caller ends the capture first.
+            AOp::Offload | AOp::Restore | AOp::SleepUnmapping { .. } | AOp::Wake { .. }
+                if capturing.as_ref().is_some_and(|c| c.invalid) => {}
             AOp::Release => {
                 arena.release_cached().unwrap();
             }
@@ -874,6 +956,7 @@ fn run_arena_waiting(
     // allocated = active = 0 on the next read; the memory goes back to the
     // driver with the arena.
     if let Some(c) = capturing.take() {
+        streams[c.s].broken.store(false, Ordering::SeqCst);
         graphs.push(Graph {
             id: c.id,
             ranges: c.ranges,
@@ -886,9 +969,11 @@ fn run_arena_waiting(
     }
     prop_assert!(arena.graph_pools().is_empty(), "every graph pool released");
     streams.iter().for_each(|s| s.q.complete_all());
-    if deferred {
+    if deferred || owed_ever {
         // Frees whose fence is still owed settle only once a cover is
-        // recorded or the device synchronised (empty_cache does).
+        // recorded or the device synchronised (empty_cache does): a
+        // deferred arena's, one freed under an invalidated capture, or a
+        // block made before a capture and freed into it.
         arena.empty_cache().unwrap();
     }
     let s = arena.stats();
@@ -1243,7 +1328,7 @@ fn oracle_case_1() {
 fn oracle_case_graph_1() {
     use AOp::*;
     let ops = vec![
-        CaptureBegin { s: 2 },
+        CaptureBegin { s: 2, reuse: false },
         Miss { s: 0 },
         Alloc { units: 1, s: 0 },
         Replay { which: 0, s: 0 },
@@ -1281,6 +1366,39 @@ fn oracle_case_graph_1() {
     }
 }
 
+/// RT4-1 (issue 38): a block allocated before a capture, used by work
+/// queued on its stream before the capture began, freed during the capture
+/// (into the graph, as the plug-in frees it). Neither the capture's next
+/// allocation nor, after the graph's release, another stream may take the
+/// bytes while that work may run. The arena properties found it with the
+/// fix reverted (the capture took the block again at the next step).
+fn oracle_case_rt4_1() {
+    use AOp::*;
+    let ops = vec![
+        Alloc { units: 17, s: 1 },
+        Use {
+            which: 0,
+            s: 1,
+            record_use: false,
+        },
+        CaptureBegin { s: 1, reuse: false },
+        Free { which: 0 },
+        Alloc { units: 1, s: 1 },
+        Alloc { units: 17, s: 1 },
+        CaptureEnd,
+        ReleaseGraph { which: 0 },
+        Alloc { units: 17, s: 2 },
+        Alloc { units: 17, s: 0 },
+        Alloc { units: 1, s: 1 },
+        Alloc { units: 17, s: 2 },
+    ];
+    for deferred in [false, true] {
+        for keep_mapped in [false, true] {
+            run_arena(ops.clone(), keep_mapped, false, deferred).unwrap();
+        }
+    }
+}
+
 /// Found by `oracle_arena_map_hook` (1 case in about 80,000, through the
 /// statistics: inactive split bytes with nothing allocated): a capture's
 /// blocks, freed into its graph across two discarding sleeps (memory
@@ -1293,7 +1411,7 @@ fn oracle_case_hook_sleep_1() {
     use AOp::*;
     let ops = vec![
         Alloc { units: 29, s: 0 },
-        CaptureBegin { s: 1 },
+        CaptureBegin { s: 1, reuse: false },
         Alloc { units: 9, s: 0 },
         Alloc { units: 26, s: 1 },
         SleepUnmapping { stash: false },
@@ -1391,7 +1509,7 @@ fn oracle_case_buffer_tail_1() {
 fn oracle_case_split_sleep_1() {
     use AOp::*;
     let ops = vec![
-        CaptureBegin { s: 1 },
+        CaptureBegin { s: 1, reuse: false },
         Use {
             which: 0,
             s: 0,

@@ -120,9 +120,25 @@ impl Capture {
     }
 }
 
-/// The capture `stream` is part of, if it is being captured (active, not
-/// invalidated). Cheap (`cuStreamIsCapturing`) when it is not.
-pub fn capture_of(stream: &CudaStream) -> Result<Option<Capture>> {
+/// Where a stream stands with CUDA graph capture ([`capture_state`]).
+#[derive(Debug)]
+pub enum CaptureState {
+    /// Not being captured: work queued on it runs, and fences recorded on
+    /// it are points a query can see pass.
+    None,
+    /// Being captured into the graph of this capture: work queued on it is
+    /// recorded into the graph, not run; so would a fence be.
+    Active(Capture),
+    /// Its capture was invalidated (an unsafe call during it, say) and has
+    /// not yet been ended: CUDA refuses work and fences on it until
+    /// `cuStreamEndCapture`, which fails and discards the graph. Work
+    /// queued before the capture began may still be running.
+    Invalidated,
+}
+
+/// Where `stream` stands with CUDA graph capture. Cheap
+/// (`cuStreamIsCapturing`) when it is not captured.
+pub fn capture_state(stream: &CudaStream) -> Result<CaptureState> {
     // The calling thread may have no current context (PyTorch's autograd
     // threads): the stream's own.
     stream
@@ -138,8 +154,10 @@ pub fn capture_of(stream: &CudaStream) -> Result<Option<Capture>> {
     check("cuStreamIsCapturing", unsafe {
         sys::cuStreamIsCapturing(s, &mut status)
     })?;
-    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
-        return Ok(None);
+    match status {
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => return Ok(CaptureState::None),
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {}
+        _ => return Ok(CaptureState::Invalidated),
     }
     let mut id: sys::cuuint64_t = 0;
     let mut graph: sys::CUgraph = ptr::null_mut();
@@ -158,10 +176,23 @@ pub fn capture_of(stream: &CudaStream) -> Result<Option<Capture>> {
             &mut n,
         )
     })?;
-    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
-        return Ok(None);
-    }
-    Ok(Some(Capture { id, graph }))
+    Ok(match status {
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {
+            CaptureState::Active(Capture { id, graph })
+        }
+        sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => CaptureState::None,
+        _ => CaptureState::Invalidated,
+    })
+}
+
+/// The capture `stream` is part of, if it is being captured (active, not
+/// invalidated): [`capture_state`]'s active case. Cheap
+/// (`cuStreamIsCapturing`) when it is not.
+pub fn capture_of(stream: &CudaStream) -> Result<Option<Capture>> {
+    Ok(match capture_state(stream)? {
+        CaptureState::Active(c) => Some(c),
+        CaptureState::None | CaptureState::Invalidated => None,
+    })
 }
 
 /// This thread in CUDA's relaxed capture mode while the guard lives; the
