@@ -22,7 +22,8 @@ thread_local! {
 pub(crate) fn fail(what: &str, error: &dyn std::fmt::Display) {
     tracing::warn!(%error, "vmmbuf-torch: {what} failed");
     let text = format!("{what}: {error}").replace('\0', " ");
-    LAST_ERROR.with(|e| *e.borrow_mut() = CString::new(text).ok());
+    // A thread being torn down keeps no last error (the failure is logged).
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = CString::new(text).ok());
 }
 
 /// Runs `f`, turning a panic into `fallback` (logged).
@@ -104,6 +105,25 @@ pub extern "C" fn vmmbuf_free(ptr: *mut c_void, size: isize, device: c_int, stre
     })
 }
 
+/// Frees `ptr` after the stream it was allocated on was destroyed: nothing
+/// is recorded on that stream, and no stream takes the bytes before a
+/// device synchronisation shows its work finished. 0 on success, -1 on
+/// failure (an unknown pointer, logged, [`vmmbuf_last_error`]).
+#[no_mangle]
+pub extern "C" fn vmmbuf_free_stream_destroyed(ptr: *mut c_void, device: c_int) -> c_int {
+    guard(
+        "vmmbuf_free_stream_destroyed",
+        -1,
+        || match state::free_stream_destroyed(ptr as usize as u64, device) {
+            Ok(()) => 0,
+            Err(e) => {
+                fail(&format!("vmmbuf_free_stream_destroyed({ptr:?})"), &e);
+                -1
+            }
+        },
+    )
+}
+
 /// The device's arena statistics as a JSON object with PyTorch's key names
 /// (`allocated_bytes.all.current`, ...). The string stays valid until the
 /// next call on the same thread (each thread has its own); null if the
@@ -114,11 +134,12 @@ pub extern "C" fn vmmbuf_stats_json(device: c_int) -> *const c_char {
         let Some(text) = state::stats_json(device) else {
             return std::ptr::null();
         };
-        JSON.with(|j| {
+        JSON.try_with(|j| {
             let mut j = j.borrow_mut();
             *j = CString::new(text).ok();
             j.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
         })
+        .unwrap_or(std::ptr::null())
     })
 }
 
@@ -126,7 +147,9 @@ pub extern "C" fn vmmbuf_stats_json(device: c_int) -> *const c_char {
 /// thread's next failing call.
 #[no_mangle]
 pub extern "C" fn vmmbuf_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+    LAST_ERROR
+        .try_with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+        .unwrap_or(std::ptr::null())
 }
 
 /// Sets every peak of the device's statistics to its current value.

@@ -43,15 +43,66 @@ pub use capi::*;
 /// `trace`, or a tracing filter such as `vmmbuf=debug`). A process that set
 /// a subscriber of its own keeps it.
 pub(crate) fn init_logging() {
+    use tracing_subscriber::prelude::*;
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let filter = tracing_subscriber::EnvFilter::try_from_env("VMMBUF_LOG")
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-        let _ = tracing_subscriber::fmt()
+        let fmt = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
-            .with_env_filter(filter)
+            .with_filter(tracing_subscriber::filter::dynamic_filter_fn(|_, _| {
+                teardown::alive()
+            }));
+        let _ = tracing_subscriber::registry()
+            .with(filter)
+            .with(fmt)
+            .with(teardown::Arm)
             .try_init();
     });
+}
+
+/// Logging from a thread being torn down. The fmt layer formats into a
+/// thread-local buffer, which a free from another thread-local's
+/// destructor (a dying worker's tensors) may find destroyed already: a
+/// panic. A guard is armed right after a thread's first event, so it is
+/// destroyed before that buffer (thread-locals go in the reverse order of
+/// their first use); once it has gone, the thread's events are dropped.
+mod teardown {
+    use std::cell::Cell;
+
+    // STATE: 0, not armed; 1, armed; 2, the guard is gone (the thread is
+    // dying).
+    thread_local! {
+        static STATE: Cell<u8> = const { Cell::new(0) };
+        static GUARD: Guard = const { Guard };
+    }
+
+    struct Guard;
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = STATE.try_with(|s| s.set(2));
+        }
+    }
+
+    /// Whether this thread may still log.
+    pub(super) fn alive() -> bool {
+        STATE.try_with(|s| s.get() != 2).unwrap_or(false)
+    }
+
+    /// The layer after the fmt layer: arms the guard at a thread's first
+    /// event (after the fmt layer made its buffer).
+    pub(super) struct Arm;
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Arm {
+        fn on_event(&self, _: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            let _ = STATE.try_with(|s| {
+                if s.get() == 0 && GUARD.try_with(|_| ()).is_ok() {
+                    s.set(1);
+                }
+            });
+        }
+    }
 }
 
 #[cfg(test)]

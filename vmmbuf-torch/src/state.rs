@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{sys, CudaStream};
 use parking_lot::{Mutex, RwLock};
 use vmmbuf::cuda::CudaAllocation;
-use vmmbuf::cuda::{capture_of, Capture};
+use vmmbuf::cuda::{capture_state, Capture, CaptureState};
 // The maps malloc and free consult at every call (addresses, stream
 // handles, tags) hash with one multiply per word.
 use vmmbuf::hash::QuickMap;
@@ -101,17 +101,22 @@ thread_local! {
 /// The device's state if it has been used, from this thread's last call
 /// or the registry.
 fn existing(device: c_int) -> Option<Arc<Mutex<Device>>> {
-    let last = LAST.with(|l| {
-        l.borrow()
-            .as_ref()
-            .filter(|(k, _)| *k == device)
-            .map(|(_, d)| d.clone())
-    });
+    // A thread whose thread-locals are being destroyed (a free from a
+    // dying thread's destructors) asks the registry.
+    let last = LAST
+        .try_with(|l| {
+            l.borrow()
+                .as_ref()
+                .filter(|(k, _)| *k == device)
+                .map(|(_, d)| d.clone())
+        })
+        .ok()
+        .flatten();
     if last.is_some() {
         return last;
     }
     let d = registry().read().devices.get(&device).cloned()?;
-    LAST.with(|l| *l.borrow_mut() = Some((device, d.clone())));
+    let _ = LAST.try_with(|l| *l.borrow_mut() = Some((device, d.clone())));
     Some(d)
 }
 
@@ -366,7 +371,9 @@ impl Device {
 
 /// The tag of this thread's allocations ("" for none).
 pub(crate) fn tag() -> String {
-    TAG.with(|t| t.borrow().clone())
+    // A thread being torn down (its thread-locals destroyed) frees and
+    // allocates under no tag.
+    TAG.try_with(|t| t.borrow().clone()).unwrap_or_default()
 }
 
 /// Nanoseconds spent in `malloc` and `free` so far, all devices: what the
@@ -395,7 +402,8 @@ impl Drop for Timed {
 
 /// Makes `tag` the tag of this thread's allocations ("" for none).
 pub(crate) fn set_tag(tag: &str) {
-    TAG.with(|t| tag.clone_into(&mut t.borrow_mut()));
+    // During the thread's teardown there is no tag to set.
+    let _ = TAG.try_with(|t| tag.clone_into(&mut t.borrow_mut()));
 }
 
 /// Allocates `size` bytes on `device` for work on `stream`, under this
@@ -525,30 +533,37 @@ static CAPTURE_QUERIES: std::sync::atomic::AtomicU64 = std::sync::atomic::Atomic
 /// The process's announcements (see [`Captures`]).
 pub(crate) static CAPTURES: Captures = Captures::new();
 
-/// `capture_of`, or `None` without a query when graphs are off or no
+/// `capture_state`, or `None` without a query when graphs are off or no
 /// announced capture is under way.
-fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
+fn capture_state_of(s: &Arc<CudaStream>) -> Result<CaptureState> {
     if graphs_on() && CAPTURES.may_capture() {
         CAPTURE_QUERIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        capture_of(s)
+        capture_state(s)
     } else {
-        Ok(None)
+        Ok(CaptureState::None)
     }
+}
+
+/// The capture `s` is in, if one is active (an invalidated capture is
+/// none: allocations on its stream are ordinary ones).
+fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
+    Ok(match capture_state_of(s)? {
+        CaptureState::Active(c) => Some(c),
+        CaptureState::None | CaptureState::Invalidated => None,
+    })
 }
 
 /// Frees `ptr` in stream order on `stream` (if it is not the allocation's
 /// own, the free waits for both).
 pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
-    let unknown = || {
-        Error::InvalidArgument(format!(
-            "free of {ptr:#x} on device {dev}: not a live allocation (unknown, or freed already)"
-        ))
-    };
-    let d = existing(dev).ok_or_else(unknown)?;
+    let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
     d.release_graphs();
-    let a = d.live.remove(&(ptr as usize)).ok_or_else(unknown)?;
+    let a = d
+        .live
+        .remove(&(ptr as usize))
+        .ok_or_else(|| unknown_free(ptr, dev))?;
     // PyTorch frees on the allocation's own stream: then its handle is the
     // allocation's, and the stream map is not consulted.
     let s =
@@ -558,37 +573,70 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     // Freed while its stream (or the one named) is captured: no fence can
     // be recorded there, and the graph may use the bytes in every replay,
     // so they are the graph's until CUDA destroys it. Each stream is asked
-    // once; a failed question counts as "not captured".
+    // once. A stream whose capture was invalidated takes no fence either:
+    // the free is owed there, and covered at its next call once the
+    // capture has ended. A failed question counts as "invalidated": a
+    // fence is then recorded nowhere it might not belong.
     let ask = |t: &Arc<CudaStream>| {
-        capture(t).unwrap_or_else(|e| {
+        capture_state_of(t).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
-            None
+            CaptureState::Invalidated
         })
     };
     let own = ask(a.stream());
-    let named = other.and_then(ask);
-    match own.as_ref().or(named.as_ref()) {
+    let named = other.map(ask);
+    fn active(c: &CaptureState) -> Option<&Capture> {
+        match c {
+            CaptureState::Active(c) => Some(c),
+            _ => None,
+        }
+    }
+    let plain = |c: &CaptureState| matches!(c, CaptureState::None);
+    // The stream named, not captured, gets a fence of its own: at the
+    // free, or (an ordinary free) with the free's.
+    // (Its capture invalidated, the fence fails and the free is owed
+    // there instead: nothing is lost.)
+    if let (Some(other), Some(n)) = (other, named.as_ref()) {
+        if active(n).is_none() {
+            a.record_stream(other);
+        }
+    }
+    match active(&own).or(named.as_ref().and_then(active)) {
         Some(c) => {
             let g = d.graph_pool(c)?;
-            // The stream not being captured, if any, gets a real fence.
-            if let Some(other) = other {
-                if own.is_none() {
-                    a.record_use(d.backend.fence(a.stream())?);
-                }
-                if named.is_none() {
-                    a.record_use(d.backend.fence(other)?);
-                }
+            // Its own stream not captured: a real fence there.
+            if plain(&own) {
+                a.record_use(d.backend.fence(a.stream())?);
             }
             a.free_into_graph(g);
         }
-        None => {
-            if let Some(other) = other {
-                a.record_stream(other);
-            }
-            drop(a);
-        }
+        None if plain(&own) => drop(a),
+        None => a.free_deferred(),
     }
     Ok(())
+}
+
+/// Frees `ptr` after its stream was destroyed (a CuPy stream collected
+/// before the memory it allocated): nothing is recorded on that stream,
+/// and no stream takes the bytes before a device synchronisation shows its
+/// work finished (see `Allocation::free_stream_destroyed`).
+pub(crate) fn free_stream_destroyed(ptr: u64, dev: c_int) -> Result<()> {
+    let _t = Timed::start(&FREE_NS);
+    let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
+    let mut d = d.lock();
+    d.release_graphs();
+    let a = d
+        .live
+        .remove(&(ptr as usize))
+        .ok_or_else(|| unknown_free(ptr, dev))?;
+    a.free_stream_destroyed();
+    Ok(())
+}
+
+fn unknown_free(ptr: u64, dev: c_int) -> Error {
+    Error::InvalidArgument(format!(
+        "free of {ptr:#x} on device {dev}: not a live allocation (unknown, or freed already)"
+    ))
 }
 
 /// Keeps every device range the plug-in maps on `dev` registered with the
@@ -939,6 +987,57 @@ static HOST_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsi
 #[cfg(test)]
 mod tests {
     use super::Captures;
+
+    /// A free (and a tag, a last error) from a thread-local destructor that
+    /// runs after the plug-in's own thread-locals were destroyed, as at a
+    /// torchrun worker's exit: no panic, a typed answer. Without
+    /// `try_with`, every one of these panicked ("cannot access a Thread
+    /// Local Storage value during or after destruction").
+    #[test]
+    fn calls_from_a_dying_threads_destructors_do_not_panic() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static CALLS: AtomicUsize = AtomicUsize::new(0);
+        static PANICS: AtomicUsize = AtomicUsize::new(0);
+        struct Late;
+        impl Drop for Late {
+            fn drop(&mut self) {
+                CALLS.fetch_add(1, Ordering::SeqCst);
+                let r = std::panic::catch_unwind(|| {
+                    assert_eq!(super::tag(), "", "no tag during teardown");
+                    super::set_tag("late");
+                    let e = super::free(0x1000, 0, std::ptr::null_mut())
+                        .expect_err("an unknown pointer");
+                    assert!(e.to_string().contains("not a live allocation"), "{e}");
+                    crate::capi::vmmbuf_free(0x1000 as *mut _, 8, 0, std::ptr::null_mut());
+                    let _ = crate::capi::vmmbuf_last_error();
+                    let _ = crate::capi::vmmbuf_stats_json(0);
+                });
+                if r.is_err() {
+                    PANICS.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+        thread_local! {
+            static LATE: std::cell::RefCell<Option<Late>> = const { std::cell::RefCell::new(None) };
+        }
+        std::thread::spawn(|| {
+            // Registered first, destroyed after the plug-in's own.
+            LATE.with(|l| *l.borrow_mut() = Some(Late));
+            super::set_tag("worker");
+            assert_eq!(super::tag(), "worker");
+            assert!(super::free(0x1000, 0, std::ptr::null_mut()).is_err());
+            crate::capi::vmmbuf_free(0x1000 as *mut _, 8, 0, std::ptr::null_mut());
+            assert!(!crate::capi::vmmbuf_last_error().is_null());
+        })
+        .join()
+        .unwrap();
+        assert_eq!(CALLS.load(Ordering::SeqCst), 1, "the destructor ran");
+        assert_eq!(
+            PANICS.load(Ordering::SeqCst),
+            0,
+            "a call panicked in teardown"
+        );
+    }
 
     #[test]
     fn captures_are_asked_about_until_announced_and_while_one_is_under_way() {

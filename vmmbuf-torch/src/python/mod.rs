@@ -66,6 +66,15 @@ fn free(py: Python<'_>, ptr: u64, device: c_int, stream: usize) -> PyResult<()> 
         .map_err(to_py)
 }
 
+/// Frees `ptr` after the stream it was allocated on was destroyed: nothing
+/// is recorded on that stream, and no stream takes the bytes before a
+/// device synchronisation.
+#[pyfunction]
+fn free_stream_destroyed(py: Python<'_>, ptr: u64, device: c_int) -> PyResult<()> {
+    py.detach(|| state::free_stream_destroyed(ptr, device))
+        .map_err(to_py)
+}
+
 /// The device's statistics as JSON with PyTorch's key names; None before
 /// its first allocation.
 #[pyfunction]
@@ -239,6 +248,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::init_logging();
     m.add_function(wrap_pyfunction!(malloc, m)?)?;
     m.add_function(wrap_pyfunction!(free, m)?)?;
+    m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak, m)?)?;
     m.add_function(wrap_pyfunction!(set_budget, m)?)?;
