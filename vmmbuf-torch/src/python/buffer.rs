@@ -229,8 +229,12 @@ impl Buffer {
     #[pyo3(signature = (stream=None))]
     fn shrink_to_fit(&self, py: Python<'_>, stream: Option<usize>) -> PyResult<()> {
         py.detach(|| {
-            let keep = self.shared.views_end();
+            // The end of the live views is read under the write lock: an
+            // export registers its view under the read lock, after checking
+            // the capacity, so either this sees the view or the export sees
+            // the shrunk capacity (RT4-3).
             let mut m = self.shared.mem.write();
+            let keep = self.shared.views_end();
             match &mut *m {
                 #[cfg(target_os = "linux")]
                 Mem::Host(b) => b.shrink_to(keep),
@@ -266,14 +270,6 @@ impl Buffer {
     ) -> PyResult<Py<PyAny>> {
         let item = (bits as usize * lanes as usize).div_ceil(8);
         let end = extent(offset, &shape, &strides, item).map_err(to_py)?;
-        // Mapped bytes past the length may be viewed too (the package's
-        // append writes through a view of the capacity).
-        let mapped = self.capacity();
-        if end > mapped {
-            return Err(to_py(Error::InvalidArgument(format!(
-                "a view up to byte {end} of a buffer with {mapped} bytes mapped"
-            ))));
-        }
         let consumer = match stream {
             None | Some(-1) => None,
             Some(s) if s < 0 => {
@@ -298,14 +294,32 @@ impl Buffer {
                 device_id: d,
             },
         };
-        if let Some(s) = consumer {
-            py.detach(|| -> Result<()> {
+        // The capacity is checked and the view registered under one read
+        // lock of the memory: shrink_to_fit (the write lock) cannot unmap
+        // in between (RT4-3).
+        let guard = py
+            .detach(|| -> Result<ViewGuard> {
                 let m = self.shared.mem.read();
-                if let Mem::Cuda {
-                    ctx,
-                    last_write: Some((w, fence)),
-                    ..
-                } = &*m
+                // Mapped bytes past the length may be viewed too (the
+                // package's append writes through a view of the capacity).
+                let mapped = match &*m {
+                    #[cfg(target_os = "linux")]
+                    Mem::Host(b) => b.capacity(),
+                    Mem::Cuda { buf, .. } => buf.capacity(),
+                };
+                if end > mapped {
+                    return Err(Error::InvalidArgument(format!(
+                        "a view up to byte {end} of a buffer with {mapped} bytes mapped"
+                    )));
+                }
+                if let (
+                    Some(s),
+                    Mem::Cuda {
+                        ctx,
+                        last_write: Some((w, fence)),
+                        ..
+                    },
+                ) = (consumer, &*m)
                 {
                     if *w != s {
                         wrap(ctx, s)
@@ -316,15 +330,13 @@ impl Buffer {
                             })?;
                     }
                 }
-                Ok(())
+                *self.shared.views.lock().entry(end).or_insert(0) += 1;
+                Ok(ViewGuard {
+                    shared: self.shared.clone(),
+                    end,
+                })
             })
             .map_err(to_py)?;
-        }
-        *self.shared.views.lock().entry(end).or_insert(0) += 1;
-        let guard = ViewGuard {
-            shared: self.shared.clone(),
-            end,
-        };
         let view = View {
             data: self.base + offset as u64,
             device,
