@@ -12,6 +12,7 @@ its stream object alive until then).
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Optional
 
@@ -26,7 +27,14 @@ _log = logging.getLogger(__name__)
 class _Owner:
     """Frees its allocation when CuPy lets the memory go. It keeps the
     stream the memory was allocated on alive until then: vmmbuf orders the
-    free after that stream's work, which needs the stream to exist."""
+    free after that stream's work, which needs the stream to exist.
+
+    Keeping it alive is not always enough: when the stream and the memory
+    are garbage in one reference cycle, the garbage collector runs their
+    finalizers in any order, and CuPy's ``Stream.__del__`` destroys the
+    CUDA stream (it leaves ``ptr`` set). A finalized stream is never
+    touched: the free then waits for a device synchronisation instead
+    (``free_stream_destroyed``)."""
 
     __slots__ = ("ptr", "size", "device", "stream")
 
@@ -35,11 +43,25 @@ class _Owner:
 
     def __del__(self) -> None:
         try:
+            if _gone(self.stream):
+                _native.free_stream_destroyed(self.ptr, self.device)
+                return
             with cupy.cuda.Device(self.device):
-                stream = int(cupy.cuda.get_current_stream().ptr)
-            _native.free(self.ptr, self.device, stream)
+                current = cupy.cuda.get_current_stream()
+            # The stream current at the free is ordered too, unless it is
+            # being destroyed itself.
+            stream = self.stream if _gone(current) else current
+            _native.free(self.ptr, self.device, int(stream.ptr))
         except VmmbufError as e:  # logged by the library too; never raised from __del__
             _log.warning("vmmbuf: free of %#x failed: %s", self.ptr, e)
+        except Exception as e:  # noqa: BLE001 - nothing may escape a finalizer
+            _log.warning("vmmbuf: free of %#x failed: %r", self.ptr, e)
+
+
+def _gone(stream: Any) -> bool:
+    """Whether CuPy's finalizer has run on ``stream`` (its CUDA stream is
+    destroyed then, unless it is one CuPy never destroys)."""
+    return gc.is_finalized(stream)
 
 
 def malloc(size: int) -> Any:
