@@ -71,7 +71,7 @@ def test_out_of_memory_is_torchs_when_torch_is_loaded(monkeypatch):
 
 
 def test_native_errors_are_typed_exceptions_with_the_cause():
-    with pytest.raises(vmmbuf.InvalidArgumentError, match="device -1"):
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="device is -1"):
         vmmbuf.set_budget(1 << 30, device=-1)
     with pytest.raises(vmmbuf.InvalidArgumentError, match="not a live allocation"):
         _native.free(0x1234, 0, 0)
@@ -117,24 +117,43 @@ def test_tags_nest_and_are_per_thread():
 
 
 def test_sleep_and_stats_without_memory():
-    assert vmmbuf.stats(5) == {}
+    """Before any memory: every call answers 0 or {}; a named tag with no
+    memory is warned about (a misspelt tag would otherwise do nothing)."""
+    assert vmmbuf.stats(0) == {}
     assert vmmbuf.sleep() == 0
-    assert vmmbuf.wake(["weights", None]) == 0
-    assert vmmbuf.sleep("kv") == 0
-    assert vmmbuf.sleep("kv", discard=True) == 0
-    assert vmmbuf.sleep("w", reachable=False) == 0
-    assert vmmbuf.prepare_sleep("w", wait=True, reachable=False) == 0
     assert vmmbuf.wake(zero=True) == 0
     assert vmmbuf.prepare_sleep(wait=True) == 0
-    assert vmmbuf.prepare_sleep(["weights"]) == 0
+    with pytest.warns(UserWarning) as w:
+        assert vmmbuf.wake(["weights", None]) == 0
+    said = sorted(str(x.message) for x in w)
+    assert len(said) == 2 and "'weights'" in said[1] and "(the default tag)" in said[0], said
+    with pytest.warns(UserWarning, match="'kv'"):
+        assert vmmbuf.sleep("kv") == 0
+    with pytest.warns(UserWarning, match="'kv'"):
+        assert vmmbuf.sleep("kv", discard=True) == 0
+    with pytest.warns(UserWarning, match="'w'"):
+        assert vmmbuf.sleep("w", reachable=False) == 0
+    with pytest.warns(UserWarning, match="'w'"):
+        assert vmmbuf.prepare_sleep("w", wait=True, reachable=False) == 0
+    with pytest.warns(UserWarning, match="'weights'"):
+        assert vmmbuf.prepare_sleep(["weights"]) == 0
     assert vmmbuf.release_host_cache() == 0
     vmmbuf.set_host_cache_limit(1 << 30)
     vmmbuf.set_host_cache_limit(2**64 - 1)
-    vmmbuf.reset_peak(5)
-    vmmbuf.empty_cache(5)
+    vmmbuf.reset_peak(0)
+    vmmbuf.empty_cache(0)
+    # A device the machine does not have is named in the error.
+    n = vmmbuf.device_count()
+    with pytest.raises(vmmbuf.InvalidArgumentError, match=f"device {n + 5}"):
+        vmmbuf.stats(n + 5)
+    with pytest.raises(vmmbuf.InvalidArgumentError, match=f"device {n + 5}"):
+        vmmbuf.empty_cache(n + 5)
 
 
-def test_a_budget_is_set_before_the_device_is_used():
+def test_a_budget_is_set_before_the_device_is_used(monkeypatch: pytest.MonkeyPatch):
+    # Device 6 of a machine that has 8 (the budget is kept before its first
+    # allocation, with or without a driver here).
+    monkeypatch.setattr(vmmbuf._native, "device_count", lambda: 8)
     vmmbuf.set_budget(1 << 30, device=6)
     vmmbuf.set_budget(2 << 30, device=6)  # still unused: may change
 
@@ -144,6 +163,7 @@ def test_device_defaults_to_the_current_cuda_device(monkeypatch: pytest.MonkeyPa
     current CUDA device when PyTorch has one (each rank of a multi-GPU job
     its own), device 0 without PyTorch, and an explicit device as given."""
     monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(vmmbuf._native, "device_count", lambda: 4)
     assert vmmbuf._device(None) == 0
     assert vmmbuf._device(3) == 3
     cuda = types.SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 1)

@@ -21,7 +21,22 @@ import contextlib
 import json
 from typing import Any, Dict, Iterable, Iterator, Optional, Union
 
-from . import _native, errors
+import warnings
+
+try:
+    from . import _native
+except ImportError as _e:  # pragma: no cover - depends on how it is run
+    import os as _os
+
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    if _os.path.exists(_os.path.join(_here, "..", "..", "vmmbuf-torch", "Cargo.toml")):
+        raise ImportError(
+            f"vmmbuf: {_here} is the source folder, which has no compiled native module. "
+            "Install the package (pip install .) and run Python from outside the "
+            "repository's python/ folder, or build it in place with maturin develop."
+        ) from _e
+    raise
+from . import _check, errors
 from .errors import (
     CapacityError,
     DriverError,
@@ -50,7 +65,7 @@ def library_path() -> str:
 def set_tag(name: Optional[str]) -> None:
     """Allocations this thread makes from now on carry ``name`` ("" or None:
     the default tag). Other threads keep theirs."""
-    _native.set_tag(name or "")
+    _native.set_tag(_check.tag("name", name))
 
 
 def get_tag() -> str:
@@ -62,20 +77,33 @@ def get_tag() -> str:
 def tag(name: Optional[str]) -> Iterator[None]:
     """Allocations this thread makes inside the block carry ``name``; the
     previous tag comes back on exit. Per thread, as ``use_mem_pool``."""
+    name = _check.tag("name", name)
     prev = _native.get_tag()
-    _native.set_tag(name or "")
+    _native.set_tag(name)
     try:
         yield
     finally:
         _native.set_tag(prev)
 
 
-def _each(tags: Tags) -> Iterable[Optional[str]]:
-    if tags is None:
-        return [None]
-    if isinstance(tags, str):
-        return [tags]
-    return [t or "" for t in tags]
+def _each(tags: Tags, what: str) -> Iterable[Optional[str]]:
+    """The tags to act on; a named tag that has no memory anywhere is
+    warned about (a misspelt tag would otherwise do nothing silently)."""
+    each = _check.tags(tags)
+    named = [t for t in each if t is not None]
+    if named:
+        known = set(_native.tags())
+        for t in named:
+            if t not in known:
+                have = ", ".join(repr(k) for k in sorted(known)) or "none yet"
+                which = f"{t!r}" if t else "'' (the default tag)"
+                warnings.warn(
+                    f"vmmbuf.{what}: no memory is tagged {which} (tags with memory: {have}); "
+                    "nothing to do for it",
+                    UserWarning,
+                    stacklevel=3,
+                )
+    return each
 
 
 def sleep(tags: Tags = None, *, discard: bool = False, reachable: bool = True) -> int:
@@ -97,7 +125,9 @@ def sleep(tags: Tags = None, *, discard: bool = False, reachable: bool = True) -
     streams that used the memory. The pinned host memory is taken from what
     the last sleep left (see ``prepare_sleep`` and ``release_host_cache``).
     Returns the bytes put to sleep."""
-    return sum(_native.sleep(t, discard, reachable)[0] for t in _each(tags))
+    discard = _check.flag("discard", discard)
+    reachable = _check.flag("reachable", reachable)
+    return sum(_native.sleep(t, discard, reachable)[0] for t in _each(tags, "sleep"))
 
 
 def wake(tags: Tags = None, *, zero: bool = False) -> int:
@@ -106,7 +136,8 @@ def wake(tags: Tags = None, *, zero: bool = False) -> int:
     afresh, its contents undefined unless ``zero=True``. The pinned host
     memory a kept sleep used stays cached for the next sleep. Returns the
     bytes woken."""
-    return sum(_native.wake(t, zero)[0] for t in _each(tags))
+    zero = _check.flag("zero", zero)
+    return sum(_native.wake(t, zero)[0] for t in _each(tags, "wake"))
 
 
 def prepare_sleep(tags: Tags = None, *, wait: bool = False, reachable: bool = True) -> int:
@@ -115,7 +146,9 @@ def prepare_sleep(tags: Tags = None, *, wait: bool = False, reachable: bool = Tr
     GiB; a steady-state sleep pins nothing). By default on a thread of its
     own while the GPU keeps working (the next sleep waits for it) and
     returns 0; with ``wait=True`` returns the bytes pinned."""
-    return sum(_native.prepare_sleep(t, wait, reachable) for t in _each(tags))
+    wait = _check.flag("wait", wait)
+    reachable = _check.flag("reachable", reachable)
+    return sum(_native.prepare_sleep(t, wait, reachable) for t in _each(tags, "prepare_sleep"))
 
 
 def release_host_cache() -> int:
@@ -128,14 +161,15 @@ def release_host_cache() -> int:
 def set_host_cache_limit(bytes: int) -> None:
     """Bounds the pinned host memory each device keeps between sleeps;
     what is above it goes back at once (0 keeps none)."""
-    _native.set_host_cache_limit(int(bytes))
+    _native.set_host_cache_limit(_check.integer("bytes", bytes, maximum=_check.MAX_LIMIT))
 
 
 def _device(device: Optional[int]) -> int:
-    """``device``, or the current CUDA device where PyTorch is loaded and
-    has one (each rank of a multi-GPU job works on its own), else 0."""
+    """``device`` (checked: a device this machine has), or the current CUDA
+    device where PyTorch is loaded and has one (each rank of a multi-GPU job
+    works on its own), else 0."""
     if device is not None:
-        return int(device)
+        return _check.device(device, _native.device_count())
     import sys
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -157,7 +191,7 @@ def set_budget(bytes: int, device: Optional[int] = None) -> None:
     default), all tags together; at the cap every tag's cached memory is
     given back before an allocation fails. Only before the device's first
     allocation."""
-    _native.set_budget(_device(device), int(bytes))
+    _native.set_budget(_device(device), _check.integer("bytes", bytes, maximum=_check.MAX_LIMIT))
 
 
 def empty_cache(device: Optional[int] = None) -> None:
@@ -172,6 +206,11 @@ def reset_peak(device: Optional[int] = None) -> None:
     """Sets every peak statistic of the device (the current CUDA device by
     default) to its current value."""
     _native.reset_peak(_device(device))
+
+
+def device_count() -> int:
+    """CUDA devices this process can use (0 without a driver)."""
+    return _native.device_count()
 
 
 def last_error() -> Optional[str]:
@@ -196,5 +235,6 @@ __all__ = [
     "empty_cache",
     "reset_peak",
     "last_error",
+    "device_count",
     *errors.__all__,
 ]

@@ -9,7 +9,7 @@ import math
 import sys
 from typing import Any, Optional, Sequence, Tuple, Union
 
-from . import _native
+from . import _check, _native
 from .errors import CapacityError, InvalidArgumentError, UnsupportedError
 
 # DLPack type codes (dlpack.h).
@@ -39,9 +39,19 @@ _ALIASES = {"half": "float16", "float": "float32", "double": "float64", "long": 
 
 def dtype_name(dtype: Any) -> str:
     """The canonical name ("float32", "bfloat16", ...) of a torch, NumPy or
-    CuPy dtype, or of a name."""
+    CuPy dtype, or of a name (NumPy's codes such as "f4" too, where NumPy is
+    installed)."""
+    if dtype is None:
+        raise TypeError("dtype is required (a torch, NumPy or CuPy dtype, or a name such as 'float32')")
     if isinstance(dtype, str):
         name = dtype
+        if _ALIASES.get(name, name) not in _DTYPES:
+            try:
+                import numpy
+
+                name = numpy.dtype(dtype).name
+            except Exception:  # noqa: BLE001 - NumPy missing or the name unknown to it
+                name = dtype
     elif type(dtype).__module__.startswith("torch"):
         name = str(dtype).rsplit(".", 1)[-1]
     elif hasattr(dtype, "name") and isinstance(dtype.name, str):
@@ -63,8 +73,10 @@ def _device(device: Any) -> Optional[int]:
     """A CUDA ordinal, or None for host memory."""
     if device is None:
         return 0
+    if isinstance(device, bool):
+        raise TypeError(f"device must be 'cuda', 'cuda:N', an int or 'cpu', not {device!r}")
     if isinstance(device, int):
-        return device
+        return _check.integer("device", device)
     if not isinstance(device, str):
         kind = getattr(device, "type", None)
         if kind == "cpu":
@@ -122,12 +134,21 @@ class GrowableTensor:
     def __init__(self, dtype: Any, max_size: Union[int, Sequence[int]], device: Any = "cuda",
                  *, pooled: bool = False) -> None:
         self.dtype_name = dtype_name(dtype)
-        if isinstance(max_size, int):
-            shape: Tuple[int, ...] = (max_size,)
+        pooled = _check.flag("pooled", pooled)
+        if isinstance(max_size, (list, tuple)):
+            if not max_size:
+                raise InvalidArgumentError("max_size () names no dimension")
+            shape: Tuple[int, ...] = tuple(
+                _check.integer(f"max_size[{i}]", n, minimum=1) for i, n in enumerate(max_size)
+            )
         else:
-            shape = tuple(int(n) for n in max_size)
-        if not shape or any(n <= 0 for n in shape):
-            raise InvalidArgumentError(f"max_size {max_size!r}: positive sizes")
+            try:
+                shape = (_check.integer("max_size", max_size, minimum=1),)
+            except TypeError:
+                raise TypeError(
+                    f"max_size must be an int (elements) or a tuple of ints (a shape), "
+                    f"not {type(max_size).__name__} ({max_size!r})"
+                ) from None
         self.row_shape: Tuple[int, ...] = shape[1:]
         self.max_rows: int = shape[0]
         code, bits = _DTYPES[self.dtype_name]
@@ -135,6 +156,12 @@ class GrowableTensor:
         self.itemsize: int = bits // 8
         self._row_elems = math.prod(self.row_shape)
         self.row_bytes: int = self._row_elems * self.itemsize
+        total = self.max_rows * self.row_bytes
+        if total > _check.MAX_BYTES:
+            raise InvalidArgumentError(
+                f"max_size {max_size!r} of {self.dtype_name} is {_check.size(total)}: more than "
+                f"any address space ({_check.size(_check.MAX_BYTES)} at most)"
+            )
         self.device: Optional[int] = _device(device)
         self._buf = _native.Buffer(self.max_rows * self.row_bytes, self.device, pooled)
         # Per library, a view of every mapped row and the rows it covers:
@@ -176,8 +203,7 @@ class GrowableTensor:
         uninitialised), shrinking keeps the memory for regrowth. Raises
         ``CapacityError`` past ``max_size`` and ``OutOfMemoryError`` when the
         device is full; either way nothing changed."""
-        if rows < 0:
-            raise InvalidArgumentError(f"resize to {rows} rows")
+        rows = _check.integer("rows", rows)
         if rows > self.max_rows:
             raise CapacityError(f"{rows} rows do not fit in max_size {self.max_rows}")
         self._buf.resize(rows * self.row_bytes)
@@ -189,6 +215,16 @@ class GrowableTensor:
         current stream of the array's library and is recorded. On any
         failure the length is as before."""
         lib = _library(rows)
+        got = dtype_name(rows.dtype)
+        if got != self.dtype_name:
+            # The rule: no conversion. A float into an int tensor would
+            # truncate or wrap (NaN into int is undefined), and a wider
+            # type would lose digits silently.
+            raise InvalidArgumentError(
+                f"append: rows of {got} into a tensor of {self.dtype_name}; "
+                f"convert them first (for example rows.astype('{self.dtype_name}') or "
+                f"rows.to(torch.{self.dtype_name}))"
+            )
         shape = tuple(rows.shape)
         if shape == self.row_shape:
             k, block = 1, rows.reshape((1,) + self.row_shape)

@@ -369,6 +369,24 @@ impl Device {
     }
 }
 
+/// CUDA devices this process can use: 0 without a driver. Asked once (the
+/// set of visible devices does not change within a process).
+pub(crate) fn device_count() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| vmmbuf::cuda::probe().map_or(0, |p| p.devices.len()))
+}
+
+/// Every tag that has memory (an arena) on some device, sorted, once each.
+pub(crate) fn tags() -> Vec<String> {
+    let mut v: Vec<String> = all_devices()
+        .into_iter()
+        .flat_map(|(_, d)| d.lock().arenas.keys().cloned().collect::<Vec<_>>())
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 /// The tag of this thread's allocations ("" for none).
 pub(crate) fn tag() -> String {
     // A thread being torn down (its thread-locals destroyed) frees and

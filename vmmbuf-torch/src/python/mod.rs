@@ -100,6 +100,18 @@ fn empty_cache(py: Python<'_>, device: c_int) -> PyResult<()> {
     py.detach(|| state::empty_cache(device)).map_err(to_py)
 }
 
+/// CUDA devices this process can use (0 without a driver).
+#[pyfunction]
+fn device_count(py: Python<'_>) -> usize {
+    py.detach(state::device_count)
+}
+
+/// Every tag that has memory on some device ("" is the default tag).
+#[pyfunction]
+fn tags(py: Python<'_>) -> Vec<String> {
+    py.detach(state::tags)
+}
+
 /// Makes `tag` the tag of this thread's allocations ("" for none).
 #[pyfunction]
 fn set_tag(tag: &str) {
@@ -248,6 +260,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::init_logging();
     m.add_function(wrap_pyfunction!(malloc, m)?)?;
     m.add_function(wrap_pyfunction!(free, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(tags, m)?)?;
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak, m)?)?;
