@@ -240,6 +240,10 @@ mod words {
             requested_bytes: 3 << 20,
             reserved_bytes: 2 << 20,
         };
-        assert!(e.to_string().starts_with("3 MiB does not fit in the 2 MiB reserved"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("3 MiB does not fit in the 2 MiB reserved"),
+            "{e}"
+        );
     }
 }
