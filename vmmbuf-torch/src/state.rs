@@ -371,12 +371,14 @@ impl Device {
 
 /// CUDA devices this process can use: 0 without a driver. Asked once (the
 /// set of visible devices does not change within a process).
+#[cfg(feature = "python")]
 pub(crate) fn device_count() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
     *N.get_or_init(|| vmmbuf::cuda::probe().map_or(0, |p| p.devices.len()))
 }
 
 /// Every tag that has memory (an arena) on some device, sorted, once each.
+#[cfg(feature = "python")]
 pub(crate) fn tags() -> Vec<String> {
     let mut v: Vec<String> = all_devices()
         .into_iter()
