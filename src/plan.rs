@@ -77,7 +77,8 @@ impl GrowthPolicy {
 }
 
 /// The most mappings one growth may plan. Around 2^19 live mappings a process
-/// hits the driver's ceiling (`../shared/vmm-facts.md`), so a plan past it can
+/// hits the driver's ceiling (`cuMemSetAccess` fails with out of memory and
+/// the context stays unusable, measured on an H200), so a plan past it can
 /// never be carried out; refusing it up front costs no memory and no call.
 pub(crate) const MAX_PLANNED_CHUNKS: usize = 1 << 19;
 
