@@ -79,11 +79,12 @@ fn run<B: Backend>(backend: Arc<B>) -> Result<(), Box<dyn std::error::Error>> {
             return Err("the base moved".into());
         }
         println!(
-            "grew by {:>9} -> len {:>9}, mapped {:>9} in {:>2} chunks, base {:#x} (unchanged), data checked",
+            "grew by {:>9} -> len {:>9}, mapped {:>9} in {:>2} chunk{}, base {:#x} (unchanged), data checked",
             Bytes(step_mib << 20).to_string(),
             Bytes(buf.len()).to_string(),
             Bytes(buf.capacity()).to_string(),
             buf.chunk_count(),
+            if buf.chunk_count() == 1 { " " } else { "s" },
             buf.base()
         );
     }
@@ -95,12 +96,13 @@ fn run<B: Backend>(backend: Arc<B>) -> Result<(), Box<dyn std::error::Error>> {
         return Err("data changed while shrinking".into());
     }
     println!(
-        "shrank to {}: mapped {} in {} chunks, data checked",
+        "shrank to {}: mapped {} in {} chunk{}, data checked",
         Bytes(buf.len()),
         Bytes(buf.capacity()),
-        buf.chunk_count()
+        buf.chunk_count(),
+        if buf.chunk_count() == 1 { "" } else { "s" }
     );
-    println!("stats: {}", buf.stats());
+    // The counters and the chunks, as plain data with a readable Display.
     print!("{}", buf.report());
     Ok(())
 }

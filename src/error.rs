@@ -182,39 +182,19 @@ impl Error {
     }
 }
 
-/// `bytes` as a person reads them: "512 bytes", "1.5 MiB", "80 GiB".
-pub(crate) fn human_bytes(bytes: usize) -> String {
-    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if bytes < 1024 {
-        return format!("{bytes} bytes");
-    }
-    let mut v = bytes as f64;
-    let mut unit = UNITS[0];
-    for u in UNITS {
-        v /= 1024.0;
-        unit = u;
-        if v < 1024.0 {
-            break;
-        }
-    }
-    let text = format!("{v:.1}");
-    let text = text.strip_suffix(".0").unwrap_or(&text);
-    format!("{text} {unit}")
-}
-
 /// [`Error::ReservationExhausted`]'s words: a reservation the address
 /// space refused (nothing reserved), or a growth past what was reserved.
 fn reservation_text(requested: usize, reserved: usize) -> String {
     if reserved == 0 {
         format!(
             "a range of {} does not fit in the address space (a host process has about 128 TiB): ask for less",
-            human_bytes(requested)
+            crate::report::Bytes(requested)
         )
     } else {
         format!(
             "{} does not fit in the {} reserved when the buffer was made (buffers never move: reserve more up front)",
-            human_bytes(requested),
-            human_bytes(reserved)
+            crate::report::Bytes(requested),
+            crate::report::Bytes(reserved)
         )
     }
 }
@@ -225,16 +205,13 @@ mod words {
 
     #[test]
     fn sizes_and_reservations_read_in_a_users_words() {
-        assert_eq!(human_bytes(512), "512 bytes");
-        assert_eq!(human_bytes(1536 << 10), "1.5 MiB");
-        assert_eq!(human_bytes(80 << 30), "80 GiB");
         let e = Error::ReservationExhausted {
             requested_bytes: 1 << 47,
             reserved_bytes: 0,
         };
         assert_eq!(
             e.to_string(),
-            "a range of 128 TiB does not fit in the address space (a host process has about 128 TiB): ask for less"
+            "a range of 128.0 TiB does not fit in the address space (a host process has about 128 TiB): ask for less"
         );
         let e = Error::ReservationExhausted {
             requested_bytes: 3 << 20,
@@ -242,7 +219,7 @@ mod words {
         };
         assert!(
             e.to_string()
-                .starts_with("3 MiB does not fit in the 2 MiB reserved"),
+                .starts_with("3.0 MiB does not fit in the 2.0 MiB reserved"),
             "{e}"
         );
     }

@@ -41,12 +41,12 @@ impl fmt::Display for BufferStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "in use {} / mapped {} / reserved {} in {} chunks ({} on GPUs, {} on the host; peak mapped {}); \
+            "in use {} / mapped {} / reserved {} in {} ({} on GPUs, {} on the host; peak mapped {}); \
              {} grows, {} shrinks, {} trims; {} chunks mapped, {} released",
             Bytes(self.in_use_bytes),
             Bytes(self.mapped_bytes),
             Bytes(self.reserved_bytes),
-            self.chunks,
+            Count(self.chunks, "chunk"),
             Bytes(self.device_bytes),
             Bytes(self.host_bytes),
             Bytes(self.peak_mapped_bytes),
@@ -85,25 +85,59 @@ pub struct Report {
     pub chunks: Vec<ChunkInfo>,
 }
 
+/// `n` things, singular or plural: "1 chunk", "3 chunks".
+struct Count(usize, &'static str);
+
+impl fmt::Display for Count {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = if self.0 == 1 { "" } else { "s" };
+        write!(f, "{} {}{s}", self.0, self.1)
+    }
+}
+
 impl fmt::Display for Report {
+    /// The counters, then a row per run of chunks that follow one another
+    /// with the same size, placement and access (a buffer of a thousand
+    /// equal chunks prints one row).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "buffer at {:#x}: {}", self.base, self.stats)?;
         writeln!(
             f,
-            "  {:>4}  {:>14}  {:>10}  {:<9} access",
-            "#", "offset", "size", "placement"
+            "  {:>11}  {:>14}  {:>16}  {:<9} access",
+            "chunks", "offset", "size", "placement"
         )?;
-        for (i, c) in self.chunks.iter().enumerate() {
+        let mut i = 0;
+        while i < self.chunks.len() {
+            let c = &self.chunks[i];
+            let run = self.chunks[i..]
+                .windows(2)
+                .take_while(|w| {
+                    w[1].offset == w[0].offset + w[0].bytes
+                        && w[1].bytes == c.bytes
+                        && w[1].placement == c.placement
+                        && w[1].access == c.access
+                })
+                .count()
+                + 1;
             let access: Vec<String> = c.access.iter().map(|(l, a)| format!("{l}:{a}")).collect();
+            let (which, size) = if run == 1 {
+                (i.to_string(), Bytes(c.bytes).to_string())
+            } else {
+                (
+                    format!("{i}-{}", i + run - 1),
+                    format!("{run} x {}", Bytes(c.bytes)),
+                )
+            };
             writeln!(
                 f,
-                "  {:>4}  {:>#14x}  {:>10}  {:<9} {}",
-                i,
+                "  {:>11}  {:>#14x}  {:>16}  {:<9} {}",
+                which,
                 c.offset,
-                Bytes(c.bytes).to_string(),
+                size,
                 c.placement.to_string(),
                 access.join(" ")
             )?;
+            i += run;
         }
         Ok(())
     }
@@ -155,6 +189,50 @@ mod tests {
         };
         let s = r.to_string();
         assert!(s.contains("buffer at 0x70000000"), "{s}");
+        assert!(s.contains("in 1 chunk ("), "{s}");
         assert!(s.contains("4.0 KiB") && s.contains("host:rw"), "{s}");
+    }
+
+    /// A run of equal chunks that follow one another is one row; a chunk
+    /// of another size, placement or access, or after a gap, starts a row.
+    #[test]
+    fn a_report_summarises_runs_of_equal_chunks() {
+        let chunk = |offset: usize, bytes: usize, placement: Location| ChunkInfo {
+            offset,
+            bytes,
+            placement,
+            access: vec![(Location::Host, Access::ReadWrite)],
+        };
+        let g = 2 << 20;
+        let mut chunks: Vec<ChunkInfo> =
+            (0..1000).map(|i| chunk(i * g, g, Location::Host)).collect();
+        chunks.push(chunk(1000 * g, 4 * g, Location::Host));
+        chunks.push(chunk(1004 * g, g, Location::Device(0)));
+        chunks.push(chunk(1010 * g, g, Location::Device(0)));
+        let r = Report {
+            base: 0,
+            stats: BufferStats {
+                chunks: chunks.len(),
+                ..BufferStats::default()
+            },
+            chunks,
+        };
+        let s = r.to_string();
+        let rows: Vec<&str> = s.lines().skip(2).collect();
+        assert_eq!(rows.len(), 4, "{s}");
+        assert!(
+            rows[0].contains("0-999") && rows[0].contains("1000 x 2.0 MiB"),
+            "{s}"
+        );
+        assert!(
+            rows[1].contains("1000") && rows[1].contains("8.0 MiB"),
+            "{s}"
+        );
+        assert!(rows[2].trim_start().starts_with("1001 "), "{s}");
+        assert!(
+            rows[3].trim_start().starts_with("1002 "),
+            "a gap starts a row: {s}"
+        );
+        assert!(s.contains("in 1003 chunks"), "{s}");
     }
 }
