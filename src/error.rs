@@ -54,10 +54,7 @@ pub enum Error {
     /// ([`Error::is_transient`]) unless `never_fits`: a request larger than
     /// the budget, the arena's reservation or the device's total memory
     /// fails however often it is retried.
-    #[error(
-        "arena out of memory: {requested_bytes} bytes requested{}, {reserved_bytes} reserved by the arena, budget {budget_bytes:?}, device free/total {free_bytes:?}/{total_bytes:?}",
-        if *never_fits { " (more than the budget, the reservation or the device holds: no retry can succeed)" } else { "" }
-    )]
+    #[error("{}", arena_oom_text(*requested_bytes, *reserved_bytes, *budget_bytes, *free_bytes, *total_bytes, *never_fits))]
     ArenaOutOfMemory {
         /// Bytes asked for.
         requested_bytes: usize,
@@ -182,6 +179,37 @@ impl Error {
     }
 }
 
+/// [`Error::ArenaOutOfMemory`]'s words: sizes in KiB..PiB, and only what
+/// is known (no budget, no device figures on the host backend).
+fn arena_oom_text(
+    requested: usize,
+    reserved: usize,
+    budget: Option<usize>,
+    free: Option<usize>,
+    total: Option<usize>,
+    never_fits: bool,
+) -> String {
+    use crate::report::Bytes;
+    let mut s = format!(
+        "arena out of memory: {} requested, {} mapped by the arena",
+        Bytes(requested),
+        Bytes(reserved)
+    );
+    if let Some(b) = budget {
+        s += &format!(", budget {}", Bytes(b));
+    }
+    match (free, total) {
+        (Some(f), Some(t)) => s += &format!(", device {} free of {}", Bytes(f), Bytes(t)),
+        (Some(f), None) => s += &format!(", device {} free", Bytes(f)),
+        (None, Some(t)) => s += &format!(", device of {}", Bytes(t)),
+        (None, None) => {}
+    }
+    if never_fits {
+        s += " (more than the budget, the reservation or the device holds: no retry can succeed)";
+    }
+    s
+}
+
 /// [`Error::ReservationExhausted`]'s words: a reservation the address
 /// space refused (nothing reserved), or a growth past what was reserved.
 fn reservation_text(requested: usize, reserved: usize) -> String {
@@ -202,6 +230,36 @@ fn reservation_text(requested: usize, reserved: usize) -> String {
 #[cfg(test)]
 mod words {
     use super::*;
+
+    #[test]
+    fn out_of_memory_reads_in_a_users_words() {
+        let e = Error::ArenaOutOfMemory {
+            requested_bytes: 3 << 30,
+            free_bytes: Some(1 << 30),
+            total_bytes: Some(80 << 30),
+            reserved_bytes: 64 << 20,
+            budget_bytes: None,
+            never_fits: false,
+        };
+        assert_eq!(
+            e.to_string(),
+            "arena out of memory: 3.0 GiB requested, 64.0 MiB mapped by the arena, device 1.0 GiB free of 80.0 GiB"
+        );
+        let e = Error::ArenaOutOfMemory {
+            requested_bytes: 4096,
+            free_bytes: None,
+            total_bytes: None,
+            reserved_bytes: 0,
+            budget_bytes: Some(2 << 20),
+            never_fits: true,
+        };
+        let t = e.to_string();
+        assert!(!t.contains("Some") && !t.contains("None"), "{t}");
+        assert!(
+            t.contains("budget 2.0 MiB") && t.contains("no retry"),
+            "{t}"
+        );
+    }
 
     #[test]
     fn sizes_and_reservations_read_in_a_users_words() {

@@ -142,6 +142,15 @@ pub mod cuda {
 #[cfg(target_os = "linux")]
 pub mod host {
     pub use crate::arena::HostStream;
+
+    /// An arena in host memory: the same allocator as on a GPU, for
+    /// machines without one, tests and examples (`HostStream(n)` names a
+    /// stream).
+    pub type HostArena = crate::Arena<HostBackend, HostStream>;
+
+    /// An allocation of a [`HostArena`].
+    pub type HostAllocation = crate::Allocation<HostBackend, HostStream>;
+
     pub use crate::backend::host::{HostBackend, HostChunk, HostFence, HostReservation};
 }
 

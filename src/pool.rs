@@ -160,6 +160,29 @@ impl<C> fmt::Debug for Shelf<C> {
 /// Chunks a pooled buffer trims go to the pool; its growth takes pooled
 /// chunks before it creates new ones; a growth that runs out of memory empties
 /// the pool and tries once more.
+///
+/// # Example
+///
+/// Two buffers share a pool: what one gives back, the other maps without a
+/// new chunk from the driver.
+///
+/// ```
+/// # #[cfg(target_os = "linux")] {
+/// use vmmbuf::{BufferDesc, ChunkPool, GrowableBuffer, HostBackend, PoolDesc};
+///
+/// let backend = HostBackend::new();
+/// let pool = ChunkPool::new(backend.clone(), PoolDesc::default())?;
+/// let a = GrowableBuffer::with_pool(&pool, BufferDesc::new(1 << 30))?;
+/// let b = GrowableBuffer::with_pool(&pool, BufferDesc::new(1 << 30))?;
+/// a.grow_to(8 << 20)?;
+/// drop(a);                                   // its chunks go to the pool
+/// assert!(pool.stats().pooled_bytes >= 8 << 20);
+/// b.grow_to(8 << 20)?;                       // taken from the pool
+/// pool.trim()?;                              // what is left goes back to the driver
+/// assert_eq!(pool.stats().pooled_bytes, 0);
+/// # }
+/// # Ok::<(), vmmbuf::Error>(())
+/// ```
 pub struct ChunkPool<B: Backend> {
     backend: Arc<B>,
     shelf: Arc<Shelf<B::Chunk>>,

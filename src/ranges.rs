@@ -26,6 +26,20 @@ pub(crate) fn within(range: &impl RangeBounds<usize>, len: usize) -> Option<Rang
     }
 }
 
+/// `range` as a person writes it: "0..8192", "16..=31", "4096..", "..".
+pub(crate) fn words(range: &impl RangeBounds<usize>) -> String {
+    let start = match range.start_bound() {
+        Bound::Included(s) => s.to_string(),
+        Bound::Excluded(s) => format!("{}", s.saturating_add(1)),
+        Bound::Unbounded => String::new(),
+    };
+    match range.end_bound() {
+        Bound::Included(e) => format!("{start}..={e}"),
+        Bound::Excluded(e) => format!("{start}..{e}"),
+        Bound::Unbounded => format!("{start}.."),
+    }
+}
+
 /// start -> (end, placement); intervals never overlap and are never empty.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PlacementRanges {
@@ -92,6 +106,16 @@ impl PlacementRanges {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn ranges_read_as_written() {
+        assert_eq!(words(&(0..8192)), "0..8192");
+        assert_eq!(words(&(16..=31)), "16..=31");
+        assert_eq!(words(&(4096..)), "4096..");
+        assert_eq!(words(&(..)), "..");
+        assert_eq!(words(&(..10)), "..10");
+    }
+
     use super::*;
     use proptest::prelude::*;
 

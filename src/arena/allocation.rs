@@ -15,6 +15,25 @@ use crate::order::FenceSet;
 /// Memory from an [`Arena`](crate::Arena): the owned handle a tensor stores. Holds the
 /// arena alive; `Send + Sync`; freed on drop in stream order (see
 /// [`Arena`](crate::Arena)).
+///
+/// # Example
+///
+/// Work on another stream, recorded so that the free waits for it too:
+///
+/// ```
+/// # #[cfg(target_os = "linux")] {
+/// use vmmbuf::host::{HostArena, HostStream};
+/// use vmmbuf::{ArenaDesc, HostBackend};
+///
+/// let arena = HostArena::new(HostBackend::new(), ArenaDesc::new(64 << 20))?;
+/// let (compute, copy) = (HostStream(1), HostStream(2));
+/// let a = arena.alloc(4096, &compute)?;
+/// assert_eq!(a.len(), 4096);
+/// a.record_stream(&copy);   // work queued on `copy` uses it as well
+/// drop(a);                  // reused only after both streams' work
+/// # }
+/// # Ok::<(), vmmbuf::Error>(())
+/// ```
 pub struct Allocation<B: Backend, S: ArenaStream<B>> {
     /// Its id in the trace being recorded (0 without one).
     pub(super) id: u64,

@@ -357,6 +357,32 @@ struct Shared<B: Backend> {
 /// for many (`owed.rs`), and a wait for frees still without one (out of
 /// memory, a sleep not given their stream, `empty_cache`, the drop)
 /// synchronises the device.
+///
+/// # Example
+///
+/// In host memory (the same calls run on a GPU with
+/// [`CudaArena`](crate::cuda::CudaArena) and cudarc's streams):
+///
+/// ```
+/// # #[cfg(target_os = "linux")] {
+/// use vmmbuf::host::{HostArena, HostStream};
+/// use vmmbuf::{ArenaDesc, HostBackend};
+///
+/// let arena = HostArena::new(HostBackend::new(), ArenaDesc::new(1 << 30))?; // 1 GiB of room, nothing mapped
+/// let s = HostStream(1);
+/// let mut a = arena.alloc(3 << 20, &s)?;          // maps what it needs
+/// a.write(0, b"hello")?;
+/// let b = arena.alloc(1 << 20, &s)?;
+/// assert!(b.address() >= a.address() + a.capacity() as u64 || b.address() + b.capacity() as u64 <= a.address());
+/// let mut back = [0u8; 5];
+/// a.read(0, &mut back)?;
+/// assert_eq!(&back, b"hello");
+/// drop((a, b));                                    // freed in stream order
+/// arena.empty_cache()?;                            // the memory goes back
+/// assert_eq!(arena.stats().reserved_bytes.current, 0);
+/// # }
+/// # Ok::<(), vmmbuf::Error>(())
+/// ```
 pub struct Arena<B: Backend, S: ArenaStream<B>> {
     shared: Arc<Shared<B>>,
     _stream: std::marker::PhantomData<fn(S)>,

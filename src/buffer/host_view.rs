@@ -56,9 +56,8 @@ impl<B: Backend> GrowableBuffer<B> {
         let len = self.len();
         crate::ranges::within(&range, len).ok_or_else(|| {
             Error::invalid(format!(
-                "{:?}..{:?} is not a range within the {len} bytes in use",
-                range.start_bound(),
-                range.end_bound()
+                "bytes {} are not within the {len} bytes in use",
+                crate::ranges::words(&range)
             ))
         })
     }
