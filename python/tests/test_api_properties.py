@@ -164,6 +164,13 @@ def test_bad_inputs_from_the_issue_give_typed_errors_in_the_users_words():
             f()
         assert words in str(e.value), str(e.value)
     assert GrowableTensor("f4", 10, "cpu").dtype_name == "float32"
+    # A GrowableTensor shows in the statistics (it stayed {} before).
+    t = GrowableTensor("float32", (1000, 16), "cpu")
+    t.resize(100)
+    st = vmmbuf.stats("cpu")
+    assert st["growable_tensors"] >= 1 and st["growable_bytes"] >= 6400, st
+    assert st["growable_mapped_bytes"] >= st["growable_bytes"], st
+    del t
     g = GrowableTensor("int32", (10, 3), "cpu")
     for rows in (np.zeros((2, 3)), np.array([[np.nan] * 3]), np.zeros((1, 3), dtype=np.int64)):
         with pytest.raises(vmmbuf.InvalidArgumentError, match="convert them first"):

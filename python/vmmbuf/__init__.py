@@ -177,13 +177,23 @@ def _device(device: Optional[int]) -> int:
     return 0
 
 
-def stats(device: Optional[int] = None) -> Dict[str, Any]:
+def stats(device: Union[None, int, str] = None) -> Dict[str, Any]:
     """The device's statistics (PyTorch's key names for the byte counters,
-    plus ``host_bytes``, ``device_bytes``, ``sleeping_tags``, ...); empty
-    before the device's first allocation. ``device``: the current CUDA
-    device by default (see :func:`empty_cache`)."""
-    text = _native.stats_json(_device(device))
-    return json.loads(text) if text else {}
+    plus ``host_bytes``, ``device_bytes``, ``sleeping_tags``, ...), and
+    what the live GrowableTensors there hold (``growable_tensors``,
+    ``growable_bytes`` in use, ``growable_mapped_bytes``); empty before
+    anything was allocated there. ``device``: the current CUDA device by
+    default (see :func:`empty_cache`); ``"cpu"`` for GrowableTensors in
+    host memory."""
+    from .tensor import figures
+
+    if device == "cpu":
+        return figures(None)
+    dev = _device(device)
+    text = _native.stats_json(dev)
+    out: Dict[str, Any] = json.loads(text) if text else {}
+    out.update(figures(dev))
+    return out
 
 
 def set_budget(bytes: int, device: Optional[int] = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any, Optional, Sequence, Tuple, Union
 
 from . import _check, _native
@@ -167,6 +168,7 @@ class GrowableTensor:
         # Per library, a view of every mapped row and the rows it covers:
         # append writes through it instead of exporting a view per call.
         self._wide: dict = {}
+        _LIVE.add(self)
 
     # Sizes ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -357,6 +359,23 @@ class _Exporter:
 
     def __dlpack_device__(self) -> Tuple[int, int]:
         return self._device
+
+
+# Every live GrowableTensor, for vmmbuf.stats() (weak: stats keep none alive).
+_LIVE: "weakref.WeakSet[GrowableTensor]" = weakref.WeakSet()
+
+
+def figures(device: Optional[int]) -> dict:
+    """What the live GrowableTensors on ``device`` (None: host memory) hold,
+    under the keys ``vmmbuf.stats()`` reports; empty if there are none."""
+    mine = [t for t in list(_LIVE) if t.device == device]
+    if not mine:
+        return {}
+    return {
+        "growable_tensors": len(mine),
+        "growable_bytes": sum(t.nbytes for t in mine),
+        "growable_mapped_bytes": sum(t.mapped_bytes for t in mine),
+    }
 
 
 def _library(array: Any) -> str:
