@@ -16,6 +16,22 @@ import pytest
 
 from conftest import run_script
 
+# Every kernel the scripts use runs once first: CUDA loads a kernel's module
+# at its first launch (lazy loading), which waits for the device and would
+# let the spin finish before the capture begins.
+_WARM = """for st_ in (s1, s2):
+        with torch.cuda.stream(st_):
+            w = torch.zeros(1024, device="cuda")
+            w.add_(1.0); w.mul_(2); w.fill_(7.0)
+            torch.empty_like(w).copy_(w)
+            torch.ones(4, device="cuda").mul_(2)
+            torch.full((4,), 2.0, device="cuda")
+            bool((w == 3.0).all().item())
+            torch.cuda._sleep(1000)
+            del w
+    torch.cuda.synchronize()"""
+
+
 # RT4-1 on the GPU, in each capture mode: x is allocated on s1 and used by
 # work queued there (behind a long spin) before a capture of s1 begins; x is
 # freed during the capture. After the graph is gone, s2 may receive x's
@@ -28,22 +44,9 @@ _PRE_CAPTURE = """
     N = 16 << 20
     out = dict(mode=MODE)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    {warm}
     # Made before the spin: making a CUDAGraph synchronises (PyTorch 2.11),
     # which would let the spin finish before the capture begins.
-    # Every kernel used below runs once first: CUDA loads a kernel's module
-    # at its first launch (lazy loading), which waits for the device and
-    # would let the spin finish before the capture begins.
-    for st_ in (s1, s2):
-        with torch.cuda.stream(st_):
-            w = torch.zeros(1024, device="cuda")
-            w.add_(1.0); w.mul_(2); w.fill_(7.0)
-            torch.empty_like(w).copy_(w)
-            torch.ones(4, device="cuda").mul_(2)
-            torch.full((4,), 2.0, device="cuda")
-            bool((w == 3.0).all().item())
-            torch.cuda._sleep(1000)
-            del w
-    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.stream(s1):
         x = torch.zeros(N // 4, device="cuda")
@@ -89,7 +92,7 @@ def _result(stdout: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
 def test_a_pre_capture_tensor_freed_in_a_capture_waits_for_its_streams_work(torch_gpu, mode):
-    r = _result(run_script(_PRE_CAPTURE.format(mode=mode)))
+    r = _result(run_script(_PRE_CAPTURE.format(mode=mode, warm=_WARM)))
     print(json.dumps({k: v for k, v in r.items() if k != "stats"}))
     # The test means something only while s1's spin still runs then.
     assert r["busy_at_capture"] and r["busy_at_hand_out"], r
@@ -107,20 +110,7 @@ _INVALIDATED = """
     N = 8 << 20
     out = {{}}
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    # Every kernel used below runs once first: CUDA loads a kernel's module
-    # at its first launch (lazy loading), which waits for the device and
-    # would let the spin finish before the capture begins.
-    for st_ in (s1, s2):
-        with torch.cuda.stream(st_):
-            w = torch.zeros(1024, device="cuda")
-            w.add_(1.0); w.mul_(2); w.fill_(7.0)
-            torch.empty_like(w).copy_(w)
-            torch.ones(4, device="cuda").mul_(2)
-            torch.full((4,), 2.0, device="cuda")
-            bool((w == 3.0).all().item())
-            torch.cuda._sleep(1000)
-            del w
-    torch.cuda.synchronize()
+    {warm}
     g = torch.cuda.CUDAGraph()        # before the spin: making one synchronises
     with torch.cuda.stream(s1):
         x = torch.zeros(N // 4, device="cuda")
@@ -175,7 +165,7 @@ _INVALIDATED = """
 
 @pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
 def test_frees_under_an_invalidated_capture_and_after_its_failed_end(torch_gpu, mode):
-    r = _result(run_script(_INVALIDATED.format(mode=mode)))
+    r = _result(run_script(_INVALIDATED.format(mode=mode, warm=_WARM)))
     print(json.dumps(r))
     assert r["busy_at_capture"], r
     if not r["invalidated"]:

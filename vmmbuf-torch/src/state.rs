@@ -579,11 +579,7 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
     let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
-    d.release_graphs();
-    let a = d
-        .live
-        .remove(&(ptr as usize))
-        .ok_or_else(|| unknown_free(ptr, dev))?;
+    let a = d.take_live(ptr, dev)?;
     // PyTorch frees on the allocation's own stream: then its handle is the
     // allocation's, and the stream map is not consulted.
     let s =
@@ -644,13 +640,20 @@ pub(crate) fn free_stream_destroyed(ptr: u64, dev: c_int) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
     let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
-    d.release_graphs();
-    let a = d
-        .live
-        .remove(&(ptr as usize))
-        .ok_or_else(|| unknown_free(ptr, dev))?;
+    let a = d.take_live(ptr, dev)?;
     a.free_stream_destroyed();
     Ok(())
+}
+
+impl Device {
+    /// The live allocation at `ptr`, taken out to be freed (after releasing
+    /// the graphs CUDA destroyed since the last call).
+    fn take_live(&mut self, ptr: u64, dev: c_int) -> Result<CudaAllocation> {
+        self.release_graphs();
+        self.live
+            .remove(&(ptr as usize))
+            .ok_or_else(|| unknown_free(ptr, dev))
+    }
 }
 
 fn unknown_free(ptr: u64, dev: c_int) -> Error {
