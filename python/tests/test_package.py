@@ -172,3 +172,51 @@ def test_device_defaults_to_the_current_cuda_device(monkeypatch: pytest.MonkeyPa
     assert vmmbuf._device(0) == 0
     cuda.is_initialized = lambda: False
     assert vmmbuf._device(None) == 0
+
+
+def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vmmbuf.torch and vmmbuf.torch_memory_saver refuse bad devices, budgets,
+    tags and flags in words, before any CUDA call: checked against a stand-in
+    for torch with two devices, so it runs without a GPU."""
+    import importlib
+
+    class Device:
+        def __init__(self, spec: Any) -> None:
+            if not isinstance(spec, str) or spec.split(":")[0] not in ("cuda", "cpu"):
+                raise RuntimeError(f"Invalid device string: '{spec}'")
+            kind, _, index = spec.partition(":")
+            self.type, self.index = kind, (int(index) if index else None)
+
+    cuda = types.SimpleNamespace(device_count=lambda: 2, current_device=lambda: 0)
+    fake = types.SimpleNamespace(cuda=cuda, device=Device)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    for name in ("vmmbuf.torch", "vmmbuf.torch_memory_saver"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delattr(vmmbuf, "torch", raising=False)
+    monkeypatch.delattr(vmmbuf, "torch_memory_saver", raising=False)
+    vt = importlib.import_module("vmmbuf.torch")
+    tms = importlib.import_module("vmmbuf.torch_memory_saver")
+    assert vt._dev(None) == 0 and vt._dev(1) == 1 and vt._dev("cuda:1") == 1 and vt._dev("cuda") == 0
+    for bad, kind, words in [
+        (5, vmmbuf.InvalidArgumentError, "device 5: this machine has 2 CUDA devices"),
+        (-1, vmmbuf.InvalidArgumentError, "device is -1"),
+        (True, TypeError, "not a bool"),
+        ("cuda:7", vmmbuf.InvalidArgumentError, "device 7"),
+        ("cpu", vmmbuf.InvalidArgumentError, "is not a CUDA device"),
+        ("gpu", vmmbuf.InvalidArgumentError, "'cuda', 'cuda:N'"),
+    ]:
+        with pytest.raises(kind, match=words):
+            vt._dev(bad)
+    with pytest.raises(TypeError, match="budget_bytes must be an integer"):
+        vt.use(budget_bytes=1.5)
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="device 3"):
+        vt.use(device=3)
+    with pytest.raises(TypeError, match="tag must be a string"):
+        with vt.pool(tag=7):
+            pass
+    saver = tms.TorchMemorySaver()
+    with pytest.raises(TypeError, match="enable_cpu_backup must be True or False"):
+        with saver.region("w", enable_cpu_backup="yes"):
+            pass
+    with pytest.raises(TypeError, match="tag must be a string"):
+        saver.pause(3)

@@ -68,7 +68,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _captures, _native, library_path, stats
+from . import _captures, _check, _native, library_path, stats
 from .errors import InvalidArgumentError, UnsupportedError, VmmbufError
 
 _ALLOCATORS: Dict[str, Any] = {}
@@ -113,14 +113,22 @@ def _announce_captures() -> bool:
 
 
 def _dev(device: Any) -> int:
+    """A CUDA device PyTorch has: None (the current one), an int, "cuda",
+    "cuda:N" or a ``torch.device``; anything else is refused in words."""
     if device is None:
         return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    d = torch.device(device)
+    if isinstance(device, (int, bool)) or hasattr(device, "__index__"):
+        return _check.device(device, torch.cuda.device_count())
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(
+            f"device {device!r}: 'cuda', 'cuda:N', an int or a torch.device") from e
     if d.type != "cuda":
         raise InvalidArgumentError(f"device {device!r} is not a CUDA device")
-    return torch.cuda.current_device() if d.index is None else d.index
+    if d.index is None:
+        return torch.cuda.current_device()
+    return _check.device(d.index, torch.cuda.device_count())
 
 
 def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
@@ -128,8 +136,10 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     the first CUDA tensor (PyTorch cannot swap an allocator in use).
     ``budget_bytes`` caps what vmmbuf maps on ``device``, all tags together."""
     global _PROCESS_WIDE
+    device = _check.device(device, torch.cuda.device_count())
     if budget_bytes is not None:
-        _native.set_budget(device, int(budget_bytes))
+        _native.set_budget(device, _check.integer("budget_bytes", budget_bytes,
+                                                  maximum=_check.MAX_LIMIT))
     if _PROCESS_WIDE:
         return
     try:
@@ -168,7 +178,7 @@ def pool(tag: str = "", device: Any = None) -> Iterator[Any]:
     blocks in it, so a tag's memory is never handed to another tag). Yields
     the pool."""
     d = _dev(device)
-    key = (tag or "", d)
+    key = (_check.tag("tag", tag), d)
     p = _POOLS.get(key)
     if p is None:
         with torch.cuda.device(d):

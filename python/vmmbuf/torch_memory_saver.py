@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator, List, Optional
 
-from . import _native
+from . import _check, _native
 from . import torch as _vtorch
 
 _TAG_DEFAULT = "default"
@@ -50,6 +50,8 @@ class TorchMemorySaver:
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> Iterator[None]:
         """Tensors made inside can be paused with ``pause(tag)``."""
+        tag = _check.tag("tag", tag)
+        enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
         self._cpu_backup[tag] = self._cpu_backup.get(tag, False) or enable_cpu_backup
         if _vtorch.is_process_wide():
             prev = _native.get_tag()
@@ -63,7 +65,7 @@ class TorchMemorySaver:
                 yield
 
     def _tags(self, tag: Optional[str]) -> List[str]:
-        return sorted(self._cpu_backup) if tag is None else [tag]
+        return sorted(self._cpu_backup) if tag is None else [_check.tag("tag", tag)]
 
     def pause(self, tag: Optional[str] = None) -> int:
         """Gives back the device memory of ``tag`` (None: every region's
