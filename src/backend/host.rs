@@ -177,9 +177,9 @@ impl Drop for HostReservation {
     fn drop(&mut self) {
         // SAFETY: the token owns [base, base + bytes) exclusively and is going
         // away; unmapping it whole also drops any chunk mappings left in it.
-        if let Err(e) =
-            unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.table.reserved()) }
-        {
+        let unmapped =
+            unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.table.reserved()) };
+        if let Err(e) = unmapped {
             tracing::error!(error = %e, "vmmbuf host: munmap of a reservation failed in drop");
         }
         for (_, e) in self.table.iter() {

@@ -94,7 +94,7 @@ fn cuda_frees_are_stream_ordered() {
                 let mut l = sa.launch_builder(&k.fill);
                 let zero = 0u64;
                 l.arg(v).arg(&zero).arg(&words).arg(&seed);
-                // SAFETY (test code): writes `words` u32s of the view.
+                // SAFETY: test code; writes `words` u32s of the view.
                 unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
             };
             fill(&mut vx, round);
@@ -111,7 +111,7 @@ fn cuda_frees_are_stream_ordered() {
                 .arg(&round)
                 .arg(&mut bad)
                 .arg(&spin);
-            // SAFETY (test code): reads `words` u32s of the view.
+            // SAFETY: test code; reads `words` u32s of the view.
             unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
         }
         let at = x.address();
@@ -370,7 +370,7 @@ fn owned_typed_tensors_behave_as_cudarc_slices() {
         let mut l = s.launch_builder(&k.fill);
         let (zero, words) = (0u64, n as u64);
         l.arg(&mut t).arg(&zero).arg(&words).arg(&round);
-        // SAFETY (test code): writes `n` u32s of the tensor.
+        // SAFETY: test code; writes `n` u32s of the tensor.
         unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
         let got = s.clone_dtoh(&t).unwrap();
         assert!(got

@@ -155,7 +155,7 @@ impl Kernels {
     pub(crate) fn fill(&self, ptr: u64, first: u64, n: u64, seed: u32) {
         let mut l = self.stream.launch_builder(&self.fill);
         l.arg(&ptr).arg(&first).arg(&n).arg(&seed);
-        // SAFETY (test code): the kernel writes n u32s from ptr, which the
+        // SAFETY: test code; the kernel writes n u32s from ptr, which the
         // caller has mapped read-write; argument types match the PTX.
         unsafe { l.launch(Self::cfg(n)) }.expect("fill launch");
     }
@@ -171,7 +171,7 @@ impl Kernels {
     ) {
         let mut l = stream.launch_builder(&self.fill);
         l.arg(&ptr).arg(&first).arg(&n).arg(&seed);
-        // SAFETY (test code): as in `fill`.
+        // SAFETY: test code; as in `fill`.
         unsafe { l.launch(Self::cfg(n)) }.expect("fill launch");
     }
 
@@ -196,7 +196,7 @@ impl Kernels {
             .arg(&seed)
             .arg(&mut bad)
             .arg(&ns);
-        // SAFETY (test code): reads `n` u32s of the view.
+        // SAFETY: test code; reads `n` u32s of the view.
         unsafe { l.launch(Self::cfg(n)) }.expect("spin_check launch");
         bad
     }
@@ -226,7 +226,7 @@ impl Kernels {
             .arg(&seed)
             .arg(&mut bad)
             .arg(&ns);
-        // SAFETY (test code): reads n mapped u32s after spinning, adds to one counter.
+        // SAFETY: test code; reads n mapped u32s after spinning, adds to one counter.
         unsafe { l.launch(Self::cfg(n)) }.expect("spin_check launch");
         bad
     }

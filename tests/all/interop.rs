@@ -99,7 +99,7 @@ fn a_kernel_writes_through_a_view_and_reads_through_a_cuda_slice() {
         let mut v = buf.view_mut::<u32>(&stream, 64, words as usize).unwrap();
         let mut l = stream.launch_builder(&k.fill);
         l.arg(&mut v).arg(&0u64).arg(&words).arg(&5u32);
-        // SAFETY (test code): fill writes `words` u32s at the view.
+        // SAFETY: test code; fill writes `words` u32s at the view.
         unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
     }
     let mut host = vec![0u8; words as usize * 4];
@@ -129,7 +129,7 @@ fn a_kernel_writes_through_a_view_and_reads_through_a_cuda_slice() {
             .arg(&5u32)
             .arg(&mut bad)
             .arg(&0u64);
-        // SAFETY (test code): check reads `words` u32s from the slice.
+        // SAFETY: test code; check reads `words` u32s from the slice.
         unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
         assert_eq!(stream.clone_dtoh(&bad).unwrap()[0], 0);
         let mut other = stream.alloc_zeros::<u32>(words as usize).unwrap();

@@ -138,7 +138,7 @@ fn child_peer_read_without_access() {
         .arg(&3u32)
         .arg(&mut bad)
         .arg(&0u64);
-    // SAFETY (test code): the point is an access GPU 1 was not granted.
+    // SAFETY: test code; the point is an access GPU 1 was not granted.
     let launched = unsafe { l.launch(Kernels::cfg(WORDS)) };
     let result = launched.and_then(|_| k1.stream.synchronize());
     match result {

@@ -82,7 +82,7 @@ fn view_kernel(
         .arg(&seed)
         .arg(&mut bad)
         .arg(&ns);
-    // SAFETY (test code): reads `words` u32s of the view.
+    // SAFETY: test code; reads `words` u32s of the view.
     unsafe { l.launch(Kernels::cfg(words)) }.unwrap();
     bad
 }

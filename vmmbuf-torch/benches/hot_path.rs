@@ -298,15 +298,16 @@ fn main() {
         });
         let mut ev = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; the context is bound.
-        ok("cuEventCreate", unsafe {
+        let created = unsafe {
             sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-        });
-        // SAFETY: a live event and stream of the bound context.
+        };
+        ok("cuEventCreate", created);
         let record = each(n, c.as_deref_mut(), || {
+            // SAFETY: a live event and stream of the bound context.
             ok("cuEventRecord", unsafe { sys::cuEventRecord(ev, cu) })
         });
-        // SAFETY: as above.
         let query = each(n, c, || {
+            // SAFETY: a live event of the bound context.
             let _ = unsafe { sys::cuEventQuery(ev) };
         });
         // SAFETY: the event is not used after.

@@ -118,9 +118,9 @@ pub(crate) unsafe fn device_total_mem(dev: sys::CUdevice) -> Result<usize> {
 /// `cuDriverGetVersion`.
 pub(crate) fn driver_version() -> Result<i32> {
     let mut v = 0;
-    // SAFETY: a valid out-pointer.
     check(
         "cuDriverGetVersion",
+        // SAFETY: a valid out-pointer.
         unsafe { sys::cuDriverGetVersion(&mut v) },
         0,
     )?;
@@ -133,9 +133,9 @@ pub(crate) fn driver_version() -> Result<i32> {
 /// Both handles come from [`device_get`].
 pub(crate) unsafe fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
     let mut can = 0;
-    // SAFETY: a valid out-pointer; the handles are valid (caller).
     check(
         "cuDeviceCanAccessPeer",
+        // SAFETY: a valid out-pointer; the handles are valid (caller).
         unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) },
         0,
     )?;
@@ -197,11 +197,13 @@ pub(crate) fn event_done(event: &CudaEvent) -> Result<bool> {
 /// `cuMemGetInfo`: `(free, total)` bytes of the current context's device.
 pub(crate) fn mem_info() -> Result<(usize, usize)> {
     let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: two valid out-pointers; without a current context the driver
-    // returns an error.
     check(
         "cuMemGetInfo",
-        relaxed(|| unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }),
+        relaxed(|| {
+            // SAFETY: two valid out-pointers; without a current context the driver
+            // returns an error.
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }
+        }),
         0,
     )?;
     Ok((free, total))
@@ -287,10 +289,10 @@ pub(crate) unsafe fn mem_export_fd(
 ) -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd;
     let mut fd: std::ffi::c_int = -1;
-    // SAFETY: a valid out-pointer for an int, as the POSIX-fd handle type
-    // writes; the handle is live (the caller's promise).
     check(
         "cuMemExportToShareableHandle",
+        // SAFETY: a valid out-pointer for an int, as the POSIX-fd handle type
+        // writes; the handle is live (the caller's promise).
         unsafe {
             sys::cuMemExportToShareableHandle(
                 (&mut fd as *mut std::ffi::c_int).cast(),
@@ -319,12 +321,12 @@ pub(crate) fn mem_import_fd(
 ) -> Result<sys::CUmemGenericAllocationHandle> {
     use std::os::fd::AsRawFd;
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: a valid out-pointer; the POSIX-fd handle type passes the
-    // descriptor's number as the pointer value, and the descriptor is open
-    // for the whole call (borrowed). A descriptor that is no chunk is the
-    // driver's error to report.
     check(
         "cuMemImportFromShareableHandle",
+        // SAFETY: a valid out-pointer; the POSIX-fd handle type passes the
+        // descriptor's number as the pointer value, and the descriptor is open
+        // for the whole call (borrowed). A descriptor that is no chunk is the
+        // driver's error to report.
         unsafe {
             sys::cuMemImportFromShareableHandle(
                 &mut handle,
@@ -346,9 +348,9 @@ pub(crate) unsafe fn mem_properties(
 ) -> Result<sys::CUmemAllocationProp> {
     // SAFETY: plain C data, all-zero valid; filled in by the driver.
     let mut prop: sys::CUmemAllocationProp = unsafe { MaybeUninit::zeroed().assume_init() };
-    // SAFETY: a valid out-pointer; the handle is live (the caller's promise).
     check(
         "cuMemGetAllocationPropertiesFromHandle",
+        // SAFETY: a valid out-pointer; the handle is live (the caller's promise).
         unsafe { sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, handle) },
         0,
     )?;
@@ -371,9 +373,9 @@ pub(crate) fn allocation_granularity(
     flag: sys::CUmemAllocationGranularity_flags,
 ) -> Result<usize> {
     let mut g = 0usize;
-    // SAFETY: a valid out-pointer and a fully initialised property struct.
     check(
         "cuMemGetAllocationGranularity",
+        // SAFETY: a valid out-pointer and a fully initialised property struct.
         unsafe { sys::cuMemGetAllocationGranularity(&mut g, prop, flag) },
         0,
     )?;
@@ -383,10 +385,12 @@ pub(crate) fn allocation_granularity(
 /// `cuMemAddressReserve` of `bytes` aligned to `align`, no hint, no flags.
 pub(crate) fn address_reserve(bytes: usize, align: usize) -> Result<sys::CUdeviceptr> {
     let mut ptr: sys::CUdeviceptr = 0;
-    // SAFETY: a valid out-pointer; reserving address space touches no memory.
     check(
         "cuMemAddressReserve",
-        relaxed(|| unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) }),
+        relaxed(|| {
+            // SAFETY: a valid out-pointer; reserving address space touches no memory.
+            unsafe { sys::cuMemAddressReserve(&mut ptr, bytes, align, 0, 0) }
+        }),
         bytes,
     )?;
     Ok(ptr)
@@ -412,10 +416,12 @@ pub(crate) fn mem_create(
     prop: &sys::CUmemAllocationProp,
 ) -> Result<sys::CUmemGenericAllocationHandle> {
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: a valid out-pointer and a fully initialised property struct.
     check(
         "cuMemCreate",
-        relaxed(|| unsafe { sys::cuMemCreate(&mut handle, bytes, prop, 0) }),
+        relaxed(|| {
+            // SAFETY: a valid out-pointer and a fully initialised property struct.
+            unsafe { sys::cuMemCreate(&mut handle, bytes, prop, 0) }
+        }),
         bytes,
     )?;
     Ok(handle)
