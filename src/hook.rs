@@ -194,3 +194,16 @@ impl MapHook for RecordingHook {
         self.calls.lock().push(HookCall::Unmapping(range));
     }
 }
+
+/// What the NCCL hook ([`crate::nccl::NcclHook`]) calls to register and
+/// deregister: NCCL
+/// (`backend::cuda::nccl::NcclLib`), or a test's recorder. Callers outside
+/// the crate cannot implement it: a registrar's calls are trusted with the
+/// communicators [`NcclHook::add`](crate::nccl::NcclHook::add) was given.
+pub(crate) trait Registrar: Send + Sync + 'static {
+    /// Registers `bytes` at `addr` with the communicator `comm`; NCCL's
+    /// handle for the registration.
+    fn register(&self, comm: usize, addr: u64, bytes: usize) -> std::result::Result<usize, String>;
+    /// Undoes the registration `handle` of `comm`.
+    fn deregister(&self, comm: usize, handle: usize) -> std::result::Result<(), String>;
+}

@@ -86,6 +86,7 @@ mod arena;
 mod backend;
 mod buffer;
 mod error;
+mod graph_id;
 pub mod hash;
 pub mod hook;
 #[cfg(target_os = "linux")]

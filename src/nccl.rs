@@ -47,20 +47,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use parking_lot::Mutex;
 
-use crate::hook::{MapHook, MappedRange};
+use crate::hook::{MapHook, MappedRange, Registrar};
 use crate::{Error, Location, Result};
-
-/// What the hook calls to register and deregister: NCCL
-/// (`backend::cuda::nccl::NcclLib`), or a test's recorder. Callers outside
-/// the crate cannot implement it: a registrar's calls are trusted with the
-/// communicators [`NcclHook::add`] was given.
-pub(crate) trait Registrar: Send + Sync + 'static {
-    /// Registers `bytes` at `addr` with the communicator `comm`; NCCL's
-    /// handle for the registration.
-    fn register(&self, comm: usize, addr: u64, bytes: usize) -> std::result::Result<usize, String>;
-    /// Undoes the registration `handle` of `comm`.
-    fn deregister(&self, comm: usize, handle: usize) -> std::result::Result<(), String>;
-}
 
 /// Counters of an [`NcclHook`]'s registrations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

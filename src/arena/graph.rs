@@ -17,16 +17,7 @@ use std::collections::BTreeMap;
 
 use crate::order::{FenceSet, StreamKey};
 
-/// Names the pool of one CUDA graph (CUDA's capture id serves: it is unique
-/// in a process). See [`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct GraphPoolId(pub u64);
-
-impl std::fmt::Display for GraphPoolId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "graph pool {}", self.0)
-    }
-}
+pub use crate::graph_id::GraphPoolId;
 
 /// One block a graph holds, freed by its user.
 #[derive(Debug)]

@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::{sys, CudaStream, DriverError};
 
-use crate::arena::GraphPoolId;
 use crate::error::{Error, Result};
+use crate::graph_id::GraphPoolId;
 
 fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     match r {

@@ -3,7 +3,7 @@
 #![allow(unsafe_code)]
 
 use crate::error::{Error, Result};
-use crate::nccl::Registrar;
+use crate::hook::Registrar;
 
 /// `ncclResult_t ncclCommRegister(ncclComm_t, void*, size_t, void**)`.
 type RegisterFn = unsafe extern "C" fn(
