@@ -193,7 +193,8 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// [`free_deferred`](Self::free_deferred), and the block reaches other
     /// streams after the graph's release only once a fence recorded on its
     /// stream after the capture (or a device synchronisation) has passed.
-    /// The capture never takes such a block again.
+    /// The capture never takes such a block again. A block of another
+    /// graph that is still alive stays that graph's (its replays use it).
     pub fn free_into_graph(mut self, graph: GraphPoolId) {
         self.how = Freeing::IntoGraph(graph);
     }
