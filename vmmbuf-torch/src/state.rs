@@ -567,10 +567,7 @@ fn capture_state_of(s: &Arc<CudaStream>) -> Result<CaptureState> {
 /// The capture `s` is in, if one is active (an invalidated capture is
 /// none: allocations on its stream are ordinary ones).
 fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
-    Ok(match capture_state_of(s)? {
-        CaptureState::Active(c) => Some(c),
-        CaptureState::None | CaptureState::Invalidated => None,
-    })
+    Ok(capture_state_of(s)?.into_active())
 }
 
 /// Frees `ptr` in stream order on `stream` (if it is not the allocation's
@@ -601,23 +598,20 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     };
     let own = ask(a.stream());
     let named = other.map(ask);
-    fn active(c: &CaptureState) -> Option<&Capture> {
-        match c {
-            CaptureState::Active(c) => Some(c),
-            _ => None,
-        }
-    }
     let plain = |c: &CaptureState| matches!(c, CaptureState::None);
     // The stream named, not captured, gets a fence of its own: at the
     // free, or (an ordinary free) with the free's.
     // (Its capture invalidated, the fence fails and the free is owed
     // there instead: nothing is lost.)
     if let (Some(other), Some(n)) = (other, named.as_ref()) {
-        if active(n).is_none() {
+        if n.active().is_none() {
             a.record_stream(other);
         }
     }
-    match active(&own).or(named.as_ref().and_then(active)) {
+    match own
+        .active()
+        .or(named.as_ref().and_then(CaptureState::active))
+    {
         Some(c) => {
             let g = d.graph_pool(c)?;
             // Its own stream not captured: a real fence there.

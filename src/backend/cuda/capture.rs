@@ -136,6 +136,24 @@ pub enum CaptureState {
     Invalidated,
 }
 
+impl CaptureState {
+    /// The capture, if one is active (an invalidated one is not).
+    pub fn active(&self) -> Option<&Capture> {
+        match self {
+            CaptureState::Active(c) => Some(c),
+            CaptureState::None | CaptureState::Invalidated => None,
+        }
+    }
+
+    /// [`active`](Self::active), by value.
+    pub fn into_active(self) -> Option<Capture> {
+        match self {
+            CaptureState::Active(c) => Some(c),
+            CaptureState::None | CaptureState::Invalidated => None,
+        }
+    }
+}
+
 /// Where `stream` stands with CUDA graph capture. Cheap
 /// (`cuStreamIsCapturing`) when it is not captured.
 pub fn capture_state(stream: &CudaStream) -> Result<CaptureState> {
@@ -189,10 +207,7 @@ pub fn capture_state(stream: &CudaStream) -> Result<CaptureState> {
 /// invalidated): [`capture_state`]'s active case. Cheap
 /// (`cuStreamIsCapturing`) when it is not.
 pub fn capture_of(stream: &CudaStream) -> Result<Option<Capture>> {
-    Ok(match capture_state(stream)? {
-        CaptureState::Active(c) => Some(c),
-        CaptureState::None | CaptureState::Invalidated => None,
-    })
+    Ok(capture_state(stream)?.into_active())
 }
 
 /// This thread in CUDA's relaxed capture mode while the guard lives; the
