@@ -32,6 +32,18 @@ _WARM = """for st_ in (s1, s2):
     torch.cuda.synchronize()"""
 
 
+# s2 asks for x's size while s1 may still run: x's bytes may go to s2 only
+# once s1's work on them has finished (the plug-in waits for a pending
+# free's fence before it grows). z is then overwritten on s2.
+_HAND_OUT = """with torch.cuda.stream(s2):
+        out["busy_at_hand_out"] = not s1.query()
+        z = torch.empty(N // 4, device="cuda")
+        out["s2_got_x"] = z.data_ptr() == addr
+        out["s1_done_after_hand_out"] = s1.query()
+        z.fill_(7.0)
+    torch.cuda.synchronize()"""
+
+
 # RT4-1 on the GPU, in each capture mode: x is allocated on s1 and used by
 # work queued there (behind a long spin) before a capture of s1 begins; x is
 # freed during the capture. After the graph is gone, s2 may receive x's
@@ -63,15 +75,7 @@ _PRE_CAPTURE = """
         g.capture_end()
     del g, y
     gc.collect()
-    with torch.cuda.stream(s2):
-        out["busy_at_hand_out"] = not s1.query()
-        z = torch.empty(N // 4, device="cuda")
-        out["s2_got_x"] = z.data_ptr() == addr
-        # x's bytes may go to s2 only once s1's work on them has finished
-        # (the plug-in waits for a pending free's fence before it grows).
-        out["s1_done_after_hand_out"] = s1.query()
-        z.fill_(7.0)
-    torch.cuda.synchronize()
+    {hand_out}
     out["keep_ok"] = bool((keep == 3.0).all().item())
     del z, keep
     torch.cuda.synchronize()
@@ -92,7 +96,7 @@ def _result(stdout: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
 def test_a_pre_capture_tensor_freed_in_a_capture_waits_for_its_streams_work(torch_gpu, mode):
-    r = _result(run_script(_PRE_CAPTURE.format(mode=mode, warm=_WARM)))
+    r = _result(run_script(_PRE_CAPTURE.format(mode=mode, warm=_WARM, hand_out=_HAND_OUT)))
     print(json.dumps({k: v for k, v in r.items() if k != "stats"}))
     # The test means something only while s1's spin still runs then.
     assert r["busy_at_capture"] and r["busy_at_hand_out"], r
@@ -142,13 +146,7 @@ _INVALIDATED = """
         v = torch.full((N // 4,), 2.0, device="cuda")  # a normal allocation again
     del g
     gc.collect()
-    with torch.cuda.stream(s2):
-        out["busy_at_hand_out"] = not s1.query()
-        z = torch.empty(N // 4, device="cuda")
-        out["s2_got_x"] = z.data_ptr() == addr
-        out["s1_done_after_hand_out"] = s1.query()
-        z.fill_(1.0)
-    torch.cuda.synchronize()
+    {hand_out}
     out["keep_ok"] = bool((keep == 5.0).all().item())
     out["v_ok"] = bool((v == 2.0).all().item())
     del z, keep, v
@@ -165,7 +163,7 @@ _INVALIDATED = """
 
 @pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
 def test_frees_under_an_invalidated_capture_and_after_its_failed_end(torch_gpu, mode):
-    r = _result(run_script(_INVALIDATED.format(mode=mode, warm=_WARM)))
+    r = _result(run_script(_INVALIDATED.format(mode=mode, warm=_WARM, hand_out=_HAND_OUT)))
     print(json.dumps(r))
     assert r["busy_at_capture"], r
     if not r["invalidated"]:
