@@ -44,6 +44,18 @@ _HAND_OUT = """with torch.cuda.stream(s2):
     torch.cuda.synchronize()"""
 
 
+# Every cache given back, then what is left: allocated, active and reserved
+# bytes and the graph pools, printed for the test to read.
+_REPORT = """vt.empty_cache()    # PyTorch's caches, then vmmbuf's own
+    st = vmmbuf.stats(0)
+    out["allocated"] = st["allocated_bytes.all.current"]
+    out["active"] = st["active_bytes.all.current"]
+    out["reserved"] = st["reserved_bytes.all.current"]
+    out["graph_pools"] = st["graph_pools"]
+    out["stats"] = st
+    print("RESULT " + json.dumps(out))"""
+
+
 # RT4-1 on the GPU, in each capture mode: x is allocated on s1 and used by
 # work queued there (behind a long spin) before a capture of s1 begins; x is
 # freed during the capture. After the graph is gone, s2 may receive x's
@@ -79,13 +91,7 @@ _PRE_CAPTURE = """
     out["keep_ok"] = bool((keep == 3.0).all().item())
     del z, keep
     torch.cuda.synchronize()
-    vt.empty_cache()    # PyTorch's caches, then vmmbuf's own
-    st = vmmbuf.stats(0)
-    out["allocated"] = st["allocated_bytes.all.current"]
-    out["reserved"] = st["reserved_bytes.all.current"]
-    out["graph_pools"] = st["graph_pools"]
-    out["stats"] = st
-    print("RESULT " + json.dumps(out))
+    {report}
 """
 
 
@@ -96,7 +102,7 @@ def _result(stdout: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
 def test_a_pre_capture_tensor_freed_in_a_capture_waits_for_its_streams_work(torch_gpu, mode):
-    r = _result(run_script(_PRE_CAPTURE.format(mode=mode, warm=_WARM, hand_out=_HAND_OUT)))
+    r = _result(run_script(_PRE_CAPTURE.format(mode=mode, warm=_WARM, hand_out=_HAND_OUT, report=_REPORT)))
     print(json.dumps({k: v for k, v in r.items() if k != "stats"}))
     # The test means something only while s1's spin still runs then.
     assert r["busy_at_capture"] and r["busy_at_hand_out"], r
@@ -151,19 +157,13 @@ _INVALIDATED = """
     out["v_ok"] = bool((v == 2.0).all().item())
     del z, keep, v
     torch.cuda.synchronize()
-    vt.empty_cache()    # PyTorch's caches, then vmmbuf's own
-    st = vmmbuf.stats(0)
-    out["allocated"] = st["allocated_bytes.all.current"]
-    out["active"] = st["active_bytes.all.current"]
-    out["reserved"] = st["reserved_bytes.all.current"]
-    out["stats"] = st
-    print("RESULT " + json.dumps(out))
+    {report}
 """
 
 
 @pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
 def test_frees_under_an_invalidated_capture_and_after_its_failed_end(torch_gpu, mode):
-    r = _result(run_script(_INVALIDATED.format(mode=mode, warm=_WARM, hand_out=_HAND_OUT)))
+    r = _result(run_script(_INVALIDATED.format(mode=mode, warm=_WARM, hand_out=_HAND_OUT, report=_REPORT)))
     print(json.dumps(r))
     assert r["busy_at_capture"], r
     if not r["invalidated"]:
