@@ -19,16 +19,25 @@
 //!   recorded uses of the whole arena or buffer first; the parts of a
 //!   reported range that stay mapped (a migration of part of it) are
 //!   reported again as new ranges afterwards.
-//! - A range is of one placement: NCCL skips a registration with any
-//!   host-backed chunk, so a hook registers device ranges only.
+//! - A range is one chunk: one physical allocation, of one placement.
+//!   NCCL 2.28 maps at a peer only the one allocation that holds the
+//!   buffer it is registering, and reuses that mapping for every later
+//!   buffer in the same registration: a registration over two allocations
+//!   gives peers wrong addresses for the second. NCCL skips a registration
+//!   with any host-backed chunk, so a hook registers device ranges only.
 //! - The calls are made with the arena's or buffer's lock held: a hook must
 //!   not call back into the arena or buffer that called it.
 //!
-//! Ranges are never merged: a tensor that straddles two reported ranges (an
-//! arena's block that grew into a second mapping) lies in no single
-//! registration, and NCCL treats it as unregistered (correct, not
-//! zero-copy). An arena with a hook gives a request that needs new memory
-//! a mapping of its own, so such tensors are the exception.
+//! An arena with a hook hands out no block that straddles two chunks:
+//! free blocks do not join across a chunk's start, and a request that
+//! needs new memory gets one chunk of its own, whatever its size. So every
+//! tensor of such an arena lies in one reported range, on every process
+//! alike. That matters for NCCL: each rank decides alone whether a buffer
+//! is registered, and a collective in which one rank's buffer is and
+//! another's is not (one rank's tensor across two registrations) is
+//! undefined; ranks stop in it. A [`GrowableBuffer`](crate::GrowableBuffer)
+//! maps a chunk at a time as it grows, so a tensor over its whole length
+//! lies in several ranges.
 //!
 //! ```
 //! # #[cfg(target_os = "linux")] {

@@ -107,6 +107,13 @@ impl<B: Backend> Region<B> {
         self.hook.is_some()
     }
 
+    /// Where the arena's free blocks must not join, nor a block handed out
+    /// straddle: with a hook, every chunk's start (a hook registers chunk
+    /// by chunk, see [`crate::hook`]); none without.
+    pub(crate) fn walls(&self) -> ChunkWalls<'_, B::Chunk> {
+        ChunkWalls(self.hook.is_some().then_some(&self.table))
+    }
+
     /// The reported range `(offset, bytes)` holding `offset`, with a hook.
     pub(crate) fn span_of(&self, offset: usize) -> Option<(usize, usize)> {
         self.spans
@@ -125,15 +132,24 @@ impl<B: Backend> Region<B> {
         }
     }
 
-    /// Tells the hook that the mapped runs of each `(offset, bytes)` are
-    /// mapped, one range per placement, and records them.
+    /// Tells the hook that the chunks mapped in each `(offset, bytes)` are
+    /// mapped, one range per chunk (one physical allocation: an NCCL
+    /// registration must not span two, see [`crate::hook`]), and records
+    /// them.
     fn report_mapped(&mut self, ranges: &[(usize, usize)]) {
         let Some(hook) = self.hook.clone() else {
             return;
         };
         let base = self.base();
         for &(o, b) in ranges {
-            for (at, bytes, placement) in self.table.placement_runs(o, b) {
+            let end = o.saturating_add(b);
+            let chunks: Vec<(usize, usize, Location)> = self
+                .table
+                .overlapping(o..end)
+                .map(|(k, e)| (k.max(o), (k + e.bytes).min(end), e.placement))
+                .map(|(a, z, p)| (a, z - a, p))
+                .collect();
+            for (at, bytes, placement) in chunks {
                 self.spans.insert(at, (bytes, placement));
                 call_hook("mapped", || {
                     hook.mapped(MappedRange::new(base + at as u64, bytes, placement))
@@ -493,6 +509,20 @@ fn call_hook(what: &str, f: impl FnOnce()) {
             call = what,
             "vmmbuf: a map hook panicked; the panic was caught"
         );
+    }
+}
+
+/// The walls of [`Region::walls`]: chunk starts, or none.
+pub(crate) struct ChunkWalls<'a, C>(Option<&'a ChunkTable<C>>);
+
+impl<C> crate::arena::Walls for ChunkWalls<'_, C> {
+    #[inline]
+    fn at(&self, offset: usize) -> bool {
+        self.0.is_some_and(|t| t.starts_at(offset))
+    }
+    #[inline]
+    fn first_inside(&self, start: usize, end: usize) -> Option<usize> {
+        self.0.and_then(|t| t.start_between(start, end))
     }
 }
 

@@ -392,6 +392,20 @@ impl<C> ChunkTable<C> {
             .filter(move |(o, e)| o + e.bytes > range.start && *o < range.end)
     }
 
+    /// Whether a chunk starts at `offset`.
+    pub(crate) fn starts_at(&self, offset: usize) -> bool {
+        self.entries.contains_key(&offset)
+    }
+
+    /// The first offset strictly between `start` and `end` where a chunk
+    /// starts.
+    pub(crate) fn start_between(&self, start: usize, end: usize) -> Option<usize> {
+        if end <= start.saturating_add(1) {
+            return None;
+        }
+        self.entries.range(start + 1..end).next().map(|(&o, _)| o)
+    }
+
     /// The chunk holding `offset`, as `(its offset, its bytes)`: one search.
     pub(crate) fn chunk_at(&self, offset: usize) -> Option<(usize, usize)> {
         let Some(index) = &self.index else {

@@ -377,13 +377,15 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
             // the fences pass, and only if no other stream used it.
             let stream = fences.only_on(own_key).then_some(own_key);
             let z = st.zone_of_offset(self.offset);
-            st.zones[z].insert(
+            let super::State { zones, region, .. } = &mut *st;
+            zones[z].insert_in(
                 self.offset,
                 Free {
                     size: self.size,
                     stream,
                     fences,
                 },
+                &region.walls(),
             );
             // Joined into a large free block (settled neighbours), the
             // owed free would keep all of it from the other streams until

@@ -13,6 +13,46 @@
 pub(crate) use crate::order::StreamKey;
 use crate::order::{FenceSet, Stamped};
 
+/// Offsets free blocks must not join across, and that no block handed out
+/// may straddle: the starts of the chunks of an arena whose memory a map
+/// hook registers chunk by chunk (an NCCL registration holds one physical
+/// allocation; a tensor across two lies in none, and NCCL then treats it
+/// as unregistered on that rank alone).
+pub(crate) trait Walls {
+    /// Whether a wall stands at `offset`.
+    fn at(&self, offset: usize) -> bool;
+    /// The first wall strictly between `start` and `end`.
+    fn first_inside(&self, start: usize, end: usize) -> Option<usize>;
+}
+
+/// No walls: blocks join wherever they touch.
+#[cfg(test)]
+pub(crate) struct NoWalls;
+
+#[cfg(test)]
+impl Walls for NoWalls {
+    #[inline]
+    fn at(&self, _: usize) -> bool {
+        false
+    }
+    #[inline]
+    fn first_inside(&self, _: usize, _: usize) -> Option<usize> {
+        None
+    }
+}
+
+#[cfg(test)]
+impl Walls for std::collections::BTreeSet<usize> {
+    fn at(&self, offset: usize) -> bool {
+        self.contains(&offset)
+    }
+    fn first_inside(&self, start: usize, end: usize) -> Option<usize> {
+        (start < end)
+            .then(|| self.range(start + 1..end).next().copied())
+            .flatten()
+    }
+}
+
 mod few;
 mod many;
 
@@ -78,10 +118,11 @@ trait Store<F> {
     /// Lists `f` at `offset` as it is (no merge; no block holds `offset`).
     fn link(&mut self, offset: usize, f: Free<F>);
 
-    /// Adds a free block (not overlapping any), merging it with mergeable
-    /// neighbours that touch it; with `keep_tag`, what it merges into keeps
-    /// its stream as a tag while settled (see [`insert_fresh`](Self::insert_fresh)).
-    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool);
+    /// Adds a free block (not overlapping any, straddling no wall),
+    /// merging it with mergeable neighbours that touch it where no wall
+    /// stands between them; with `keep_tag`, what it merges into keeps its
+    /// stream as a tag while settled (see [`insert_fresh`](Self::insert_fresh)).
+    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool, walls: &impl Walls);
 
     /// Whether pending blocks join settled neighbours as they are inserted.
     fn join_settled(&self) -> bool;
@@ -101,22 +142,50 @@ trait Store<F> {
         Self: Sized;
 
     /// Adds a free block (not overlapping any), merging it with mergeable
-    /// neighbours that touch it.
-    fn insert(&mut self, offset: usize, f: Free<F>) {
-        self.insert_tagged(offset, f, false);
+    /// neighbours that touch it where no wall stands between.
+    fn insert(&mut self, offset: usize, f: Free<F>, walls: &impl Walls) {
+        self.insert_walled(offset, f, false, walls);
+    }
+
+    /// [`insert_tagged`](Self::insert_tagged) for a block that may
+    /// straddle walls (memory freed that was handed out before the walls
+    /// stood): a settled one goes in as one block between each two walls;
+    /// a pending one stays whole, but no stream may take it, nor does it
+    /// join any, until its fences pass and it is inserted again, settled
+    /// (its fences cannot be split between pieces).
+    fn insert_walled(&mut self, offset: usize, mut f: Free<F>, keep_tag: bool, walls: &impl Walls) {
+        let end = offset + f.size;
+        if walls.first_inside(offset, end).is_none() {
+            return self.insert_tagged(offset, f, keep_tag, walls);
+        }
+        if !f.settled() {
+            f.stream = None;
+            return self.insert_tagged(offset, f, keep_tag, walls);
+        }
+        let mut at = offset;
+        while at < end {
+            let next = walls.first_inside(at, end).unwrap_or(end);
+            let piece = Free {
+                size: next - at,
+                stream: f.stream,
+                fences: FenceSet::default(),
+            };
+            self.insert_tagged(at, piece, keep_tag, walls);
+            at = next;
+        }
     }
 
     /// Adds fresh memory mapped for stream `key` (settled, tagged with
     /// `key`): merged with neighbours as [`insert`](Self::insert) does, but
     /// what it merges into stays tagged with `key` while settled, so that it
     /// never joins another stream's pending block and `key` can take it.
-    fn insert_fresh(&mut self, offset: usize, size: usize, key: StreamKey) {
+    fn insert_fresh(&mut self, offset: usize, size: usize, key: StreamKey, walls: &impl Walls) {
         let f = Free {
             size,
             stream: Some(key),
             fences: FenceSet::default(),
         };
-        self.insert_tagged(offset, f, true);
+        self.insert_walled(offset, f, true, walls);
     }
 
     /// True if one free block (a settled one, with `settled`) covers
@@ -141,7 +210,7 @@ trait Store<F> {
     /// only across a settled and a pending neighbour (a conv net trained on
     /// one stream on an H100 mapped 4.1 GiB for a 3.1 GiB peak without
     /// this; 3.3 GiB when every fence had passed). Returns how many joined.
-    fn coalesce(&mut self, key: StreamKey) -> usize {
+    fn coalesce(&mut self, key: StreamKey, walls: &impl Walls) -> usize {
         let joinable = |a: &Free<F>, b: &Free<F>| {
             (a.settled() && b.stream == Some(key) && !b.settled())
                 || (b.settled() && a.stream == Some(key) && !a.settled())
@@ -150,7 +219,7 @@ trait Store<F> {
         let mut prev: Option<(usize, &Free<F>)> = None;
         for (o, f) in self.iter() {
             if let Some((po, p)) = prev {
-                if po + p.size == o && joinable(p, f) {
+                if po + p.size == o && !walls.at(o) && joinable(p, f) {
                     pairs.push(po);
                 }
             }
@@ -177,7 +246,7 @@ trait Store<F> {
     /// Blocks are asked in the order of their fences' numbers, oldest
     /// first, so that once `done` has seen a stream's fence not passed it
     /// need not ask of the later ones (`order::NotYet`).
-    fn settle(&mut self, mut done: impl FnMut(&Stamped<F>) -> bool) -> usize {
+    fn settle(&mut self, mut done: impl FnMut(&Stamped<F>) -> bool, walls: &impl Walls) -> usize {
         let mut pending: Vec<(u64, usize, &Free<F>)> = self
             .iter()
             .filter(|(_, f)| !f.settled())
@@ -210,7 +279,7 @@ trait Store<F> {
             if !self.join_settled() {
                 f.stream = None;
             }
-            self.insert(o, f);
+            self.insert(o, f, walls);
         }
         ready.len()
     }
@@ -443,21 +512,61 @@ impl<F> Blocks<F> {
     }
 
     /// Adds a free block (not overlapping any), merging it with mergeable
-    /// neighbours that touch it.
+    /// neighbours that touch it (no walls: for tests).
+    #[cfg(test)]
     #[inline]
     pub(crate) fn insert(&mut self, offset: usize, f: Free<F>) {
-        on_form!(mut self, b => b.insert(offset, f));
+        self.insert_in(offset, f, &NoWalls);
+    }
+
+    /// Adds a free block (not overlapping any), merging it with mergeable
+    /// neighbours that touch it where no wall stands between; one that
+    /// straddles walls is kept apart as [`Store::insert_walled`] says.
+    #[inline]
+    pub(crate) fn insert_in(&mut self, offset: usize, f: Free<F>, walls: &impl Walls) {
+        on_form!(mut self, b => b.insert(offset, f, walls));
         self.reform();
     }
 
-    /// Adds fresh memory mapped for stream `key` (settled, tagged with
-    /// `key`): merged with neighbours as [`insert`](Self::insert) does, but
-    /// what it merges into stays tagged with `key` while settled, so that it
-    /// never joins another stream's pending block and `key` can take it.
+    /// Adds fresh memory mapped for stream `key` (no walls: for tests).
+    #[cfg(test)]
     #[inline]
     pub(crate) fn insert_fresh(&mut self, offset: usize, size: usize, key: StreamKey) {
-        on_form!(mut self, b => b.insert_fresh(offset, size, key));
+        self.insert_fresh_in(offset, size, key, &NoWalls);
+    }
+
+    /// Adds fresh memory mapped for stream `key` (settled, tagged with
+    /// `key`): merged with neighbours as [`insert_in`](Self::insert_in)
+    /// does, but what it merges into stays tagged with `key` while settled,
+    /// so that it never joins another stream's pending block and `key` can
+    /// take it.
+    #[inline]
+    pub(crate) fn insert_fresh_in(
+        &mut self,
+        offset: usize,
+        size: usize,
+        key: StreamKey,
+        walls: &impl Walls,
+    ) {
+        on_form!(mut self, b => b.insert_fresh(offset, size, key, walls));
         self.reform();
+    }
+
+    /// Puts up `walls` among blocks listed before they stood: every block
+    /// that straddles one is inserted again ([`Store::insert_walled`]).
+    /// Returns how many were.
+    pub(crate) fn rewall(&mut self, walls: &impl Walls) -> usize {
+        let straddling: Vec<usize> = self
+            .iter()
+            .filter(|(o, f)| walls.first_inside(*o, o + f.size).is_some())
+            .map(|(o, _)| o)
+            .collect();
+        for &o in &straddling {
+            let f = on_form!(mut self, b => b.unlink(o)).expect("listed");
+            on_form!(mut self, b => b.insert_walled(o, f, false, walls));
+        }
+        self.reform();
+        straddling.len()
     }
 
     /// The best-fitting block of at least `size` bytes that stream `key` may
@@ -490,9 +599,16 @@ impl<F> Blocks<F> {
     /// only across a settled and a pending neighbour (a conv net trained on
     /// one stream on an H100 mapped 4.1 GiB for a 3.1 GiB peak without
     /// this; 3.3 GiB when every fence had passed). Returns how many joined.
+    #[cfg(test)]
     #[inline]
     pub(crate) fn coalesce(&mut self, key: StreamKey) -> usize {
-        let n = on_form!(mut self, b => b.coalesce(key));
+        self.coalesce_in(key, &NoWalls)
+    }
+
+    /// [`coalesce`](Self::coalesce), joining no two blocks across a wall.
+    #[inline]
+    pub(crate) fn coalesce_in(&mut self, key: StreamKey, walls: &impl Walls) -> usize {
+        let n = on_form!(mut self, b => b.coalesce(key, walls));
         self.reform();
         n
     }
@@ -502,9 +618,21 @@ impl<F> Blocks<F> {
     /// Blocks are asked in the order of their fences' numbers, oldest
     /// first, so that once `done` has seen a stream's fence not passed it
     /// need not ask of the later ones (`order::NotYet`).
+    #[cfg(test)]
     #[inline]
     pub(crate) fn settle(&mut self, done: impl FnMut(&Stamped<F>) -> bool) -> usize {
-        let n = on_form!(mut self, b => b.settle(done));
+        self.settle_in(done, &NoWalls)
+    }
+
+    /// [`settle`](Self::settle), merging no two blocks across a wall (and
+    /// splitting at the walls a block that straddled them while pending).
+    #[inline]
+    pub(crate) fn settle_in(
+        &mut self,
+        done: impl FnMut(&Stamped<F>) -> bool,
+        walls: &impl Walls,
+    ) -> usize {
+        let n = on_form!(mut self, b => b.settle(done, walls));
         self.reform();
         n
     }
@@ -531,7 +659,24 @@ impl<F> Blocks<F> {
     #[cfg(test)]
     #[inline]
     pub(crate) fn check(&self) -> Result<(), String> {
-        on_form!(self, b => b.check())
+        self.check_in(&NoWalls)
+    }
+
+    /// [`check`](Self::check) with `walls`: blocks apart at a wall need not
+    /// have merged, and a block that straddles one is pending and no
+    /// stream's.
+    #[cfg(test)]
+    pub(crate) fn check_in(&self, walls: &impl Walls) -> Result<(), String> {
+        on_form!(self, b => b.check(walls))?;
+        for (o, f) in self.iter() {
+            if walls.first_inside(o, o + f.size).is_some() && (f.settled() || f.stream.is_some()) {
+                return Err(format!(
+                    "block at {o:#x} of {:#x} straddles a wall and may be taken",
+                    f.size
+                ));
+            }
+        }
+        Ok(())
     }
 }
 

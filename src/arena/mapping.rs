@@ -31,7 +31,11 @@ impl<B: Backend> Shared<B> {
         if let Some(o) = self.take(st, z, size, key) {
             return Ok(o);
         }
-        if st.zones[z].coalesce(key) > 0 {
+        let coalesced = {
+            let State { zones, region, .. } = &mut *st;
+            zones[z].coalesce_in(key, &region.walls())
+        };
+        if coalesced > 0 {
             if let Some(o) = self.take(st, z, size, key) {
                 return Ok(o);
             }
@@ -115,7 +119,8 @@ impl<B: Backend> Shared<B> {
     fn map_whole(&self, st: &mut State<B>, z: usize, size: usize, key: StreamKey) -> Result<usize> {
         let (at, need) = self.map_at(st, z, size, key, true)?;
         if need > size {
-            st.zones[z].insert_fresh(at + size, need - size, key);
+            let State { zones, region, .. } = &mut *st;
+            zones[z].insert_fresh_in(at + size, need - size, key, &region.walls());
         }
         Ok(at)
     }
@@ -126,7 +131,9 @@ impl<B: Backend> Shared<B> {
     /// PyTorch's expandable segments do): replaying a conv net's training
     /// with the GPU lagging, 1.047x its peak instead of 1.17x.
     fn take(&self, st: &mut State<B>, z: usize, size: usize, key: StreamKey) -> Option<usize> {
-        if self.release_before_map {
+        // With a hook, growth never extends a free block (each request
+        // that grows gets chunks of its own): nothing to spare.
+        if self.release_before_map || st.region.has_hook() {
             return st.zones[z].take(size, key);
         }
         let State { zones, region, .. } = st;
@@ -148,7 +155,8 @@ impl<B: Backend> Shared<B> {
         let (at, need) = self.map_at(st, z, size, key, false)?;
         // Fresh memory: any stream may use it; tagged with `key` so it merges
         // with `key`'s pending block before it.
-        st.zones[z].insert_fresh(at, need, key);
+        let State { zones, region, .. } = &mut *st;
+        zones[z].insert_fresh_in(at, need, key, &region.walls());
         Ok(())
     }
 
@@ -204,9 +212,16 @@ impl<B: Backend> Shared<B> {
         };
         // Chunks of at most `chunk_bytes`, pooled ones first, placed where
         // the arena is now (the host, while asleep keeping the data).
-        let sizes: Vec<usize> = (0..need.div_ceil(self.chunk_bytes))
-            .map(|i| (need - i * self.chunk_bytes).min(self.chunk_bytes))
-            .collect();
+        // With a hook (`whole`), one chunk for the whole request: the hook
+        // registers chunk by chunk, and a block never straddles two
+        // (`Region::walls`), so one larger than a chunk needs one of its own.
+        let sizes: Vec<usize> = if whole {
+            vec![need]
+        } else {
+            (0..need.div_ceil(self.chunk_bytes))
+                .map(|i| (need - i * self.chunk_bytes).min(self.chunk_bytes))
+                .collect()
+        };
         self.map_fresh(st, at, &sizes)?;
         hold.keep();
         Ok((at, need))
@@ -304,9 +319,17 @@ impl<B: Backend> Shared<B> {
     /// passed. Returns how many settled.
     pub(super) fn settle_zone(&self, st: &mut State<B>, z: usize) -> usize {
         let backend = &*self.backend;
-        let State { zones, owed, .. } = st;
+        let State {
+            zones,
+            owed,
+            region,
+            ..
+        } = st;
         let mut not_yet = crate::order::NotYet::default();
-        zones[z].settle(|x| owed.stamp_done(backend, x, &mut not_yet))
+        zones[z].settle_in(
+            |x| owed.stamp_done(backend, x, &mut not_yet),
+            &region.walls(),
+        )
     }
 
     /// Waits for the uses recorded on live allocations (views,

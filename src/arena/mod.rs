@@ -4,6 +4,7 @@
 
 mod allocation;
 mod blocks;
+pub(crate) use blocks::Walls;
 mod cuda_view;
 mod graph;
 mod mapping;
@@ -506,6 +507,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut st = self.shared.state.lock();
         st.region.check_poison()?;
         st.region.set_hook(hook);
+        // Free blocks listed before the walls stood that straddle one are
+        // split at them (or, pending, kept from every stream until settled).
+        let st = &mut *st;
+        let walls = st.region.walls();
+        for z in &mut st.zones {
+            z.rewall(&walls);
+        }
         Ok(())
     }
 
@@ -592,13 +600,15 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 .map(|f| f.key)
                 .filter(|&k| h.fences.only_on(k));
             let z = st.zone_of_offset(o);
-            st.zones[z].insert(
+            let State { zones, region, .. } = &mut *st;
+            zones[z].insert_in(
                 o,
                 Free {
                     size: h.size,
                     stream,
                     fences: h.fences,
                 },
+                &region.walls(),
             );
         }
         for l in st.live.values_mut().filter(|l| l.graph == Some(graph)) {

@@ -638,13 +638,15 @@ impl<B: Backend> Shared<B> {
                 // Free bytes, split at the zones' border.
                 for (a, n) in pieces(at, x.saturating_sub(at), usize::MAX, st.small_end) {
                     let z = st.zone_of_offset(a);
-                    st.zones[z].insert(
+                    let State { zones, region, .. } = &mut *st;
+                    zones[z].insert_in(
                         a,
                         Free {
                             size: n,
                             stream: None,
                             fences: FenceSet::default(),
                         },
+                        &region.walls(),
                     );
                 }
                 at = at.max(x + size);

@@ -56,6 +56,8 @@ pub struct FaultBackend<B> {
     /// The maps `(address, 0)` and unmaps `(address, bytes)` that succeeded,
     /// in order, named; tests add their own events (a map hook's calls).
     pub log: parking_lot::Mutex<Vec<(&'static str, u64, usize)>>,
+    /// Each chunk's bytes by its id (for the log's maps).
+    sizes: parking_lot::Mutex<std::collections::HashMap<u64, usize>>,
     /// Called at each `wait`, before the fence is looked at: a test's model
     /// of the GPU catching up while the CPU waits (the lag replay).
     #[allow(clippy::type_complexity)]
@@ -73,6 +75,7 @@ impl<B: Backend> FaultBackend<B> {
             sticky: parking_lot::Mutex::new(None),
             emulate_gpu: false,
             log: parking_lot::Mutex::new(Vec::new()),
+            sizes: parking_lot::Mutex::new(std::collections::HashMap::new()),
             on_wait: parking_lot::Mutex::new(None),
         })
     }
@@ -177,7 +180,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn create(&self, bytes: usize, placement: Location) -> Result<Self::Chunk> {
         self.step("create", bytes)?;
-        self.inner.create(bytes, self.placed(placement)?)
+        let c = self.inner.create(bytes, self.placed(placement)?)?;
+        self.sizes.lock().insert(self.inner.chunk_id(&c), bytes);
+        Ok(c)
     }
     fn release(&self, chunk: Self::Chunk) -> Result<()> {
         self.step("release", 0)?;
@@ -185,7 +190,11 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn create_shareable(&self, bytes: usize, placement: Location) -> Result<Self::Chunk> {
         self.step("create", bytes)?;
-        self.inner.create_shareable(bytes, self.placed(placement)?)
+        let c = self
+            .inner
+            .create_shareable(bytes, self.placed(placement)?)?;
+        self.sizes.lock().insert(self.inner.chunk_id(&c), bytes);
+        Ok(c)
     }
     fn is_shareable(&self, chunk: &Self::Chunk) -> bool {
         self.inner.is_shareable(chunk)
@@ -210,7 +219,14 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.step("map", 0)?;
         self.inner.map(res, offset, chunk)?;
         let at = self.inner.base(res) + offset as u64;
-        self.log.lock().push(("map", at, 0));
+        // The chunk's bytes where this backend made it (0 if imported).
+        let bytes = self
+            .sizes
+            .lock()
+            .get(&self.inner.chunk_id(chunk))
+            .copied()
+            .unwrap_or(0);
+        self.log.lock().push(("map", at, bytes));
         Ok(())
     }
     fn unmap(&self, res: &mut Self::Reservation, offset: usize, bytes: usize) -> Result<()> {

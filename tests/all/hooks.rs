@@ -23,6 +23,7 @@ crate::register! {
         a_map_hook_follows_a_buffer_through_growth_migration_and_shrink,
         a_hook_set_on_a_live_arena_hears_of_its_memory_and_removing_it_tells_all_is_going,
         a_panicking_hook_is_caught_and_the_arena_goes_on,
+        every_block_of_a_hooked_arena_lies_in_one_reported_range,
     ],
 }
 
@@ -62,7 +63,8 @@ fn log_hook(fb: &Arc<Fb>) -> Arc<LogHook> {
 /// hook's own rules.
 fn check_order(fb: &Fb, hook: &LogHook) {
     let mut live: Vec<(u64, u64)> = Vec::new();
-    let mut chunk_starts = std::collections::BTreeSet::new();
+    // Chunk start -> bytes, as mapped.
+    let mut chunk_starts = std::collections::BTreeMap::new();
     for (i, &(what, at, bytes)) in fb.log.lock().iter().enumerate() {
         let end = at + bytes as u64;
         let hit = |a: u64, e: u64| live.iter().find(|&&(s, t)| s < e && a < t).copied();
@@ -73,7 +75,7 @@ fn check_order(fb: &Fb, hook: &LogHook) {
                     None,
                     "event {i}: a map at {at:#x} inside a live range"
                 );
-                chunk_starts.insert(at);
+                chunk_starts.insert(at, bytes);
             }
             "unmap" => {
                 assert_eq!(
@@ -81,15 +83,16 @@ fn check_order(fb: &Fb, hook: &LogHook) {
                     None,
                     "event {i}: unmap {at:#x}+{bytes:#x} under a live range"
                 );
-                let gone: Vec<u64> = chunk_starts.range(at..end).copied().collect();
+                let gone: Vec<u64> = chunk_starts.range(at..end).map(|(&s, _)| s).collect();
                 gone.iter().for_each(|s| {
                     chunk_starts.remove(s);
                 });
             }
             "hook mapped" => {
-                assert!(
-                    chunk_starts.contains(&at),
-                    "event {i}: reported {at:#x}, where no chunk starts"
+                assert_eq!(
+                    chunk_starts.get(&at),
+                    Some(&bytes),
+                    "event {i}: reported {at:#x}+{bytes:#x}, not one whole chunk"
                 );
                 assert_eq!(hit(at, end), None, "event {i}: reported mapped twice");
                 live.push((at, end));
@@ -241,28 +244,25 @@ fn a_map_hook_follows_a_buffer_through_growth_migration_and_shrink() {
     buf.set_map_hook(Some(hook.clone())).unwrap();
     let base = buf.base();
 
-    // Each growth is one range, exactly the new chunks.
+    // Each growth reports its new chunks, one range each, in order.
+    let d = |o: usize, n: usize| MappedRange::new(base + o as u64, n, Location::Device(0));
     let steps = [3 * g, 5 * g, 4 * g, 6 * g];
     let mut cap = 0;
     for &n in &steps {
+        let before = hook.rec.calls().len();
         buf.grow_to(cap + n).unwrap();
-        let last = hook.rec.calls().last().copied();
-        assert_eq!(
-            last,
-            Some(HookCall::Mapped(MappedRange::new(
-                base + cap as u64,
-                n,
-                Location::Device(0)
-            )))
-        );
+        let got: Vec<HookCall> = hook.rec.calls()[before..].to_vec();
+        let want: Vec<HookCall> = (0..n / g)
+            .map(|i| HookCall::Mapped(d(cap + i * g, g)))
+            .collect();
+        assert_eq!(got, want);
         cap += n;
     }
     let data = random_bytes(7, cap - 100);
     buf.write(0, &data).unwrap();
 
-    // Moving bytes 5g..10g (the second range's tail, the third's head) to
-    // the host: both ranges are told first, then the pieces come back with
-    // their placements, each within the bounds of the range it was part of.
+    // Moving bytes 5g..10g to the host: the chunks there are told first,
+    // then come back with their new placement, one range each.
     let before = hook.rec.calls().len();
     buf.migrate(5 * g..10 * g, Location::Host).unwrap();
     let calls = hook.rec.calls();
@@ -273,32 +273,30 @@ fn a_map_hook_follows_a_buffer_through_growth_migration_and_shrink() {
             _ => None,
         })
         .collect();
-    let d = |o: usize, n: usize| MappedRange::new(base + o as u64, n, Location::Device(0));
-    assert_eq!(unmapped, vec![d(3 * g, 5 * g), d(8 * g, 4 * g)]);
+    assert_eq!(unmapped, (5..10).map(|i| d(i * g, g)).collect::<Vec<_>>());
     let mut live = hook.rec.live();
     live.sort_by_key(|r| r.addr);
     let h = |o: usize, n: usize| MappedRange::new(base + o as u64, n, Location::Host);
-    assert_eq!(
-        live,
-        vec![
-            d(0, 3 * g),
-            d(3 * g, 2 * g),
-            h(5 * g, 3 * g),
-            h(8 * g, 2 * g),
-            d(10 * g, 2 * g),
-            d(12 * g, 6 * g)
-        ]
-    );
+    let want: Vec<MappedRange> = (0..cap / g)
+        .map(|i| {
+            if (5..10).contains(&i) {
+                h(i * g, g)
+            } else {
+                d(i * g, g)
+            }
+        })
+        .collect();
+    assert_eq!(live, want);
     let mut got = vec![0u8; data.len()];
     buf.read(0, &mut got).unwrap();
     assert!(got == data, "the migration kept every byte");
     check_order(&fb, &hook);
 
-    // A shrink gives back whole ranges only: a length inside the last
-    // range keeps it; at its start, it goes.
-    buf.truncate(14 * g);
+    // A shrink gives back whole ranges (chunks) only: a length inside a
+    // chunk keeps it; at its start, it goes.
+    buf.truncate(14 * g - 100);
     buf.shrink_to_fit().unwrap();
-    assert_eq!(buf.capacity(), cap, "the range holding the length stays");
+    assert_eq!(buf.capacity(), 14 * g, "the range holding the length stays");
     buf.truncate(12 * g);
     buf.shrink_to_fit().unwrap();
     assert_eq!(buf.capacity(), 12 * g);
@@ -402,4 +400,66 @@ fn a_panicking_hook_is_caught_and_the_arena_goes_on() {
     keep.clear();
     drop(arena);
     assert_given_back(&fb, baseline);
+}
+
+/// With a hook, every block handed out lies in one reported range (one
+/// chunk: one NCCL registration), whatever its size, on two streams, with
+/// free blocks that would have joined across chunks, and with the hook set
+/// while blocks that straddle chunks are live and free: those are split at
+/// the chunks' starts as they come back. Drawn sizes from 256 bytes to 3x
+/// a chunk; every byte written is read back before its free.
+fn every_block_of_a_hooked_arena_lies_in_one_reported_range() {
+    let mut seed = 0x2545_F491_4F6C_DD1Du64;
+    let mut draw = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    for case in 0..6 {
+        let (fb, baseline, arena) = arena_on_emulated_gpu();
+        let hook = log_hook(&fb);
+        let mut live: Vec<(vmmbuf::Allocation<Fb, Q>, Vec<u8>)> = Vec::new();
+        let mut hooked = false;
+        let mut checked = 0;
+        for step in 0..300 {
+            // The hook comes on after a while, over live and free blocks.
+            if step == 60 + case * 10 && !hooked {
+                arena.set_map_hook(Some(hook.clone())).unwrap();
+                hooked = true;
+            }
+            if draw(5) < 3 || live.is_empty() {
+                let n = match draw(4) {
+                    0 => 256 * (1 + draw(64) as usize),
+                    1 => (1 + draw(256) as usize) << 10,
+                    _ => (1 + draw(768) as usize) << 10,
+                };
+                let mut a = arena.alloc(n, &Q(draw(2))).unwrap();
+                if hooked {
+                    let (at, end) = (a.address(), a.address() + n as u64);
+                    let ranges = hook.rec.live();
+                    assert!(
+                        ranges.iter().any(|r| r.addr <= at && end <= r.end()),
+                        "case {case} step {step}: {at:#x}+{n:#x} lies in no one reported range"
+                    );
+                    checked += 1;
+                }
+                let data = random_bytes(draw(u64::MAX), n.min(4096));
+                a.write(0, &data).unwrap();
+                live.push((a, data));
+            } else {
+                let (a, data) = live.swap_remove(draw(live.len() as u64) as usize);
+                let mut back = vec![0u8; data.len()];
+                a.read(0, &mut back).unwrap();
+                assert_eq!(back, data, "case {case} step {step}: bytes kept");
+            }
+        }
+        assert!(checked > 50, "case {case}: {checked} allocations checked");
+        live.clear();
+        arena.release_cached().unwrap();
+        assert_eq!(live_bytes(&hook), arena.stats().reserved_bytes.current);
+        drop(arena);
+        check_order(&fb, &hook);
+        assert_given_back(&fb, baseline);
+    }
 }

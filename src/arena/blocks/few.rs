@@ -1,7 +1,7 @@
 //! Free blocks in two sorted arrays and a slab: for the few blocks a zone
 //! holds in practice (see [`Few`]).
 
-use super::{first_fit, Free, Join, StreamKey};
+use super::{first_fit, Free, Join, StreamKey, Walls};
 
 /// Who may take a free block now, kept in the size index so that the
 /// best-fit search reads no block: any stream (settled), one stream (its
@@ -183,7 +183,13 @@ impl<F> Few<F> {
         self.slots[s as usize] = Some(f);
     }
 
-    fn insert_tagged(&mut self, mut offset: usize, mut f: Free<F>, keep_tag: bool) {
+    fn insert_tagged(
+        &mut self,
+        mut offset: usize,
+        mut f: Free<F>,
+        keep_tag: bool,
+        walls: &impl Walls,
+    ) {
         debug_assert!(f.size > 0);
         let join = Join::new(&f, keep_tag, self.join_settled);
         // Until neither neighbour merges: a merge of two settled blocks
@@ -195,7 +201,10 @@ impl<F> Few<F> {
             // The block before: the `i - 1`th, if it ends at `offset`.
             if let Some(l) = i.checked_sub(1) {
                 let (lo, left) = self.nth(l);
-                if lo + left.size == offset && left.mergeable(&f, self.join_settled) {
+                if lo + left.size == offset
+                    && !walls.at(offset)
+                    && left.mergeable(&f, self.join_settled)
+                {
                     let (lo, left) = self.unlink_at(l);
                     offset = lo;
                     i = l;
@@ -206,7 +215,7 @@ impl<F> Few<F> {
             // The block after: the `i`th, if it starts at the end.
             if i < self.by_offset.len() {
                 let (ro, right) = self.nth(i);
-                if ro == offset + f.size && f.mergeable(right, self.join_settled) {
+                if ro == offset + f.size && !walls.at(ro) && f.mergeable(right, self.join_settled) {
                     let (_, right) = self.unlink_at(i);
                     f = join.merge(f, right);
                     merged = true;
@@ -275,7 +284,7 @@ impl<F> Few<F> {
     /// Checks the indexes agree and no blocks overlap or could have merged
     /// (the last reported only if all else holds).
     #[cfg(test)]
-    pub(crate) fn check(&self) -> Result<(), String> {
+    pub(crate) fn check(&self, walls: &impl Walls) -> Result<(), String> {
         let mut end = 0;
         let mut total = 0;
         let mut prev: Option<(usize, &Free<F>)> = None;
@@ -294,7 +303,11 @@ impl<F> Few<F> {
                 taker: Taker::of(f),
             });
             if let Some((po, p)) = prev {
-                if po + p.size == o && p.mergeable(f, self.join_settled) && unmerged.is_none() {
+                if po + p.size == o
+                    && !walls.at(o)
+                    && p.mergeable(f, self.join_settled)
+                    && unmerged.is_none()
+                {
                     unmerged = Some(format!("blocks at {po:#x} and {o:#x} should have merged"));
                 }
             }
@@ -349,8 +362,8 @@ impl<F> super::Store<F> for Few<F> {
         Few::link(self, offset, f);
     }
 
-    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool) {
-        Few::insert_tagged(self, offset, f, keep_tag);
+    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool, walls: &impl Walls) {
+        Few::insert_tagged(self, offset, f, keep_tag, walls);
     }
 
     fn join_settled(&self) -> bool {

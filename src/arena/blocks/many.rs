@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{first_fit, Free, Join, StreamKey};
+use super::{first_fit, Free, Join, StreamKey, Walls};
 
 /// The free blocks, by offset and by size.
 #[derive(Debug)]
@@ -68,7 +68,13 @@ impl<F> Many<F> {
         self.by_offset.insert(offset, f);
     }
 
-    fn insert_tagged(&mut self, mut offset: usize, mut f: Free<F>, keep_tag: bool) {
+    fn insert_tagged(
+        &mut self,
+        mut offset: usize,
+        mut f: Free<F>,
+        keep_tag: bool,
+        walls: &impl Walls,
+    ) {
         debug_assert!(f.size > 0);
         let join = Join::new(&f, keep_tag, self.join_settled);
         // Until neither neighbour merges: a merge of two settled blocks
@@ -77,7 +83,7 @@ impl<F> Many<F> {
         loop {
             let mut merged = false;
             if let Some((lo, left)) = self.ending_at(offset) {
-                if left.mergeable(&f, self.join_settled) {
+                if !walls.at(offset) && left.mergeable(&f, self.join_settled) {
                     let left = self.unlink(lo).expect("just found");
                     offset = lo;
                     f = join.merge(left, f);
@@ -85,10 +91,11 @@ impl<F> Many<F> {
                 }
             }
             let end = offset + f.size;
-            if self
-                .by_offset
-                .get(&end)
-                .is_some_and(|r| f.mergeable(r, self.join_settled))
+            if !walls.at(end)
+                && self
+                    .by_offset
+                    .get(&end)
+                    .is_some_and(|r| f.mergeable(r, self.join_settled))
             {
                 let right = self.unlink(end).expect("just found");
                 f = join.merge(f, right);
@@ -138,7 +145,7 @@ impl<F> Many<F> {
 
     /// Checks the indexes agree and no blocks overlap or could have merged.
     #[cfg(test)]
-    pub(crate) fn check(&self) -> Result<(), String> {
+    pub(crate) fn check(&self, walls: &impl Walls) -> Result<(), String> {
         let mut end = 0;
         let mut total = 0;
         let mut prev: Option<(usize, &Free<F>)> = None;
@@ -150,7 +157,7 @@ impl<F> Many<F> {
                 return Err(format!("block at {o:#x} missing from the size index"));
             }
             if let Some((po, p)) = prev {
-                if po + p.size == o && p.mergeable(f, self.join_settled) {
+                if po + p.size == o && !walls.at(o) && p.mergeable(f, self.join_settled) {
                     return Err(format!("blocks at {po:#x} and {o:#x} should have merged"));
                 }
             }
@@ -199,8 +206,8 @@ impl<F> super::Store<F> for Many<F> {
         Many::link(self, offset, f);
     }
 
-    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool) {
-        Many::insert_tagged(self, offset, f, keep_tag);
+    fn insert_tagged(&mut self, offset: usize, f: Free<F>, keep_tag: bool, walls: &impl Walls) {
+        Many::insert_tagged(self, offset, f, keep_tag, walls);
     }
 
     fn join_settled(&self) -> bool {

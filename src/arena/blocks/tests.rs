@@ -313,6 +313,8 @@ enum Op {
     Alloc(usize, bool),
     Free(usize, bool, bool),
     Settle,
+    /// Put up a wall at this offset (`no_block_taken_straddles_a_wall`).
+    Wall(usize),
 }
 
 proptest! {
@@ -358,6 +360,7 @@ proptest! {
                         *x = None;
                     }
                 }
+                Op::Wall(_) => {}
             }
             b.check().map_err(TestCaseError::fail)?;
             let allocated: usize = live.iter().map(|l| l.1).sum();
@@ -423,13 +426,13 @@ trait Form {
 }
 
 macro_rules! form {
-    ($t:ty) => {
+    ($t:ty $(, $w:expr)?) => {
         impl Form for $t {
             fn call_insert(&mut self, o: usize, f: Free<u32>) {
-                <$t>::insert(self, o, f)
+                <$t>::insert(self, o, f $(, $w)?)
             }
             fn call_insert_fresh(&mut self, o: usize, n: usize, key: StreamKey) {
-                <$t>::insert_fresh(self, o, n, key)
+                <$t>::insert_fresh(self, o, n, key $(, $w)?)
             }
             fn take_sparing(
                 &mut self,
@@ -443,10 +446,10 @@ macro_rules! form {
                 &mut self,
                 done: &mut dyn FnMut(&crate::order::Stamped<u32>) -> bool,
             ) -> usize {
-                <$t>::settle(self, done)
+                <$t>::settle(self, done $(, $w)?)
             }
             fn call_coalesce(&mut self, key: StreamKey) -> usize {
-                <$t>::coalesce(self, key)
+                <$t>::coalesce(self, key $(, $w)?)
             }
             fn call_carve(&mut self, o: usize, n: usize) -> bool {
                 <$t>::carve(self, o, n)
@@ -461,7 +464,7 @@ macro_rules! form {
                 (<$t>::free_bytes(self), <$t>::pending_bytes(self))
             }
             fn check(&self) -> Result<(), String> {
-                <$t>::check(self)
+                <$t>::check(self $(, $w)?)
             }
             fn call_size_at(&self, o: usize) -> usize {
                 <$t>::size_at(self, o)
@@ -476,8 +479,8 @@ macro_rules! form {
     };
 }
 
-form!(few::Few<u32>);
-form!(many::Many<u32>);
+form!(few::Few<u32>, &NoWalls);
+form!(many::Many<u32>, &NoWalls);
 form!(Blocks<u32>);
 
 /// Cases of the cross-check below: 64 by default (about 5 s in a debug
@@ -628,4 +631,94 @@ fn a_zone_moves_between_the_forms_by_its_count() {
         "the block left is S1's last, as it was"
     );
     b.check().unwrap();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// Walls (the chunk starts of an arena whose hook registers chunk by
+    /// chunk), some put up while blocks are live or free: no block taken
+    /// straddles a wall that stood when it was taken, no two blocks join
+    /// across one, a block freed across walls is split at them (pending:
+    /// kept from every stream until it settles), and no byte is lost.
+    #[test]
+    fn no_block_taken_straddles_a_wall(ops in prop::collection::vec(prop_oneof![
+        3 => (1..64usize, any::<bool>()).prop_map(|(n, s)| Op::Alloc(n * 16, s)),
+        3 => (0..32usize, any::<bool>(), any::<bool>()).prop_map(|(i, s, p)| Op::Free(i, s, p)),
+        1 => Just(Op::Settle),
+        1 => (1..256usize).prop_map(|w| Op::Wall(w * 16)),
+    ], 1..80), joining in any::<bool>(), first in prop::collection::btree_set(1..256usize, 0..6)) {
+        const SPACE: usize = 4096;
+        let mut walls: std::collections::BTreeSet<usize> = first.into_iter().map(|w| w * 16).collect();
+        let mut b = if joining { Blocks::<u32>::joining() } else { Blocks::<u32>::default() };
+        b.insert_in(0, settled(SPACE), &walls);
+        let mut owner: Vec<Option<u8>> = vec![None; SPACE];
+        let mut live: Vec<(usize, usize)> = Vec::new();
+        let key = |s: bool| if s { S1 } else { S2 };
+        for op in ops {
+            match op {
+                Op::Alloc(n, s) => {
+                    if let Some(at) = b.take(n, key(s)) {
+                        prop_assert!(walls.first_inside(at, at + n).is_none(),
+                            "took {at:#x}+{n:#x} across a wall: {walls:?}");
+                        for x in &mut owner[at..at + n] {
+                            prop_assert!(x.is_none_or(|o| o == s as u8), "took another stream's pending bytes");
+                            *x = Some(9);
+                        }
+                        live.push((at, n));
+                    }
+                }
+                Op::Free(i, s, p) => {
+                    if !live.is_empty() {
+                        let (at, n) = live.swap_remove(i % live.len());
+                        let fences = if p { fs(&[(key(s), 1)]) } else { FenceSet::default() };
+                        let stream = if p { Some(key(s)) } else { None };
+                        let across = walls.first_inside(at, at + n).is_some();
+                        for x in &mut owner[at..at + n] {
+                            // Pending across a wall: no stream's (8).
+                            *x = match (p, across) {
+                                (true, true) => Some(8),
+                                (true, false) => Some(s as u8),
+                                (false, _) => None,
+                            };
+                        }
+                        b.insert_in(at, Free { size: n, stream, fences }, &walls);
+                    }
+                }
+                Op::Settle => {
+                    b.settle_in(|_| true, &walls);
+                    for x in owner.iter_mut().filter(|x| **x != Some(9)) {
+                        *x = None;
+                    }
+                }
+                Op::Wall(w) => {
+                    walls.insert(w);
+                    b.rewall(&walls);
+                    for (o, f) in b.iter() {
+                        if !f.settled() && walls.first_inside(o, o + f.size).is_some() {
+                            for x in &mut owner[o..o + f.size] {
+                                *x = Some(8);
+                            }
+                        }
+                    }
+                }
+            }
+            b.check_in(&walls).map_err(TestCaseError::fail)?;
+            let allocated: usize = live.iter().map(|l| l.1).sum();
+            prop_assert_eq!(b.free_bytes() + allocated, SPACE);
+            for (o, f) in b.iter() {
+                for x in &owner[o..o + f.size] {
+                    prop_assert!(*x != Some(9), "a free block covers allocated bytes");
+                }
+            }
+        }
+        // Everything freed and settled: one block between each two walls.
+        for (at, n) in std::mem::take(&mut live) {
+            b.insert_in(at, Free { size: n, stream: None, fences: FenceSet::default() }, &walls);
+        }
+        b.settle_in(|_| true, &walls);
+        let mut want: Vec<usize> = std::iter::once(0).chain(walls.iter().copied().filter(|&w| w < SPACE)).collect();
+        want.dedup();
+        let got: Vec<usize> = b.iter().map(|(o, _)| o).collect();
+        prop_assert_eq!(got, want);
+    }
 }
