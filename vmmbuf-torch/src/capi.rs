@@ -437,6 +437,16 @@ pub unsafe extern "C" fn vmmbuf_nccl_register(
     })
 }
 
+/// 1 if `bytes` at `ptr` on `device` lie in one range registered with
+/// every communicator [`vmmbuf_nccl_register`] added there (NCCL can use
+/// them zero-copy), 0 if not (or no registration there).
+#[no_mangle]
+pub extern "C" fn vmmbuf_nccl_covers(device: c_int, ptr: *const c_void, bytes: usize) -> c_int {
+    guard("vmmbuf_nccl_covers", 0, || {
+        c_int::from(state::nccl_covers(device, ptr as u64, bytes))
+    })
+}
+
 /// Undoes every registration [`vmmbuf_nccl_register`] made under `id` on
 /// `device`. 0, or -1 (an unknown id; the cause in [`vmmbuf_last_error`]).
 #[no_mangle]

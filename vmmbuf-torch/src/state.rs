@@ -728,6 +728,17 @@ pub(crate) fn nccl_deregister(dev: c_int, id: u64) -> Result<()> {
     Ok(())
 }
 
+/// Whether `[addr, addr + bytes)` on `dev` lies in one range registered
+/// with every communicator `nccl_register` added there (so NCCL can use it
+/// zero-copy); false with no registration.
+pub(crate) fn nccl_covers(dev: c_int, addr: u64, bytes: usize) -> bool {
+    let Some(d) = existing(dev) else {
+        return false;
+    };
+    let hook = d.lock().nccl.clone();
+    hook.is_some_and(|h| h.covers(addr, bytes))
+}
+
 /// The device's statistics with PyTorch's key names, as JSON; `None` if the
 /// device has no arena yet.
 pub(crate) fn stats_json(dev: c_int) -> Option<String> {

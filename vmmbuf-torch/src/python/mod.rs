@@ -240,6 +240,13 @@ fn nccl_deregister(py: Python<'_>, device: c_int, id: u64) -> PyResult<()> {
         .map_err(to_py)
 }
 
+/// Whether `bytes` at `addr` on `device` lie in one range registered with
+/// every NCCL communicator added there.
+#[pyfunction]
+fn nccl_covers(py: Python<'_>, device: c_int, addr: u64, bytes: usize) -> bool {
+    py.detach(|| crate::state::nccl_covers(device, addr, bytes))
+}
+
 /// This thread's last failure in the C entry points (what PyTorch saw as a
 /// null from `vmmbuf_malloc`), or None.
 #[pyfunction]
@@ -281,6 +288,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(captures, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_register, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_deregister, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl_covers, m)?)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
