@@ -266,3 +266,41 @@ def test_two_ranks_all_reduce_over_registered_growing_memory(torch_gpu, tmp_path
     assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
     assert p.stdout.count(" OK registrations=") == 2, p.stdout
     print(p.stdout)
+
+
+def _two_gpus(torch) -> None:
+    if torch.cuda.device_count() < 2:
+        if os.environ.get("VMMBUF_REQUIRE_PEERS") == "1":
+            pytest.fail("VMMBUF_REQUIRE_PEERS=1 but fewer than two GPUs")
+        print("skipped: needs two GPUs")
+        pytest.skip("needs two GPUs")
+
+
+@pytest.mark.parametrize("case", ["join", "reuse"])
+def test_two_ranks_gather_into_tensors_placed_across_chunks(torch_gpu, tmp_path: Path, case: str):
+    """The layouts that stopped FSDP with registration (issue 40), on every
+    GPU there is: an output that (before the fix) straddled two
+    registrations on one rank only, and outputs in two chunks of one
+    registration. Each output now lies in one registration on every rank,
+    and every element gathered is checked; a stall dumps stacks and fails.
+    Chunks of up to 128 MiB, as the layouts were built for; NCCL's Simple
+    protocol and ring, where it registers buffers of every size."""
+    _two_gpus(torch_gpu)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "nccl_straddle.py"
+    n = torch_gpu.cuda.device_count()
+    log = tmp_path / "nccl.%p.log"
+    env = {**os.environ, **_nccl_env(log), "VMMBUF_TORCH_MAX_CHUNK_BYTES": str(128 << 20),
+           "NCCL_PROTO": "Simple", "NCCL_ALGO": "Ring", "PYTHONFAULTHANDLER": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+                        str(script), "--case", case, "--stall", "60"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    print(p.stdout)
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"
+    for r in range(n):
+        assert f"RANK {r} OK" in p.stdout, p.stdout
+    assert " unregistered" not in p.stdout, p.stdout
+    # NCCL's word: it took the registered (IPC) path for the outputs.
+    logs = _read_logs(log)
+    ipc = [ln for ln in logs.splitlines() if "IPC register" in ln or "IPC reuse" in ln]
+    print(f"NCCL logged {len(ipc)} IPC registrations or reuses")
+    assert ipc, logs[-3000:]
