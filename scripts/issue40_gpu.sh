@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 40 on a machine of several GPUs, from the repository root after
+# ../shared/gpu/pack and the wheel in .gpu/wheels/ (see scripts/gpu_env.sh);
+# .gpu/wheels-old/ may hold a wheel built before the fix, for the
+# before/after runs of scripts/nccl_straddle.py.
+#   bash scripts/issue40_gpu.sh straddle   # the two layouts, before and after, on every GPU
+#   bash scripts/issue40_gpu.sh stress N   # scripts/nccl_stress.py on N GPUs
+# Logs go to $OUT (or /tmp/issue40).
+set -uo pipefail
+OUT=${OUT:-/tmp/issue40}; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONFAULTHANDLER=1
+NG=$(nvidia-smi -L | wc -l)
+straddle() { # $1 = dir of a wheel, $2 = label
+  local P=/tmp/pk-$2; rm -rf "$P"; pip install -q --no-index --no-deps --target "$P" "$1"/*.whl
+  for c in join reuse; do
+    echo "== $2 $c on $NG GPUs"
+    rm -f "$OUT"/nccl-$2-$c.*.log
+    PYTHONPATH=$P VMMBUF_TORCH_MAX_CHUNK_BYTES=$((128 << 20)) NCCL_PROTO=Simple NCCL_ALGO=Ring \
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=REG NCCL_DEBUG_FILE="$OUT/nccl-$2-$c.%p.log" \
+      timeout -s TERM 150 python -m torch.distributed.run --nproc_per_node "$NG" \
+      scripts/nccl_straddle.py --case "$c" --stall 45 > "$OUT/straddle-$2-$c.log" 2>&1
+    echo "exit $?"
+    grep -E "^\[?[a-z0-9]*\]?:?RANK|RANK [0-9]" "$OUT/straddle-$2-$c.log" | head -20
+    grep -hE "Timeout|most recent call first|illegal|Error|error" "$OUT/straddle-$2-$c.log" | sort | uniq -c | head -8
+    echo "NCCL IPC lines by rank:"; cat "$OUT"/nccl-$2-$c.*.log 2>/dev/null \
+      | grep -oE "rank [0-9]+ - IPC (register|registering|reuse)|rank [0-9]+ failed to IPC register" | sort | uniq -c
+  done
+}
+case "${1:-}" in
+  straddle)
+    [ -d .gpu/wheels-old ] && straddle .gpu/wheels-old before
+    straddle .gpu/wheels after ;;
+  stress)
+    source scripts/gpu_env.sh >/dev/null
+    timeout -s TERM 560 python scripts/nccl_stress.py --nproc "${2:-2}" --steps "${STEPS:-220}" \
+      --stall 90 2>&1 | tee "$OUT/stress-${2:-2}gpu.log" | grep -vE "^\s*$" | tail -40 ;;
+  *) echo "usage: $0 straddle | stress N" >&2; exit 2 ;;
+esac
