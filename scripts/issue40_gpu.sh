@@ -14,15 +14,16 @@ straddle() { # $1 = dir of a wheel, $2 = label
   local P=/tmp/pk-$2; rm -rf "$P"; pip install -q --no-index --no-deps --target "$P" "$1"/*.whl
   for c in join reuse; do
     echo "== $2 $c on $NG GPUs"
-    rm -f "$OUT"/nccl-$2-$c.*.log
+    L=/tmp/issue40-nccl; rm -rf "$L"; mkdir -p "$L"
     PYTHONPATH=$P VMMBUF_TORCH_MAX_CHUNK_BYTES=$((128 << 20)) NCCL_PROTO=Simple NCCL_ALGO=Ring \
-      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=REG NCCL_DEBUG_FILE="$OUT/nccl-$2-$c.%p.log" \
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=REG NCCL_DEBUG_FILE="$L/n.%p.log" \
       timeout -s TERM 150 python -m torch.distributed.run --nproc_per_node "$NG" \
       scripts/nccl_straddle.py --case "$c" --stall 45 > "$OUT/straddle-$2-$c.log" 2>&1
     echo "exit $?"
-    grep -E "^\[?[a-z0-9]*\]?:?RANK|RANK [0-9]" "$OUT/straddle-$2-$c.log" | head -20
-    grep -hE "Timeout|most recent call first|illegal|Error|error" "$OUT/straddle-$2-$c.log" | sort | uniq -c | head -8
-    echo "NCCL IPC lines by rank:"; cat "$OUT"/nccl-$2-$c.*.log 2>/dev/null \
+    grep -E "RANK [0-9]" "$OUT/straddle-$2-$c.log" | cut -c1-160 | head -20
+    grep -hoE "Timeout \(0:[0-9:]+\)|illegal memory access|unhandled cuda error|File \"[^\"]*nccl_straddle.py\", line [0-9]+" \
+      "$OUT/straddle-$2-$c.log" | sort | uniq -c | head -8
+    echo "NCCL IPC lines by rank:"; cat "$L"/n.*.log 2>/dev/null \
       | grep -oE "rank [0-9]+ - IPC (register|registering|reuse)|rank [0-9]+ failed to IPC register" | sort | uniq -c
   done
 }
