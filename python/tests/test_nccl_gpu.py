@@ -304,3 +304,25 @@ def test_two_ranks_gather_into_tensors_placed_across_chunks(torch_gpu, tmp_path:
     ipc = [ln for ln in logs.splitlines() if "IPC register" in ln or "IPC reuse" in ln]
     print(f"NCCL logged {len(ipc)} IPC registrations or reuses")
     assert ipc, logs[-3000:]
+
+
+def test_vmmbuf_calls_leave_torchs_current_device(torch_gpu):
+    """vmmbuf's first call that counts devices once made a context on every
+    GPU and left the last one current, moving PyTorch's current device
+    (FSDP then put its tensors on the last GPU). In a fresh process on
+    device 0: stats, empty_cache and a checked device argument leave it."""
+    _two_gpus(torch_gpu)
+    out = run_script("""
+        import torch, vmmbuf, vmmbuf.torch as vt
+        vt.use()
+        torch.cuda.set_device(0)
+        x = torch.ones(1 << 20, device="cuda")
+        for call in (lambda: vmmbuf.stats(1), lambda: vmmbuf.stats(), lambda: vt.empty_cache(1),
+                     lambda: vt.memory_allocated(1)):
+            call()
+            assert torch.cuda.current_device() == 0, torch.cuda.current_device()
+            y = torch.ones(1 << 20, device="cuda")
+            assert y.device.index == 0 and torch.equal(x, y)
+        print("OK", torch.cuda.device_count())
+    """)
+    assert out.strip().splitlines()[-1].startswith("OK"), out

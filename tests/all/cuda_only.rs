@@ -10,7 +10,7 @@ use vmmbuf::{Backend, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy};
 use crate::common::gpu;
 
 crate::register! {
-    gpu: [a_thousand_grows_keep_the_base_and_every_device_written_byte, shrink_trim_and_drop_give_memory_back_to_the_driver, exact_and_fixed_policies_on_the_device, release_waits_for_kernels_still_reading_the_tail, kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times, sixteen_threads_grow_and_write_their_own_ranges_with_kernels],
+    gpu: [a_thousand_grows_keep_the_base_and_every_device_written_byte, shrink_trim_and_drop_give_memory_back_to_the_driver, exact_and_fixed_policies_on_the_device, release_waits_for_kernels_still_reading_the_tail, kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times, sixteen_threads_grow_and_write_their_own_ranges_with_kernels, probe_and_device_count_leave_the_threads_current_context],
 }
 
 /// `fill(ptr, first, n, seed)` writes `pattern(first + i, seed)` to the u32 at
@@ -565,4 +565,53 @@ fn sixteen_threads_grow_and_write_their_own_ranges_with_kernels() {
         );
     }
     assert_eq!(claims.len(), 12 * 40, "no growth lost");
+}
+
+/// The context current on this thread (null for none).
+fn current_context() -> cudarc::driver::sys::CUcontext {
+    let mut c = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    let r = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut c) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    c
+}
+
+/// `probe` makes every GPU's context on the way and `device_count` none;
+/// neither may change the calling thread's current context (PyTorch's
+/// current device: a rank of a multi-GPU job that asked vmmbuf for its
+/// statistics once found its FSDP tensors on the last GPU). Checked with
+/// no context current and with each GPU's current in turn.
+fn probe_and_device_count_leave_the_threads_current_context() {
+    let g = gpu();
+    // SAFETY: null unbinds this thread's context; nothing of this thread
+    // uses it until it is bound again below.
+    let r = unsafe { cudarc::driver::sys::cuCtxSetCurrent(std::ptr::null_mut()) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    let p = vmmbuf::cuda::probe().unwrap();
+    assert!(current_context().is_null(), "probe left a context current");
+    let n = vmmbuf::cuda::device_count().unwrap();
+    assert_eq!(n as usize, p.devices.len());
+    assert!(
+        current_context().is_null(),
+        "device_count made a context current"
+    );
+    for d in 0..n as usize {
+        let ctx = cudarc::driver::CudaContext::new(d).unwrap();
+        ctx.bind_to_thread().unwrap();
+        let mine = current_context();
+        assert!(!mine.is_null());
+        vmmbuf::cuda::probe().unwrap();
+        assert_eq!(
+            current_context(),
+            mine,
+            "device {d}: probe changed the current context"
+        );
+        vmmbuf::cuda::device_count().unwrap();
+        assert_eq!(
+            current_context(),
+            mine,
+            "device {d}: device_count changed it"
+        );
+    }
+    g.context().bind_to_thread().unwrap();
 }

@@ -374,7 +374,10 @@ impl Device {
 #[cfg(feature = "python")]
 pub(crate) fn device_count() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
-    *N.get_or_init(|| vmmbuf::cuda::probe().map_or(0, |p| p.devices.len()))
+    // cuDeviceGetCount alone: a probe would make a context on every GPU
+    // (memory on each, in every rank of a job) and leave the last one
+    // current on the calling thread.
+    *N.get_or_init(|| vmmbuf::cuda::device_count().map_or(0, |n| n as usize))
 }
 
 /// Every tag that has memory (an arena) on some device, sorted, once each.

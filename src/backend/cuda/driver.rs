@@ -158,6 +158,34 @@ pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(cudarc_err("cuCtxSetCurrent"))
 }
 
+/// `cuCtxGetCurrent`: the context current on this thread (null for none),
+/// as a raw handle for [`restore_current`].
+pub(crate) fn current_raw() -> Result<sys::CUcontext> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    check(
+        "cuCtxGetCurrent",
+        // SAFETY: a valid out-pointer.
+        unsafe { sys::cuCtxGetCurrent(&mut ctx) },
+        0,
+    )?;
+    Ok(ctx)
+}
+
+/// `cuCtxSetCurrent` with a handle [`current_raw`] returned on this thread
+/// (or null): puts back what was current.
+///
+/// # Safety
+/// `ctx` is null or a context that is still alive (a primary context the
+/// caller's thread had current, which its owner keeps).
+pub(crate) unsafe fn restore_current(ctx: sys::CUcontext) -> Result<()> {
+    check(
+        "cuCtxSetCurrent",
+        // SAFETY: forwarded to the caller.
+        unsafe { sys::cuCtxSetCurrent(ctx) },
+        0,
+    )
+}
+
 /// `cuCtxSynchronize`: waits for all work in `ctx`.
 pub(crate) fn synchronize(ctx: &CudaContext) -> Result<()> {
     relaxed(|| ctx.synchronize()).map_err(cudarc_err("cuCtxSynchronize"))

@@ -92,15 +92,46 @@ impl std::fmt::Display for Probe {
     }
 }
 
+/// How many CUDA devices the driver sees (`cuDeviceGetCount`), without
+/// making any context: unlike [`probe`], it costs no context on any GPU.
+/// [`Error::DriverUnavailable`](crate::Error::DriverUnavailable) without a
+/// driver.
+pub fn device_count() -> Result<u32> {
+    CudaBackend::check_driver()?;
+    let unavailable = |e: crate::Error| crate::Error::DriverUnavailable {
+        reason: e.to_string(),
+    };
+    driver::init().map_err(unavailable)?;
+    driver::device_count().map_err(unavailable)
+}
+
 /// Reads what the driver and every GPU support, without allocating memory.
+/// It makes each GPU's primary context on the way (dropped after, unless
+/// another holder keeps it; [`device_count`] makes none) and leaves the
+/// calling thread's current context as it found it.
 /// [`Error::DriverUnavailable`](crate::Error::DriverUnavailable) where there
 /// is no usable driver.
 pub fn probe() -> Result<Probe> {
-    use sys::CUdevice_attribute as A;
     CudaBackend::check_driver()?;
     driver::init().map_err(|e| crate::Error::DriverUnavailable {
         reason: e.to_string(),
     })?;
+    // The granularity queries go through a backend per device, which makes
+    // that device's context current on this thread: the caller's (PyTorch's
+    // current device, say) is put back, whatever the outcome.
+    let before = driver::current_raw()?;
+    let got = probe_all();
+    // SAFETY: `before` was current on this thread a moment ago; its owner
+    // (the caller, or the runtime's primary context) still holds it.
+    let restored = unsafe { driver::restore_current(before) };
+    let probe = got?;
+    restored?;
+    Ok(probe)
+}
+
+/// The device-by-device part of [`probe`].
+fn probe_all() -> Result<Probe> {
+    use sys::CUdevice_attribute as A;
     let driver_version = driver::driver_version()?;
     let handles: Vec<sys::CUdevice> = (0..driver::device_count()?)
         .map(driver::device_get)
