@@ -145,11 +145,8 @@ def worker(a) -> None:
 
 def launch(a, mode: str, register: int) -> dict:
     out = tempfile.mkdtemp(prefix="stress-")
-    # The first nproc GPUs only: FSDP's default placement on a machine of
-    # more GPUs than ranks put tensors on another GPU than the rank's.
     env = {**os.environ, "STRESS_RESULT_DIR": out, "NCCL_NVLS_ENABLE": "0",
-           "PYTHONFAULTHANDLER": "1",
-           "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(a.nproc))}
+           "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
            os.path.abspath(__file__), "--worker", "--mode", mode, "--register", str(register),
            "--steps", str(a.steps), "--stall", str(a.stall)]
