@@ -13,10 +13,12 @@ decides per rank whether a buffer is registered, and a collective in which
 one rank's is and another's is not is undefined.
 
 ``reuse``: one large free block over several chunks; two outputs in
-different chunks of it. Before the fix the chunks made one registration,
-and NCCL 2.28 maps at a peer only the allocation holding the first buffer
-it registered there, then reuses that mapping for every buffer of the
-registration: the second output's remote addresses pointed past it.
+different chunks of it. Before the fix the chunks made one registration;
+NCCL 2.28's source maps at a peer only the allocation holding the first
+buffer it registers there and reuses that mapping for the registration's
+later buffers, which suggested wrong peer addresses for the second. On 4x
+H200 that layout gave correct data before the fix too (not confirmed);
+it stays as a check that both outputs are registered and correct.
 
 Each all-gather's result is checked element by element against every rank's
 input; a collective that does not finish within ``--stall`` seconds dumps

@@ -280,8 +280,9 @@ def _two_gpus(torch) -> None:
 def test_two_ranks_gather_into_tensors_placed_across_chunks(torch_gpu, tmp_path: Path, case: str):
     """The layouts that stopped FSDP with registration (issue 40), on every
     GPU there is: an output that (before the fix) straddled two
-    registrations on one rank only, and outputs in two chunks of one
-    registration. Each output now lies in one registration on every rank,
+    registrations on one rank only (every rank stalled in the all-gather
+    on 4x H200), and outputs in two chunks of what was one registration.
+    Each output now lies in one registration on every rank,
     and every element gathered is checked; a stall dumps stacks and fails.
     Chunks of up to 128 MiB, as the layouts were built for; NCCL's Simple
     protocol and ring, where it registers buffers of every size."""
