@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import vmmbuf
+from conftest import run_script
 from vmmbuf import _native, errors
 
 ENTRY_POINTS = ("vmmbuf_malloc", "vmmbuf_torch_malloc", "vmmbuf_free", "vmmbuf_stats_json", "vmmbuf_set_budget",
@@ -118,36 +119,46 @@ def test_tags_nest_and_are_per_thread():
 
 def test_sleep_and_stats_without_memory():
     """Before any memory: every call answers 0 or {}; a named tag with no
-    memory is warned about (a misspelt tag would otherwise do nothing)."""
-    assert vmmbuf.stats(0) == {}
-    assert vmmbuf.sleep() == 0
-    assert vmmbuf.wake(zero=True) == 0
-    assert vmmbuf.prepare_sleep(wait=True) == 0
-    with pytest.warns(UserWarning) as w:
-        assert vmmbuf.wake(["weights", None]) == 0
-    said = sorted(str(x.message) for x in w)
-    assert len(said) == 2 and "'weights'" in said[1] and "(the default tag)" in said[0], said
-    with pytest.warns(UserWarning, match="'kv'"):
-        assert vmmbuf.sleep("kv") == 0
-    with pytest.warns(UserWarning, match="'kv'"):
-        assert vmmbuf.sleep("kv", discard=True) == 0
-    with pytest.warns(UserWarning, match="'w'"):
-        assert vmmbuf.sleep("w", reachable=False) == 0
-    with pytest.warns(UserWarning, match="'w'"):
-        assert vmmbuf.prepare_sleep("w", wait=True, reachable=False) == 0
-    with pytest.warns(UserWarning, match="'weights'"):
-        assert vmmbuf.prepare_sleep(["weights"]) == 0
-    assert vmmbuf.release_host_cache() == 0
-    vmmbuf.set_host_cache_limit(1 << 30)
-    vmmbuf.set_host_cache_limit(2**64 - 1)
-    vmmbuf.reset_peak(0)
-    vmmbuf.empty_cache(0)
-    # A device the machine does not have is named in the error.
-    n = vmmbuf.device_count()
-    with pytest.raises(vmmbuf.InvalidArgumentError, match=f"device {n + 5}"):
-        vmmbuf.stats(n + 5)
-    with pytest.raises(vmmbuf.InvalidArgumentError, match=f"device {n + 5}"):
-        vmmbuf.empty_cache(n + 5)
+    memory is warned about (a misspelt tag would otherwise do nothing). In a
+    fresh interpreter: tests before it in this one may have used device 0."""
+    out = run_script("""
+        import warnings, vmmbuf
+
+        def warns(words, call):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                got = call()
+            said = [str(x.message) for x in w if issubclass(x.category, UserWarning)]
+            assert said and all(any(x in m for m in said) for x in words), (words, said)
+            return got
+
+        assert vmmbuf.stats(0) == {}
+        assert vmmbuf.sleep() == 0
+        assert vmmbuf.wake(zero=True) == 0
+        assert vmmbuf.prepare_sleep(wait=True) == 0
+        assert warns(["'weights'", "(the default tag)"], lambda: vmmbuf.wake(["weights", None])) == 0
+        assert warns(["'kv'"], lambda: vmmbuf.sleep("kv")) == 0
+        assert warns(["'kv'"], lambda: vmmbuf.sleep("kv", discard=True)) == 0
+        assert warns(["'w'"], lambda: vmmbuf.sleep("w", reachable=False)) == 0
+        assert warns(["'w'"], lambda: vmmbuf.prepare_sleep("w", wait=True, reachable=False)) == 0
+        assert warns(["'weights'"], lambda: vmmbuf.prepare_sleep(["weights"])) == 0
+        assert vmmbuf.release_host_cache() == 0
+        vmmbuf.set_host_cache_limit(1 << 30)
+        vmmbuf.set_host_cache_limit(2**64 - 1)
+        vmmbuf.reset_peak(0)
+        vmmbuf.empty_cache(0)
+        # A device the machine does not have is named in the error.
+        n = vmmbuf.device_count()
+        for call in (vmmbuf.stats, vmmbuf.empty_cache):
+            try:
+                call(n + 5)
+            except vmmbuf.InvalidArgumentError as e:
+                assert f"device {n + 5}" in str(e), e
+            else:
+                raise SystemExit(f"{call.__name__}({n + 5}) was not refused")
+        print("OK")
+    """)
+    assert out.strip().endswith("OK"), out
 
 
 def test_a_budget_is_set_before_the_device_is_used(monkeypatch: pytest.MonkeyPatch):
@@ -191,7 +202,11 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     fake = types.SimpleNamespace(cuda=cuda, device=Device)
     monkeypatch.setitem(sys.modules, "torch", fake)
     for name in ("vmmbuf.torch", "vmmbuf.torch_memory_saver"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+        # setitem, then delitem: afterwards the entry is put back as it was,
+        # or removed if there was none (delitem alone of a missing entry
+        # would leave the modules made here over the stand-in to later tests).
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name))
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.delattr(vmmbuf, "torch", raising=False)
     monkeypatch.delattr(vmmbuf, "torch_memory_saver", raising=False)
     vt = importlib.import_module("vmmbuf.torch")
