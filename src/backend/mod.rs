@@ -17,6 +17,8 @@ use crate::location::{AccessDesc, Location};
 use crate::order::{FenceSet, StreamKey};
 
 pub(crate) mod cuda;
+#[cfg(unix)]
+pub(crate) mod handle;
 #[cfg(target_os = "linux")]
 pub(crate) mod host;
 
@@ -225,6 +227,54 @@ pub trait Backend: Send + Sync + 'static {
         Err(crate::Error::Unsupported {
             what: format!("importing chunks with the {} backend", self.name()),
         })
+    }
+
+    /// Whether `chunk` can be exported as `kind`. The default: a POSIX
+    /// descriptor where [`Backend::is_shareable`], no fabric handle.
+    #[cfg(unix)]
+    fn exports(&self, chunk: &Self::Chunk, kind: handle::HandleKind) -> bool {
+        match kind {
+            handle::HandleKind::PosixFd => self.is_shareable(chunk),
+            handle::HandleKind::Fabric => false,
+        }
+    }
+
+    /// A new handle of `kind` for `chunk`, which another process imports
+    /// with [`Backend::import_handle`]. The default: [`Backend::export`] for
+    /// a POSIX descriptor; [`Error::Unsupported`](crate::Error::Unsupported)
+    /// for a fabric handle.
+    #[cfg(unix)]
+    fn export_handle(
+        &self,
+        chunk: &Self::Chunk,
+        kind: handle::HandleKind,
+    ) -> Result<handle::ChunkHandle> {
+        match kind {
+            handle::HandleKind::PosixFd => self.export(chunk).map(handle::ChunkHandle::PosixFd),
+            handle::HandleKind::Fabric => Err(crate::Error::Unsupported {
+                what: format!("fabric handles with the {} backend", self.name()),
+            }),
+        }
+    }
+
+    /// The chunk behind a handle another process exported, said to hold
+    /// `bytes` at `placement` (see [`Backend::import`]; the handle is
+    /// consumed either way). The default: [`Backend::import`] for a POSIX
+    /// descriptor; [`Error::Unsupported`](crate::Error::Unsupported) for a
+    /// fabric handle.
+    #[cfg(unix)]
+    fn import_handle(
+        &self,
+        handle: handle::ChunkHandle,
+        bytes: usize,
+        placement: Location,
+    ) -> Result<Self::Chunk> {
+        match handle {
+            handle::ChunkHandle::PosixFd(fd) => self.import(fd, bytes, placement),
+            handle::ChunkHandle::Fabric(_) => Err(crate::Error::Unsupported {
+                what: format!("fabric handles with the {} backend", self.name()),
+            }),
+        }
     }
 
     /// A number that tells `chunk` apart from every other chunk this process

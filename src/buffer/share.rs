@@ -6,7 +6,9 @@ use std::os::fd::OwnedFd;
 use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::ipc::{describe, send_frame, Chunk, Exporter, Head, FDS_PER_MESSAGE, KIND_FDS, MAGIC};
+use crate::ipc::{
+    describe, send_frame, Chunk, ChunkHandle, Exporter, Head, FDS_PER_MESSAGE, KIND_FDS, MAGIC,
+};
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Sends the buffer's current layout to the importer on `to`, as its
@@ -37,8 +39,6 @@ impl<B: Backend> GrowableBuffer<B> {
         }
         let g = self.inner.lock();
         g.check_poison()?;
-        self.published
-            .store(true, std::sync::atomic::Ordering::Release);
         let d = describe(
             to.generation + 1,
             self.reserved as u64,
@@ -51,20 +51,46 @@ impl<B: Backend> GrowableBuffer<B> {
                 id: self.backend.chunk_id(&e.chunk),
             }),
             &to.sent,
+            to.kind,
         );
-        // The descriptors of the fresh chunks, in record order (one record
-        // per chunk of the table, in its order).
+        // The handles of the fresh chunks, in record order (one record per
+        // chunk of the table, in its order): descriptors for batches, or
+        // fabric handles after the records. Made before anything is sent: a
+        // chunk that cannot be exported so fails the publish unsent.
         let mut fds = Vec::with_capacity(d.fresh_at.len());
+        let mut inline: Vec<u8> = Vec::new();
         for ((_, e), r) in g.region.table.iter().zip(&d.records) {
             if r.fresh != 0 {
-                fds.push(self.backend.export(&e.chunk)?);
+                let h = self.backend.export_handle(&e.chunk, to.kind)?;
+                if h.kind() != to.kind {
+                    return Err(Error::invalid(format!(
+                        "the backend exported {} where {} was asked for",
+                        h.kind(),
+                        to.kind
+                    )));
+                }
+                match h {
+                    ChunkHandle::PosixFd(fd) => fds.push(fd),
+                    ChunkHandle::Fabric(h) => inline.extend_from_slice(&h.0),
+                }
             }
         }
-        let (head, records, fresh_at, generation) =
-            (d.head, d.records, d.fresh_at, d.head.generation);
+        // From here chunks given up are released, never pooled (an importer
+        // may hold them); not before: a publish refused above sent nothing.
+        self.published
+            .store(true, std::sync::atomic::Ordering::Release);
+        let (head, records, generation) = (d.head, d.records, d.head.generation);
+        // Descriptor batches name records by index: the fresh ones with one.
+        let fresh_at: Vec<u64> = if fds.is_empty() {
+            Vec::new()
+        } else {
+            d.fresh_at
+        };
         drop(g);
         let result = (|| {
-            send_frame(&to.socket, &head, bytemuck::cast_slice(&records), &[])?;
+            let mut payload = bytemuck::cast_slice::<_, u8>(&records).to_vec();
+            payload.extend_from_slice(&inline);
+            send_frame(&to.socket, &head, &payload, &[])?;
             let mut fds = fds.into_iter();
             for batch in fresh_at.chunks(FDS_PER_MESSAGE) {
                 let these: Vec<OwnedFd> = fds.by_ref().take(batch.len()).collect();

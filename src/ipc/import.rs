@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::socket::{recv_generation, Generation};
 use super::wire::{validate, Held, Plan};
+use super::ChunkHandle;
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
@@ -163,11 +164,13 @@ impl<B: Backend> SharedBuffer<B> {
         plan.fresh
             .iter()
             .map(|f| {
-                let fd = gen
-                    .fds
-                    .remove(&f.index)
-                    .expect("one descriptor per fresh record (checked on receipt)");
-                self.backend.import(fd, f.bytes, f.placement)
+                let handle = match gen.fds.remove(&f.index) {
+                    Some(fd) => ChunkHandle::PosixFd(fd),
+                    None => ChunkHandle::Fabric(gen.fabric.remove(&f.index).expect(
+                        "a descriptor or a fabric handle per fresh record (checked on receipt)",
+                    )),
+                };
+                self.backend.import_handle(handle, f.bytes, f.placement)
             })
             .collect()
     }

@@ -4,7 +4,10 @@
 //!
 //! A shareable buffer ([`BufferDesc::shareable`](crate::BufferDesc::shareable))
 //! creates every chunk exportable as a file descriptor (CUDA's POSIX-fd
-//! handle type; the host backend's sealed memfds). Each `publish` sends one
+//! handle type; the host backend's sealed memfds). An exporter sends new
+//! chunks as one [`HandleKind`]: descriptors by default, or fabric handles
+//! ([`Exporter::with_handles`]; chunks made with the fabric handle type,
+//! for importers across an NVLink fabric). Each `publish` sends one
 //! *generation* over a Unix socket: the reservation's size, the granularity,
 //! the length in use and every chunk (offset, size, placement), with the
 //! descriptors of the chunks this peer has not had yet (SCM_RIGHTS, at most
@@ -29,8 +32,10 @@
 //! a count, and (descriptions) how many descriptors follow. A description
 //! carries `count` records of five `u64`s: offset, bytes, placement
 //! (`u64::MAX` for host memory, else the GPU's ordinal), the exporter's chunk
-//! id, and 1 if the chunk's descriptor follows. A batch carries `count`
-//! record indices, one per descriptor attached to it (SCM_RIGHTS).
+//! id, and how its handle follows: 0 not at all (the peer has it), 1 its
+//! descriptor in a batch, 2 its 64-byte fabric handle after the records
+//! (in record order). A batch carries `count` record indices, one per
+//! descriptor attached to it (SCM_RIGHTS).
 //!
 //! Safe code over the backend trait and rustix's socket calls, in three
 //! files: `wire.rs` (the format, pure: `describe`, `validate`), `socket.rs`
@@ -40,6 +45,7 @@ mod import;
 mod socket;
 mod wire;
 
+pub use crate::backend::handle::{ChunkHandle, FabricHandle, HandleKind};
 pub use import::SharedBuffer;
 pub use socket::Exporter;
 pub use wire::{FDS_PER_MESSAGE, MAX_RECORDS};

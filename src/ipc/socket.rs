@@ -14,7 +14,10 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-use super::wire::{Head, Record, FDS_PER_MESSAGE, KIND_DESC, KIND_FDS, MAGIC, MAX_RECORDS};
+use super::wire::{
+    Head, Record, FDS_PER_MESSAGE, FRESH_FABRIC, FRESH_FD, KIND_DESC, KIND_FDS, MAGIC, MAX_RECORDS,
+};
+use super::{FabricHandle, HandleKind};
 use crate::error::{Error, Result};
 
 fn send_error(e: rustix::io::Errno) -> Error {
@@ -147,13 +150,17 @@ fn recv_frame(
 /// a count, and (descriptions) how many descriptors follow. A description
 /// carries `count` records of five `u64`s: offset, bytes, placement
 /// (`u64::MAX` for host memory, else the GPU's ordinal), the exporter's chunk
-/// id, and 1 if the chunk's descriptor follows. A batch carries `count`
-/// record indices, one per descriptor attached to it (SCM_RIGHTS, at most
-/// [`FDS_PER_MESSAGE`]). A publish is one description and the batches of
-/// its new chunks' descriptors.
+/// id, and how the chunk's handle follows: 0 not at all (the peer has it),
+/// 1 its descriptor in a batch, 2 its fabric handle (64 bytes, after the
+/// records, in record order). A batch carries `count` record indices, one
+/// per descriptor attached to it (SCM_RIGHTS, at most [`FDS_PER_MESSAGE`]).
+/// A publish is one description and the batches of its new chunks'
+/// descriptors.
 #[derive(Debug)]
 pub struct Exporter {
     pub(crate) socket: UnixStream,
+    /// How new chunks are sent.
+    pub(crate) kind: HandleKind,
     /// offset -> (bytes, chunk id) of every chunk this peer was sent and
     /// still maps.
     pub(crate) sent: BTreeMap<u64, (u64, u64)>,
@@ -163,14 +170,31 @@ pub struct Exporter {
 }
 
 impl Exporter {
-    /// An exporter over a connected Unix stream socket.
+    /// An exporter over a connected Unix stream socket, sending each new
+    /// chunk as a POSIX file descriptor.
     pub fn new(socket: UnixStream) -> Self {
+        Self::with_handles(socket, HandleKind::PosixFd)
+    }
+
+    /// An exporter sending each new chunk as a handle of `kind`: with
+    /// [`HandleKind::Fabric`], 64 bytes in the description instead of a
+    /// descriptor (for an importer on another host of an NVLink fabric,
+    /// with the socket carried by other means, or on this one). A publish
+    /// with a chunk the backend cannot export as `kind` fails before
+    /// anything is sent ([`Error::Unsupported`]).
+    pub fn with_handles(socket: UnixStream, kind: HandleKind) -> Self {
         Self {
+            kind,
             socket,
             sent: BTreeMap::new(),
             generation: 0,
             broken: false,
         }
+    }
+
+    /// How new chunks are sent.
+    pub fn handle_kind(&self) -> HandleKind {
+        self.kind
     }
 
     /// The generation last published (0 before the first).
@@ -185,11 +209,12 @@ impl Exporter {
 }
 
 /// One generation as received: its head, its chunks, and for each fresh
-/// record the descriptor that came with it.
+/// record the descriptor or the fabric handle that came with it.
 pub(crate) struct Generation {
     pub(crate) head: Head,
     pub(crate) records: Vec<Record>,
     pub(crate) fds: BTreeMap<usize, OwnedFd>,
+    pub(crate) fabric: BTreeMap<usize, FabricHandle>,
 }
 
 pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
@@ -207,10 +232,27 @@ pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
         return Err(Error::protocol("descriptors came with a description"));
     }
     let records: Vec<Record> = bytemuck::pod_collect_to_vec(&payload);
+    // The fabric handles follow the records, 64 bytes each in record order.
+    let inline: Vec<usize> = records
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.fresh == FRESH_FABRIC)
+        .map(|(i, _)| i)
+        .collect();
+    let mut fabric = BTreeMap::new();
+    if !inline.is_empty() {
+        let mut bytes = vec![0u8; inline.len() * 64];
+        recv_exact(socket, &mut bytes)?;
+        for (&i, h) in inline.iter().zip(bytes.chunks_exact(64)) {
+            let mut one = [0u8; 64];
+            one.copy_from_slice(h);
+            fabric.insert(i, FabricHandle(one));
+        }
+    }
     let fresh: Vec<usize> = records
         .iter()
         .enumerate()
-        .filter(|(_, r)| r.fresh != 0)
+        .filter(|(_, r)| r.fresh == FRESH_FD)
         .map(|(i, _)| i)
         .collect();
     if fresh.len() as u64 != head.fds {
@@ -241,10 +283,31 @@ pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
         }
         for (i, fd) in idx.into_iter().zip(got) {
             let i = i as usize;
-            if records.get(i).is_none_or(|r| r.fresh == 0) || fds.insert(i, fd).is_some() {
+            if records.get(i).is_none_or(|r| r.fresh != FRESH_FD) || fds.insert(i, fd).is_some() {
                 return Err(Error::protocol(format!("a descriptor for record {i}")));
             }
         }
     }
-    Ok(Generation { head, records, fds })
+    Ok(Generation {
+        head,
+        records,
+        fds,
+        fabric,
+    })
+}
+
+/// Reads exactly `buf.len()` bytes (no descriptors may come with them).
+fn recv_exact(socket: &UnixStream, buf: &mut [u8]) -> Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        let r =
+            rustix::net::recv(socket, &mut buf[at..], RecvFlags::empty()).map_err(recv_error)?;
+        if r.0 == 0 {
+            return Err(Error::PeerGone {
+                reason: "the socket closed inside a message".into(),
+            });
+        }
+        at += r.0;
+    }
+    Ok(())
 }

@@ -25,6 +25,11 @@ pub const MAX_RECORDS: u64 = 1 << 20;
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"vmmbufv1");
 pub(crate) const KIND_DESC: u64 = 1;
 pub(crate) const KIND_FDS: u64 = 2;
+/// A record's last field: its chunk's descriptor follows in a batch.
+pub(crate) const FRESH_FD: u64 = 1;
+/// A record's last field: its chunk's fabric handle (64 bytes) follows the
+/// description's records, in record order.
+pub(crate) const FRESH_FABRIC: u64 = 2;
 /// Placement code for host memory; a GPU is its ordinal.
 const HOST: u64 = u64::MAX;
 
@@ -95,7 +100,7 @@ pub(crate) struct Chunk {
 /// Describes generation `generation` of a buffer of `reserved` bytes at
 /// `granularity`, `len` bytes in use, holding `chunks` (in address order),
 /// for a peer that was sent `sent` (offset -> (bytes, id)) before: a chunk
-/// is fresh (its descriptor follows) unless that peer has had it.
+/// is fresh (its handle, of `kind`, follows) unless that peer has had it.
 pub(crate) fn describe(
     generation: u64,
     reserved: u64,
@@ -103,7 +108,12 @@ pub(crate) fn describe(
     len: u64,
     chunks: impl IntoIterator<Item = Chunk>,
     sent: &BTreeMap<u64, (u64, u64)>,
+    kind: crate::ipc::HandleKind,
 ) -> Description {
+    let code = match kind {
+        crate::ipc::HandleKind::PosixFd => FRESH_FD,
+        crate::ipc::HandleKind::Fabric => FRESH_FABRIC,
+    };
     let mut records = Vec::new();
     let mut fresh_at = Vec::new();
     for c in chunks {
@@ -116,7 +126,7 @@ pub(crate) fn describe(
             bytes: c.bytes,
             placement: placement_code(c.placement),
             id: c.id,
-            fresh: fresh as u64,
+            fresh: if fresh { code } else { 0 },
         });
     }
     let head = Head {
@@ -127,7 +137,12 @@ pub(crate) fn describe(
         granularity,
         len,
         count: records.len() as u64,
-        fds: fresh_at.len() as u64,
+        // Descriptors follow in batches; fabric handles inline.
+        fds: if code == FRESH_FD {
+            fresh_at.len() as u64
+        } else {
+            0
+        },
     };
     Description {
         head,
@@ -229,6 +244,12 @@ pub(crate) fn validate(
             prefix = end;
         }
         let offset = r.offset as usize;
+        if r.fresh > FRESH_FABRIC {
+            return Err(Error::protocol(format!(
+                "chunk {:#x}: unknown handle code {}",
+                r.offset, r.fresh
+            )));
+        }
         if r.fresh == 0 {
             if held.ids.get(&offset) != Some(&r.id) {
                 return Err(Error::protocol(format!(
@@ -299,7 +320,15 @@ mod tests {
     fn described_generations_validate_and_say_what_moves() {
         let mut sent = BTreeMap::new();
         let chunks = [chunk(0, G, 1), chunk(G, 2 * G, 2)];
-        let d = describe(1, 16 * G, G, 3 * G, chunks, &sent);
+        let d = describe(
+            1,
+            16 * G,
+            G,
+            3 * G,
+            chunks,
+            &sent,
+            crate::ipc::HandleKind::PosixFd,
+        );
         assert_eq!(
             (d.head.count, d.head.fds, d.fresh_at.clone()),
             (2, 2, vec![0, 1])
@@ -316,7 +345,15 @@ mod tests {
             ids.insert(r.offset as usize, r.id);
         }
         // The tail chunk released and a new one made at the same offset.
-        let d2 = describe(2, 16 * G, G, 2 * G, [chunk(0, G, 1), chunk(G, G, 3)], &sent);
+        let d2 = describe(
+            2,
+            16 * G,
+            G,
+            2 * G,
+            [chunk(0, G, 1), chunk(G, G, 3)],
+            &sent,
+            crate::ipc::HandleKind::PosixFd,
+        );
         assert_eq!(d2.fresh_at, vec![1]);
         let plan = check(&d2, &ids, 1).unwrap();
         assert_eq!(plan.gone, vec![G as usize], "the old chunk at G goes");
@@ -334,6 +371,7 @@ mod tests {
             3 * G,
             [chunk(0, G, 1), chunk(2 * G, G, 2)],
             &BTreeMap::new(),
+            crate::ipc::HandleKind::PosixFd,
         );
         let e = check(&d, &BTreeMap::new(), 0).unwrap_err();
         assert!(matches!(e, Error::Protocol { .. }), "{e}");
@@ -354,6 +392,7 @@ mod tests {
                 G,
                 [chunk(0, G, 1), chunk(G, G, 2)],
                 &BTreeMap::new(),
+                crate::ipc::HandleKind::PosixFd,
             )
         };
         assert!(matches!(
@@ -397,5 +436,36 @@ mod tests {
             matches!(e, Err(Error::Protocol { .. })),
             "a device out of reach"
         );
+    }
+
+    /// Fabric handles: the fresh records say so (code 2) and no descriptor
+    /// is announced; a description mixing kinds validates (each record says
+    /// its own); an unknown code is a typed error before any effect.
+    #[test]
+    fn fabric_records_are_told_apart_and_unknown_codes_refused() {
+        let sent: BTreeMap<u64, (u64, u64)> = [(0, (G, 1))].into_iter().collect();
+        let ids: BTreeMap<usize, u64> = [(0usize, 1u64)].into_iter().collect();
+        let chunks = [chunk(0, G, 1), chunk(G, 2 * G, 2), chunk(3 * G, G, 3)];
+        let d = describe(
+            2,
+            16 * G,
+            G,
+            4 * G,
+            chunks,
+            &sent,
+            crate::ipc::HandleKind::Fabric,
+        );
+        assert_eq!(d.head.fds, 0, "no descriptor follows");
+        assert_eq!(d.fresh_at, vec![1, 2]);
+        let codes: Vec<u64> = d.records.iter().map(|r| r.fresh).collect();
+        assert_eq!(codes, vec![0, FRESH_FABRIC, FRESH_FABRIC]);
+        let plan = check(&d, &ids, 1).unwrap();
+        assert_eq!(plan.fresh.len(), 2);
+        let mut mixed = d;
+        mixed.records[1].fresh = FRESH_FD;
+        assert!(check(&mixed, &ids, 1).is_ok());
+        mixed.records[2].fresh = 3;
+        let e = check(&mixed, &ids, 1).unwrap_err();
+        assert!(e.to_string().contains("unknown handle code 3"), "{e}");
     }
 }

@@ -41,6 +41,16 @@ impl<B: Backend> vmmbuf::ArenaStream<FaultBackend<B>> for DoneStream {
     }
 }
 
+/// The stand-in fabric: handle bytes -> the descriptor they name.
+static FABRIC: parking_lot::Mutex<std::collections::BTreeMap<[u8; 64], std::os::fd::OwnedFd>> =
+    parking_lot::Mutex::new(std::collections::BTreeMap::new());
+static FABRIC_NEXT: AtomicUsize = AtomicUsize::new(1);
+
+/// Fabric handles the stand-in fabric has handed out so far.
+pub fn fabric_handles_made() -> usize {
+    FABRIC_NEXT.load(Ordering::SeqCst) - 1
+}
+
 pub struct FaultBackend<B> {
     pub inner: Arc<B>,
     calls: AtomicUsize,
@@ -58,6 +68,10 @@ pub struct FaultBackend<B> {
     pub log: parking_lot::Mutex<Vec<(&'static str, u64, usize)>>,
     /// Each chunk's bytes by its id (for the log's maps).
     sizes: parking_lot::Mutex<std::collections::HashMap<u64, usize>>,
+    /// Export and import fabric handles: 64 bytes naming a descriptor this
+    /// process keeps ([`FABRIC`]), a stand-in for an NVLink fabric between
+    /// backends of one process.
+    pub fabric: AtomicBool,
     /// Called at each `wait`, before the fence is looked at: a test's model
     /// of the GPU catching up while the CPU waits (the lag replay).
     #[allow(clippy::type_complexity)]
@@ -76,6 +90,7 @@ impl<B: Backend> FaultBackend<B> {
             emulate_gpu: false,
             log: parking_lot::Mutex::new(Vec::new()),
             sizes: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            fabric: AtomicBool::new(false),
             on_wait: parking_lot::Mutex::new(None),
         })
     }
@@ -202,6 +217,61 @@ impl<B: Backend> Backend for FaultBackend<B> {
     fn export(&self, chunk: &Self::Chunk) -> Result<std::os::fd::OwnedFd> {
         self.step("export", 0)?;
         self.inner.export(chunk)
+    }
+    fn exports(&self, chunk: &Self::Chunk, kind: vmmbuf::ipc::HandleKind) -> bool {
+        match kind {
+            vmmbuf::ipc::HandleKind::Fabric => {
+                self.fabric.load(Ordering::SeqCst) && self.inner.is_shareable(chunk)
+            }
+            k => self.inner.exports(chunk, k),
+        }
+    }
+    fn export_handle(
+        &self,
+        chunk: &Self::Chunk,
+        kind: vmmbuf::ipc::HandleKind,
+    ) -> Result<vmmbuf::ipc::ChunkHandle> {
+        use vmmbuf::ipc::{ChunkHandle, FabricHandle, HandleKind};
+        self.step("export", 0)?;
+        if kind != HandleKind::Fabric || !self.fabric.load(Ordering::SeqCst) {
+            return self.inner.export_handle(chunk, kind);
+        }
+        let fd = self.inner.export(chunk)?;
+        let n = FABRIC_NEXT.fetch_add(1, Ordering::SeqCst) as u64;
+        let mut token = [0u8; 64];
+        token[..8].copy_from_slice(b"fakefab!");
+        token[8..16].copy_from_slice(&n.to_le_bytes());
+        FABRIC.lock().insert(token, fd);
+        Ok(ChunkHandle::Fabric(FabricHandle(token)))
+    }
+    fn import_handle(
+        &self,
+        handle: vmmbuf::ipc::ChunkHandle,
+        bytes: usize,
+        placement: Location,
+    ) -> Result<Self::Chunk> {
+        use vmmbuf::ipc::ChunkHandle;
+        match handle {
+            ChunkHandle::Fabric(h) if self.fabric.load(Ordering::SeqCst) => {
+                self.step("import", bytes)?;
+                // Each handle names one descriptor; importing takes a copy
+                // (a fabric handle may be imported more than once).
+                let fd = FABRIC
+                    .lock()
+                    .get(&h.0)
+                    .map(|fd| fd.try_clone())
+                    .transpose()
+                    .map_err(|e| Error::Protocol {
+                        reason: format!("dup: {e}"),
+                    })?
+                    .ok_or_else(|| Error::Protocol {
+                        reason: format!("no such fabric handle {h:?}"),
+                    })?;
+                self.inner.import(fd, bytes, self.placed(placement)?)
+            }
+            ChunkHandle::PosixFd(fd) => self.import(fd, bytes, placement),
+            other => self.inner.import_handle(other, bytes, placement),
+        }
     }
     fn import(
         &self,

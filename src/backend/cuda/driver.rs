@@ -367,6 +367,53 @@ pub(crate) fn mem_import_fd(
     Ok(handle)
 }
 
+/// `cuMemExportToShareableHandle` as a fabric handle: its 64 bytes.
+///
+/// # Safety
+/// `handle` is live.
+pub(crate) unsafe fn mem_export_fabric(
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<[u8; 64]> {
+    let mut out = sys::CUmemFabricHandle { data: [0; 64] };
+    check(
+        "cuMemExportToShareableHandle",
+        // SAFETY: a valid out-pointer to a CUmemFabricHandle, as the fabric
+        // handle type writes; the handle is live (the caller's promise).
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut out as *mut sys::CUmemFabricHandle).cast(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+                0,
+            )
+        },
+        0,
+    )?;
+    Ok(out.data)
+}
+
+/// `cuMemImportFromShareableHandle` of a fabric handle's bytes: a new
+/// handle to release with [`mem_release`].
+pub(crate) fn mem_import_fabric(bytes: &[u8; 64]) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    let mut h = sys::CUmemFabricHandle { data: *bytes };
+    check(
+        "cuMemImportFromShareableHandle",
+        // SAFETY: a valid out-pointer; the fabric handle type reads the 64
+        // bytes `h` holds for the whole call. Bytes that name no chunk are the
+        // driver's error to report.
+        unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                (&mut h as *mut sys::CUmemFabricHandle).cast(),
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_FABRIC,
+            )
+        },
+        0,
+    )?;
+    Ok(handle)
+}
+
 /// `cuMemGetAllocationPropertiesFromHandle`.
 ///
 /// # Safety

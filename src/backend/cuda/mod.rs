@@ -31,6 +31,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use parking_lot::Mutex;
 
+#[cfg(unix)]
+use super::handle::{ChunkHandle, FabricHandle, HandleKind};
 use super::{Backend, Counters, LiveCounts};
 use crate::error::{Error, Result};
 use crate::location::{AccessDesc, Location};
@@ -95,6 +97,9 @@ struct NcclChunks {
     handle_types: std::sync::atomic::AtomicU32,
     /// GPUDirect RDMA with VMM is supported.
     rdma: bool,
+    /// Why fabric handles are not asked for: the device's attribute, or
+    /// the driver's refusal of the first chunk that asked.
+    no_fabric: Mutex<Option<String>>,
     /// Devices that can access the home device as peers.
     peers: Vec<u32>,
 }
@@ -110,6 +115,9 @@ pub struct ChunkKind {
     /// They export as fabric handles too (asked for while the driver has not
     /// refused it).
     pub fabric: bool,
+    /// Why they do not, where they do not (no NCCL-ready chunks, the
+    /// device's attribute, or the driver's refusal in its words).
+    pub no_fabric: Option<String>,
     /// They are created GPUDirect RDMA capable.
     pub gpu_direct_rdma: bool,
     /// The devices every device mapping is also granted to.
@@ -188,6 +196,10 @@ impl CudaBackend {
                 ),
                 rdma,
                 peers,
+                no_fabric: Mutex::new((!fabric).then(|| {
+                    "the device does not support them (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0)"
+                        .to_owned()
+                })),
             })
         } else {
             None
@@ -240,6 +252,7 @@ impl CudaBackend {
                     nccl_ready: true,
                     posix_fd: true,
                     fabric: types & driver::HANDLE_FABRIC != 0,
+                    no_fabric: n.no_fabric.lock().clone(),
                     gpu_direct_rdma: n.rdma,
                     peers: n.peers.clone(),
                     granularity,
@@ -249,6 +262,9 @@ impl CudaBackend {
                 nccl_ready: false,
                 posix_fd: false,
                 fabric: false,
+                no_fabric: Some(
+                    "chunks are not made NCCL-ready (CudaBackendDesc::nccl_ready)".into(),
+                ),
                 gpu_direct_rdma: false,
                 peers: Vec::new(),
                 granularity,
@@ -281,15 +297,17 @@ impl CudaBackend {
     }
 
     /// Creates a device chunk as `ncclMemAlloc` does: POSIX_FD (and FABRIC
-    /// until the driver refuses it), RDMA capable where supported.
+    /// until the driver refuses it), RDMA capable where supported. With
+    /// whether it has the fabric handle type.
     fn create_nccl(
         &self,
         n: &NcclChunks,
         bytes: usize,
         location: sys::CUmemLocation,
-    ) -> Result<sys::CUmemGenericAllocationHandle> {
+    ) -> Result<(sys::CUmemGenericAllocationHandle, bool)> {
         use std::sync::atomic::Ordering::Relaxed;
         let types = n.handle_types.load(Relaxed);
+        let fabric = types & driver::HANDLE_FABRIC != 0;
         match driver::mem_create(bytes, &driver::nccl_prop(location, types, n.rdma)) {
             Err(Error::Driver { source, .. })
                 if types & driver::HANDLE_FABRIC != 0
@@ -302,13 +320,15 @@ impl CudaBackend {
                 // No IMEX channel (or no fabric here): POSIX_FD alone from
                 // now on, as NCCL falls back.
                 tracing::info!(error = %source, "vmmbuf: fabric handles refused; POSIX_FD only");
+                *n.no_fabric.lock() = Some(format!("the driver refused them: {source}"));
                 n.handle_types.store(driver::HANDLE_POSIX_FD, Relaxed);
                 driver::mem_create(
                     bytes,
                     &driver::nccl_prop(location, driver::HANDLE_POSIX_FD, n.rdma),
                 )
+                .map(|h| (h, false))
             }
-            r => r,
+            r => r.map(|h| (h, fabric)),
         }
     }
 
@@ -419,10 +439,16 @@ impl CudaBackend {
         let location = self.placement(placement)?;
         driver::bind(&self.ctx)?;
         let nccl = self.nccl_for(placement);
-        let handle = match nccl {
+        let (handle, fabric) = match nccl {
             Some(n) => self.create_nccl(n, bytes, location)?,
-            None if shareable => driver::mem_create(bytes, &driver::shareable_prop(location))?,
-            None => driver::mem_create(bytes, &driver::allocation_prop(location))?,
+            None if shareable => (
+                driver::mem_create(bytes, &driver::shareable_prop(location))?,
+                false,
+            ),
+            None => (
+                driver::mem_create(bytes, &driver::allocation_prop(location))?,
+                false,
+            ),
         };
         self.counters.update(|c| {
             c.chunks += 1;
@@ -435,6 +461,7 @@ impl CudaBackend {
             placement,
             shareable,
             exportable: shareable || nccl.is_some(),
+            fabric,
             released: false,
             ctx: self.ctx.clone(),
             counters: self.counters.clone(),
@@ -543,32 +570,79 @@ impl Backend for CudaBackend {
         bytes: usize,
         placement: Location,
     ) -> Result<CudaChunk> {
+        self.import_handle(ChunkHandle::PosixFd(fd), bytes, placement)
+    }
+
+    #[cfg(unix)]
+    fn exports(&self, chunk: &CudaChunk, kind: HandleKind) -> bool {
+        match kind {
+            HandleKind::PosixFd => chunk.exportable,
+            HandleKind::Fabric => chunk.fabric,
+        }
+    }
+
+    #[cfg(unix)]
+    fn export_handle(&self, chunk: &CudaChunk, kind: HandleKind) -> Result<ChunkHandle> {
+        match kind {
+            HandleKind::PosixFd => self.export(chunk).map(ChunkHandle::PosixFd),
+            HandleKind::Fabric => {
+                if !chunk.fabric {
+                    let why = self.chunk_kind().ok().and_then(|k| k.no_fabric);
+                    return Err(Error::Unsupported {
+                        what: format!(
+                            "a fabric handle for a chunk made without the fabric handle type \
+                             (NCCL-ready chunks ask for it where the device supports it and the \
+                             driver permits it{})",
+                            why.map_or(String::new(), |w| format!("; here: {w}"))
+                        ),
+                    });
+                }
+                driver::bind(&self.ctx)?;
+                // SAFETY: the chunk's handle is live while the token is.
+                unsafe { driver::mem_export_fabric(chunk.handle) }
+                    .map(|h| ChunkHandle::Fabric(FabricHandle(h)))
+            }
+        }
+    }
+
+    #[cfg(unix)]
+    fn import_handle(
+        &self,
+        handle: ChunkHandle,
+        bytes: usize,
+        placement: Location,
+    ) -> Result<CudaChunk> {
         use std::os::fd::AsFd;
         let granularity = self.granularity(placement)?;
         super::check_chunk(bytes, granularity).map_err(|e| Error::protocol(e.to_string()))?;
         let want = self.placement(placement)?;
         driver::bind(&self.ctx)?;
-        let handle = driver::mem_import_fd(fd.as_fd()).map_err(|e| {
-            Error::protocol(format!("a received descriptor is not a CUDA chunk: {e}"))
-        })?;
-        drop(fd); // the handle holds the memory now
+        let kind = handle.kind();
+        let raw = match handle {
+            ChunkHandle::PosixFd(fd) => driver::mem_import_fd(fd.as_fd()),
+            // The handle's bytes are plain data; the driver checks them.
+            ChunkHandle::Fabric(FabricHandle(h)) => driver::mem_import_fabric(&h),
+        }
+        .map_err(|e| Error::protocol(format!("a received {kind} is not a CUDA chunk: {e}")))?;
+        // (A descriptor is closed here: the handle holds the memory now.)
         self.counters.update(|c| {
             c.chunks += 1;
             c.chunk_bytes += bytes;
         });
-        let chunk = CudaChunk {
-            handle,
+        let mut chunk = CudaChunk {
+            handle: raw,
             id: super::next_chunk_id(),
             bytes,
             placement,
             shareable: true,
             exportable: true,
+            fabric: kind == HandleKind::Fabric,
             released: false,
             ctx: self.ctx.clone(),
             counters: self.counters.clone(),
         };
         // SAFETY: the handle was just imported and is live.
-        let prop = unsafe { driver::mem_properties(handle) }?;
+        let prop = unsafe { driver::mem_properties(raw) }?;
         if driver::location_parts(prop.location) != driver::location_parts(want) {
             // Dropping the token releases the handle.
             return Err(Error::protocol(format!(
@@ -576,6 +650,10 @@ impl Backend for CudaBackend {
                 driver::location_parts(prop.location)
             )));
         }
+        // What it can be exported as again: the types it was created with.
+        let types = prop.requestedHandleTypes.0;
+        chunk.exportable = types & driver::HANDLE_POSIX_FD != 0;
+        chunk.fabric = types & driver::HANDLE_FABRIC != 0;
         Ok(chunk)
     }
 

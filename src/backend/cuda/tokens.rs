@@ -73,6 +73,9 @@ pub struct CudaChunk {
     pub(super) shareable: bool,
     /// Has the POSIX-fd handle type (shareable, or made NCCL-ready).
     pub(super) exportable: bool,
+    /// Has the fabric handle type (made NCCL-ready where the driver
+    /// permits it, or imported from a fabric handle).
+    pub(super) fabric: bool,
     pub(super) released: bool,
     pub(super) ctx: Arc<CudaContext>,
     pub(super) counters: Arc<Counters>,
