@@ -192,7 +192,9 @@ def run_all(a) -> int:
                       f"{n['nccl_mapped_bytes'] / MIB:.0f} MiB: {held}; checks {x['checks']} "
                       f"({x['registered_checks']} over registered memory), empty_cache "
                       f"{x['empty_caches']}x; median step {x['median_step_ms']:.1f} ms "
-                      f"(without registration {y['median_step_ms']:.1f})", flush=True)
+                      f"(without registration {y['median_step_ms']:.1f}); peak mapped "
+                      f"{x['peak_reserved'] / MIB:.0f} MiB (without {y['peak_reserved'] / MIB:.0f})",
+                      flush=True)
                 good = good and same and held and x["checks"] == y["checks"] > 0
         print(f"{mode}: {'PASS' if good else 'FAIL'}", flush=True)
         ok = ok and good

@@ -30,7 +30,9 @@
 //!
 //! An arena with a hook hands out no block that straddles two chunks:
 //! free blocks do not join across a chunk's start, and a request that
-//! needs new memory gets one chunk of its own, whatever its size. So every
+//! needs new memory gets one chunk of its own, whatever its size (and where
+//! that would map more than 1.1x the peak allocated, whole free chunks go
+//! back first: a chunk's free bytes serve only requests that fit in it). So every
 //! tensor of such an arena lies in one reported range, on every process
 //! alike. That matters for NCCL: each rank decides alone whether a buffer
 //! is registered, and a collective in which one rank's buffer is and

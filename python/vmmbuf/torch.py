@@ -406,7 +406,9 @@ def register_nccl(group: Any = None, device: Any = None,
     in which one rank's buffer is and another's is not is undefined (ranks
     stopped in FSDP's all-gather when tensors could straddle chunks).
     :func:`nccl_registered` says whether a tensor is. Free chunks go back
-    whole only."""
+    whole only; a chunk's free bytes serve only requests that fit in it, so
+    where a new chunk would take memory past 1.1x the peak allocated, whole
+    free chunks go back first (deregistered, then unmapped)."""
     d = _dev(device)
     if isinstance(group, int) and not isinstance(group, bool):
         return NcclRegistration(d, group, _native.nccl_register(d, group, library))

@@ -14,6 +14,10 @@ use crate::pool::{Budget, ChunkSource};
 use crate::region::NewChunk;
 use crate::table::{cpu_at_once, driver_access_for};
 
+/// See `map_at`: how far past the bytes allocated an arena with a map hook
+/// maps before it gives whole free chunks back to map a new one.
+const HOOKED_SLACK: f64 = 1.10;
+
 impl<B: Backend> Shared<B> {
     /// A free block of `size` for `key`: from the index, after settling
     /// passed frees, or from newly mapped memory.
@@ -175,6 +179,20 @@ impl<B: Backend> Shared<B> {
         // takes from: memory taken follows memory allocated.
         if self.release_before_map {
             self.release_free_chunks(st)?;
+        } else if whole && st.region.has_hook() {
+            // With a hook, a chunk's free bytes serve only requests that fit
+            // in that chunk: where mapping this one would take memory past
+            // HOOKED_SLACK times the peak allocated, whole free chunks go
+            // back first.
+            let mapped = st.region.table.mapped_bytes();
+            let want = round_up(size, self.granularity).unwrap_or(usize::MAX);
+            let live = st
+                .allocated
+                .saturating_add(size)
+                .max(st.stats.allocated_bytes.peak);
+            if (mapped.saturating_add(want) as f64) > HOOKED_SLACK * live as f64 {
+                self.release_free_chunks(st)?;
+            }
         }
         let g = self.granularity;
         let reserved = st.region.table.reserved();
