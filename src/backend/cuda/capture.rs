@@ -19,23 +19,13 @@
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
-use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::{sys, CudaStream, DriverError};
+use cudarc::driver::{sys, CudaStream};
 
+use super::driver;
 use crate::error::{Error, Result};
 use crate::graph_id::GraphPoolId;
-
-fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
-    match r {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        other => Err(Error::Driver {
-            call,
-            source: DriverError(other),
-        }),
-    }
-}
 
 /// A capture under way on a stream: its id and the graph being built.
 #[derive(Debug)]
@@ -80,40 +70,25 @@ impl Capture {
             armed: AtomicBool::new(true),
             f: Box::new(f),
         }));
-        let mut obj: sys::CUuserObject = ptr::null_mut();
         // SAFETY: `run` is a valid destructor for `data`; the driver calls it
         // once, when the object's last reference goes.
-        let r = unsafe {
-            sys::cuUserObjectCreate(
-                &mut obj,
-                data.cast(),
-                Some(run),
-                1,
-                sys::CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC as u32,
-            )
+        let obj = match unsafe { driver::user_object_create(data.cast(), run) } {
+            Ok(obj) => obj,
+            Err(e) => {
+                // SAFETY: the driver did not take `data`.
+                drop(unsafe { Box::from_raw(data) });
+                return Err(e);
+            }
         };
-        if let Err(e) = check("cuUserObjectCreate", r) {
-            // SAFETY: the driver did not take `data`.
-            drop(unsafe { Box::from_raw(data) });
-            return Err(e);
-        }
         // SAFETY: `self.graph` is the graph being captured (from
         // cuStreamGetCaptureInfo); MOVE hands it our one reference.
-        let r = unsafe {
-            sys::cuGraphRetainUserObject(
-                self.graph,
-                obj,
-                1,
-                sys::CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE as u32,
-            )
-        };
-        if let Err(e) = check("cuGraphRetainUserObject", r) {
+        if let Err(e) = unsafe { driver::graph_take_user_object(self.graph, obj) } {
             // SAFETY: `data` lives until the destructor, which only our
             // reference (released next) can run: disarmed first, it frees
             // `data` without calling `f`.
             unsafe { (*data).armed.store(false, Ordering::SeqCst) };
             // SAFETY: ours is the only reference.
-            let _ = unsafe { sys::cuUserObjectRelease(obj, 1) };
+            let _ = unsafe { driver::user_object_release(obj) };
             return Err(e);
         }
         Ok(())
@@ -167,33 +142,15 @@ pub fn capture_state(stream: &CudaStream) -> Result<CaptureState> {
             source,
         })?;
     let s = stream.cu_stream();
-    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: `s` is a live stream (the caller holds it).
-    check("cuStreamIsCapturing", unsafe {
-        sys::cuStreamIsCapturing(s, &mut status)
-    })?;
-    match status {
+    // SAFETY: `s` is a live stream (the caller holds it) of the context
+    // bound above.
+    match unsafe { driver::capture_status(s) }? {
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => return Ok(CaptureState::None),
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {}
         _ => return Ok(CaptureState::Invalidated),
     }
-    let mut id: sys::cuuint64_t = 0;
-    let mut graph: sys::CUgraph = ptr::null_mut();
-    let mut deps: *const sys::CUgraphNode = ptr::null();
-    let mut edges: *const sys::CUgraphEdgeData = ptr::null();
-    let mut n: usize = 0;
-    // SAFETY: as above; every out-pointer is valid for one write.
-    check("cuStreamGetCaptureInfo_v3", unsafe {
-        sys::cuStreamGetCaptureInfo_v3(
-            s,
-            &mut status,
-            &mut id,
-            &mut graph,
-            &mut deps,
-            &mut edges,
-            &mut n,
-        )
-    })?;
+    // SAFETY: as above.
+    let (status, id, graph) = unsafe { driver::capture_info(s) }?;
     Ok(match status {
         sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE => {
             CaptureState::Active(Capture { id, graph })
@@ -222,21 +179,16 @@ impl RelaxedCapture {
     /// [`Error::DriverUnavailable`] without a loadable driver.
     pub fn new() -> Result<Self> {
         crate::CudaBackend::check_driver()?;
-        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        // SAFETY: a thread-local exchange of a plain value.
-        check("cuThreadExchangeStreamCaptureMode", unsafe {
-            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
-        })?;
-        Ok(Self { previous: mode })
+        let previous = driver::exchange_capture_mode(
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        )?;
+        Ok(Self { previous })
     }
 }
 
 impl Drop for RelaxedCapture {
     fn drop(&mut self) {
-        let mut mode = self.previous;
-        // SAFETY: as in `new`.
-        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-        if let Err(e) = check("cuThreadExchangeStreamCaptureMode", r) {
+        if let Err(e) = driver::exchange_capture_mode(self.previous) {
             tracing::error!(error = %e, "vmmbuf: restoring the thread's capture mode failed");
         }
     }

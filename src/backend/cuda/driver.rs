@@ -18,6 +18,9 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream, DriverError};
 use crate::error::{Error, Result};
 use crate::location::Access;
 
+mod graph;
+pub(crate) use graph::*;
+
 /// Turns a driver result into vmmbuf's error, naming the call. Out of memory
 /// is [`Error::OutOfMemory`] (transient), with the bytes the call asked for.
 fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result<()> {
@@ -44,13 +47,19 @@ fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result
 /// free memory, a free's fence) make no mode switch at all. A mode that
 /// cannot be switched is logged and the call made in the thread's mode.
 fn relaxed<T>(f: impl FnOnce() -> T) -> T {
-    // The guard puts the thread's mode back when it drops, after `f`.
-    let _mode = super::capture::RelaxedCapture::new()
+    let relaxed = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    let previous = exchange_capture_mode(relaxed)
         .map_err(
             |e| tracing::debug!(error = %e, "vmmbuf: no relaxed capture mode for an unsafe call"),
         )
         .ok();
-    f()
+    let out = f();
+    if let Some(mode) = previous {
+        if let Err(e) = exchange_capture_mode(mode) {
+            tracing::error!(error = %e, "vmmbuf: restoring the thread's capture mode failed");
+        }
+    }
+    out
 }
 
 /// Maps an error of cudarc's own layers, naming the call.
