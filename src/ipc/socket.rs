@@ -126,17 +126,7 @@ fn recv_frame(
     }
     let n = payload_of(&head)?;
     let mut payload = vec![0u8; n];
-    let mut at = 0;
-    while at < n {
-        let r = rustix::net::recv(socket, &mut payload[at..], RecvFlags::empty())
-            .map_err(recv_error)?;
-        if r.0 == 0 {
-            return Err(Error::PeerGone {
-                reason: "the socket closed inside a message".into(),
-            });
-        }
-        at += r.0;
-    }
+    recv_exact(socket, &mut payload)?;
     Ok((head, payload, fds))
 }
 
@@ -233,12 +223,13 @@ pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
     }
     let records: Vec<Record> = bytemuck::pod_collect_to_vec(&payload);
     // The fabric handles follow the records, 64 bytes each in record order.
-    let inline: Vec<usize> = records
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| r.fresh == FRESH_FABRIC)
-        .map(|(i, _)| i)
-        .collect();
+    let with = |code: u64| -> Vec<usize> {
+        let at = records.iter().enumerate();
+        at.filter(|(_, r)| r.fresh == code)
+            .map(|(i, _)| i)
+            .collect()
+    };
+    let inline = with(FRESH_FABRIC);
     let mut fabric = BTreeMap::new();
     if !inline.is_empty() {
         let mut bytes = vec![0u8; inline.len() * 64];
@@ -249,12 +240,7 @@ pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
             fabric.insert(i, FabricHandle(one));
         }
     }
-    let fresh: Vec<usize> = records
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| r.fresh == FRESH_FD)
-        .map(|(i, _)| i)
-        .collect();
+    let fresh = with(FRESH_FD);
     if fresh.len() as u64 != head.fds {
         return Err(Error::protocol(format!(
             "{} fresh chunks but {} descriptors announced",
