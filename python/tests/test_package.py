@@ -201,7 +201,7 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     cuda = types.SimpleNamespace(device_count=lambda: 2, current_device=lambda: 0)
     fake = types.SimpleNamespace(cuda=cuda, device=Device)
     monkeypatch.setitem(sys.modules, "torch", fake)
-    for name in ("vmmbuf.torch", "vmmbuf.torch_memory_saver"):
+    for name in ("vmmbuf.torch", "vmmbuf.torch_memory_saver", "vmmbuf.vllm"):
         # setitem, then delitem: afterwards the entry is put back as it was,
         # or removed if there was none (delitem alone of a missing entry
         # would leave the modules made here over the stand-in to later tests).
@@ -209,8 +209,10 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.delattr(vmmbuf, "torch", raising=False)
     monkeypatch.delattr(vmmbuf, "torch_memory_saver", raising=False)
+    monkeypatch.delattr(vmmbuf, "vllm", raising=False)
     vt = importlib.import_module("vmmbuf.torch")
     tms = importlib.import_module("vmmbuf.torch_memory_saver")
+    vllm = importlib.import_module("vmmbuf.vllm")
     assert vt._dev(None) == 0 and vt._dev(1) == 1 and vt._dev("cuda:1") == 1 and vt._dev("cuda") == 0
     for bad, kind, words in [
         (5, vmmbuf.InvalidArgumentError, "device 5: this machine has 2 CUDA devices"),
@@ -235,3 +237,21 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
             pass
     with pytest.raises(TypeError, match="tag must be a string"):
         saver.pause(3)
+    # vLLM's interface: one allocator; bad tags refused before any CUDA call.
+    a = vllm.CuMemAllocator.get_instance()
+    assert a is vllm.CuMemAllocator.get_instance() and a.current_tag == "default"
+    with pytest.raises(TypeError, match="tag must be a string"):
+        with a.use_memory_pool(tag=7):
+            pass
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="must not be empty"):
+        with a.use_memory_pool(tag=""):
+            pass
+    assert a.current_tag == "default", "a refused pool leaves the current tag"
+    with pytest.raises(TypeError, match="a tuple or list of tags"):
+        a.sleep(offload_tags=5)
+    with pytest.raises(TypeError, match="a tuple or list of tags"):
+        a.wake_up(tags="weights")
+    a.sleep(offload_tags=())  # no tag used yet: nothing to do
+    a.wake_up()
+    assert a.get_current_usage() == 0
+    vllm.CuMemAllocator.instance = None

@@ -5,6 +5,8 @@
   ``torch.cuda.use_mem_pool``); PyTorch-named statistics; sleep and wake.
 - ``vmmbuf.torch_memory_saver``: torch_memory_saver's interface
   (``region``, ``pause``, ``resume``), so switching is an import.
+- ``vmmbuf.vllm``: vLLM's sleep-mode allocator interface (``CuMemAllocator``:
+  ``use_memory_pool(tag)``, ``sleep(offload_tags)``, ``wake_up(tags)``).
 - ``vmmbuf.GrowableTensor``: a tensor that grows in place at a stable
   address, handed to PyTorch, CuPy and NumPy through DLPack without a copy.
 - ``vmmbuf.cupy``: vmmbuf as CuPy's allocator.
