@@ -237,6 +237,18 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
             pass
     with pytest.raises(TypeError, match="tag must be a string"):
         saver.pause(3)
+    assert saver.retain_cpu_backup is False, "False by default, as in torch_memory_saver"
+    saver.retain_cpu_backup = True
+    assert saver.retain_cpu_backup is True
+    with pytest.raises(TypeError, match="retain_cpu_backup must be True or False"):
+        saver.retain_cpu_backup = 1
+    saver.hook_mode = "torch"
+    assert saver.hook_mode == "torch"
+    with pytest.raises(vmmbuf.UnsupportedError, match="preload"):
+        saver.hook_mode = "preload"
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="'torch' or 'preload'"):
+        saver.hook_mode = "cuda"
+    assert saver.hook_mode == "torch", "a refused mode changes nothing"
     # vLLM's interface: one allocator; bad tags refused before any CUDA call.
     a = vllm.CuMemAllocator.get_instance()
     assert a is vllm.CuMemAllocator.get_instance() and a.current_tag == "default"

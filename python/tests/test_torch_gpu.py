@@ -153,13 +153,14 @@ def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gp
     paused = torch_memory_saver.pause()
     assert paused >= (256 + 64) * MiB
     assert torch.cuda.mem_get_info()[0] - free0 >= (256 + 64) * MiB
-    assert vmmbuf_stats()["sleep_modes"] == {"kv": "discard", "w": "stash"}
+    # A region without a backup is a vmmbuf tag of its own ("kv" + a mark).
+    assert vmmbuf_stats()["sleep_modes"] == {"kv\x1fdiscard": "discard", "w": "stash"}
     assert torch_memory_saver.resume() == paused
     assert torch.equal((w * 2).cpu(), ref_w * 2)
     assert kv.data_ptr() == kv_ptr
     kv.copy_(ref_kv.cuda())
     assert torch.equal(kv.cpu(), ref_kv), "the fresh memory is usable"
-    assert torch_memory_saver.retain_cpu_backup
+    assert not torch_memory_saver.retain_cpu_backup, "False by default, as in torch_memory_saver"
     # reachable=True: paused tensors stay readable, from host memory.
     from vmmbuf.torch_memory_saver import TorchMemorySaver
 
@@ -281,3 +282,53 @@ def test_our_out_of_memory_is_a_torch_out_of_memory_error(torch_gpu):
         t.resize(2 * total)
     assert isinstance(e.value, vmmbuf.OutOfMemoryError) and "out of memory" in str(e.value)
     assert len(t) == 1 << 20, "nothing changed"
+
+
+def test_torch_memory_saver_disable_nesting_mixed_regions_and_retain(torch_gpu):
+    """torch_memory_saver's semantics beyond region/pause/resume (issue 39):
+    ``disable()`` inside a region makes a tensor that no pause touches;
+    regions nest (the inner tag applies, then the outer again); one tag with
+    a region with and one without a CPU backup keeps the first and drops
+    the second; ``retain_cpu_backup`` False gives the pinned memory back at
+    resume, True keeps it. In a fresh interpreter (MemPool mode)."""
+    out = run_script("""
+        import torch, vmmbuf
+        from vmmbuf.torch_memory_saver import TorchMemorySaver
+        MiB = 1 << 20
+        tms = TorchMemorySaver()
+        g = torch.Generator(device="cuda").manual_seed(4)
+        with tms.region("a", enable_cpu_backup=True):
+            kept = torch.randn(16 * MiB, device="cuda", generator=g)
+            with tms.disable():
+                free_t = torch.randn(4 * MiB, device="cuda", generator=g)
+            with tms.region("b", enable_cpu_backup=True):
+                inner = torch.randn(8 * MiB, device="cuda", generator=g)
+            after_inner = torch.randn(2 * MiB, device="cuda", generator=g)
+        with tms.region("a", enable_cpu_backup=False):
+            dropped = torch.empty(32 * MiB, device="cuda")
+        refs = [t.cpu() for t in (kept, free_t, inner, after_inner)]
+        torch.cuda.synchronize()
+        before = torch.cuda.mem_get_info()[0]
+        paused = tms.pause("a")
+        assert paused >= (16 + 2 + 32) * 4 * MiB, paused
+        assert torch.cuda.mem_get_info()[0] - before >= (16 + 2 + 32) * 4 * MiB
+        assert torch.equal(free_t.cpu(), refs[1]), "disable(): not paused"
+        assert torch.equal(inner.cpu(), refs[2]), "the inner region's tag is not 'a'"
+        tms.pause("b")
+        modes = vmmbuf.stats()["sleep_modes"]
+        assert modes.get("a") == "stash" and modes.get("b") == "stash", modes
+        assert modes.get("a\x1fdiscard") == "discard", modes
+        tms.resume()
+        for t, r in zip((kept, free_t, inner, after_inner), refs):
+            assert torch.equal(t.cpu(), r)
+        dropped.fill_(1.0)
+        assert float(dropped.sum()) == dropped.numel()
+        assert vmmbuf.stats()["pooled_host_bytes"] == 0, "retain_cpu_backup False: given back"
+        tms.retain_cpu_backup = True
+        tms.pause("a")
+        tms.resume("a")
+        assert vmmbuf.stats()["pooled_host_bytes"] >= 16 * 4 * MiB, "retained"
+        assert torch.equal(kept.cpu(), refs[0])
+        print("OK")
+    """)
+    assert out.strip().endswith("OK"), out

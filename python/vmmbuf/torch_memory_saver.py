@@ -19,9 +19,11 @@ torch_memory_saver discards them, and ``resume`` maps fresh memory
 (contents undefined). Touching a paused tensor faults, as it does under
 torch_memory_saver; ``TorchMemorySaver(reachable=True)`` instead moves the
 contents to pinned host memory at the same addresses, where kernels and the
-CPU can still read them (a little slower). The pinned host memory stays
-cached from one pause to the next (torch_memory_saver's
-``retain_cpu_backup``, always on; see ``vmmbuf.release_host_cache``).
+CPU can still read them (a little slower). The pinned host memory goes back
+after each resume unless ``retain_cpu_backup = True`` (as in
+torch_memory_saver; keeping it saves re-pinning at every pause).
+``disable()`` inside a region makes tensors that are not pausable; regions
+nest; a tag may have regions with and without a backup.
 ``sleep``/``wake`` are the same as
 ``pause``/``resume``.
 """
@@ -29,12 +31,20 @@ cached from one pause to the next (torch_memory_saver's
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import _check, _native
+from .errors import InvalidArgumentError, UnsupportedError
 from . import torch as _vtorch
 
 _TAG_DEFAULT = "default"
+
+
+# A region without a CPU backup is a vmmbuf tag of its own beside the one
+# with a backup (a tag may have both kinds, as under torch_memory_saver,
+# whose pools are per tag and backup flag); this mark is never in a tag a
+# user names (it is a control character).
+_DISCARD = "\x1fdiscard"
 
 
 class TorchMemorySaver:
@@ -44,58 +54,129 @@ class TorchMemorySaver:
         """``reachable=True``: regions with a CPU backup stay readable while
         paused (moved to host memory at their addresses) instead of being
         stashed and unmapped."""
-        self._cpu_backup: Dict[str, bool] = {}
+        # Every region tag used, as vmmbuf tags: (kept, discarded).
+        self._used: Dict[str, Tuple[bool, bool]] = {}
         self._reachable = reachable
+        self._retain = False
+        self._hook_mode = "torch"
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> Iterator[None]:
-        """Tensors made inside can be paused with ``pause(tag)``."""
+        """Tensors made inside can be paused with ``pause(tag)``, their
+        contents kept in host memory (``enable_cpu_backup=True``) or dropped.
+        Regions nest: the innermost one's tag and backup apply."""
         tag = _check.tag("tag", tag)
         enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
-        self._cpu_backup[tag] = self._cpu_backup.get(tag, False) or enable_cpu_backup
+        kept, dropped = self._used.get(tag, (False, False))
+        self._used[tag] = (kept or enable_cpu_backup, dropped or not enable_cpu_backup)
+        with _allocating_as(tag if enable_cpu_backup else tag + _DISCARD):
+            yield
+
+    @contextlib.contextmanager
+    def disable(self) -> Iterator[None]:
+        """Inside a region, tensors made in this block are not pausable:
+        PyTorch's own allocator (or, after ``vmmbuf.torch.use()``, vmmbuf's
+        untagged memory, which ``pause()`` leaves alone)."""
         if _vtorch.is_process_wide():
             prev = _native.get_tag()
-            _native.set_tag(tag)
+            _native.set_tag("")
             try:
                 yield
             finally:
                 _native.set_tag(prev)
         else:
-            with _vtorch.pool(tag):
+            torch = _vtorch.torch
+            pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(pool):
                 yield
 
-    def _tags(self, tag: Optional[str]) -> List[str]:
-        return sorted(self._cpu_backup) if tag is None else [_check.tag("tag", tag)]
+    def _tags(self, tag: Optional[str]) -> List[Tuple[str, bool]]:
+        """The vmmbuf tags of ``tag`` (None: every region's), each with
+        whether its contents are kept."""
+        names = sorted(self._used) if tag is None else [_check.tag("tag", tag)]
+        out: List[Tuple[str, bool]] = []
+        for name in names:
+            kept, dropped = self._used.get(name, (False, False))
+            if kept:
+                out.append((name, True))
+            if dropped:
+                out.append((name + _DISCARD, False))
+        return out
 
     def pause(self, tag: Optional[str] = None) -> int:
         """Gives back the device memory of ``tag`` (None: every region's
         tag), keeping the contents in pinned host memory where the region
         asked for a CPU backup and discarding them otherwise; returns the
-        bytes paused."""
+        bytes paused. A tag with no region is nothing to pause."""
         total = 0
-        for t in self._tags(tag):
-            backup = self._cpu_backup.get(t, False)
-            total += _native.sleep(t, not backup, self._reachable if backup else True)[0]
+        for t, kept in self._tags(tag):
+            total += _native.sleep(t, not kept, self._reachable if kept else True)[0]
         return total
 
     def resume(self, tag: Optional[str] = None) -> int:
         """Maps ``tag``'s memory (None: every region's) back at the same
-        addresses; returns the bytes resumed."""
-        return sum(_native.wake(t)[0] for t in self._tags(tag))
+        addresses; returns the bytes resumed. Unless ``retain_cpu_backup``,
+        the pinned host memory the backups used goes back to the system."""
+        total = sum(_native.wake(t)[0] for t, _ in self._tags(tag))
+        if not self._retain:
+            _native.release_host_cache()
+        return total
 
     @property
     def retain_cpu_backup(self) -> bool:
-        """Always True: the pinned host memory stays cached between pauses
-        (``vmmbuf.release_host_cache`` gives it back)."""
-        return True
+        """Whether the pinned host memory of the backups stays after a
+        resume, for the next pause (False by default, as in
+        torch_memory_saver; True saves re-pinning it, about 0.25 s per GiB,
+        at every pause)."""
+        return self._retain
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        self._retain = _check.flag("retain_cpu_backup", value)
+
+    @property
+    def hook_mode(self) -> str:
+        """How allocations are caught: ``"torch"`` (PyTorch's pluggable
+        allocator, per region). torch_memory_saver's ``"preload"`` (an
+        LD_PRELOAD library catching the CUDA runtime's allocations) is not
+        available yet and is refused in words."""
+        return self._hook_mode
+
+    @hook_mode.setter
+    def hook_mode(self, mode: str) -> None:
+        if mode == "torch":
+            self._hook_mode = mode
+        elif mode == "preload":
+            raise UnsupportedError(
+                "hook_mode='preload' (an LD_PRELOAD library catching cudaMalloc for the whole "
+                "process) is not available in vmmbuf yet; hook_mode='torch' catches what "
+                "PyTorch allocates inside region()")
+        else:
+            raise InvalidArgumentError(f"hook_mode must be 'torch' or 'preload', not {mode!r}")
 
     sleep = pause
     wake = resume
 
     @property
     def enabled(self) -> bool:
-        """Always True: vmmbuf needs no preload or hook mode."""
+        """Always True: vmmbuf needs no preload."""
         return True
+
+
+@contextlib.contextmanager
+def _allocating_as(tag: str) -> Iterator[None]:
+    """Allocations of this block carry the vmmbuf tag ``tag``: through the
+    thread's tag where vmmbuf is the process's allocator, else a pool."""
+    if _vtorch.is_process_wide():
+        prev = _native.get_tag()
+        _native.set_tag(tag)
+        try:
+            yield
+        finally:
+            _native.set_tag(prev)
+    else:
+        with _vtorch.pool(tag):
+            yield
 
 
 torch_memory_saver = TorchMemorySaver()
