@@ -34,6 +34,7 @@ import contextlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import _check, _native
+from . import tag as _tagged
 from .errors import InvalidArgumentError, UnsupportedError
 from . import torch as _vtorch
 
@@ -78,12 +79,8 @@ class TorchMemorySaver:
         PyTorch's own allocator (or, after ``vmmbuf.torch.use()``, vmmbuf's
         untagged memory, which ``pause()`` leaves alone)."""
         if _vtorch.is_process_wide():
-            prev = _native.get_tag()
-            _native.set_tag("")
-            try:
+            with _tagged(""):
                 yield
-            finally:
-                _native.set_tag(prev)
         else:
             torch = _vtorch.torch
             pool = torch.cuda.MemPool()
@@ -168,12 +165,8 @@ def _allocating_as(tag: str) -> Iterator[None]:
     """Allocations of this block carry the vmmbuf tag ``tag``: through the
     thread's tag where vmmbuf is the process's allocator, else a pool."""
     if _vtorch.is_process_wide():
-        prev = _native.get_tag()
-        _native.set_tag(tag)
-        try:
+        with _tagged(tag):
             yield
-        finally:
-            _native.set_tag(prev)
     else:
         with _vtorch.pool(tag):
             yield
