@@ -6,6 +6,7 @@ import ctypes
 import sys
 import threading
 import types
+from typing import Any, List
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,19 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     with pytest.raises(vmmbuf.InvalidArgumentError, match="'torch' or 'preload'"):
         saver.hook_mode = "cuda"
     assert saver.hook_mode == "torch", "a refused mode changes nothing"
+    # TMS_INIT_ENABLE: vmmbuf process-wide, the default tag for every thread.
+    calls: List[Any] = []
+    monkeypatch.setattr(tms._vtorch, "use", lambda: calls.append("use"))
+    monkeypatch.setattr(tms._native, "set_default_tag", lambda t: calls.append(t))
+    assert not tms._init_enable(tms.TorchMemorySaver(), {}) and calls == []
+    assert not tms._init_enable(tms.TorchMemorySaver(), {"TMS_INIT_ENABLE": "0"}) and calls == []
+    s1 = tms.TorchMemorySaver()
+    assert tms._init_enable(s1, {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
+    assert calls == ["use", "default"] and s1._used == {"default": (True, False)}
+    calls.clear()
+    s2 = tms.TorchMemorySaver()
+    assert tms._init_enable(s2, {"TMS_INIT_ENABLE": "1"})
+    assert calls == ["use", "default\x1fdiscard"] and s2._used == {"default": (False, True)}
     # vLLM's interface: one allocator; bad tags refused before any CUDA call.
     a = vllm.CuMemAllocator.get_instance()
     assert a is vllm.CuMemAllocator.get_instance() and a.current_tag == "default"

@@ -332,3 +332,41 @@ def test_torch_memory_saver_disable_nesting_mixed_regions_and_retain(torch_gpu):
         print("OK")
     """)
     assert out.strip().endswith("OK"), out
+
+
+def test_torch_memory_saver_init_enable_pauses_every_allocation(torch_gpu):
+    """``TMS_INIT_ENABLE=1`` with ``TMS_INIT_ENABLE_CPU_BACKUP=1``: every
+    tensor of the process is pausable from the start, gradients made on
+    autograd's thread too; ``pause()`` gives the memory back; inside
+    ``disable()`` new tensors work and go back to the driver as it ends;
+    ``resume()`` brings every byte back. As torch_memory_saver's
+    training-engine example expects of it (written from reading it)."""
+    out = run_script("""
+        import torch, vmmbuf
+        from vmmbuf.torch_memory_saver import torch_memory_saver as tms
+        import vmmbuf.torch as vt
+        MiB = 1 << 20
+        assert vt.is_process_wide()
+        weights = [torch.full((n,), 42, dtype=torch.uint8, device="cuda")
+                   for n in (512 * MiB, MiB, 1024, 42)]
+        lin = torch.nn.Linear(1024, 1024, device="cuda")
+        lin(torch.randn(64, 1024, device="cuda")).sum().backward()
+        grad = lin.weight.grad.clone().cpu()
+        torch.cuda.synchronize()
+        before = torch.cuda.mem_get_info()[0]
+        paused = tms.pause()
+        after_pause = torch.cuda.mem_get_info()[0]
+        assert paused >= 512 * MiB and after_pause - before >= 512 * MiB, (paused, after_pause - before)
+        with tms.disable():
+            t = torch.full((256 * MiB,), 53, dtype=torch.uint8, device="cuda")
+            assert t.float().mean().item() == 53
+            del t
+        torch.cuda.synchronize()
+        assert torch.cuda.mem_get_info()[0] >= after_pause - 16 * MiB, "disable's memory went back"
+        tms.resume()
+        for w in weights:
+            assert bool((w == 42).all())
+        assert torch.equal(lin.weight.grad.cpu(), grad), "autograd's gradient kept"
+        print("OK")
+    """, env={"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
+    assert out.strip().endswith("OK"), out

@@ -23,7 +23,12 @@ CPU can still read them (a little slower). The pinned host memory goes back
 after each resume unless ``retain_cpu_backup = True`` (as in
 torch_memory_saver; keeping it saves re-pinning at every pause).
 ``disable()`` inside a region makes tensors that are not pausable; regions
-nest; a tag may have regions with and without a backup.
+nest; a tag may have regions with and without a backup. With
+``TMS_INIT_ENABLE=1`` in the environment at import (and
+``TMS_INIT_ENABLE_CPU_BACKUP=1`` to keep the contents), every allocation of
+the process is pausable under the tag ``"default"``, as in
+torch_memory_saver's preload mode (vmmbuf becomes the process's allocator:
+import it before the first CUDA tensor).
 ``sleep``/``wake`` are the same as
 ``pause``/``resume``.
 """
@@ -31,6 +36,7 @@ nest; a tag may have regions with and without a backup.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import _check, _native
@@ -77,10 +83,13 @@ class TorchMemorySaver:
     def disable(self) -> Iterator[None]:
         """Inside a region, tensors made in this block are not pausable:
         PyTorch's own allocator (or, after ``vmmbuf.torch.use()``, vmmbuf's
-        untagged memory, which ``pause()`` leaves alone)."""
+        untagged memory, which ``pause()`` leaves alone, given back to the
+        driver as the block ends, as torch_memory_saver disposes of its
+        pool)."""
         if _vtorch.is_process_wide():
             with _tagged(""):
                 yield
+            _vtorch.empty_cache()
         else:
             torch = _vtorch.torch
             pool = torch.cuda.MemPool()
@@ -174,6 +183,26 @@ def _allocating_as(tag: str) -> Iterator[None]:
 
 torch_memory_saver = TorchMemorySaver()
 memory_saver = torch_memory_saver
+
+
+def _init_enable(saver: TorchMemorySaver, env: Dict[str, str]) -> bool:
+    """torch_memory_saver's ``TMS_INIT_ENABLE=1``: every allocation of the
+    process is pausable from the start, under the tag ``"default"`` (its
+    contents kept at a pause with ``TMS_INIT_ENABLE_CPU_BACKUP=1``, dropped
+    otherwise): vmmbuf becomes the process's allocator (before the first
+    CUDA tensor, else an error says so) and every thread that sets no tag
+    allocates under it; ``region`` and ``disable`` scope others. Returns
+    whether it applied."""
+    if env.get("TMS_INIT_ENABLE", "0") != "1":
+        return False
+    backup = env.get("TMS_INIT_ENABLE_CPU_BACKUP", "0") == "1"
+    _vtorch.use()
+    saver._used[_TAG_DEFAULT] = (backup, not backup)
+    _native.set_default_tag(_TAG_DEFAULT if backup else _TAG_DEFAULT + _DISCARD)
+    return True
+
+
+_init_enable(torch_memory_saver, dict(os.environ))
 
 
 def region(tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> "contextlib.AbstractContextManager[None]":

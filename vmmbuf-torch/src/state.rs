@@ -72,9 +72,18 @@ struct Registry {
 
 thread_local! {
     /// The tag this thread's allocations are made under ("" for none): per
-    /// thread, as `torch.cuda.use_mem_pool` scopes are.
-    static TAG: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+    /// thread, as `torch.cuda.use_mem_pool` scopes are; `None` until the
+    /// thread sets one, then [`DEFAULT_TAG`] applies.
+    static TAG: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
 }
+
+/// The tag of every thread that set none ("" for none):
+/// torch_memory_saver's `TMS_INIT_ENABLE`, where every allocation of the
+/// process is pausable, autograd's threads' included.
+static DEFAULT_TAG: parking_lot::RwLock<String> = parking_lot::const_rwlock(String::new());
+/// Whether [`DEFAULT_TAG`] is not "" (read without its lock on every
+/// malloc).
+static HAS_DEFAULT_TAG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The registry: a read lock to find a device, the write lock only to add
 /// one or set a budget.
@@ -394,9 +403,23 @@ pub(crate) fn tags() -> Vec<String> {
 
 /// The tag of this thread's allocations ("" for none).
 pub(crate) fn tag() -> String {
+    use std::sync::atomic::Ordering::Relaxed;
     // A thread being torn down (its thread-locals destroyed) frees and
     // allocates under no tag.
-    TAG.try_with(|t| t.borrow().clone()).unwrap_or_default()
+    match TAG.try_with(|t| t.borrow().clone()) {
+        Ok(Some(t)) => t,
+        Ok(None) if HAS_DEFAULT_TAG.load(Relaxed) => DEFAULT_TAG.read().clone(),
+        _ => String::new(),
+    }
+}
+
+/// Makes `tag` the tag of every thread that has not set its own ("" for
+/// none).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn set_default_tag(tag: &str) {
+    let mut d = DEFAULT_TAG.write();
+    tag.clone_into(&mut d);
+    HAS_DEFAULT_TAG.store(!tag.is_empty(), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Nanoseconds spent in `malloc` and `free` so far, all devices: what the
@@ -426,7 +449,7 @@ impl Drop for Timed {
 /// Makes `tag` the tag of this thread's allocations ("" for none).
 pub(crate) fn set_tag(tag: &str) {
     // During the thread's teardown there is no tag to set.
-    let _ = TAG.try_with(|t| tag.clone_into(&mut t.borrow_mut()));
+    let _ = TAG.try_with(|t| *t.borrow_mut() = Some(tag.to_owned()));
 }
 
 /// Allocates `size` bytes on `device` for work on `stream`, under this
@@ -1022,6 +1045,23 @@ mod tests {
     /// A free (and a tag, a last error) from a thread-local destructor that
     /// runs after the plug-in's own thread-locals were destroyed, as at a
     /// torchrun worker's exit: no panic, a typed answer. Without
+    /// A default tag reaches every thread that set none (a new thread
+    /// included), not one that set its own ("" too), and goes with "".
+    #[test]
+    fn a_default_tag_reaches_threads_that_set_none() {
+        super::set_default_tag("default");
+        let seen = std::thread::spawn(|| {
+            let first = super::tag();
+            super::set_tag("");
+            (first, super::tag())
+        })
+        .join()
+        .unwrap();
+        super::set_default_tag("");
+        assert_eq!(seen, ("default".to_owned(), String::new()));
+        assert_eq!(std::thread::spawn(super::tag).join().unwrap(), "");
+    }
+
     /// `try_with`, every one of these panicked ("cannot access a Thread
     /// Local Storage value during or after destruction").
     #[test]

@@ -247,6 +247,13 @@ fn nccl_covers(py: Python<'_>, device: c_int, addr: u64, bytes: usize) -> bool {
     py.detach(|| crate::state::nccl_covers(device, addr, bytes))
 }
 
+/// Makes `tag` the tag of every thread that has not set its own ("" for
+/// none).
+#[pyfunction]
+fn set_default_tag(tag: &str) {
+    state::set_default_tag(tag)
+}
+
 /// This thread's last failure in the C entry points (what PyTorch saw as a
 /// null from `vmmbuf_malloc`), or None.
 #[pyfunction]
@@ -289,6 +296,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nccl_register, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_deregister, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_covers, m)?)?;
+    m.add_function(wrap_pyfunction!(set_default_tag, m)?)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
