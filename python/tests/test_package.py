@@ -250,6 +250,17 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     with pytest.raises(vmmbuf.InvalidArgumentError, match="'torch' or 'preload'"):
         saver.hook_mode = "cuda"
     assert saver.hook_mode == "torch", "a refused mode changes nothing"
+    margins: List[int] = []
+    monkeypatch.setattr(tms._native, "set_memory_margin", margins.append)
+    saver.memory_margin_bytes = 1 << 30
+    assert margins == [1 << 30]
+    with pytest.raises(NotImplementedError, match="Only setter"):
+        saver.memory_margin_bytes
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="memory_margin_bytes is -1"):
+        saver.memory_margin_bytes = -1
+    with pytest.raises(TypeError, match="memory_margin_bytes must be an integer"):
+        saver.memory_margin_bytes = 1.5
+    assert margins == [1 << 30], "refused values set nothing"
     # TMS_INIT_ENABLE: vmmbuf process-wide, the default tag for every thread.
     calls: List[Any] = []
     monkeypatch.setattr(tms._vtorch, "use", lambda: calls.append("use"))

@@ -160,6 +160,19 @@ class TorchMemorySaver:
         else:
             raise InvalidArgumentError(f"hook_mode must be 'torch' or 'preload', not {mode!r}")
 
+    @property
+    def memory_margin_bytes(self) -> int:
+        """Only set, as in torch_memory_saver."""
+        raise NotImplementedError("Only setter is supported")
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value: int) -> None:
+        """Device bytes to leave free: an allocation that would make vmmbuf
+        map memory past the device's free bytes less this fails as out of
+        memory (every vmmbuf pool on every device: the regions', and after
+        ``vmmbuf.torch.use()`` every allocation; 0 turns it off)."""
+        _native.set_memory_margin(_check.integer("memory_margin_bytes", value, maximum=_check.MAX_LIMIT))
+
     sleep = pause
     wake = resume
 

@@ -223,6 +223,14 @@ impl<B: Backend> Shared<B> {
         {
             return Err(self.out_of_memory(st, size, None));
         }
+        let margin = self.margin.load(std::sync::atomic::Ordering::Relaxed);
+        if margin > 0 && matches!(st.placement, Location::Device(_)) {
+            if let Some((free, total)) = self.backend.device_memory() {
+                if need.saturating_add(margin) > free {
+                    return Err(self.out_of_memory(st, size, Some((free, total))));
+                }
+            }
+        }
         // The budget shared with other arenas and buffers: taken before any
         // chunk is created, given back if the mapping fails.
         let Some(hold) = Budget::hold(self.shared_budget.as_deref(), need) else {

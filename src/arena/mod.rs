@@ -314,6 +314,9 @@ struct Shared<B: Backend> {
     release_before_map: bool,
     defer_free_fences: bool,
     wait_before_grow: bool,
+    /// Device bytes to leave free when mapping (0: none; see
+    /// [`Arena::set_device_margin`]).
+    margin: std::sync::atomic::AtomicUsize,
     /// The stream of the latest alloc or free (a hint for deferring).
     last_stream: [std::sync::atomic::AtomicU64; 2],
     placement: Location,
@@ -456,6 +459,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 release_before_map: desc.release_before_map,
                 defer_free_fences: desc.defer_free_fences,
                 wait_before_grow: desc.wait_before_grow,
+                margin: std::sync::atomic::AtomicUsize::new(0),
                 last_stream: Default::default(),
                 placement,
                 access,
@@ -515,6 +519,19 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             z.rewall(&walls);
         }
         Ok(())
+    }
+
+    /// Leaves at least `bytes` of the device free: a request that would map
+    /// device memory while the device reports less than that plus what it
+    /// maps is out of memory ([`Error::ArenaOutOfMemory`], after the usual
+    /// retry that gives free chunks back). torch_memory_saver's
+    /// `memory_margin_bytes`. 0 (the default) turns it off; a backend that
+    /// reports no device memory ([`Backend::device_memory`]) is not
+    /// limited.
+    pub fn set_device_margin(&self, bytes: usize) {
+        self.shared
+            .margin
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The backend.

@@ -14,7 +14,7 @@ use crate::common::gpu;
 use crate::cuda_only::{counted, pattern, Kernels};
 
 crate::register! {
-    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena],
+    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena, a_device_margin_refuses_growth_that_leaves_less_free],
     gpu: [owned_typed_tensors_behave_as_cudarc_slices, gpu_statistics_keep_pytorchs_invariants_at_every_step, cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
 }
 
@@ -410,4 +410,40 @@ fn owned_typed_tensors_behave_as_cudarc_slices() {
     s.synchronize().unwrap();
     let st = arena.stats();
     assert_eq!((st.allocated_bytes.current, st.num_device_syncs), (0, 0));
+}
+
+/// `Arena::set_device_margin` (torch_memory_saver's `memory_margin_bytes`):
+/// growth that would leave the device less free than the margin is out of
+/// memory, in words naming the device's free bytes, and maps nothing; a
+/// request served from free memory still succeeds; 0 turns it off. On a
+/// backend emulating GPU 0 whose free bytes the test sets.
+fn a_device_margin_refuses_growth_that_leaves_less_free() {
+    use crate::fault::{DoneStream, FaultBackend};
+    let fb = FaultBackend::emulating_gpu(crate::common::host());
+    let g = fb.granularity(vmmbuf::Location::Device(0)).unwrap();
+    let arena: Arena<FaultBackend<vmmbuf::HostBackend>, DoneStream> =
+        Arena::new(fb.clone(), ArenaDesc::new(1 << 30).max_chunk_bytes(g)).unwrap();
+    *fb.device_free.lock() = Some((15 * g, 100 * g));
+    arena.set_device_margin(10 * g);
+    let a = arena.alloc(4 * g, &DoneStream(0)).unwrap();
+    let b = arena.alloc(g, &DoneStream(0)).unwrap();
+    *fb.device_free.lock() = Some((11 * g, 100 * g));
+    let mapped = arena.stats().reserved_bytes.current;
+    let e = arena.alloc(2 * g, &DoneStream(0)).unwrap_err();
+    assert!(
+        matches!(e, vmmbuf::Error::ArenaOutOfMemory { free_bytes: Some(f), .. } if f == 11 * g),
+        "{e}"
+    );
+    assert_eq!(
+        arena.stats().reserved_bytes.current,
+        mapped,
+        "nothing mapped"
+    );
+    // From free memory: no mapping, no margin to keep.
+    drop(b);
+    let b = arena.alloc(g, &DoneStream(0)).unwrap();
+    arena.set_device_margin(0);
+    let c = arena.alloc(2 * g, &DoneStream(0)).unwrap();
+    assert!(arena.stats().reserved_bytes.current > mapped);
+    drop((a, b, c));
 }

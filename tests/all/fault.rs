@@ -72,6 +72,9 @@ pub struct FaultBackend<B> {
     /// process keeps ([`FABRIC`]), a stand-in for an NVLink fabric between
     /// backends of one process.
     pub fabric: AtomicBool,
+    /// The device's `(free, total)` bytes this backend reports
+    /// (`device_memory`); None: the inner backend's.
+    pub device_free: parking_lot::Mutex<Option<(usize, usize)>>,
     /// Called at each `wait`, before the fence is looked at: a test's model
     /// of the GPU catching up while the CPU waits (the lag replay).
     #[allow(clippy::type_complexity)]
@@ -91,6 +94,7 @@ impl<B: Backend> FaultBackend<B> {
             log: parking_lot::Mutex::new(Vec::new()),
             sizes: parking_lot::Mutex::new(std::collections::HashMap::new()),
             fabric: AtomicBool::new(false),
+            device_free: parking_lot::Mutex::new(None),
             on_wait: parking_lot::Mutex::new(None),
         })
     }
@@ -217,6 +221,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
     fn export(&self, chunk: &Self::Chunk) -> Result<std::os::fd::OwnedFd> {
         self.step("export", 0)?;
         self.inner.export(chunk)
+    }
+    fn device_memory(&self) -> Option<(usize, usize)> {
+        (*self.device_free.lock()).or_else(|| self.inner.device_memory())
     }
     fn exports(&self, chunk: &Self::Chunk, kind: vmmbuf::ipc::HandleKind) -> bool {
         match kind {

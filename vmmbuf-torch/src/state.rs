@@ -280,6 +280,7 @@ impl Device {
             if let Some(h) = self.nccl.as_ref().filter(|h| !h.is_empty()) {
                 arena.set_map_hook(Some(h.clone()))?;
             }
+            arena.set_device_margin(MARGIN.load(std::sync::atomic::Ordering::Relaxed));
             self.arenas.insert(tag.to_owned(), arena);
         }
         Ok(&self.arenas[tag])
@@ -752,6 +753,21 @@ pub(crate) fn nccl_deregister(dev: c_int, id: u64) -> Result<()> {
         d.unhook_nccl();
     }
     Ok(())
+}
+
+/// Device bytes every arena leaves free when it maps (0: none), all
+/// devices: torch_memory_saver's `memory_margin_bytes`.
+static MARGIN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Sets [`MARGIN`] for the arenas there are and those to come.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn set_memory_margin(bytes: usize) {
+    MARGIN.store(bytes, std::sync::atomic::Ordering::Relaxed);
+    for (_, d) in all_devices() {
+        for a in d.lock().arenas.values() {
+            a.set_device_margin(bytes);
+        }
+    }
 }
 
 /// Whether `[addr, addr + bytes)` on `dev` lies in one range registered

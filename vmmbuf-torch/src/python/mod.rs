@@ -254,6 +254,13 @@ fn set_default_tag(tag: &str) {
     state::set_default_tag(tag)
 }
 
+/// Device bytes every arena leaves free when it maps, all devices (0:
+/// none).
+#[pyfunction]
+fn set_memory_margin(py: Python<'_>, bytes: usize) {
+    py.detach(|| state::set_memory_margin(bytes))
+}
+
 /// This thread's last failure in the C entry points (what PyTorch saw as a
 /// null from `vmmbuf_malloc`), or None.
 #[pyfunction]
@@ -297,6 +304,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nccl_deregister, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_covers, m)?)?;
     m.add_function(wrap_pyfunction!(set_default_tag, m)?)?;
+    m.add_function(wrap_pyfunction!(set_memory_margin, m)?)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
