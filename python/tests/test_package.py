@@ -250,6 +250,13 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     with pytest.raises(vmmbuf.InvalidArgumentError, match="'torch' or 'preload'"):
         saver.hook_mode = "cuda"
     assert saver.hook_mode == "torch", "a refused mode changes nothing"
+    # cuda_graph() needs vmmbuf process-wide (the stand-in is not): refused.
+    with pytest.raises(vmmbuf.UnsupportedError, match="process's allocator"):
+        with saver.cuda_graph(object(), tag="g"):
+            pass
+    with pytest.raises(TypeError, match="tag must be a string"):
+        with saver.cuda_graph(object(), tag=5):
+            pass
     margins: List[int] = []
     monkeypatch.setattr(tms._native, "set_memory_margin", margins.append)
     saver.memory_margin_bytes = 1 << 30

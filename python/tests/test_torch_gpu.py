@@ -370,3 +370,50 @@ def test_torch_memory_saver_init_enable_pauses_every_allocation(torch_gpu):
         print("OK")
     """, env={"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
     assert out.strip().endswith("OK"), out
+
+
+def test_torch_memory_saver_cuda_graph_memory_pauses_and_the_graph_replays(torch_gpu):
+    """``cuda_graph()`` (vmmbuf process-wide): a graph whose intermediate
+    tensors (1 GiB) live in its pool; ``pause("graph")`` gives that memory
+    back, ``pause("kv_cache")`` the input buffer's (its contents kept);
+    after ``resume()`` the graph replays and computes what it did, and a
+    new buffer value flows through it. As torch_memory_saver's cuda_graph
+    example expects (written from reading it)."""
+    out = run_script("""
+        import torch, vmmbuf.torch as vt
+        vt.use()
+        from vmmbuf.torch_memory_saver import torch_memory_saver as tms
+        GiB = 1 << 30
+        with tms.region(tag="kv_cache", enable_cpu_backup=True):
+            kv = torch.full((5, 1 << 24), 1.0, device="cuda")
+        x = torch.zeros(5, device="cuda")
+
+        def fn():
+            v = (x + kv.mean(dim=1)).mean()
+            return (torch.ones(GiB // 4, device="cuda") * v).mean()
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with tms.cuda_graph(g, tag="graph"):
+            y = fn()
+        g.replay()
+        torch.cuda.synchronize()
+        assert abs(float(y) - 1.0) < 1e-4, float(y)
+        free0 = torch.cuda.mem_get_info()[0]
+        tms.pause("graph")
+        tms.pause("kv_cache")
+        freed = torch.cuda.mem_get_info()[0] - free0
+        assert freed >= GiB, freed
+        tms.resume("kv_cache")
+        tms.resume("graph")
+        x.fill_(2.0)
+        g.replay()
+        torch.cuda.synchronize()
+        assert abs(float(y) - 3.0) < 1e-4, float(y)
+        print("OK")
+    """)
+    assert out.strip().endswith("OK"), out

@@ -23,7 +23,8 @@ CPU can still read them (a little slower). The pinned host memory goes back
 after each resume unless ``retain_cpu_backup = True`` (as in
 torch_memory_saver; keeping it saves re-pinning at every pause).
 ``disable()`` inside a region makes tensors that are not pausable; regions
-nest; a tag may have regions with and without a backup. With
+nest; a tag may have regions with and without a backup; ``cuda_graph()``
+(after ``vmmbuf.torch.use()``) makes a graph whose memory pauses. With
 ``TMS_INIT_ENABLE=1`` in the environment at import (and
 ``TMS_INIT_ENABLE_CPU_BACKUP=1`` to keep the contents), every allocation of
 the process is pausable under the tag ``"default"``, as in
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _check, _native
 from . import tag as _tagged
@@ -78,6 +79,32 @@ class TorchMemorySaver:
         self._used[tag] = (kept or enable_cpu_backup, dropped or not enable_cpu_backup)
         with _allocating_as(tag if enable_cpu_backup else tag + _DISCARD):
             yield
+
+    @contextlib.contextmanager
+    def cuda_graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
+                   capture_error_mode: str = "global", tag: str = _TAG_DEFAULT,
+                   enable_cpu_backup: bool = False) -> Iterator[None]:
+        """``torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode)``
+        whose memory (the graph's pool) pauses and resumes with ``tag``, as
+        torch_memory_saver's does. It needs vmmbuf as the process's
+        allocator (``vmmbuf.torch.use()``, or ``TMS_INIT_ENABLE=1``), which
+        then serves graph pools too: torch_memory_saver's needs its preload
+        mode likewise. A paused graph must not be replayed before its
+        resume."""
+        tag = _check.tag("tag", tag)
+        enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
+        if not _vtorch.is_process_wide():
+            raise UnsupportedError(
+                "cuda_graph() needs vmmbuf as the process's allocator (vmmbuf.torch.use() before "
+                "the first CUDA tensor, or TMS_INIT_ENABLE=1): PyTorch serves a graph's pool from "
+                "its own allocator otherwise")
+        kept, dropped = self._used.get(tag, (False, False))
+        self._used[tag] = (kept or enable_cpu_backup, dropped or not enable_cpu_backup)
+        torch = _vtorch.torch
+        with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
+                              capture_error_mode=capture_error_mode):
+            with _allocating_as(tag if enable_cpu_backup else tag + _DISCARD):
+                yield
 
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
