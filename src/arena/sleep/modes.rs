@@ -1,0 +1,369 @@
+//! The arena's side of each sleep mode: quiescing, keeping the data in
+//! host memory, stashing it, discarding it, and waking discarded memory.
+//! Split from `sleep.rs` (the modes' types and the public calls).
+
+use std::time::Instant;
+
+use super::*;
+
+impl<B: Backend> Shared<B> {
+    /// Waits for `streams`' work, the uses recorded on live allocations and
+    /// the pending frees; then gives whole free chunks to the pool.
+    pub(super) fn quiesce<S: ArenaStream<B>>(
+        &self,
+        st: &mut State<B>,
+        streams: &[S],
+    ) -> Result<usize> {
+        let backend = &*self.backend;
+        // Each stream's fence, numbered: it also covers the frees owed on
+        // the stream so far (no device synchronisation for those).
+        let fences = streams
+            .iter()
+            .map(|s| crate::order::record(s.key(), || s.fence(backend)))
+            .collect::<Result<Vec<_>>>()?;
+        for f in &fences {
+            backend.wait(&f.fence)?;
+        }
+        for f in fences {
+            st.owed.cover_passed(f);
+        }
+        self.wait_live_uses(st)?;
+        self.wait_pending_frees(st)?;
+        self.release_free_chunks(st)
+    }
+
+    /// The piece size `desc` asks for: rounded to the granularity, never
+    /// under the arena's chunk.
+    pub(super) fn piece_of(&self, desc: &SleepDesc) -> Result<usize> {
+        Ok(
+            crate::plan::round_up(desc.max_piece_bytes.max(1), self.granularity)
+                .ok_or_else(|| Error::invalid("max_piece_bytes overflows"))?
+                .max(self.chunk_bytes),
+        )
+    }
+
+    pub(super) fn mover(&self) -> Mover<'_, B> {
+        Mover {
+            backend: &*self.backend,
+            granularity: self.granularity,
+            source: &*self.pool,
+            shareable: false,
+            release_old: false,
+            release_joined: true,
+        }
+    }
+
+    pub(super) fn rebuild_split(&self, st: &mut State<B>) {
+        // What graphs hold free counts as allocated, as it does elsewhere.
+        let held: Vec<(usize, usize)> = st.graph_held().collect();
+        st.split = SplitCount::rebuild(
+            &st.region.table,
+            st.live.iter().map(|(&o, l)| (o, l.size)).chain(held),
+        );
+    }
+
+    /// A kept sleep: device chunks to host pieces, with the data.
+    pub(super) fn sleep_keep(
+        &self,
+        st: &mut State<B>,
+        piece: usize,
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let groups = plan_groups(
+            &st.region.table,
+            |_, e| e.placement != Location::Host,
+            Location::Host,
+            piece,
+            st.small_end,
+        );
+        r.chunks_before = count_in(&st.region.table, &groups);
+        r.migration = self.mover().run_groups(&mut st.region, &groups)?;
+        r.chunks_after = groups.len();
+        r.bytes = r.migration.bytes_moved;
+        st.placement = Location::Host;
+        Ok(())
+    }
+
+    /// A stashing sleep: every mapped run copied to the stash (host pieces
+    /// mapped at the same offsets of a reservation of their own, kept
+    /// from one sleep to the next), then unmapped as a discarding sleep
+    /// unmaps. On an error before the unmapping nothing changed but the
+    /// stash; part way through it, the runs unmapped so far sleep (their
+    /// data is in the stash).
+    pub(super) fn sleep_stash(
+        &self,
+        st: &mut State<B>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
+        r: &mut SleepReport,
+    ) -> Result<usize> {
+        let backend = &*self.backend;
+        let runs = st.region.table.runs();
+        let parts: Vec<(usize, usize)> = runs
+            .iter()
+            .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.small_end))
+            .collect();
+        if st.stash.is_none() {
+            st.stash = Some(crate::region::Region::reserve(
+                &self.backend,
+                st.region.table.reserved(),
+                self.granularity,
+                self.granularity,
+            )?);
+        }
+        let stash = st.stash.as_mut().expect("made above");
+        // The stash's pieces tile the runs: keep the ones that match, give
+        // the others to the pool, map what is missing (granted to the GPU
+        // only: no copy here runs on the CPU).
+        let t = Instant::now();
+        let mut missing: Vec<(usize, usize)> = Vec::new();
+        for &(o, n) in &parts {
+            if stash.table.get(o).is_some_and(|e| e.bytes == n) {
+                continue;
+            }
+            let stale: Vec<(usize, usize)> = stash
+                .table
+                .overlapping(o..o + n)
+                .map(|(k, e)| (k, e.bytes))
+                .collect();
+            for (k, b) in stale {
+                for (_, e) in stash.unmap(k, b)? {
+                    let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+                }
+            }
+            missing.push((o, n));
+        }
+        let wants: Vec<(Location, usize)> =
+            missing.iter().map(|&(_, n)| (Location::Host, n)).collect();
+        let chunks = self.pool.take_many(false, &wants)?;
+        r.migration.acquire_time += t.elapsed();
+        let t = Instant::now();
+        let rw = [crate::location::AccessDesc::new(
+            backend.home(),
+            crate::location::Access::ReadWrite,
+        )];
+        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = rw.as_slice().into();
+        let mut todo = missing.iter().zip(chunks);
+        while let Some((&(o, n), chunk)) = todo.next() {
+            let new = vec![NewChunk {
+                chunk,
+                bytes: n,
+                placement: Location::Host,
+            }];
+            if let Err((e, back)) =
+                stash.map_batch(o, new, |_| rw.to_vec(), |_| recorded.clone(), |_| false)
+            {
+                for c in back {
+                    let _ = self.pool.give(c.placement, c.bytes, c.chunk);
+                }
+                for (&(_, n), c) in todo {
+                    let _ = self.pool.give(Location::Host, n, c);
+                }
+                return Err(e);
+            }
+        }
+        r.migration.stage_time += t.elapsed();
+        // One copy per run (all device memory on one side, all host memory
+        // on the other), then one wait.
+        let t = Instant::now();
+        let copied = (|| {
+            for &(o, b) in &runs {
+                backend.copy(stash.res(), o, st.region.res_ref(), o, b)?;
+            }
+            backend.wait_copies()
+        })();
+        r.migration.copy_time += t.elapsed();
+        if let Err(e) = copied {
+            let _ = backend.wait_copies();
+            return Err(e);
+        }
+        r.migration.bytes_moved = runs.iter().map(|x| x.1).sum();
+        r.migration.chunks_moved = parts.len();
+        r.chunks_after = parts.len();
+        let t = Instant::now();
+        let unmapped = self.sleep_discard(st, asleep);
+        r.migration.swap_time += t.elapsed();
+        unmapped
+    }
+
+    /// Gives the stash's pieces to the pool (the caller has made sure the
+    /// arena does not sleep stashed).
+    pub(super) fn drop_stash(&self, st: &mut State<B>) -> Result<usize> {
+        let Some(stash) = st.stash.as_mut() else {
+            return Ok(0);
+        };
+        let mut gone = 0;
+        for (o, b) in stash.table.runs() {
+            for (_, e) in stash.unmap(o, b)? {
+                gone += e.bytes;
+                let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+            }
+        }
+        Ok(gone)
+    }
+
+    /// A discarding sleep: every mapped chunk unmapped, to the pool (and
+    /// device ones on to the driver by the caller).
+    pub(super) fn sleep_discard(
+        &self,
+        st: &mut State<B>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
+    ) -> Result<usize> {
+        let runs = st.region.table.runs();
+        let mut unmapped = 0;
+        for (o, b) in runs {
+            // The uses have passed (waited for): nothing reads these bytes.
+            let gone = st.region.unmap(o, b)?;
+            for (_, e) in gone {
+                if e.placement != Location::Host {
+                    unmapped += e.bytes;
+                }
+                let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+            }
+            if let Some(sb) = &self.shared_budget {
+                sb.give(b);
+            }
+            // A run may span both zones (adjacent chunks at their border).
+            for z in &mut st.zones {
+                z.remove_within(o..o + b);
+            }
+            let at = asleep.runs.partition_point(|&(x, _)| x < o);
+            asleep.runs.insert(at, (o, b));
+        }
+        Ok(unmapped)
+    }
+
+    /// The wake of a discarding or stashing sleep: fresh pieces mapped over
+    /// every run, filled from the stash (stashed) or zeroed on request
+    /// (discarded), the bytes no allocation holds free again.
+    pub(super) fn wake_discard(
+        &self,
+        st: &mut State<B>,
+        asleep: &Asleep<Mark<B::Fence>>,
+        zero: bool,
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let from_stash = asleep.mode == SleepMode::Stash;
+        let zero = zero && !from_stash;
+        let backend = &*self.backend;
+        for fences in &asleep.frees {
+            st.owed.wait_set(backend, fences)?;
+        }
+        let placement = st.placement;
+        let total: usize = asleep.runs.iter().map(|r| r.1).sum();
+        let Some(hold) = Budget::hold(self.shared_budget.as_deref(), total) else {
+            return Err(self.out_of_memory(st, total, None));
+        };
+        if self
+            .budget
+            .is_some_and(|budget| st.region.table.mapped_bytes() + total > budget)
+        {
+            return Err(self.out_of_memory(st, total, None));
+        }
+        let mut mapped: Vec<(usize, usize)> = Vec::new();
+        let attempt = (|| {
+            for &(o, b) in &asleep.runs {
+                let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.small_end)
+                    .iter()
+                    .map(|p| p.1)
+                    .collect();
+                let t = Instant::now();
+                let acquired = self.map_fresh(st, o, &sizes)?;
+                r.migration.acquire_time += acquired;
+                r.migration.swap_time += t.elapsed() - acquired;
+                let n = sizes.len();
+                mapped.push((o, b));
+                r.chunks_after += n;
+                if zero {
+                    backend.zero(st.region.res(), o, b)?;
+                }
+                if from_stash {
+                    let stash = st.stash.as_ref().ok_or_else(|| {
+                        Error::invalid("a stashed arena without its stash (a bug)")
+                    })?;
+                    backend.copy(st.region.res(), o, stash.res_ref(), o, b)?;
+                }
+            }
+            if zero || from_stash {
+                let t = Instant::now();
+                backend.wait_copies()?;
+                r.migration.copy_time += t.elapsed();
+            }
+            Ok::<(), Error>(())
+        })();
+        if let Err(e) = attempt {
+            // Nothing used the fresh memory: give it back, stay asleep.
+            let _ = backend.wait_copies();
+            for (o, b) in mapped {
+                match st.region.unmap(o, b) {
+                    Ok(gone) => {
+                        for (_, e) in gone {
+                            let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+                        }
+                    }
+                    Err(u) => st.region.poison(
+                        format!("undoing a failed wake: unmapping {o:#x} failed: {u}"),
+                        [],
+                    ),
+                }
+            }
+            return Err(e);
+        }
+        hold.keep();
+        // Live allocations in address order (the map is not ordered).
+        let mut by_offset: Vec<(usize, usize)> =
+            st.live.iter().map(|(&x, l)| (x, l.size)).collect();
+        by_offset.sort_unstable();
+        // Every byte of a run that no live allocation holds is free again
+        // (the frees made while asleep were waited for above).
+        for &(o, b) in &asleep.runs {
+            let mut at = o;
+            // What overlaps the run, cut to it: a range may start in an
+            // earlier run (runs of two sleeps lie side by side, and a graph
+            // joins the blocks it holds across their border; counting only
+            // ranges that start in the run handed out a graph's bytes).
+            let cut = |(x, size): (usize, usize)| {
+                let (from, to) = (x.max(o), (x + size).min(o + b));
+                (from < to).then(|| (from, to - from))
+            };
+            // Live allocations do not overlap: of those starting before the
+            // run, only the last may reach into it.
+            let (from, to) = (
+                by_offset.partition_point(|&(x, _)| x < o),
+                by_offset.partition_point(|&(x, _)| x < o + b),
+            );
+            let mut held: Vec<(usize, usize)> = by_offset[from.saturating_sub(1)..to]
+                .iter()
+                .copied()
+                .filter_map(cut)
+                .collect();
+            held.extend(asleep.lost.iter().copied().filter_map(cut));
+            // Blocks graphs hold stay theirs.
+            held.extend(st.graph_held().filter_map(cut));
+            held.sort_unstable();
+            for (x, size) in held.into_iter().chain(std::iter::once((o + b, 0))) {
+                // Free bytes, split at the zones' border.
+                for (a, n) in pieces(at, x.saturating_sub(at), usize::MAX, st.small_end) {
+                    let z = st.zone_of_offset(a);
+                    let State { zones, region, .. } = &mut *st;
+                    zones[z].insert_in(
+                        a,
+                        Free {
+                            size: n,
+                            stream: None,
+                            fences: FenceSet::default(),
+                        },
+                        &region.walls(),
+                    );
+                }
+                at = at.max(x + size);
+            }
+        }
+        r.bytes = total;
+        r.device_bytes = if placement == Location::Host {
+            0
+        } else {
+            total
+        };
+        Ok(())
+    }
+}
