@@ -1058,9 +1058,6 @@ static HOST_LIMIT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsi
 mod tests {
     use super::Captures;
 
-    /// A free (and a tag, a last error) from a thread-local destructor that
-    /// runs after the plug-in's own thread-locals were destroyed, as at a
-    /// torchrun worker's exit: no panic, a typed answer. Without
     /// A default tag reaches every thread that set none (a new thread
     /// included), not one that set its own ("" too), and goes with "".
     #[test]
@@ -1078,6 +1075,9 @@ mod tests {
         assert_eq!(std::thread::spawn(super::tag).join().unwrap(), "");
     }
 
+    /// A free (and a tag, a last error) from a thread-local destructor that
+    /// runs after the plug-in's own thread-locals were destroyed, as at a
+    /// torchrun worker's exit: no panic, a typed answer. Without
     /// `try_with`, every one of these panicked ("cannot access a Thread
     /// Local Storage value during or after destruction").
     #[test]
