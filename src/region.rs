@@ -146,8 +146,10 @@ impl<B: Backend> Region<B> {
             let chunks: Vec<(usize, usize, Location)> = self
                 .table
                 .overlapping(o..end)
-                .map(|(k, e)| (k.max(o), (k + e.bytes).min(end), e.placement))
-                .map(|(a, z, p)| (a, z - a, p))
+                .map(|(k, e)| {
+                    let at = k.max(o);
+                    (at, (k + e.bytes).min(end) - at, e.placement)
+                })
                 .collect();
             for (at, bytes, placement) in chunks {
                 self.spans.insert(at, (bytes, placement));

@@ -14,7 +14,7 @@ use crate::pool::{Budget, ChunkSource};
 use crate::region::NewChunk;
 use crate::table::{cpu_at_once, driver_access_for};
 
-/// See `map_at`: how far past the bytes allocated an arena with a map hook
+/// See `map_at`: how far past its peak allocated an arena with a map hook
 /// maps before it gives whole free chunks back to map a new one.
 const HOOKED_SLACK: f64 = 1.10;
 

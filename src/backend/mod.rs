@@ -229,16 +229,6 @@ pub trait Backend: Send + Sync + 'static {
         })
     }
 
-    /// Whether `chunk` can be exported as `kind`. The default: a POSIX
-    /// descriptor where [`Backend::is_shareable`], no fabric handle.
-    #[cfg(unix)]
-    fn exports(&self, chunk: &Self::Chunk, kind: handle::HandleKind) -> bool {
-        match kind {
-            handle::HandleKind::PosixFd => self.is_shareable(chunk),
-            handle::HandleKind::Fabric => false,
-        }
-    }
-
     /// A new handle of `kind` for `chunk`, which another process imports
     /// with [`Backend::import_handle`]. The default: [`Backend::export`] for
     /// a POSIX descriptor; [`Error::Unsupported`](crate::Error::Unsupported)

@@ -7,7 +7,8 @@ use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ipc::{
-    describe, send_frame, Chunk, ChunkHandle, Exporter, Head, FDS_PER_MESSAGE, KIND_FDS, MAGIC,
+    describe, send_frame, Chunk, ChunkHandle, Exporter, HandleKind, Head, FDS_PER_MESSAGE,
+    KIND_FDS, MAGIC,
 };
 
 impl<B: Backend> GrowableBuffer<B> {
@@ -80,11 +81,11 @@ impl<B: Backend> GrowableBuffer<B> {
         self.published
             .store(true, std::sync::atomic::Ordering::Release);
         let (head, records, generation) = (d.head, d.records, d.head.generation);
-        // Descriptor batches name records by index: the fresh ones with one.
-        let fresh_at: Vec<u64> = if fds.is_empty() {
-            Vec::new()
-        } else {
-            d.fresh_at
+        // Descriptor batches name the fresh records by index; fabric handles
+        // went in the description.
+        let fresh_at: Vec<u64> = match to.kind {
+            HandleKind::PosixFd => d.fresh_at,
+            HandleKind::Fabric => Vec::new(),
         };
         drop(g);
         let result = (|| {

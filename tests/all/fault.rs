@@ -225,14 +225,6 @@ impl<B: Backend> Backend for FaultBackend<B> {
     fn device_memory(&self) -> Option<(usize, usize)> {
         (*self.device_free.lock()).or_else(|| self.inner.device_memory())
     }
-    fn exports(&self, chunk: &Self::Chunk, kind: vmmbuf::ipc::HandleKind) -> bool {
-        match kind {
-            vmmbuf::ipc::HandleKind::Fabric => {
-                self.fabric.load(Ordering::SeqCst) && self.inner.is_shareable(chunk)
-            }
-            k => self.inner.exports(chunk, k),
-        }
-    }
     fn export_handle(
         &self,
         chunk: &Self::Chunk,

@@ -171,7 +171,7 @@ pub fn capture_of(stream: &CudaStream) -> Result<Option<Capture>> {
 /// previous mode comes back on drop. See the module's documentation.
 #[derive(Debug)]
 pub struct RelaxedCapture {
-    previous: sys::CUstreamCaptureMode,
+    _mode: driver::RelaxedMode,
 }
 
 impl RelaxedCapture {
@@ -179,17 +179,8 @@ impl RelaxedCapture {
     /// [`Error::DriverUnavailable`] without a loadable driver.
     pub fn new() -> Result<Self> {
         crate::CudaBackend::check_driver()?;
-        let previous = driver::exchange_capture_mode(
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-        )?;
-        Ok(Self { previous })
-    }
-}
-
-impl Drop for RelaxedCapture {
-    fn drop(&mut self) {
-        if let Err(e) = driver::exchange_capture_mode(self.previous) {
-            tracing::error!(error = %e, "vmmbuf: restoring the thread's capture mode failed");
-        }
+        Ok(Self {
+            _mode: driver::RelaxedMode::new()?,
+        })
     }
 }

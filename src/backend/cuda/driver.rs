@@ -47,19 +47,13 @@ fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result
 /// free memory, a free's fence) make no mode switch at all. A mode that
 /// cannot be switched is logged and the call made in the thread's mode.
 fn relaxed<T>(f: impl FnOnce() -> T) -> T {
-    let relaxed = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-    let previous = exchange_capture_mode(relaxed)
+    // The guard puts the thread's mode back when it drops, after `f`.
+    let _mode = RelaxedMode::new()
         .map_err(
             |e| tracing::debug!(error = %e, "vmmbuf: no relaxed capture mode for an unsafe call"),
         )
         .ok();
-    let out = f();
-    if let Some(mode) = previous {
-        if let Err(e) = exchange_capture_mode(mode) {
-            tracing::error!(error = %e, "vmmbuf: restoring the thread's capture mode failed");
-        }
-    }
-    out
+    f()
 }
 
 /// Maps an error of cudarc's own layers, naming the call.

@@ -310,7 +310,7 @@ impl CudaBackend {
         let fabric = types & driver::HANDLE_FABRIC != 0;
         match driver::mem_create(bytes, &driver::nccl_prop(location, types, n.rdma)) {
             Err(Error::Driver { source, .. })
-                if types & driver::HANDLE_FABRIC != 0
+                if fabric
                     && matches!(
                         source.0,
                         sys::CUresult::CUDA_ERROR_NOT_PERMITTED
@@ -574,14 +574,6 @@ impl Backend for CudaBackend {
     }
 
     #[cfg(unix)]
-    fn exports(&self, chunk: &CudaChunk, kind: HandleKind) -> bool {
-        match kind {
-            HandleKind::PosixFd => chunk.exportable,
-            HandleKind::Fabric => chunk.fabric,
-        }
-    }
-
-    #[cfg(unix)]
     fn export_handle(&self, chunk: &CudaChunk, kind: HandleKind) -> Result<ChunkHandle> {
         match kind {
             HandleKind::PosixFd => self.export(chunk).map(ChunkHandle::PosixFd),
@@ -635,8 +627,9 @@ impl Backend for CudaBackend {
             bytes,
             placement,
             shareable: true,
-            exportable: true,
-            fabric: kind == HandleKind::Fabric,
+            // Both set below from the types the allocation was made with.
+            exportable: false,
+            fabric: false,
             released: false,
             ctx: self.ctx.clone(),
             counters: self.counters.clone(),

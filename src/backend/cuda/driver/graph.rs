@@ -62,9 +62,7 @@ pub(crate) unsafe fn capture_info(
 
 /// `cuThreadExchangeStreamCaptureMode`: sets this thread's capture mode to
 /// `mode` and returns the one it had.
-pub(crate) fn exchange_capture_mode(
-    mode: sys::CUstreamCaptureMode,
-) -> Result<sys::CUstreamCaptureMode> {
+fn exchange_capture_mode(mode: sys::CUstreamCaptureMode) -> Result<sys::CUstreamCaptureMode> {
     let mut m = mode;
     check(
         "cuThreadExchangeStreamCaptureMode",
@@ -74,6 +72,30 @@ pub(crate) fn exchange_capture_mode(
         0,
     )?;
     Ok(m)
+}
+
+/// This thread in relaxed capture mode while it lives; the mode it had
+/// comes back on drop (a failure to restore it is logged).
+#[derive(Debug)]
+pub(crate) struct RelaxedMode {
+    previous: sys::CUstreamCaptureMode,
+}
+
+impl RelaxedMode {
+    /// Switches this thread to relaxed mode.
+    pub(crate) fn new() -> Result<Self> {
+        let previous =
+            exchange_capture_mode(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        Ok(Self { previous })
+    }
+}
+
+impl Drop for RelaxedMode {
+    fn drop(&mut self) {
+        if let Err(e) = exchange_capture_mode(self.previous) {
+            tracing::error!(error = %e, "vmmbuf: restoring the thread's capture mode failed");
+        }
+    }
 }
 
 /// `cuUserObjectCreate` with one reference and no destructor sync.
