@@ -75,9 +75,7 @@ class TorchMemorySaver:
         Regions nest: the innermost one's tag and backup apply."""
         tag = _check.tag("tag", tag)
         enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
-        kept, dropped = self._used.get(tag, (False, False))
-        self._used[tag] = (kept or enable_cpu_backup, dropped or not enable_cpu_backup)
-        with _allocating_as(tag if enable_cpu_backup else tag + _DISCARD):
+        with _allocating_as(self._note(tag, enable_cpu_backup)):
             yield
 
     @contextlib.contextmanager
@@ -98,12 +96,11 @@ class TorchMemorySaver:
                 "cuda_graph() needs vmmbuf as the process's allocator (vmmbuf.torch.use() before "
                 "the first CUDA tensor, or TMS_INIT_ENABLE=1): PyTorch serves a graph's pool from "
                 "its own allocator otherwise")
-        kept, dropped = self._used.get(tag, (False, False))
-        self._used[tag] = (kept or enable_cpu_backup, dropped or not enable_cpu_backup)
+        as_tag = self._note(tag, enable_cpu_backup)
         torch = _vtorch.torch
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                               capture_error_mode=capture_error_mode):
-            with _allocating_as(tag if enable_cpu_backup else tag + _DISCARD):
+            with _allocating_as(as_tag):
                 yield
 
     @contextlib.contextmanager
@@ -122,6 +119,13 @@ class TorchMemorySaver:
             pool = torch.cuda.MemPool()
             with torch.cuda.use_mem_pool(pool):
                 yield
+
+    def _note(self, tag: str, backup: bool) -> str:
+        """Records that ``tag`` has memory kept (``backup``) or dropped at a
+        pause, and returns the vmmbuf tag that memory is made under."""
+        kept, dropped = self._used.get(tag, (False, False))
+        self._used[tag] = (kept or backup, dropped or not backup)
+        return tag if backup else tag + _DISCARD
 
     def _tags(self, tag: Optional[str]) -> List[Tuple[str, bool]]:
         """The vmmbuf tags of ``tag`` (None: every region's), each with
@@ -237,8 +241,7 @@ def _init_enable(saver: TorchMemorySaver, env: Dict[str, str]) -> bool:
         return False
     backup = env.get("TMS_INIT_ENABLE_CPU_BACKUP", "0") == "1"
     _vtorch.use()
-    saver._used[_TAG_DEFAULT] = (backup, not backup)
-    _native.set_default_tag(_TAG_DEFAULT if backup else _TAG_DEFAULT + _DISCARD)
+    _native.set_default_tag(saver._note(_TAG_DEFAULT, backup))
     return True
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from . import _check
 from . import sleep as _sleep
@@ -58,9 +58,9 @@ class CuMemAllocator:
     def __init__(self) -> None:
         """Use :meth:`get_instance`."""
         self.current_tag: str = CuMemAllocator.default_tag
-        # Every tag used, with its device; and the tags asleep, with whether
-        # their contents were kept.
-        self._tags: Dict[str, int] = {}
+        # Every tag used; and the tags asleep, with whether their contents
+        # were kept.
+        self._tags: Set[str] = set()
         self._asleep: Dict[str, bool] = {}
 
     @contextlib.contextmanager
@@ -78,7 +78,7 @@ class CuMemAllocator:
         self.current_tag = tag
         try:
             with _vtorch.pool(tag):
-                self._tags[tag] = _vtorch._dev(None)
+                self._tags.add(tag)
                 yield
         finally:
             self.current_tag = old
@@ -115,14 +115,14 @@ class CuMemAllocator:
         want = None if tags is None else {_check.tag("tags", t) for t in _iter(tags)}
         which = [t for t in self._asleep if want is None or t in want]
         woken: List[str] = []
-        try:
-            for tag in which:
+        for tag in which:
+            try:
                 _wake(tag)
-                woken.append(tag)
-        except VmmbufError as e:
-            for tag in woken:
-                _put_to_sleep(tag, self._asleep[tag])
-            raise RuntimeError(f"CuMemAllocator.wake_up: waking {tag!r} failed: {e}") from e
+            except VmmbufError as e:
+                for back in woken:
+                    _put_to_sleep(back, self._asleep[back])
+                raise RuntimeError(f"CuMemAllocator.wake_up: waking {tag!r} failed: {e}") from e
+            woken.append(tag)
         for tag in woken:
             del self._asleep[tag]
 
