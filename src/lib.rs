@@ -131,7 +131,9 @@ pub mod cuda {
         capture_of, capture_state, Capture, CaptureState, RelaxedCapture,
     };
     pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
-    pub use crate::backend::cuda::probe::{device_count, probe, DeviceProbe, Probe};
+    pub use crate::backend::cuda::probe::{
+        device_count, probe, DeviceProbe, KeepCurrentContext, Probe,
+    };
     pub use crate::backend::cuda::tensor::CudaTensor;
     pub use crate::backend::cuda::{
         ChunkKind, CudaBackend, CudaBackendDesc, CudaChunk, CudaFence, CudaReservation,

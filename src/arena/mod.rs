@@ -139,6 +139,14 @@ pub struct ArenaDesc {
     /// PyTorch plug-in turns it on (`VMMBUF_TORCH_WAIT_BEFORE_GROW=0` turns
     /// it off there).
     pub wait_before_grow: bool,
+    /// Maps every chunk for the peer devices too (false by default): each
+    /// device that [`Backend::peers`] names may then read and write the
+    /// arena's memory, as every GPU with peer access enabled may read
+    /// `cudaMalloc` memory. Without it a kernel on another GPU faults on
+    /// the arena's addresses and `cudaMemcpyPeer` from them fails
+    /// (`cudaErrorInvalidValue`): CuPy's copies between devices did both
+    /// (issue 38). Each mapping then costs one page-table update per GPU.
+    pub peer_access: bool,
 }
 
 impl ArenaDesc {
@@ -154,7 +162,15 @@ impl ArenaDesc {
             release_before_map: true,
             defer_free_fences: false,
             wait_before_grow: false,
+            peer_access: false,
         }
+    }
+
+    /// Maps chunks for the peer devices too (see
+    /// [`peer_access`](Self::peer_access)).
+    pub fn peer_access(mut self, peers: bool) -> Self {
+        self.peer_access = peers;
+        self
     }
 
     /// Waits for another stream's pending free block rather than growing
@@ -442,6 +458,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut access = vec![AccessDesc::new(backend.home(), Access::ReadWrite)];
         if backend.home() != Location::Host {
             access.push(AccessDesc::new(Location::Host, Access::ReadWrite));
+        }
+        if desc.peer_access {
+            for d in backend.peers()? {
+                access.push(AccessDesc::new(Location::Device(d), Access::ReadWrite));
+            }
         }
         let region = Region::reserve(&backend, reserved, g, g)?;
         let base = region.base();

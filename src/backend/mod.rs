@@ -166,6 +166,13 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether `device` can be given access to memory placed on `peer`.
     fn can_access_peer(&self, device: u32, peer: u32) -> Result<bool>;
 
+    /// The other devices that can be given access to memory placed at the
+    /// backend's home (none for the host backend): what a mapping lists
+    /// for [`ArenaDesc::peer_access`](crate::ArenaDesc::peer_access).
+    fn peers(&self) -> Result<Vec<u32>> {
+        Ok(Vec::new())
+    }
+
     /// True once all work before `fence` has finished. Never blocks.
     fn fence_done(&self, fence: &Self::Fence) -> Result<bool>;
 

@@ -5,12 +5,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::PushKernelArg;
-use vmmbuf::{Access, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy, Location};
+use vmmbuf::{
+    cuda::CudaArena, Access, Arena, ArenaDesc, Backend, BufferDesc, CudaBackend, GrowableBuffer,
+    GrowthPolicy, Location,
+};
 
 use crate::cuda_only::Kernels;
 
 crate::register! {
-    two_gpus: [a_peer_reads_and_writes_once_granted_and_is_refused_before],
+    two_gpus: [a_peer_reads_and_writes_once_granted_and_is_refused_before, an_arena_with_peer_access_is_mapped_for_its_peers],
     child: [child_peer_read_without_access],
 }
 
@@ -147,4 +150,50 @@ fn child_peer_read_without_access() {
     }
     std::mem::forget(bad); // its context is poisoned; do not free through it
     std::mem::forget(buf);
+}
+
+/// An arena made with `peer_access` maps every chunk for the GPUs that can
+/// reach its own: a kernel on GPU 1 reads what GPU 0 wrote, and GPU 0 sees
+/// what GPU 1 wrote, at the arena's addresses, in a large block and a
+/// small one (the arena's two zones), and in a chunk mapped after the first
+/// ones. CuPy's copies between devices failed on arena memory mapped for
+/// its own GPU only (`cudaErrorInvalidValue`, issue 38).
+fn an_arena_with_peer_access_is_mapped_for_its_peers() {
+    let (b0, b1) = two_gpus();
+    assert!(
+        b0.peers().unwrap().contains(&1),
+        "GPU 1 can reach GPU 0 on this machine: {:?}",
+        b0.peers()
+    );
+    let (k0, k1) = (Kernels::load(&b0), Kernels::load(&b1));
+    let arena: CudaArena =
+        Arena::new(b0.clone(), ArenaDesc::new(1 << 30).peer_access(true)).unwrap();
+    let large = arena.alloc(WORDS as usize * 4, &k0.stream).unwrap();
+    let small = arena.alloc(4096, &k0.stream).unwrap();
+    for (i, (a, n)) in [(large.address(), WORDS), (small.address(), 1024)]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 7 + i as u32;
+        k0.fill(a, 0, n, seed);
+        k0.stream.synchronize().unwrap();
+        assert_eq!(
+            k1.mismatches(a, 0, n, seed),
+            0,
+            "GPU 1 reads GPU 0's block {i}"
+        );
+        k1.fill(a, 0, n, seed + 100);
+        k1.stream.synchronize().unwrap();
+        assert_eq!(
+            k0.mismatches(a, 0, n, seed + 100),
+            0,
+            "GPU 0 sees GPU 1's writes {i}"
+        );
+    }
+    // A chunk mapped later is mapped for the peer as well.
+    let later = arena.alloc(WORDS as usize * 8, &k0.stream).unwrap();
+    k0.fill(later.address(), 0, WORDS * 2, 11);
+    k0.stream.synchronize().unwrap();
+    assert_eq!(k1.mismatches(later.address(), 0, WORDS * 2, 11), 0);
+    k1.stream.synchronize().unwrap();
 }

@@ -814,6 +814,19 @@ impl Backend for CudaBackend {
         unsafe { driver::can_access_peer(a, b) }
     }
 
+    fn peers(&self) -> Result<Vec<u32>> {
+        let Location::Device(home) = self.home() else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for d in (0..self.device_count).filter(|&d| d != home) {
+            if self.can_access_peer(d, home)? {
+                out.push(d);
+            }
+        }
+        Ok(out)
+    }
+
     fn fence_done(&self, fence: &CudaFence) -> Result<bool> {
         self.counters.update(|c| c.fence_queries += 1);
         driver::event_done(fence.event())

@@ -194,3 +194,50 @@ fn probe_all() -> Result<Probe> {
         peer_access,
     })
 }
+
+/// Puts back, when dropped, the CUDA context that was current on this
+/// thread when it was made (none included). vmmbuf binds the context of
+/// the device it works on, and a caller that works through the CUDA
+/// runtime reads its current device from the current context: a free of
+/// another GPU's memory (CuPy's garbage collection, PyTorch freeing a
+/// tensor of another device) would otherwise leave that GPU current, and
+/// the caller's next allocation would land there. Entry points for such
+/// callers hold one for the length of each call. Restores only when the
+/// current context changed, and logs rather than fails if the driver
+/// refuses.
+#[must_use = "the context is put back when the guard is dropped"]
+pub struct KeepCurrentContext {
+    ctx: cudarc::driver::sys::CUcontext,
+}
+
+impl KeepCurrentContext {
+    /// Notes the context current on this thread.
+    /// [`Error::DriverUnavailable`](crate::Error::DriverUnavailable)
+    /// without a driver.
+    pub fn new() -> Result<Self> {
+        CudaBackend::check_driver()?;
+        Ok(Self {
+            ctx: driver::current_raw()?,
+        })
+    }
+}
+
+impl Drop for KeepCurrentContext {
+    fn drop(&mut self) {
+        match driver::current_raw() {
+            Ok(now) if now == self.ctx => {}
+            Ok(_) => {
+                // SAFETY: `ctx` was current on this thread when the guard was
+                // made (the guard is not Send); it is null or a context its
+                // owner still holds, since nothing in between destroys a
+                // context the caller had current.
+                if let Err(e) = unsafe { driver::restore_current(self.ctx) } {
+                    tracing::warn!(error = %e, "vmmbuf: putting the caller's CUDA context back failed");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "vmmbuf: reading the current CUDA context failed")
+            }
+        }
+    }
+}
