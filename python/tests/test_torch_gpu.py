@@ -52,6 +52,50 @@ def test_process_wide_every_tensor_from_vmmbuf_and_stats(torch_gpu):
     assert out.strip().startswith("OK")
 
 
+def test_process_wide_record_stream_keeps_a_block_from_its_own_stream(torch_gpu):
+    """``Tensor.record_stream`` reaches vmmbuf process-wide (PyTorch's own
+    test_record_stream_on_shifted_view failed without the hook): a tensor
+    read by a spinning kernel on another stream, recorded there and freed on
+    its own stream, is not handed to its own stream's next allocation until
+    that work is done: the late read sees the original bytes, never the
+    next owner's fill."""
+    out = run_script("""
+        import torch, vmmbuf.torch as vt
+        vt.use()
+        torch.cuda._sleep(1000); torch.cuda.synchronize()   # load the kernel first
+        s_alloc, s_use = torch.cuda.Stream(), torch.cuda.Stream()
+        n = 1 << 20
+        g = torch.Generator(device="cuda").manual_seed(11)
+        same = 0
+        for trial in range(4):
+            with torch.cuda.stream(s_alloc):
+                x = torch.randint(0, 1 << 30, (n,), dtype=torch.int32, device="cuda", generator=g)
+                ref = x.cpu()
+                base = x.data_ptr()
+                view = x[n // 2:]                       # a shifted view, as PyTorch's test
+            s_use.wait_stream(s_alloc)
+            with torch.cuda.stream(s_use):
+                torch.cuda._sleep(200_000_000)          # the read comes late
+                seen = x.clone()
+            view.record_stream(s_use)
+            x.record_stream(s_use)
+            del x, view
+            with torch.cuda.stream(s_alloc):
+                y = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+            # The same address is fine only after the read is over (the
+            # plug-in waits for the other stream rather than grow): y's
+            # fill, queued on s_alloc, must not reach the late read.
+            same += y.data_ptr() == base
+            torch.cuda.synchronize()
+            assert torch.equal(seen.cpu(), ref), "the late read saw another owner's bytes"
+            del y, seen
+        with torch.cuda.stream(s_alloc):
+            z = torch.empty((n,), dtype=torch.int32, device="cuda")
+        print("OK same_address", same, "reused_after_sync", z.data_ptr() == base)
+    """)
+    assert "OK" in out, out
+
+
 def test_process_wide_out_of_memory_raises_with_the_cause(torch_gpu):
     out = run_script("""
         import torch, vmmbuf, vmmbuf.torch as vt
@@ -323,11 +367,13 @@ def test_torch_memory_saver_disable_nesting_mixed_regions_and_retain(torch_gpu):
             assert torch.equal(t.cpu(), r)
         dropped.fill_(1.0)
         assert float(dropped.sum()) == dropped.numel()
-        assert vmmbuf.stats()["pooled_host_bytes"] == 0, "retain_cpu_backup False: given back"
+        st = vmmbuf.stats()
+        assert st["pooled_host_bytes"] == 0 and st["stash_bytes"] == 0, "retain_cpu_backup False: given back"
         tms.retain_cpu_backup = True
         tms.pause("a")
         tms.resume("a")
-        assert vmmbuf.stats()["pooled_host_bytes"] >= 16 * 4 * MiB, "retained"
+        # Kept as the awake arena's stash, for the next pause.
+        assert vmmbuf.stats()["stash_bytes"] >= 16 * 4 * MiB, "retained"
         assert torch.equal(kept.cpu(), refs[0])
         print("OK")
     """)

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -88,8 +89,22 @@ def _allocator(malloc: str = "vmmbuf_torch_malloc") -> Any:
       retries, then raises ``torch.OutOfMemoryError``).
     """
     if malloc not in _ALLOCATORS:
-        _ALLOCATORS[malloc] = torch.cuda.memory.CUDAPluggableAllocator(
-            library_path(), malloc, "vmmbuf_free")
+        a = torch.cuda.memory.CUDAPluggableAllocator(library_path(), malloc, "vmmbuf_free")
+        if malloc == "vmmbuf_torch_malloc":
+            # Process-wide, ``Tensor.record_stream`` reaches the plug-in only
+            # through this hook: PyTorch skips the call when none is set,
+            # and the block would go back to its own stream while another
+            # still uses it. (Under a MemPool, PyTorch's caching allocator
+            # keeps the record itself.)
+            setter = getattr(a.allocator(), "set_record_stream_fn", None)
+            if setter is None:
+                warnings.warn(
+                    "this PyTorch cannot pass Tensor.record_stream to a pluggable allocator: "
+                    "free a tensor used on another stream only after synchronising with that "
+                    "stream", RuntimeWarning, stacklevel=3)
+            else:
+                setter(_native.record_stream_fn())
+        _ALLOCATORS[malloc] = a
         _announce_captures()
     return _ALLOCATORS[malloc]
 

@@ -28,6 +28,9 @@ pub(crate) fn fail(what: &str, error: &dyn std::fmt::Display) {
 
 /// Runs `f`, turning a panic into `fallback` (logged).
 fn guard<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+    // The caller's current CUDA context comes back whatever the call bound
+    // (a free of another GPU's memory binds that GPU's context).
+    let _keep = vmmbuf::cuda::KeepCurrentContext::new().ok();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(_) => {
@@ -56,11 +59,62 @@ pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void)
         match state::malloc(size, device, stream) {
             Ok(p) => p as usize as *mut c_void,
             Err(e) => {
-                fail(&format!("vmmbuf_malloc({size}, device {device})"), &e);
+                let call = format!("vmmbuf_malloc({size}, device {device})");
+                match pytorch_words(size, device, &e) {
+                    Some(w) => fail(&format!("{w} {call}"), &e),
+                    None => fail(&call, &e),
+                }
                 std::ptr::null_mut()
             }
         }
     })
+}
+
+/// PyTorch's own words for an allocation that did not fit ("Tried to
+/// allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which
+/// 1.03 GiB is free."), which its users' and its tests' checks look for;
+/// None for a failure that is not out of memory.
+fn pytorch_words(size: usize, device: c_int, e: &vmmbuf::Error) -> Option<String> {
+    use vmmbuf::Error as E;
+    let (free, total) = match e {
+        E::ArenaOutOfMemory {
+            free_bytes,
+            total_bytes,
+            ..
+        } => (*free_bytes, *total_bytes),
+        E::OutOfMemory { .. } => (None, None),
+        _ => return None,
+    };
+    // PyTorch refuses these before asking any allocator, in these words.
+    if size as u128 >= 1u128 << 60 {
+        return Some("Tried to allocate more than 1EB memory.".into());
+    }
+    let mut w = format!("Tried to allocate {}.", pytorch_size(size));
+    if let Some(total) = total {
+        w.push_str(&format!(
+            " GPU {device} has a total capacity of {}",
+            pytorch_size(total)
+        ));
+        if let Some(free) = free {
+            w.push_str(&format!(" of which {} is free", pytorch_size(free)));
+        }
+        w.push('.');
+    }
+    Some(w)
+}
+
+/// A byte count as PyTorch's messages print one (c10's `format_size`).
+fn pytorch_size(bytes: usize) -> String {
+    let b = bytes as f64;
+    if bytes <= 1 << 10 {
+        format!("{bytes} bytes")
+    } else if bytes <= 1 << 20 {
+        format!("{:.2} KiB", b / 1024.0)
+    } else if bytes <= 1 << 30 {
+        format!("{:.2} MiB", b / 1048576.0)
+    } else {
+        format!("{:.2} GiB", b / 1073741824.0)
+    }
 }
 
 #[cfg(target_os = "linux")]
@@ -101,6 +155,21 @@ pub extern "C" fn vmmbuf_free(ptr: *mut c_void, size: isize, device: c_int, stre
     guard("vmmbuf_free", (), || {
         if let Err(e) = state::free(ptr as usize as u64, device, stream) {
             fail(&format!("vmmbuf_free({ptr:?}, {size})"), &e);
+        }
+    })
+}
+
+/// PyTorch's `Tensor.record_stream` (`CUDAPluggableAllocator`'s
+/// `set_record_stream_fn` takes this function): the free of the allocation
+/// at `ptr` also waits for the work queued on `stream` until then (or
+/// leaves the block to the graph `stream` is being captured into at the
+/// free). An unknown pointer is logged ([`vmmbuf_last_error`]) and changes
+/// nothing.
+#[no_mangle]
+pub extern "C" fn vmmbuf_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    guard("vmmbuf_record_stream", (), || {
+        if let Err(e) = state::record_stream(ptr as usize as u64, stream) {
+            fail(&format!("vmmbuf_record_stream({ptr:?}, {stream:?})"), &e);
         }
     })
 }
@@ -465,4 +534,49 @@ pub extern "C" fn vmmbuf_nccl_deregister(device: c_int, id: u64) -> c_int {
             }
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn oom(requested: usize, free: Option<usize>, total: Option<usize>) -> vmmbuf::Error {
+        vmmbuf::Error::ArenaOutOfMemory {
+            requested_bytes: requested,
+            free_bytes: free,
+            total_bytes: total,
+            reserved_bytes: 0,
+            budget_bytes: None,
+            never_fits: false,
+        }
+    }
+
+    /// The words PyTorch's own tests and users match on
+    /// (test_cuda.py's test_out_of_memory, test_out_of_memory_retry).
+    #[test]
+    fn out_of_memory_is_told_in_pytorchs_words() {
+        let total = 150_110_011_392; // an H200's, as the driver reports it
+        let w = pytorch_words(
+            8_589_934_592_000_000_000,
+            0,
+            &oom(0, Some(20 << 20), Some(total)),
+        );
+        assert_eq!(
+            w.as_deref(),
+            Some("Tried to allocate more than 1EB memory.")
+        );
+        let w = pytorch_words(800_000_000 << 30, 3, &oom(0, Some(20 << 20), Some(total))).unwrap();
+        assert!(
+            w.starts_with(
+                "Tried to allocate 800000000.00 GiB. GPU 3 has a total capacity of 139.80 GiB"
+            ),
+            "{w}"
+        );
+        assert!(w.ends_with("of which 20.00 MiB is free."), "{w}");
+        let w = pytorch_words(1536, 1, &oom(0, None, None)).unwrap();
+        assert_eq!(w, "Tried to allocate 1.50 KiB.");
+        assert_eq!(pytorch_size(1024), "1024 bytes");
+        assert_eq!(pytorch_size(3 << 20), "3.00 MiB");
+        assert!(pytorch_words(8, 0, &vmmbuf::Error::InvalidArgument("x".into())).is_none());
+    }
 }

@@ -45,6 +45,9 @@ pub(crate) struct Device {
     budget: Option<Arc<Budget>>,
     /// Live allocations by address.
     live: QuickMap<usize, CudaAllocation>,
+    /// The other streams PyTorch's `record_stream` named for a live
+    /// allocation (see [`record_stream`]), handled at its free.
+    recorded: QuickMap<usize, Vec<Arc<CudaStream>>>,
     /// Host pieces being created ahead of a sleep (`prepare_sleep`): a
     /// sleep waits for them rather than pin the same pages again.
     preparing: Option<std::thread::JoinHandle<Result<usize>>>,
@@ -159,6 +162,7 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         budget: r.budgets.get(&device).map(|&b| Budget::new(b)),
         streams: QuickMap::default(),
         live: QuickMap::default(),
+        recorded: QuickMap::default(),
         preparing: None,
         graphs: HashSet::new(),
         released: Arc::default(),
@@ -254,6 +258,13 @@ impl Device {
             desc = desc.wait_before_grow(
                 std::env::var("VMMBUF_TORCH_WAIT_BEFORE_GROW").as_deref() != Ok("0"),
             );
+            // Every GPU that can reach this one maps its chunks too, as
+            // every GPU with peer access enabled reaches cudaMalloc memory:
+            // PyTorch's and CuPy's copies between devices (cudaMemcpyPeer,
+            // or a kernel on the other GPU) failed without it (issue 38).
+            // VMMBUF_TORCH_PEER_ACCESS=0 maps for this GPU only.
+            desc =
+                desc.peer_access(std::env::var("VMMBUF_TORCH_PEER_ACCESS").as_deref() != Ok("0"));
             if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
                 match v.parse::<usize>() {
                     Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),
@@ -603,7 +614,7 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
     let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
-    let a = d.take_live(ptr, dev)?;
+    let (a, recorded) = d.take_live(ptr, dev)?;
     // PyTorch frees on the allocation's own stream: then its handle is the
     // allocation's, and the stream map is not consulted.
     let s =
@@ -625,6 +636,21 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     };
     let own = ask(a.stream());
     let named = other.map(ask);
+    // Streams named by record_stream: each not captured gets a fence at the
+    // free, as the stream named does; one under capture makes the block
+    // its graph's, since the graph's replays may use it.
+    let recorded: Vec<(Arc<CudaStream>, CaptureState)> = recorded
+        .into_iter()
+        .map(|s| {
+            let c = ask(&s);
+            (s, c)
+        })
+        .collect();
+    for (s, c) in &recorded {
+        if c.active().is_none() {
+            a.record_stream(s);
+        }
+    }
     let plain = |c: &CaptureState| matches!(c, CaptureState::None);
     // The stream named, not captured, gets a fence of its own: at the
     // free, or (an ordinary free) with the free's.
@@ -638,6 +664,7 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     match own
         .active()
         .or(named.as_ref().and_then(CaptureState::active))
+        .or(recorded.iter().find_map(|(_, c)| c.active()))
     {
         Some(c) => {
             let g = d.graph_pool(c)?;
@@ -661,19 +688,55 @@ pub(crate) fn free_stream_destroyed(ptr: u64, dev: c_int) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
     let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
-    let a = d.take_live(ptr, dev)?;
+    // The streams record_stream named need nothing more: the device
+    // synchronisation this free waits for covers them too.
+    let (a, _recorded) = d.take_live(ptr, dev)?;
     a.free_stream_destroyed();
     Ok(())
 }
 
+/// PyTorch's `Tensor.record_stream` on the plug-in's memory (PyTorch's
+/// pluggable allocator calls it once `set_record_stream_fn` names it; without
+/// it PyTorch skips the call): the free of the live allocation at `ptr`
+/// then also waits for the work queued on `stream` up to the free, or, if
+/// `stream` is being captured at the free, leaves the block to that graph.
+/// `ptr` must be an allocation's start, as PyTorch passes it.
+pub(crate) fn record_stream(ptr: u64, stream: *mut c_void) -> Result<()> {
+    let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        let Some(own) = d.live.get(&(ptr as usize)).map(|a| key(a.stream())) else {
+            continue;
+        };
+        let s = d.stream(stream);
+        if key(&s) != own {
+            let v = d.recorded.entry(ptr as usize).or_default();
+            if !v.iter().any(|t| key(t) == key(&s)) {
+                v.push(s);
+            }
+        }
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "record_stream of {ptr:#x}: not a live allocation of the plug-in"
+    )))
+}
+
 impl Device {
     /// The live allocation at `ptr`, taken out to be freed (after releasing
-    /// the graphs CUDA destroyed since the last call).
-    fn take_live(&mut self, ptr: u64, dev: c_int) -> Result<CudaAllocation> {
+    /// the graphs CUDA destroyed since the last call), with the streams
+    /// `record_stream` named for it.
+    fn take_live(
+        &mut self,
+        ptr: u64,
+        dev: c_int,
+    ) -> Result<(CudaAllocation, Vec<Arc<CudaStream>>)> {
         self.release_graphs();
-        self.live
+        let a = self
+            .live
             .remove(&(ptr as usize))
-            .ok_or_else(|| unknown_free(ptr, dev))
+            .ok_or_else(|| unknown_free(ptr, dev))?;
+        Ok((a, self.recorded.remove(&(ptr as usize)).unwrap_or_default()))
     }
 }
 

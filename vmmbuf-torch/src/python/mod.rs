@@ -45,6 +45,16 @@ pub(crate) fn to_py(e: vmmbuf::Error) -> PyErr {
     })
 }
 
+/// Runs `f` with the GIL released, then puts back the CUDA context the
+/// caller had current (see [`vmmbuf::cuda::KeepCurrentContext`]): a free of
+/// another GPU's memory must not leave that GPU current for CuPy or PyTorch.
+fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> T + Send) -> T {
+    py.detach(|| {
+        let _keep = vmmbuf::cuda::KeepCurrentContext::new().ok();
+        f()
+    })
+}
+
 fn stream_ptr(stream: usize) -> *mut c_void {
     stream as *mut c_void
 }
@@ -55,15 +65,13 @@ fn stream_ptr(stream: usize) -> *mut c_void {
 #[pyfunction]
 fn malloc(py: Python<'_>, size: usize, device: c_int, stream: usize) -> PyResult<u64> {
     // The GIL is released on this thread: its tag is still the caller's.
-    py.detach(|| state::malloc(size, device, stream_ptr(stream)))
-        .map_err(to_py)
+    detached(py, || state::malloc(size, device, stream_ptr(stream))).map_err(to_py)
 }
 
 /// Frees `ptr` in stream order on `stream`.
 #[pyfunction]
 fn free(py: Python<'_>, ptr: u64, device: c_int, stream: usize) -> PyResult<()> {
-    py.detach(|| state::free(ptr, device, stream_ptr(stream)))
-        .map_err(to_py)
+    detached(py, || state::free(ptr, device, stream_ptr(stream))).map_err(to_py)
 }
 
 /// Frees `ptr` after the stream it was allocated on was destroyed: nothing
@@ -71,21 +79,27 @@ fn free(py: Python<'_>, ptr: u64, device: c_int, stream: usize) -> PyResult<()> 
 /// device synchronisation.
 #[pyfunction]
 fn free_stream_destroyed(py: Python<'_>, ptr: u64, device: c_int) -> PyResult<()> {
-    py.detach(|| state::free_stream_destroyed(ptr, device))
-        .map_err(to_py)
+    detached(py, || state::free_stream_destroyed(ptr, device)).map_err(to_py)
+}
+
+/// The address of the C function `vmmbuf_record_stream`, for PyTorch's
+/// `CUDAPluggableAllocator.allocator().set_record_stream_fn`.
+#[pyfunction]
+fn record_stream_fn() -> u64 {
+    crate::capi::vmmbuf_record_stream as *const () as usize as u64
 }
 
 /// The device's statistics as JSON with PyTorch's key names; None before
 /// its first allocation.
 #[pyfunction]
 fn stats_json(py: Python<'_>, device: c_int) -> Option<String> {
-    py.detach(|| state::stats_json(device))
+    detached(py, || state::stats_json(device))
 }
 
 /// Sets every peak of the device's statistics to its current value.
 #[pyfunction]
 fn reset_peak(py: Python<'_>, device: c_int) {
-    py.detach(|| state::reset_peak(device))
+    detached(py, || state::reset_peak(device))
 }
 
 /// Sets the device's budget (before its first allocation).
@@ -97,7 +111,7 @@ fn set_budget(device: c_int, bytes: usize) -> PyResult<()> {
 /// Gives the device's cached memory back to the driver.
 #[pyfunction]
 fn empty_cache(py: Python<'_>, device: c_int) -> PyResult<()> {
-    py.detach(|| state::empty_cache(device)).map_err(to_py)
+    detached(py, || state::empty_cache(device)).map_err(to_py)
 }
 
 /// CUDA devices this process can use (0 without a driver).
@@ -172,9 +186,11 @@ fn sleep(
     discard: bool,
     reachable: bool,
 ) -> PyResult<(u64, u64)> {
-    py.detach(|| state::sleep_tags(tag.as_deref(), mode_of(discard, reachable)))
-        .map(|m| (m.bytes, m.device_bytes))
-        .map_err(to_py)
+    detached(py, || {
+        state::sleep_tags(tag.as_deref(), mode_of(discard, reachable))
+    })
+    .map(|m| (m.bytes, m.device_bytes))
+    .map_err(to_py)
 }
 
 /// Wakes `tag`'s allocations (None: every tag's) at the same addresses:
@@ -183,7 +199,7 @@ fn sleep(
 #[pyfunction]
 #[pyo3(signature = (tag=None, zero=false))]
 fn wake(py: Python<'_>, tag: Option<String>, zero: bool) -> PyResult<(u64, u64)> {
-    py.detach(|| state::wake_tags(tag.as_deref(), zero))
+    detached(py, || state::wake_tags(tag.as_deref(), zero))
         .map(|m| (m.bytes, m.device_bytes))
         .map_err(to_py)
 }
@@ -199,8 +215,10 @@ fn prepare_sleep(
     wait: bool,
     reachable: bool,
 ) -> PyResult<u64> {
-    py.detach(|| state::prepare_sleep(tag.as_deref(), mode_of(false, reachable), wait))
-        .map_err(to_py)
+    detached(py, || {
+        state::prepare_sleep(tag.as_deref(), mode_of(false, reachable), wait)
+    })
+    .map_err(to_py)
 }
 
 /// Gives the host pieces kept between sleeps back to the driver; the bytes.
@@ -212,8 +230,7 @@ fn release_host_cache(py: Python<'_>) -> PyResult<u64> {
 /// Bounds the host pieces each device keeps between sleeps.
 #[pyfunction]
 fn set_host_cache_limit(py: Python<'_>, bytes: usize) -> PyResult<()> {
-    py.detach(|| state::set_host_cache_limit(bytes))
-        .map_err(to_py)
+    detached(py, || state::set_host_cache_limit(bytes)).map_err(to_py)
 }
 
 /// `vmmbuf.torch.register_nccl`'s native half: see `state::nccl_register`.
@@ -258,7 +275,7 @@ fn set_default_tag(tag: &str) {
 /// none).
 #[pyfunction]
 fn set_memory_margin(py: Python<'_>, bytes: usize) {
-    py.detach(|| state::set_memory_margin(bytes))
+    detached(py, || state::set_memory_margin(bytes))
 }
 
 /// This thread's last failure in the C entry points (what PyTorch saw as a
@@ -284,6 +301,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(tags, m)?)?;
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
+    m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak, m)?)?;
     m.add_function(wrap_pyfunction!(set_budget, m)?)?;
