@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _check, _native
@@ -67,6 +68,20 @@ class TorchMemorySaver:
         self._reachable = reachable
         self._retain = False
         self._hook_mode = "torch"
+        # MemPool mode: how deep this thread is in regions, and the pools
+        # disable() used inside them, given back once the outermost region
+        # ends (PyTorch aborts on a MemPool destroyed while another pool is
+        # in use: c10's synchronize_and_free_events asserts that no pool is).
+        self._local = threading.local()
+
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    def _spent(self) -> List[Any]:
+        spent = getattr(self._local, "spent", None)
+        if spent is None:
+            spent = self._local.spent = []
+        return spent
 
     @contextlib.contextmanager
     def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> Iterator[None]:
@@ -75,8 +90,14 @@ class TorchMemorySaver:
         Regions nest: the innermost one's tag and backup apply."""
         tag = _check.tag("tag", tag)
         enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
-        with _allocating_as(self._note(tag, enable_cpu_backup)):
-            yield
+        self._local.depth = self._depth() + 1
+        try:
+            with _allocating_as(self._note(tag, enable_cpu_backup)):
+                yield
+        finally:
+            self._local.depth -= 1
+            if self._local.depth == 0:
+                self._spent().clear()
 
     @contextlib.contextmanager
     def cuda_graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
@@ -117,8 +138,14 @@ class TorchMemorySaver:
         else:
             torch = _vtorch.torch
             pool = torch.cuda.MemPool()
-            with torch.cuda.use_mem_pool(pool):
-                yield
+            try:
+                with torch.cuda.use_mem_pool(pool):
+                    yield
+            finally:
+                if self._depth() > 0:
+                    # Given back when the outermost region ends.
+                    self._spent().append(pool)
+                del pool
 
     def _note(self, tag: str, backup: bool) -> str:
         """Records that ``tag`` has memory kept (``backup``) or dropped at a
