@@ -7,13 +7,20 @@
 #   SUITE     cupy   CuPy's tests/ (PEER_DIR/tests), under CuPy's default pool
 #                    and under vmmbuf.cupy.use()
 #             torch  PyTorch's test/test_cuda.py (PEER_DIR/test_cuda.py): without
-#                    vmmbuf, vmmbuf process-wide, every test in a vmmbuf MemPool
+#                    vmmbuf, vmmbuf process-wide, every test in a vmmbuf MemPool,
+#                    and every test in a MemPool of PyTorch's own (the control
+#                    for the vmmbuf MemPool: its differences are compared too)
 #   PEER_DIR  the suite's files, fetched from its public repository into a
 #             git-ignored folder (never committed)
 #   OUT_DIR   where the logs and the differences go
 #   SECONDS   the most each run may take (default 600)
 # Environment: PEER_FILES (the test files or node ids to run, relative to
-# PEER_DIR; a fixed sample where time forces it), PEER_K (a -k expression).
+# PEER_DIR; a fixed sample where time forces it), PEER_K (a -k expression),
+# PEER_GPUS (one CUDA_VISIBLE_DEVICES value per configuration, space-separated,
+# e.g. "0,1 2,3": the configurations then run at once, each on its own GPUs,
+# the same count for each; unset: one after the other on every GPU),
+# PEER_XDIST (a worker count: each run spread over that many processes by
+# pytest-xdist, for a larger sample in the same time).
 # Each run gets PYTHONFAULTHANDLER=1, so a crash leaves its stack in the log.
 set -uo pipefail
 suite=$1 dir=$(cd "$2" && pwd) out=$3 secs=${4:-600}
@@ -22,24 +29,41 @@ mkdir -p "$out"
 export PYTHONPATH="$here/peer${PYTHONPATH:+:$PYTHONPATH}" PYTHONFAULTHANDLER=1 PEER_SUITE=$suite
 case "$suite" in
   cupy) configs="native vmmbuf" ;;
-  torch) configs="native vmmbuf vmmbuf-mempool" ;;
+  torch) configs="native vmmbuf vmmbuf-mempool torch-mempool" ;;
   *) echo "peer_suites: unknown suite $suite" >&2; exit 2 ;;
 esac
 files=${PEER_FILES:-}
 [ -n "$files" ] || { [ "$suite" = cupy ] && files=tests/cupy_tests/cuda_tests || files=test_cuda.py; }
-for cfg in $configs; do
-  log="$out/$suite-$cfg.log"
-  echo "== $suite under $cfg: $files" | tee "$log"
+run_one() { # CONFIG [CUDA_VISIBLE_DEVICES]
+  local cfg=$1 log="$out/$suite-$1.log" start rc
+  echo "== $suite under $cfg${2:+ on GPUs $2}: $files" | tee "$log"
   start=$(date +%s)
-  (cd "$dir" && PEER_ALLOCATOR=$cfg timeout -k 10 "$secs" python -m pytest -v -p peer_allocator \
+  (cd "$dir" && env ${2:+CUDA_VISIBLE_DEVICES=$2} PEER_ALLOCATOR=$cfg timeout -k 10 "$secs" \
+      python -m pytest -v -p peer_allocator \
       -p no:cacheprovider -o console_output_style=classic --timeout 120 \
-      --continue-on-collection-errors \
+      --continue-on-collection-errors ${PEER_XDIST:+-n "$PEER_XDIST"} \
       ${PEER_K:+-k "$PEER_K"} $files) >> "$log" 2>&1
   rc=$?
   echo "== exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
   tail -n 1 "$log"
+}
+read -r -a gpus <<< "${PEER_GPUS:-}"
+i=0
+for cfg in $configs; do
+  if [ ${#gpus[@]} -gt 0 ]; then
+    [ $i -lt ${#gpus[@]} ] || { echo "peer_suites: PEER_GPUS names fewer groups than configurations" >&2; exit 2; }
+    run_one "$cfg" "${gpus[$i]}" &
+  else
+    run_one "$cfg"
+  fi
+  i=$((i + 1))
 done
+wait
 base="$out/$suite-native.log"
+if [ "$suite" = torch ]; then
+  python3 "$here/peer/compare.py" "$out/torch-torch-mempool.log" "$out/torch-vmmbuf-mempool.log" \
+    --names torch-mempool vmmbuf-mempool > "$out/torch-vmmbuf-mempool-vs-torch-mempool-diff.md"
+fi
 for cfg in $configs; do
   [ "$cfg" = native ] && continue
   python3 "$here/peer/compare.py" "$base" "$out/$suite-$cfg.log" --names native "$cfg" \

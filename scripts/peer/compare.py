@@ -13,6 +13,8 @@ from collections import Counter
 from typing import Dict, Tuple
 
 LINE = re.compile(r"^(\S+::\S.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+# pytest-xdist's -v lines: "[gw3] PASSED path::test" (or "[gw3] [ 12%] PASSED ...").
+XLINE = re.compile(r"^\[gw\d+\](?: \[\s*\d+%\])? (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+::\S.*?)\s*$")
 CLOSING = re.compile(r"^=+ .*\b(passed|failed|error|skipped)\b.* in [0-9.]+s")
 
 
@@ -22,12 +24,14 @@ def outcomes(path: str) -> Tuple[Dict[str, str], bool, str]:
     with open(path, errors="replace") as f:
         for line in f:
             m = LINE.match(line)
-            if m:
+            x = XLINE.match(line)
+            name, outcome = (m.group(1), m.group(2)) if m else (x.group(2), x.group(1)) if x else (None, None)
+            if name is not None:
                 # A test reported twice (call failed, then teardown error)
                 # keeps its worst outcome.
-                prev = tests.get(m.group(1))
-                if prev is None or m.group(2) in ("FAILED", "ERROR"):
-                    tests[m.group(1)] = m.group(2)
+                prev = tests.get(name)
+                if prev is None or outcome in ("FAILED", "ERROR"):
+                    tests[name] = outcome
             if CLOSING.match(line.strip()):
                 closed, last = True, line.strip()
             if "Fatal Python error" in line or "Segmentation fault" in line:
@@ -50,14 +54,26 @@ def main() -> int:
         summary = ", ".join(f"{k.lower()} {v}" for k, v in sorted(c.items()))
         print(f"| {name} | {len(t)} | {summary} | {'closing line: ' + last if closed else 'NO closing line: ' + last} |")
     print()
-    diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    print(f"{len(diff)} tests differ:")
+    both = set(a) & set(b)
+    diff = sorted(k for k in both if a[k] != b[k])
+    only = sorted((set(a) | set(b)) - both)
+    print(f"{len(diff)} tests differ (of {len(both)} that both runs reached):")
     print()
     if diff:
         print(f"| test | {names[0]} | {names[1]} |")
         print("|---|---|---|")
         for k in diff:
-            print(f"| `{k}` | {a.get(k, 'not run')} | {b.get(k, 'not run')} |")
+            print(f"| `{k}` | {a[k]} | {b[k]} |")
+        print()
+    # A run cut by its time cap (or a crash) never reaches some tests; they
+    # are listed apart, since their outcome is unknown rather than different.
+    print(f"{len(only)} tests reached by one run only:")
+    print()
+    if only:
+        print(f"| test | {names[0]} | {names[1]} |")
+        print("|---|---|---|")
+        for k in only:
+            print(f"| `{k}` | {a.get(k, 'not reached')} | {b.get(k, 'not reached')} |")
     return 0
 
 

@@ -10,7 +10,9 @@ leaves the peer's own allocator alone: the same tests, the baseline.
 PyTorch's process-wide allocator must be chosen before CUDA starts, so for
 PyTorch's suite the choice is made at import time here (``vmmbuf`` process
 wide) or by ``PEER_ALLOCATOR=vmmbuf-mempool`` (every test inside a vmmbuf
-``MemPool``)."""
+``MemPool`` of its own); ``torch-mempool`` runs every test inside a MemPool
+of PyTorch's own, the control for ``vmmbuf-mempool``: what differs between
+those two is vmmbuf's doing, what they share is the pool's."""
 
 from __future__ import annotations
 
@@ -39,35 +41,53 @@ def pytest_runtest_setup(item: Any) -> None:
         vmmbuf.cupy.use()
 
 
+# PyTorch's tests of MemPool itself make pools and destroy them; PyTorch
+# aborts the process when a MemPool is destroyed while another is in use
+# (c10's synchronize_and_free_events asserts that no pool is), so inside
+# the vmmbuf MemPool they would test that nesting rather than vmmbuf. They
+# run outside it, as under native.
+_UNWRAPPED = ("TestMemPool",)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: Any) -> Iterator[None]:
-    with _scope():
+    cls = getattr(item, "cls", None)
+    with _scope(wrap=getattr(cls, "__name__", "") not in _UNWRAPPED):
         yield
 
 
 @contextlib.contextmanager
-def _scope() -> Iterator[None]:
-    if _SUITE == "torch" and _WHICH == "vmmbuf-mempool":
-        import torch
-        import vmmbuf.torch
+def _scope(wrap: bool = True) -> Iterator[None]:
+    if _SUITE == "torch" and _WHICH in ("vmmbuf-mempool", "torch-mempool") and wrap:
+        import gc
 
+        import torch
+
+        # A pool per test, given back after it, as the test's memory would
+        # be under native: one pool for the session kept every test's
+        # cache (PyTorch's empty_cache leaves a pool in use alone), and
+        # later tests ran out of memory or read its peak.
         pool = _mempool()
-        with torch.cuda.use_mem_pool(pool):
-            yield
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                yield
+        finally:
+            del pool
+            gc.collect()
+            torch.cuda.empty_cache()
     else:
         yield
 
 
-_POOL: Any = None
-
-
 def _mempool() -> Any:
-    global _POOL
-    if _POOL is None:
-        import vmmbuf.torch
+    """A vmmbuf MemPool, or (``torch-mempool``, the control) PyTorch's own."""
+    if _WHICH == "torch-mempool":
+        import torch
 
-        _POOL = vmmbuf.torch.MemPool()
-    return _POOL
+        return torch.cuda.MemPool()
+    import vmmbuf.torch
+
+    return vmmbuf.torch.MemPool()
 
 
 def pytest_report_header(config: Any) -> str:
