@@ -1,0 +1,286 @@
+//! Allocation, free (in every capture state) and `record_stream`.
+
+use super::*;
+
+/// Allocates `size` bytes on `device` for work on `stream`, under this
+/// thread's tag; the address.
+pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64> {
+    let _t = Timed::start(&MALLOC_NS);
+    if size == 0 {
+        return Err(Error::InvalidArgument("an allocation of 0 bytes".into()));
+    }
+    // A capture in CUDA's global mode (PyTorch's default) forbids every
+    // thread's unsafe calls: vmmbuf makes each of its own (an event query,
+    // a mapping) in relaxed mode, so the common path switches no mode.
+    let d = device(dev)?;
+    let mut d = d.lock();
+    d.release_graphs();
+    let tag = tag();
+    let s = d.stream(stream);
+    // Captured into a CUDA graph: the memory is the graph's until CUDA
+    // destroys it (the graph replays the captured work at these addresses).
+    let graph = match capture(&s)? {
+        Some(c) => Some(d.graph_pool(&c)?),
+        None => None,
+    };
+    let alloc = |a: &TorchArena| match graph {
+        Some(g) => a.alloc_in_graph(size, &s, g),
+        None => a.alloc(size, &s),
+    };
+    let a = match alloc(d.arena(&tag)?) {
+        // At the device's budget, shared by every tag: the other tags'
+        // cached memory goes back too, then one more try (an arena gives
+        // back only its own before failing).
+        Err(e) if e.is_transient() && d.arenas.len() > 1 => {
+            for a in d.arenas.values() {
+                if let Err(e) = a.release_cached() {
+                    tracing::warn!(error = %e, "vmmbuf-torch: releasing cached memory failed");
+                }
+            }
+            alloc(d.arena(&tag)?)?
+        }
+        r => r?,
+    };
+    let p = a.address();
+    d.live.insert(p as usize, a);
+    Ok(p)
+}
+
+/// `VMMBUF_TORCH_GRAPHS=0`: the process never captures CUDA graphs, so
+/// malloc and free skip the capture query (`cuStreamIsCapturing`, a driver
+/// call PyTorch's own cache does not make on a hit). A capture with it set
+/// is not supported (allocations inside it are ordinary ones, and CUDA may
+/// refuse the frees' fences).
+fn graphs_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VMMBUF_TORCH_GRAPHS").as_deref() != Ok("0"))
+}
+
+/// What the plug-in has been told of CUDA graph captures. Unless told,
+/// malloc and free ask the driver about the stream at every call
+/// (`cuStreamIsCapturing`, 0.4-0.7 us with cold caches, twice a pair).
+/// Once a caller announces captures (the Python package does: it hooks
+/// `torch.cuda.CUDAGraph`'s capture_begin and capture_end), the plug-in
+/// asks only while one is under way, as PyTorch's own cache consults its
+/// list of captures under way. Every uncertainty keeps it asking: a count
+/// that cannot be brought down stays up.
+pub(crate) struct Captures {
+    /// Every capture that can touch this plug-in's memory is announced.
+    announced: std::sync::atomic::AtomicBool,
+    /// Captures begun and not yet ended.
+    underway: std::sync::atomic::AtomicUsize,
+}
+
+impl Captures {
+    pub(super) const fn new() -> Self {
+        Self {
+            announced: std::sync::atomic::AtomicBool::new(false),
+            underway: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    /// From now on every capture is announced (`on`): a stream is asked
+    /// only while one is under way; or not (every call asks again).
+    pub(crate) fn announce(&self, on: bool) {
+        self.announced
+            .store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A capture is about to begin (call it before `cudaStreamBeginCapture`).
+    pub(crate) fn begins(&self) {
+        self.underway
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A capture has ended (call it after `cudaStreamEndCapture`). An end
+    /// with none under way is refused and changes nothing.
+    pub(crate) fn ends(&self) -> Result<()> {
+        self.underway
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .map(drop)
+            .map_err(|_| {
+                Error::InvalidArgument("a capture ended with none announced as begun".into())
+            })
+    }
+
+    /// Whether streams must be asked: captures are not announced, or one is
+    /// under way.
+    pub(super) fn may_capture(&self) -> bool {
+        !self.announced.load(std::sync::atomic::Ordering::SeqCst)
+            || self.underway.load(std::sync::atomic::Ordering::SeqCst) > 0
+    }
+
+    /// `(announced, under way)`.
+    pub(crate) fn state(&self) -> (bool, usize) {
+        (
+            self.announced.load(std::sync::atomic::Ordering::SeqCst),
+            self.underway.load(std::sync::atomic::Ordering::SeqCst),
+        )
+    }
+}
+
+/// Streams asked about their capture so far (`num_capture_queries`).
+pub(super) static CAPTURE_QUERIES: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
+
+/// The process's announcements (see [`Captures`]).
+pub(crate) static CAPTURES: Captures = Captures::new();
+
+/// `capture_state`, or `None` without a query when graphs are off or no
+/// announced capture is under way.
+fn capture_state_of(s: &Arc<CudaStream>) -> Result<CaptureState> {
+    if graphs_on() && CAPTURES.may_capture() {
+        CAPTURE_QUERIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        capture_state(s)
+    } else {
+        Ok(CaptureState::None)
+    }
+}
+
+/// The capture `s` is in, if one is active (an invalidated capture is
+/// none: allocations on its stream are ordinary ones).
+fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
+    Ok(capture_state_of(s)?.into_active())
+}
+
+/// Frees `ptr` in stream order on `stream` (if it is not the allocation's
+/// own, the free waits for both).
+pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
+    let _t = Timed::start(&FREE_NS);
+    let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
+    let mut d = d.lock();
+    let (a, recorded) = d.take_live(ptr, dev)?;
+    // PyTorch frees on the allocation's own stream: then its handle is the
+    // allocation's, and the stream map is not consulted.
+    let s =
+        (!std::ptr::eq(a.stream().cu_stream().cast::<c_void>(), stream)).then(|| d.stream(stream));
+    let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
+    let other = s.as_ref().filter(|s| key(s) != key(a.stream()));
+    // Freed while its stream (or the one named) is captured: no fence can
+    // be recorded there, and the graph may use the bytes in every replay,
+    // so they are the graph's until CUDA destroys it. Each stream is asked
+    // once. A stream whose capture was invalidated takes no fence either:
+    // the free is owed there, and covered at its next call once the
+    // capture has ended. A failed question counts as "invalidated": a
+    // fence is then recorded nowhere it might not belong.
+    let ask = |t: &Arc<CudaStream>| {
+        capture_state_of(t).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
+            CaptureState::Invalidated
+        })
+    };
+    let own = ask(a.stream());
+    let named = other.map(ask);
+    // Streams named by record_stream: each not captured gets a fence at the
+    // free, as the stream named does; one under capture makes the block
+    // its graph's, since the graph's replays may use it.
+    let recorded: Vec<(Arc<CudaStream>, CaptureState)> = recorded
+        .into_iter()
+        .map(|s| {
+            let c = ask(&s);
+            (s, c)
+        })
+        .collect();
+    for (s, c) in &recorded {
+        if c.active().is_none() {
+            a.record_stream(s);
+        }
+    }
+    let plain = |c: &CaptureState| matches!(c, CaptureState::None);
+    // The stream named, not captured, gets a fence of its own: at the
+    // free, or (an ordinary free) with the free's.
+    // (Its capture invalidated, the fence fails and the free is owed
+    // there instead: nothing is lost.)
+    if let (Some(other), Some(n)) = (other, named.as_ref()) {
+        if n.active().is_none() {
+            a.record_stream(other);
+        }
+    }
+    match own
+        .active()
+        .or(named.as_ref().and_then(CaptureState::active))
+        .or(recorded.iter().find_map(|(_, c)| c.active()))
+    {
+        Some(c) => {
+            let g = d.graph_pool(c)?;
+            // Its own stream not captured: a real fence there.
+            if plain(&own) {
+                a.record_use(d.backend.fence(a.stream())?);
+            }
+            a.free_into_graph(g);
+        }
+        None if plain(&own) => drop(a),
+        None => a.free_deferred(),
+    }
+    Ok(())
+}
+
+/// Frees `ptr` after its stream was destroyed (a CuPy stream collected
+/// before the memory it allocated): nothing is recorded on that stream,
+/// and no stream takes the bytes before a device synchronisation shows its
+/// work finished (see `Allocation::free_stream_destroyed`).
+pub(crate) fn free_stream_destroyed(ptr: u64, dev: c_int) -> Result<()> {
+    let _t = Timed::start(&FREE_NS);
+    let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
+    let mut d = d.lock();
+    // The streams record_stream named need nothing more: the device
+    // synchronisation this free waits for covers them too.
+    let (a, _recorded) = d.take_live(ptr, dev)?;
+    a.free_stream_destroyed();
+    Ok(())
+}
+
+/// PyTorch's `Tensor.record_stream` on the plug-in's memory (PyTorch's
+/// pluggable allocator calls it once `set_record_stream_fn` names it; without
+/// it PyTorch skips the call): the free of the live allocation at `ptr`
+/// then also waits for the work queued on `stream` up to the free, or, if
+/// `stream` is being captured at the free, leaves the block to that graph.
+/// `ptr` must be an allocation's start, as PyTorch passes it.
+pub(crate) fn record_stream(ptr: u64, stream: *mut c_void) -> Result<()> {
+    let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        let Some(own) = d.live.get(&(ptr as usize)).map(|a| key(a.stream())) else {
+            continue;
+        };
+        let s = d.stream(stream);
+        if key(&s) != own {
+            let v = d.recorded.entry(ptr as usize).or_default();
+            if !v.iter().any(|t| key(t) == key(&s)) {
+                v.push(s);
+            }
+        }
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "record_stream of {ptr:#x}: not a live allocation of the plug-in"
+    )))
+}
+
+impl Device {
+    /// The live allocation at `ptr`, taken out to be freed (after releasing
+    /// the graphs CUDA destroyed since the last call), with the streams
+    /// `record_stream` named for it.
+    fn take_live(
+        &mut self,
+        ptr: u64,
+        dev: c_int,
+    ) -> Result<(CudaAllocation, Vec<Arc<CudaStream>>)> {
+        self.release_graphs();
+        let a = self
+            .live
+            .remove(&(ptr as usize))
+            .ok_or_else(|| unknown_free(ptr, dev))?;
+        Ok((a, self.recorded.remove(&(ptr as usize)).unwrap_or_default()))
+    }
+}
+
+fn unknown_free(ptr: u64, dev: c_int) -> Error {
+    Error::InvalidArgument(format!(
+        "free of {ptr:#x} on device {dev}: not a live allocation (unknown, or freed already)"
+    ))
+}

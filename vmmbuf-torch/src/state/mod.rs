@@ -1,0 +1,477 @@
+//! The plug-in's state: one [`Device`] per CUDA device, each behind its own
+//! lock (work on one device never waits for another's), and the operations
+//! the C ABI and the Python module share. Every operation returns a
+//! [`vmmbuf::Result`]; the C ABI turns errors into null or -1 and a log line,
+//! the Python module into exceptions.
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{sys, CudaStream};
+use parking_lot::{Mutex, RwLock};
+use vmmbuf::cuda::CudaAllocation;
+use vmmbuf::cuda::{capture_state, Capture, CaptureState};
+// The maps malloc and free consult at every call (addresses, stream
+// handles, tags) hash with one multiply per word.
+use vmmbuf::hash::QuickMap;
+use vmmbuf::nccl::NcclHook;
+use vmmbuf::stats::ArenaStats;
+use vmmbuf::{
+    Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, GraphPoolId, Location,
+    PoolDesc, Result, SleepDesc, SleepMode, WakeDesc,
+};
+
+mod alloc;
+mod budget;
+mod nccl;
+mod sleep;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use alloc::*;
+pub(crate) use budget::*;
+pub(crate) use nccl::*;
+pub(crate) use sleep::*;
+
+type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
+
+/// Address space each tag's arena reserves on a device (no memory until
+/// used).
+const RESERVE: usize = 1 << 40;
+
+/// The largest chunk of a plug-in arena unless `VMMBUF_TORCH_MAX_CHUNK_BYTES`
+/// says otherwise: expandable segments' page for their large pool.
+const DEFAULT_MAX_CHUNK: usize = 20 << 20;
+
+/// One CUDA device's arenas, chunk pool, budget and live allocations.
+pub(crate) struct Device {
+    /// One arena per tag (the default tag is "").
+    arenas: QuickMap<String, TorchArena>,
+    /// Shared by the device's arenas.
+    pool: Arc<ChunkPool<CudaBackend>>,
+    backend: Arc<CudaBackend>,
+    /// Foreign streams (PyTorch's, CuPy's), wrapped (not owned) once each.
+    streams: QuickMap<usize, Arc<CudaStream>>,
+    /// The device's budget, shared by all its tags' arenas.
+    budget: Option<Arc<Budget>>,
+    /// Live allocations by address.
+    live: QuickMap<usize, CudaAllocation>,
+    /// The other streams PyTorch's `record_stream` named for a live
+    /// allocation (see [`record_stream`]), handled at its free.
+    recorded: QuickMap<usize, Vec<Arc<CudaStream>>>,
+    /// Host pieces being created ahead of a sleep (`prepare_sleep`): a
+    /// sleep waits for them rather than pin the same pages again.
+    preparing: Option<std::thread::JoinHandle<Result<usize>>>,
+    /// The CUDA graphs captured with this device's memory whose release
+    /// callback is armed (see [`Device::graph_pool`]).
+    graphs: HashSet<GraphPoolId>,
+    /// Graphs CUDA has destroyed (their user objects' destructors put them
+    /// here, on a driver thread that may not call CUDA): released into the
+    /// arenas at the next call.
+    released: Arc<Mutex<Vec<GraphPoolId>>>,
+    /// Chunks made as `ncclMemAlloc` makes them (`VMMBUF_TORCH_NCCL_READY=1`
+    /// when the device was first used).
+    nccl_ready: bool,
+    /// Made at the first [`nccl_register`]: while it has communicators, the
+    /// map hook of every arena of the device (kept after, for its counters).
+    nccl: Option<Arc<NcclHook>>,
+}
+
+#[derive(Default)]
+struct Registry {
+    devices: HashMap<c_int, Arc<Mutex<Device>>>,
+    /// Budgets set before their device's first allocation.
+    budgets: HashMap<c_int, usize>,
+}
+
+thread_local! {
+    /// The tag this thread's allocations are made under ("" for none): per
+    /// thread, as `torch.cuda.use_mem_pool` scopes are; `None` until the
+    /// thread sets one, then [`DEFAULT_TAG`] applies.
+    static TAG: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The tag of every thread that set none ("" for none):
+/// torch_memory_saver's `TMS_INIT_ENABLE`, where every allocation of the
+/// process is pausable, autograd's threads' included.
+static DEFAULT_TAG: parking_lot::RwLock<String> = parking_lot::const_rwlock(String::new());
+/// Whether [`DEFAULT_TAG`] is not "" (read without its lock on every
+/// malloc).
+static HAS_DEFAULT_TAG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The registry: a read lock to find a device, the write lock only to add
+/// one or set a budget.
+fn registry() -> &'static RwLock<Registry> {
+    static R: OnceLock<RwLock<Registry>> = OnceLock::new();
+    R.get_or_init(|| {
+        crate::init_logging();
+        RwLock::default()
+    })
+}
+
+fn ordinal(device: c_int) -> Result<u32> {
+    u32::try_from(device).map_err(|_| Error::InvalidArgument(format!("device {device}")))
+}
+
+thread_local! {
+    /// The device of this thread's last call: malloc and free find it
+    /// without the registry's lock (a device, once made, stays for the
+    /// process).
+    static LAST: std::cell::RefCell<Option<(c_int, Arc<Mutex<Device>>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The device's state if it has been used, from this thread's last call
+/// or the registry.
+fn existing(device: c_int) -> Option<Arc<Mutex<Device>>> {
+    // A thread whose thread-locals are being destroyed (a free from a
+    // dying thread's destructors) asks the registry.
+    let last = LAST
+        .try_with(|l| {
+            l.borrow()
+                .as_ref()
+                .filter(|(k, _)| *k == device)
+                .map(|(_, d)| d.clone())
+        })
+        .ok()
+        .flatten();
+    if last.is_some() {
+        return last;
+    }
+    let d = registry().read().devices.get(&device).cloned()?;
+    let _ = LAST.try_with(|l| *l.borrow_mut() = Some((device, d.clone())));
+    Some(d)
+}
+
+/// The device's state, created (driver, pool) on first use.
+fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
+    if let Some(d) = existing(device) {
+        return Ok(d);
+    }
+    let mut r = registry().write();
+    if let Some(d) = r.devices.get(&device) {
+        return Ok(d.clone());
+    }
+    // VMMBUF_TORCH_NCCL_READY=1: chunks made as ncclMemAlloc makes them
+    // (POSIX_FD/fabric handles, RDMA capable, mapped for every peer), so
+    // that NCCL can register the memory (issue 24).
+    let nccl_ready = std::env::var("VMMBUF_TORCH_NCCL_READY").as_deref() == Ok("1");
+    let desc = if nccl_ready {
+        vmmbuf::cuda::CudaBackendDesc::nccl_ready()
+    } else {
+        vmmbuf::cuda::CudaBackendDesc::default()
+    };
+    let backend = CudaBackend::with_desc(ordinal(device)?, &desc)?;
+    let pool = ChunkPool::new(
+        backend.clone(),
+        PoolDesc::default().max_host_bytes(HOST_LIMIT.load(std::sync::atomic::Ordering::Relaxed)),
+    )?;
+    let d = Arc::new(Mutex::new(Device {
+        arenas: QuickMap::default(),
+        pool,
+        backend,
+        budget: r.budgets.get(&device).map(|&b| Budget::new(b)),
+        streams: QuickMap::default(),
+        live: QuickMap::default(),
+        recorded: QuickMap::default(),
+        preparing: None,
+        graphs: HashSet::new(),
+        released: Arc::default(),
+        nccl_ready,
+        nccl: None,
+    }));
+    r.devices.insert(device, d.clone());
+    Ok(d)
+}
+
+/// Every device in use.
+fn all_devices() -> Vec<(c_int, Arc<Mutex<Device>>)> {
+    let r = registry().read();
+    let mut v: Vec<_> = r.devices.iter().map(|(k, d)| (*k, d.clone())).collect();
+    v.sort_by_key(|(k, _)| *k);
+    v
+}
+
+impl Device {
+    /// The pool of the graph `c` is capturing into: the first time, a
+    /// callback is armed that CUDA runs once the graph and its executables
+    /// are destroyed and their launches done; the pool is then released
+    /// (see [`Device::release_graphs`]).
+    fn graph_pool(&mut self, c: &Capture) -> Result<GraphPoolId> {
+        let id = c.pool();
+        if !self.graphs.contains(&id) {
+            let released = self.released.clone();
+            c.on_release(move || released.lock().push(id))?;
+            self.graphs.insert(id);
+        }
+        Ok(id)
+    }
+
+    /// Releases the pools of the graphs CUDA has destroyed since the last
+    /// call, in every arena (a capture may have used several tags).
+    fn release_graphs(&mut self) {
+        if self.graphs.is_empty() {
+            // No graph pool: nothing to release (and no lock taken).
+            return;
+        }
+        let gone = std::mem::take(&mut *self.released.lock());
+        for id in gone {
+            self.graphs.remove(&id);
+            for a in self.arenas.values() {
+                if let Err(e) = a.release_graph(id) {
+                    tracing::warn!(error = %e, %id, "vmmbuf-torch: releasing a graph's memory failed");
+                }
+            }
+        }
+    }
+
+    /// The arena of `tag`, created on first use.
+    fn arena(&mut self, tag: &str) -> Result<&TorchArena> {
+        if !self.arenas.contains_key(tag) {
+            let mut desc = ArenaDesc::new(RESERVE);
+            // Training changes tensor sizes every step: free chunks stay
+            // mapped (given back on a budget, out of memory or empty_cache)
+            // under expandable segments' block rules. On an H100 that kept
+            // the median step within 1.4% of PyTorch's own allocator at
+            // 0.885-0.905 utilization, where unmapping them on every miss
+            // cost 2.5x the step time. VMMBUF_TORCH_RELEASE_BEFORE_MAP=1
+            // turns the unmapping back on (tighter memory, slower).
+            desc.release_before_map =
+                std::env::var("VMMBUF_TORCH_RELEASE_BEFORE_MAP").as_deref() == Ok("1");
+            // Chunks of up to 20 MiB, as expandable segments map their large
+            // pool: growth maps what a request needs (rounded to the 2 MiB
+            // granularity, so no more memory is taken than with 2 MiB
+            // chunks) in a tenth of the mappings, and each mapping costs
+            // ~20 us whatever its size. Under FSDP on one H100 the plug-in's
+            // time per step was 6.1 ms with 2 MiB chunks and 3.7-4.4 ms with
+            // 20 MiB ones (issue 24); large
+            // tensors in larger chunks are also faster for NCCL's peer
+            // copies (all-gather at 0.8x of ncclMemAlloc's speed on 2 MiB
+            // chunks, equal on one chunk). VMMBUF_TORCH_MAX_CHUNK_BYTES
+            // sets another largest chunk.
+            desc = desc.max_chunk_bytes(DEFAULT_MAX_CHUNK);
+            // VMMBUF_TORCH_DEFER_FENCES=1: a free on the allocation's own
+            // stream records no event; a later call on that stream records
+            // one for many (`ArenaDesc::defer_free_fences`; empty_cache, a
+            // sleep or out of memory then may synchronise the device).
+            desc = desc.defer_free_fences(
+                std::env::var("VMMBUF_TORCH_DEFER_FENCES").as_deref() == Ok("1"),
+            );
+            // A request that would map new memory while another stream's
+            // free block that fits is pending waits for that block on the
+            // CPU instead (`ArenaDesc::wait_before_grow`). Under FSDP on
+            // 2x H200 (issue 24), growing instead left 6 of 11 launches at
+            // 0.79-0.93 utilization on one rank, as the GPU's lag decided;
+            // waiting kept all 11 at or above expandable segments' (0.948,
+            // 0.952), after 0-11 waits a launch and rank, with no step-time
+            // cost the noise could show (per-round ratio median 1.00).
+            // VMMBUF_TORCH_WAIT_BEFORE_GROW=0 grows instead.
+            desc = desc.wait_before_grow(
+                std::env::var("VMMBUF_TORCH_WAIT_BEFORE_GROW").as_deref() != Ok("0"),
+            );
+            // Every GPU that can reach this one maps its chunks too, as
+            // every GPU with peer access enabled reaches cudaMalloc memory:
+            // PyTorch's and CuPy's copies between devices (cudaMemcpyPeer,
+            // or a kernel on the other GPU) failed without it (issue 38).
+            // VMMBUF_TORCH_PEER_ACCESS=0 maps for this GPU only.
+            desc =
+                desc.peer_access(std::env::var("VMMBUF_TORCH_PEER_ACCESS").as_deref() != Ok("0"));
+            if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
+                match v.parse::<usize>() {
+                    Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),
+                    _ => {
+                        tracing::warn!(value = %v, "vmmbuf-torch: VMMBUF_TORCH_MAX_CHUNK_BYTES is not a byte count; ignored")
+                    }
+                }
+            }
+            if let Some(b) = &self.budget {
+                desc = desc.shared_budget(b.clone());
+            }
+            let arena = Arena::with_pool(self.pool.clone(), desc)?;
+            // VMMBUF_TORCH_TRACE=path records the default arena's allocs and
+            // frees as a trace (replay it with the `replay` example).
+            if let (true, Ok(path)) = (tag.is_empty(), std::env::var("VMMBUF_TORCH_TRACE")) {
+                match std::fs::File::create(&path) {
+                    // Unbuffered: the arena lives until the process exits.
+                    Ok(f) => arena.record_trace(Box::new(f))?,
+                    Err(e) => {
+                        tracing::warn!(error = %e, path, "vmmbuf-torch: cannot write the trace")
+                    }
+                }
+            }
+            if let Some(h) = self.nccl.as_ref().filter(|h| !h.is_empty()) {
+                arena.set_map_hook(Some(h.clone()))?;
+            }
+            arena.set_device_margin(MARGIN.load(std::sync::atomic::Ordering::Relaxed));
+            self.arenas.insert(tag.to_owned(), arena);
+        }
+        Ok(&self.arenas[tag])
+    }
+
+    /// Takes the NCCL hook off every arena (each tells it its ranges are
+    /// unmapping: with no communicator left, nothing is deregistered). An
+    /// arena that cannot (poisoned by an earlier failure) is logged.
+    fn unhook_nccl(&self) {
+        for a in self.arenas.values() {
+            if let Err(e) = a.set_map_hook(None) {
+                tracing::warn!(error = %e, "vmmbuf-torch: taking the NCCL hook off an arena failed");
+            }
+        }
+    }
+
+    /// The sum of the device's arenas' counters (peaks too: exact with one
+    /// tag, an upper bound with several).
+    fn stats(&self) -> ArenaStats {
+        let mut all = self.arenas.values().map(|a| a.stats());
+        let mut sum = all.next().unwrap_or_default();
+        for s in all {
+            for (t, v) in [
+                (&mut sum.allocated_bytes, s.allocated_bytes),
+                (&mut sum.reserved_bytes, s.reserved_bytes),
+                (&mut sum.active_bytes, s.active_bytes),
+                (&mut sum.inactive_split_bytes, s.inactive_split_bytes),
+                (&mut sum.requested_bytes, s.requested_bytes),
+            ] {
+                t.current += v.current;
+                t.peak += v.peak;
+            }
+            sum.num_alloc_retries += s.num_alloc_retries;
+            sum.num_ooms += s.num_ooms;
+            sum.num_allocs += s.num_allocs;
+            sum.num_frees += s.num_frees;
+            sum.num_device_alloc += s.num_device_alloc;
+            sum.num_device_free += s.num_device_free;
+            sum.num_grows_past_pending += s.num_grows_past_pending;
+            sum.grown_past_pending_bytes += s.grown_past_pending_bytes;
+            sum.num_waits_before_grow += s.num_waits_before_grow;
+            sum.host_bytes += s.host_bytes;
+            sum.discarded_bytes += s.discarded_bytes;
+            sum.stash_bytes += s.stash_bytes;
+            sum.graph_bytes += s.graph_bytes;
+            sum.device_bytes += s.device_bytes;
+            sum.num_device_syncs = sum.num_device_syncs.max(s.num_device_syncs);
+            sum.fragmentation = sum.fragmentation.max(s.fragmentation);
+        }
+        sum
+    }
+
+    /// Waits for the host pieces being created ahead of a sleep, if any
+    /// (its failure is logged: the sleep then creates what it needs).
+    fn finish_preparing(&mut self) {
+        if let Some(h) = self.preparing.take() {
+            match h.join() {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "vmmbuf-torch: preparing a sleep failed"),
+                Err(_) => tracing::warn!("vmmbuf-torch: the preparing thread panicked"),
+            }
+        }
+    }
+
+    fn stream(&mut self, stream: *mut c_void) -> Arc<CudaStream> {
+        if let Some(s) = self.streams.get(&(stream as usize)) {
+            return s.clone();
+        }
+        // SAFETY: the caller (PyTorch, CuPy) passes a stream of this
+        // device's primary context (the one CudaBackend::new retains) and
+        // keeps it alive while it allocates on it; the wrapper never
+        // destroys it.
+        let s = unsafe {
+            self.backend
+                .context()
+                .wrap_borrowed_stream(stream as sys::CUstream)
+        };
+        self.streams.insert(stream as usize, s.clone());
+        s
+    }
+
+    /// The streams (once each) of the live allocations that lie in `arena`:
+    /// what may still use its memory. Not every stream ever seen: its owner
+    /// may have destroyed one (an ExternalStream) since, and recording on a
+    /// dead handle fails, or worse. Frees already made carry their own
+    /// fences, which the arena waits for.
+    fn live_streams(&self, arena: &TorchArena) -> Vec<Arc<CudaStream>> {
+        let range = arena.base()..arena.base() + RESERVE as u64;
+        let mut seen = HashMap::new();
+        for a in self.live.values().filter(|a| range.contains(&a.address())) {
+            let s = a.stream();
+            let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key(s);
+            seen.entry(key).or_insert_with(|| s.clone());
+        }
+        seen.into_values().collect()
+    }
+}
+
+/// CUDA devices this process can use: 0 without a driver. Asked once (the
+/// set of visible devices does not change within a process).
+#[cfg(feature = "python")]
+pub(crate) fn device_count() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    // cuDeviceGetCount alone: a probe would make a context on every GPU
+    // (memory on each, in every rank of a job) and leave the last one
+    // current on the calling thread.
+    *N.get_or_init(|| vmmbuf::cuda::device_count().map_or(0, |n| n as usize))
+}
+
+/// Every tag that has memory (an arena) on some device, sorted, once each.
+#[cfg(feature = "python")]
+pub(crate) fn tags() -> Vec<String> {
+    let mut v: Vec<String> = all_devices()
+        .into_iter()
+        .flat_map(|(_, d)| d.lock().arenas.keys().cloned().collect::<Vec<_>>())
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The tag of this thread's allocations ("" for none).
+pub(crate) fn tag() -> String {
+    use std::sync::atomic::Ordering::Relaxed;
+    // A thread being torn down (its thread-locals destroyed) frees and
+    // allocates under no tag.
+    match TAG.try_with(|t| t.borrow().clone()) {
+        Ok(Some(t)) => t,
+        Ok(None) if HAS_DEFAULT_TAG.load(Relaxed) => DEFAULT_TAG.read().clone(),
+        _ => String::new(),
+    }
+}
+
+/// Makes `tag` the tag of every thread that has not set its own ("" for
+/// none).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn set_default_tag(tag: &str) {
+    let mut d = DEFAULT_TAG.write();
+    tag.clone_into(&mut d);
+    HAS_DEFAULT_TAG.store(!tag.is_empty(), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Nanoseconds spent in `malloc` and `free` so far, all devices: what the
+/// allocator costs the CPU (`host_ns_in_malloc` and `host_ns_in_free` in
+/// the statistics).
+static MALLOC_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static FREE_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Adds the time until it drops to a counter.
+struct Timed(&'static std::sync::atomic::AtomicU64, std::time::Instant);
+
+impl Timed {
+    fn start(c: &'static std::sync::atomic::AtomicU64) -> Self {
+        Self(c, std::time::Instant::now())
+    }
+}
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        self.0.fetch_add(
+            self.1.elapsed().as_nanos() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+}
+
+/// Makes `tag` the tag of this thread's allocations ("" for none).
+pub(crate) fn set_tag(tag: &str) {
+    // During the thread's teardown there is no tag to set.
+    let _ = TAG.try_with(|t| *t.borrow_mut() = Some(tag.to_owned()));
+}

@@ -1,0 +1,150 @@
+//! Sleep and wake by tag, and the host pieces kept between sleeps.
+
+use super::*;
+
+/// What a sleep or a wake of tags did, summed over devices and tags.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Moved {
+    /// Bytes put to sleep or woken.
+    pub(crate) bytes: u64,
+    /// Device bytes given back (sleep) or mapped (wake).
+    pub(crate) device_bytes: u64,
+}
+
+impl Moved {
+    fn add(&mut self, r: &vmmbuf::SleepReport) {
+        self.bytes += r.bytes as u64;
+        self.device_bytes += r.device_bytes as u64;
+    }
+}
+
+/// The tags of `d` that `tag` names (`None`: all), sorted.
+fn tags_of<'a>(d: &'a Device, tag: Option<&str>) -> Vec<&'a String> {
+    let mut tags: Vec<&String> = d
+        .arenas
+        .keys()
+        .filter(|t| tag.is_none_or(|want| want == t.as_str()))
+        .collect();
+    tags.sort_unstable();
+    tags
+}
+
+/// Puts `tag`'s arena (`None`: every tag's) on every device to sleep in
+/// `mode`: keeping the data in pinned host memory at its addresses,
+/// stashing it there away from them, or discarding it; the memory goes back
+/// to the driver, the addresses stay. A preparation under way
+/// (`prepare_sleep`) is waited for first. On an error the arena that failed
+/// stays as it was and the ones before it stay asleep.
+pub(crate) fn sleep_tags(tag: Option<&str>, mode: SleepMode) -> Result<Moved> {
+    let desc = SleepDesc::from(mode);
+    let mut moved = Moved::default();
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        d.finish_preparing();
+        for t in tags_of(&d, tag) {
+            let arena = &d.arenas[t];
+            let r = arena.sleep(&d.live_streams(arena), &desc)?;
+            moved.add(&r);
+        }
+    }
+    Ok(moved)
+}
+
+/// Wakes `tag`'s arena (`None`: every tag's) on every device: kept data
+/// comes back, discarded ranges get fresh memory (zeroed if `zero`), at the
+/// same addresses. On an error the arena that failed stays asleep.
+pub(crate) fn wake_tags(tag: Option<&str>, zero: bool) -> Result<Moved> {
+    let desc = if zero {
+        WakeDesc::zeroed()
+    } else {
+        WakeDesc::default()
+    };
+    let mut moved = Moved::default();
+    for (_, d) in all_devices() {
+        let d = d.lock();
+        for t in tags_of(&d, tag) {
+            let arena = &d.arenas[t];
+            if arena.sleep_mode().is_none() {
+                continue;
+            }
+            let r = arena.wake(&d.live_streams(arena), &desc)?;
+            moved.add(&r);
+        }
+    }
+    Ok(moved)
+}
+
+/// Creates the host pieces a kept sleep of `tag` (`None`: every tag) would
+/// take, on a thread of its own per device (the GPU keeps working); the
+/// next sleep waits for it. With `wait`, returns once they exist, with the
+/// bytes created.
+pub(crate) fn prepare_sleep(tag: Option<&str>, mode: SleepMode, wait: bool) -> Result<u64> {
+    let desc = SleepDesc::from(mode);
+    let mut made = 0u64;
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        let arenas: Vec<TorchArena> = tags_of(&d, tag)
+            .into_iter()
+            .map(|t| d.arenas[t].clone())
+            .filter(|a| a.sleep_mode().is_none())
+            .collect();
+        d.finish_preparing();
+        let work = move || -> Result<usize> {
+            let mut n = 0;
+            for a in arenas {
+                n += a.prepare_sleep(&desc)?;
+            }
+            Ok(n)
+        };
+        if wait {
+            drop(d);
+            made += work()? as u64;
+        } else {
+            let h = std::thread::Builder::new()
+                .name("vmmbuf-prepare".into())
+                .spawn(work)
+                .map_err(|e| Error::Os {
+                    call: "spawning the preparing thread",
+                    source: e,
+                })?;
+            d.preparing = Some(h);
+        }
+    }
+    Ok(made)
+}
+
+/// Gives the host pieces kept between sleeps back to the driver, on every
+/// device (after any preparation under way); the bytes they held.
+pub(crate) fn release_host_cache() -> Result<u64> {
+    let mut gone = 0u64;
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        // A preparation under way finishes first (its pieces go too).
+        d.finish_preparing();
+        for a in d.arenas.values() {
+            // An arena asleep stashed keeps its stash (its data).
+            if a.sleep_mode() != Some(SleepMode::Stash) {
+                a.release_stash()?;
+            }
+        }
+        gone += d.pool.stats().pooled_host_bytes as u64;
+        d.pool.trim_at(Location::Host)?;
+    }
+    Ok(gone)
+}
+
+/// Bounds the host pieces each device keeps between sleeps (shedding the
+/// largest at once if it holds more).
+pub(crate) fn set_host_cache_limit(bytes: usize) -> Result<()> {
+    for (_, d) in all_devices() {
+        let d = d.lock();
+        let desc = d.pool.desc().max_host_bytes(bytes);
+        d.pool.set_desc(desc)?;
+    }
+    HOST_LIMIT.store(bytes, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// The host bound for devices used later (`usize::MAX`: none).
+pub(super) static HOST_LIMIT: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(usize::MAX);
