@@ -35,19 +35,19 @@ ADD_IF_ABSENT_NEW = '''    /// (revert) Adds `f` only if its stream has no fence
 if name == "rt3":
     # coalesce keeps the left (pending) block's fence per stream, as the
     # position-based merge did (the left block's fences are made to win).
-    edit("src/arena/blocks.rs", "            self.link(left, merge(l, r, self.join_settled));",
+    edit("src/arena/blocks.rs", "            self.link(left, merge(l, r, self.join_settled()));",
          """            let mut l = l;
             if !l.settled() {
                 for f in l.fences.iter_mut() {
                     f.seq = u64::MAX;
                 }
             }
-            self.link(left, merge(l, r, self.join_settled));""")
+            self.link(left, merge(l, r, self.join_settled()));""")
 elif name == "rt4":
     # The free's fence is recorded before it is numbered (outside the lock
     # that orders them), as it was recorded before the arena's lock.
-    edit("src/arena/allocation.rs", "                match crate::order::record(s.key(), || s.fence(backend)) {\n                    Ok(f) => fences.add(f),",
-         "                match s.fence(backend) {\n                    Ok(f) => fences.add(crate::order::given(s.key(), f)),")
+    edit("src/arena/allocation.rs", "            match crate::order::record(s.key(), || s.fence(backend)) {\n                Ok(f) => fences.add(f.map(Mark::Fence)),",
+         "            match s.fence(backend) {\n                Ok(f) => fences.add(crate::order::given(s.key(), f).map(Mark::Fence)),")
 elif name == "rt5":
     # shrink_to_fit drops deferred fences unwaited.
     edit("src/buffer/shrink.rs", "        if wait {\n            self.wait_all(g)?;\n        }",
@@ -56,25 +56,26 @@ elif name == "rt5":
          "        self.release_from(&mut g, keep_to, true)?;\n        g.pending.clear();")
 elif name == "rt6":
     # drop does not wait for deferred fences.
-    edit("src/buffer/mod.rs", "                .try_for_each(|p| backend.wait(&p.fence))",
-         "                .try_for_each(|_p| Ok(()))")
+    edit("src/buffer/mod.rs", "let waited = if busy { self.wait_all(&g) } else { Ok(()) };",
+         "let waited = if busy { self.wait_uses() } else { Ok(()) };")
 elif name == "rt8":
     # A view's (older) fence on the allocation's own stream shadows the
     # free's fence, as the duplicate-key list did on merge.
     edit("src/order.rs", ADD_IF_ABSENT, ADD_IF_ABSENT_NEW)
     edit("src/order.rs", "    pub(crate) fn is_empty(&self) -> bool {",
          "    pub(crate) fn into_vec(self) -> Vec<Stamped<F>> {\n        self.0\n    }\n\n    pub(crate) fn is_empty(&self) -> bool {")
-    edit("src/arena/allocation.rs", "        fences.merge(self.uses.take());",
-         "        let own = std::mem::take(&mut fences);\n        fences = self.uses.take();\n        for f in own.into_vec() {\n            fences.add_if_absent(f);\n        }")
+    edit("src/arena/allocation.rs", "        fences.merge(self.uses.take().map(Mark::Fence));",
+         "        let own = std::mem::take(&mut fences);\n        fences = self.uses.take().map(Mark::Fence);\n        for f in own.into_vec() {\n            fences.add_if_absent(f);\n        }")
 elif name == "g1":
     # A capture's allocation takes a block still pending on its own stream
     # (the graph replays later, on any stream).
-    edit("src/arena/mod.rs", "let find_key = if graph.is_some() { GRAPH_KEY } else { key };",
+    edit("src/arena/alloc.rs", "let find_key = if graph.is_some() { GRAPH_KEY } else { key };",
          "let find_key = key;")
 elif name == "g2":
     # A graph's allocation, freed after the capture, goes back to the free
     # index instead of staying the graph's until its release.
-    edit("src/arena/allocation.rs", "            .or(self.graph.filter(|g| st.graphs.contains_key(g)));", ";")
+    edit("src/arena/allocation.rs", "match graph.filter(|g| st.graphs.contains_key(g)).or(into) {",
+         "match into {")
 elif name == "h1":
     # With a map hook, the arena releases single free chunks instead of
     # whole reported ranges (a neighbour's use may be in flight).
@@ -89,7 +90,7 @@ elif name == "d1":
          "let Some(i) = d.covers.iter().position(|_| true) else {")
 elif name == "w1":
     # A wake counts only the graph-held ranges that start in a run.
-    edit("src/arena/sleep.rs", "held.extend(st.graph_held().filter_map(cut));",
+    edit("src/arena/sleep/modes.rs", "held.extend(st.graph_held().filter_map(cut));",
          "held.extend(st.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
 elif name == "b1":
     # Waiting before growth takes another stream's pending block as settled

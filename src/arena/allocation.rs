@@ -7,10 +7,11 @@ use parking_lot::Mutex;
 
 use super::blocks::Free;
 use super::graph::{GraphPoolId, Held};
-use super::{ArenaStream, Mark, Shared};
+use super::{ArenaStream, Mark, Shared, State};
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::order::FenceSet;
+use crate::StreamKey;
 
 /// Memory from an [`Arena`](crate::Arena): the owned handle a tensor stores. Holds the
 /// arena alive; `Send + Sync`; freed on drop in stream order (see
@@ -249,16 +250,7 @@ fn owed_mark<F>(key: crate::StreamKey) -> crate::order::Stamped<Mark<F>> {
 
 impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
     fn drop(&mut self) {
-        let backend = &*self.arena.backend;
         let own_key = self.stream.key();
-        // Each fence is recorded and numbered in one step (`order::record`),
-        // so that a block freed later on a stream always carries the larger
-        // number, whichever thread takes the arena's lock first. A free into
-        // a graph during its capture records none on its own, captured,
-        // stream; the streams given to `record_stream` (not captured: work
-        // there runs now) get theirs, which the graph's block keeps until
-        // its release.
-        let mut fences = FenceSet::default();
         let fence_own = self.how == Freeing::Fence;
         // A deferred fence: the free is numbered on its own stream, and a
         // later call there records one fence for many frees (`owed`).
@@ -268,14 +260,60 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         let owed_on =
             (fence_own && self.arena.defer_free_fences && self.arena.note_stream(own_key))
                 .then_some(own_key);
+        let (mut fences, failed) = self.record_fences(owed_on);
+        if self.id != 0 {
+            if let Some(sink) = self.arena.trace.lock().as_mut() {
+                sink.line("free", self.id, self.requested, own_key);
+            }
+        }
+        // Views and `record_use` recorded their own fences, numbered when
+        // recorded: on the allocation's own stream, the free's fence is later
+        // and stays.
+        fences.merge(self.uses.take().map(Mark::Fence));
+        let no_other_stream = self.extra.get_mut().is_empty();
+        let mut st = self.arena.state.lock();
+        // The graph it came from, unless that graph was released since (it
+        // is an ordinary allocation then, whatever pool has the id now).
+        let graph = st.live.remove(&self.offset).and_then(|l| l.graph);
+        let into = match self.how {
+            Freeing::IntoGraph(g) => Some(g),
+            _ => None,
+        };
+        self.owe(&mut st, graph, owed_on, failed, &mut fences);
+        self.settle_accounts(&mut st, graph);
+        // The graph that keeps the block: the one it came from while that
+        // graph lives (its replays use the bytes, whatever capture frees
+        // them), else the one it is freed into.
+        match graph.filter(|g| st.graphs.contains_key(g)).or(into) {
+            Some(g) => self.keep_in_graph(&mut st, g, into.is_some() && no_other_stream, fences),
+            None => self.give_back(&mut st, owed_on, fences),
+        }
+        self.arena.count(&mut st);
+    }
+}
+
+impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
+    /// The free's fences, each recorded and numbered in one step
+    /// (`order::record`), so that a block freed later on a stream always
+    /// carries the larger number, whichever thread takes the arena's lock
+    /// first: on its own stream (unless the free is owed there, `owed_on`,
+    /// or its stream is captured or gone) and on every stream given to
+    /// `record_stream` (not captured: work there runs now; a graph's block
+    /// keeps theirs until its release). With the streams on which recording
+    /// failed: their frees are owed there instead (a later fence, or a
+    /// device synchronisation, stands for them), so a failure loses no
+    /// memory.
+    fn record_fences(
+        &mut self,
+        owed_on: Option<StreamKey>,
+    ) -> (FenceSet<Mark<B::Fence>>, Vec<StreamKey>) {
+        let backend = &*self.arena.backend;
+        let mut fences = FenceSet::default();
         if let Some(key) = owed_on {
             fences.add(owed_mark(key));
         }
-        // Streams on which recording failed: their frees are owed there
-        // instead (a later fence, or a device synchronisation, stands for
-        // them), so a failure loses no memory.
         let mut failed = Vec::new();
-        let recorded = (fence_own && owed_on.is_none()).then_some(&self.stream);
+        let recorded = (self.how == Freeing::Fence && owed_on.is_none()).then_some(&self.stream);
         for s in recorded.into_iter().chain(self.extra.get_mut().iter()) {
             match crate::order::record(s.key(), || s.fence(backend)) {
                 Ok(f) => fences.add(f.map(Mark::Fence)),
@@ -286,27 +324,24 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
                 }
             }
         }
-        if self.id != 0 {
-            if let Some(sink) = self.arena.trace.lock().as_mut() {
-                sink.line("free", self.id, self.requested, own_key);
-            }
-        }
-        // Views and `record_use` recorded their own fences, numbered when
-        // recorded: on the allocation's own stream, the free's fence is later
-        // and stays.
-        fences.merge(self.uses.take().map(Mark::Fence));
-        let mut st = self.arena.state.lock();
-        // The graph it came from, unless that graph was released since (it
-        // is an ordinary allocation then, whatever pool has the id now).
-        let graph = st.live.remove(&self.offset).and_then(|l| l.graph);
-        let into = match self.how {
-            Freeing::IntoGraph(g) => Some(g),
-            _ => None,
-        };
-        // The own stream's free, when no fence can be recorded there now:
-        // owed on it, or (a stream destroyed) on a key no stream has. A
-        // block freed into the graph it came from needs none: only the
-        // capture used it.
+        (fences, failed)
+    }
+
+    /// What the free owes and where: the own stream's free when no fence
+    /// can be recorded there now (owed on it, or, a stream destroyed, on a
+    /// key no stream has; a block freed into the graph it came from needs
+    /// none: only the capture used it), the streams whose recording failed,
+    /// the deferred fence. Frees owed on the own stream get their cover now
+    /// if they should: a call on the stream outside a capture.
+    fn owe(
+        &self,
+        st: &mut State<B>,
+        graph: Option<GraphPoolId>,
+        owed_on: Option<StreamKey>,
+        failed: Vec<StreamKey>,
+        fences: &mut FenceSet<Mark<B::Fence>>,
+    ) {
+        let own_key = self.stream.key();
         let owe_own = match self.how {
             Freeing::Fence => None,
             Freeing::IntoGraph(g) if graph == Some(g) => None,
@@ -322,14 +357,16 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         if let Some(key) = owed_on {
             st.owed.owe(key);
         }
-        // Frees owed on this stream get their cover now if they should: a
-        // call on the stream outside a capture.
-        if fence_own && st.owed.needs_cover(own_key) {
-            self.arena.cover(&mut st, &self.stream);
+        if self.how == Freeing::Fence && st.owed.needs_cover(own_key) {
+            self.arena.cover(st, &self.stream);
         }
-        // Its use list (emptied above, and now held by nothing else: the
-        // arena's entry just went, views borrow the allocation) serves the
-        // next allocation.
+    }
+
+    /// The counts: frees, allocated and requested bytes, the live count of
+    /// the graph it came from; and its use list (emptied, and now held by
+    /// nothing else: the arena's entry just went, views borrow the
+    /// allocation) kept for the next allocation.
+    fn settle_accounts(&self, st: &mut State<B>, graph: Option<GraphPoolId>) {
         if Arc::strong_count(&self.uses) == 1
             && Arc::weak_count(&self.uses) == 0
             && st.spare_uses.len() < super::SPARE_USES
@@ -345,58 +382,71 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
                 p.live -= 1;
             }
         }
-        // The graph that keeps the block: the one it came from while that
-        // graph lives (its replays use the bytes, whatever capture frees
-        // them), else the one it is freed into.
-        let keeper = graph.filter(|g| st.graphs.contains_key(g)).or(into);
-        if let Some(g) = keeper {
-            // Retaken in the capture only if nothing but its own, captured,
-            // stream used it (and nothing was queued on it before).
-            let reuse = (into.is_some() && fences.is_empty() && self.extra.get_mut().is_empty())
-                .then_some(own_key);
-            let zone = st.zone_range(self.offset);
-            st.graphs.entry(g).or_default().put(
-                self.offset,
-                Held {
-                    size: self.size,
-                    reuse,
-                    fences,
-                },
-                zone,
-            );
-            self.arena.count(&mut st);
-            return;
-        }
+    }
+
+    /// The block becomes graph `g`'s until its release, retaken in the
+    /// capture only if it was freed into a graph during its capture and
+    /// used by nothing but its own, captured, stream (`retakable`), and
+    /// nothing was queued on it before.
+    fn keep_in_graph(
+        &self,
+        st: &mut State<B>,
+        g: GraphPoolId,
+        retakable: bool,
+        fences: FenceSet<Mark<B::Fence>>,
+    ) {
+        let reuse = (retakable && fences.is_empty()).then_some(self.stream.key());
+        let zone = st.zone_range(self.offset);
+        st.graphs.entry(g).or_default().put(
+            self.offset,
+            Held {
+                size: self.size,
+                reuse,
+                fences,
+            },
+            zone,
+        );
+    }
+
+    /// The block goes back to the arena's free blocks, behind `fences`
+    /// (or, if a sleep gave its memory back, to the free bytes of the
+    /// wake).
+    fn give_back(
+        &self,
+        st: &mut State<B>,
+        owed_on: Option<StreamKey>,
+        fences: FenceSet<Mark<B::Fence>>,
+    ) {
+        let own_key = self.stream.key();
         st.note_free(self.offset, self.size);
         if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(self.offset)) {
             // Its memory was given back: the bytes are free again at the
             // wake, once these fences have passed.
             a.note_free(self.offset, self.size, Some(fences));
-        } else {
-            // Only the allocation's own stream may reuse the block before
-            // the fences pass, and only if no other stream used it.
-            let stream = fences.only_on(own_key).then_some(own_key);
-            let z = st.zone_of_offset(self.offset);
-            let super::State { zones, region, .. } = &mut *st;
-            zones[z].insert_in(
-                self.offset,
-                Free {
-                    size: self.size,
-                    stream,
-                    fences,
-                },
-                &region.walls(),
-            );
-            // Joined into a large free block (settled neighbours), the
-            // owed free would keep all of it from the other streams until
-            // its stream's next call: covered now instead.
-            if let Some(key) = owed_on {
-                let joined = st.zones[z].size_at(self.offset);
-                if joined >= super::owed::JOINED_BYTES && st.owed.needs_any_cover(key) {
-                    self.arena.cover(&mut st, &self.stream);
-                }
+            return;
+        }
+        // Only the allocation's own stream may reuse the block before the
+        // fences pass, and only if no other stream used it.
+        let stream = fences.only_on(own_key).then_some(own_key);
+        let z = st.zone_of_offset(self.offset);
+        let super::State { zones, region, .. } = &mut *st;
+        zones[z].insert_in(
+            self.offset,
+            Free {
+                size: self.size,
+                stream,
+                fences,
+            },
+            &region.walls(),
+        );
+        // Joined into a large free block (settled neighbours), the owed
+        // free would keep all of it from the other streams until its
+        // stream's next call: covered now instead.
+        if let Some(key) = owed_on {
+            let joined = st.zones[z].size_at(self.offset);
+            if joined >= super::owed::JOINED_BYTES && st.owed.needs_any_cover(key) {
+                self.arena.cover(st, &self.stream);
             }
         }
-        self.arena.count(&mut st);
     }
 }

@@ -1,0 +1,251 @@
+//! Hand-outs: ordinary, into a graph's pool, and the search behind both;
+//! a graph pool's release.
+
+use super::*;
+
+impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
+    /// Allocates `bytes` (rounded up to the alignment) for work on `stream`.
+    ///
+    /// When no free block fits, maps chunks at the lowest unmapped address
+    /// that fits (pooled ones first). Out of memory or over the budget, it
+    /// waits for the arena's frees still in flight (on their streams, as
+    /// PyTorch's allocator does before giving up), gives back whole free
+    /// chunks and cached pool memory and tries once more; then
+    /// [`Error::ArenaOutOfMemory`], with the device's free and total bytes
+    /// where the backend knows them. A request larger than the budget, the
+    /// reservation or the device fails at once with `never_fits` set (not
+    /// [transient](Error::is_transient)). Existing allocations are never
+    /// touched by a failure.
+    pub fn alloc(&self, bytes: usize, stream: &S) -> Result<Allocation<B, S>> {
+        self.alloc_inner(bytes, stream, None)
+    }
+
+    /// Allocates `bytes` for work on `stream` while it is being captured
+    /// into a CUDA graph whose pool is `graph`: the block belongs to the
+    /// graph, which replays the captured work at these addresses, until
+    /// [`release_graph`](Self::release_graph). Freed (dropped, or with
+    /// [`Allocation::free_into_graph`]), it stays the graph's.
+    ///
+    /// It is taken from the blocks `graph` holds that were freed on
+    /// `stream` during the capture (the graph orders them as the stream
+    /// did), else from free memory whose last use has passed, else from
+    /// newly mapped memory: never a block another use may still touch when
+    /// the graph replays, on whatever stream that is.
+    ///
+    /// No fence is recorded or waited for on `stream`. Fences of earlier
+    /// frees are queried (`cuEventQuery`), which a capture in CUDA's global
+    /// mode forbids on any thread: the CUDA backend makes that query, and
+    /// every other call CUDA counts as unsafe, in relaxed capture mode on
+    /// its own (see [`cuda::RelaxedCapture`](crate::cuda::RelaxedCapture)).
+    pub fn alloc_in_graph(
+        &self,
+        bytes: usize,
+        stream: &S,
+        graph: GraphPoolId,
+    ) -> Result<Allocation<B, S>> {
+        self.alloc_inner(bytes, stream, Some(graph))
+    }
+
+    /// The graph is gone: `graph`'s pool, every executable graph made from
+    /// it destroyed and their launches finished (CUDA runs a graph's user
+    /// object destructor then). Its held blocks join the free index, with
+    /// the fences of uses made after the capture; its allocations still
+    /// live are ordinary ones from now on. Returns the bytes freed. Unknown
+    /// pools free nothing.
+    pub fn release_graph(&self, graph: GraphPoolId) -> Result<usize> {
+        let mut st = self.shared.state.lock();
+        let Some(pool) = st.graphs.remove(&graph) else {
+            return Ok(0);
+        };
+        let mut freed = 0;
+        for (o, h) in pool.held {
+            freed += h.size;
+            st.note_free(o, h.size);
+            if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(o)) {
+                a.note_free(o, h.size, Some(h.fences));
+                continue;
+            }
+            let stream = h
+                .fences
+                .iter()
+                .next()
+                .map(|f| f.key)
+                .filter(|&k| h.fences.only_on(k));
+            let z = st.zone_of_offset(o);
+            let State { zones, region, .. } = &mut *st;
+            zones[z].insert_in(
+                o,
+                Free {
+                    size: h.size,
+                    stream,
+                    fences: h.fences,
+                },
+                &region.walls(),
+            );
+        }
+        for l in st.live.values_mut().filter(|l| l.graph == Some(graph)) {
+            l.graph = None;
+        }
+        self.shared.count(&mut st);
+        Ok(freed)
+    }
+
+    /// The graph pools alive: each one's id, bytes held free and live
+    /// allocations.
+    pub fn graph_pools(&self) -> Vec<(GraphPoolId, usize, usize)> {
+        let st = self.shared.state.lock();
+        st.graphs
+            .iter()
+            .map(|(&id, p)| (id, p.held_bytes(), p.live))
+            .collect()
+    }
+
+    fn alloc_inner(
+        &self,
+        bytes: usize,
+        stream: &S,
+        graph: Option<GraphPoolId>,
+    ) -> Result<Allocation<B, S>> {
+        let size = self.rounded(bytes)?;
+        let key = stream.key();
+        let mut st = self.shared.state.lock();
+        st.region.check_poison()?;
+        if graph.is_none() {
+            self.cover_owed(&mut st, stream);
+        }
+        let (offset, from_held) = self.place(&mut st, size, bytes, key, graph)?;
+        let uses = self.note_live(&mut st, offset, size, bytes, key, graph, from_held);
+        drop(st);
+        let id = self.trace_alloc(bytes, key);
+        Ok(Allocation {
+            id,
+            arena: self.shared.clone(),
+            offset,
+            size,
+            requested: bytes,
+            stream: stream.clone(),
+            extra: Mutex::new(Vec::new()),
+            uses,
+            how: allocation::Freeing::Fence,
+        })
+    }
+
+    /// `bytes` rounded up to the alignment; 0 and overflow refused.
+    fn rounded(&self, bytes: usize) -> Result<usize> {
+        if bytes == 0 {
+            return Err(Error::invalid("an allocation of 0 bytes"));
+        }
+        round_up(bytes, self.shared.alignment)
+            .ok_or_else(|| Error::invalid(format!("{bytes} bytes overflow")))
+    }
+
+    /// The frees owed on `stream` get their fence now if they should (never
+    /// inside a capture, where the fence would be captured: callers skip
+    /// this for a graph's allocation).
+    fn cover_owed(&self, st: &mut State<B>, stream: &S) {
+        let key = stream.key();
+        if self.shared.defer_free_fences {
+            self.shared.note_stream(key);
+        }
+        if st.owed.needs_cover(key) {
+            self.shared.cover(st, stream);
+        }
+    }
+
+    /// Where `size` bytes go, and whether they came from the graph's own
+    /// held blocks: a graph's held blocks first; then, from the arena, only
+    /// memory no pending use touches (for a graph, a key no stream has:
+    /// settled blocks only). Out of memory, of budget or of room, it waits
+    /// for the frees still in flight (their streams only), gives everything
+    /// cached back and tries once more; a request that can never fit
+    /// fails at once.
+    fn place(
+        &self,
+        st: &mut State<B>,
+        size: usize,
+        bytes: usize,
+        key: StreamKey,
+        graph: Option<GraphPoolId>,
+    ) -> Result<(usize, bool)> {
+        if let Some(o) = graph.and_then(|g| st.graphs.get_mut(&g)?.take(size, key)) {
+            return Ok((o, true));
+        }
+        let find_key = if graph.is_some() { GRAPH_KEY } else { key };
+        let oom = |st: &mut State<B>| {
+            st.stats.num_ooms += 1;
+            let device = self.shared.backend.device_memory();
+            self.shared.out_of_memory(st, bytes, device)
+        };
+        match self.shared.find(st, size, find_key) {
+            Ok(o) => Ok((o, false)),
+            Err(Error::ArenaOutOfMemory {
+                never_fits: true, ..
+            }) => Err(oom(st)),
+            Err(e) if e.is_transient() => {
+                self.shared.wait_pending_frees(st)?;
+                self.shared.release_free_chunks(st)?;
+                let _ = self.shared.pool.trim();
+                match self.shared.find(st, size, find_key) {
+                    Ok(o) => {
+                        st.stats.num_alloc_retries += 1;
+                        Ok((o, false))
+                    }
+                    Err(e) if e.is_transient() => Err(oom(st)),
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Records the allocation at `offset` as live (and its graph's count),
+    /// and counts it; its record of uses.
+    #[allow(clippy::too_many_arguments)]
+    fn note_live(
+        &self,
+        st: &mut State<B>,
+        offset: usize,
+        size: usize,
+        bytes: usize,
+        key: StreamKey,
+        graph: Option<GraphPoolId>,
+        from_held: bool,
+    ) -> Arc<Uses<B::Fence>> {
+        let uses = st.spare_uses.pop().unwrap_or_default();
+        st.live.insert(
+            offset,
+            Live {
+                size,
+                requested: bytes,
+                stream: key,
+                uses: uses.clone(),
+                graph,
+            },
+        );
+        if let Some(g) = graph {
+            st.graphs.entry(g).or_default().live += 1;
+        }
+        // A graph's held bytes count as allocated in the split already.
+        if !from_held {
+            let State { split, region, .. } = &mut *st;
+            split.change(&region.table, offset, size, true);
+        }
+        st.stats.num_allocs += 1;
+        st.allocated += size;
+        st.requested += bytes;
+        self.shared.count(st);
+        uses
+    }
+
+    /// The allocation's id in the trace being recorded (0 with none).
+    fn trace_alloc(&self, bytes: usize, key: StreamKey) -> u64 {
+        match self.shared.trace.lock().as_mut() {
+            Some(sink) => {
+                sink.next_id += 1;
+                sink.line("alloc", sink.next_id, bytes, key);
+                sink.next_id
+            }
+            None => 0,
+        }
+    }
+}
