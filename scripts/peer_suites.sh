@@ -6,6 +6,9 @@
 # Usage: scripts/peer_suites.sh SUITE PEER_DIR OUT_DIR [SECONDS]
 #   SUITE     cupy   CuPy's tests/ (PEER_DIR/tests), under CuPy's default pool
 #                    and under vmmbuf.cupy.use()
+#             tms    torch_memory_saver's own test/ (PEER_DIR/test, and its wheel in
+#                    PEER_DIR/wheels): the real package, and vmmbuf's through a
+#                    shim package of the same name (scripts/peer/tms_shim.py)
 #             torch  PyTorch's test/test_cuda.py (PEER_DIR/test_cuda.py): without
 #                    vmmbuf, vmmbuf process-wide, every test in a vmmbuf MemPool,
 #                    and every test in a MemPool of PyTorch's own (the control
@@ -30,15 +33,24 @@ export PYTHONPATH="$here/peer${PYTHONPATH:+:$PYTHONPATH}" PYTHONFAULTHANDLER=1 P
 case "$suite" in
   cupy) configs="native vmmbuf" ;;
   torch) configs="native vmmbuf vmmbuf-mempool torch-mempool" ;;
+  tms) configs="native vmmbuf"
+    whl=$(ls "$dir"/wheels/torch_memory_saver-*.whl 2>/dev/null | head -n 1)
+    [ -n "$whl" ] || { echo "peer_suites: no torch_memory_saver wheel in $dir/wheels" >&2; exit 2; }
+    python3 "$here/peer/tms_shim.py" "$whl" "$out/tms-native-pkg" "$out/tms-shim-pkg" || exit 2 ;;
   *) echo "peer_suites: unknown suite $suite" >&2; exit 2 ;;
 esac
 files=${PEER_FILES:-}
-[ -n "$files" ] || { [ "$suite" = cupy ] && files=tests/cupy_tests/cuda_tests || files=test_cuda.py; }
+if [ -z "$files" ]; then
+  case "$suite" in cupy) files=tests/cupy_tests/cuda_tests ;; torch) files=test_cuda.py ;; tms) files=test ;; esac
+fi
 run_one() { # CONFIG [CUDA_VISIBLE_DEVICES]
-  local cfg=$1 log="$out/$suite-$1.log" start rc
+  local cfg=$1 log="$out/$suite-$1.log" start rc pp=
+  # torch_memory_saver's suite imports the package by name: the real one
+  # or vmmbuf's shim comes first on the path.
+  [ "$suite" = tms ] && { [ "$cfg" = native ] && pp=$out/tms-native-pkg || pp=$out/tms-shim-pkg; }
   echo "== $suite under $cfg${2:+ on GPUs $2}: $files" | tee "$log"
   start=$(date +%s)
-  (cd "$dir" && env ${2:+CUDA_VISIBLE_DEVICES=$2} PEER_ALLOCATOR=$cfg timeout -k 10 "$secs" \
+  (cd "$dir" && env ${2:+CUDA_VISIBLE_DEVICES=$2} ${pp:+PYTHONPATH=$pp:$PYTHONPATH} PEER_ALLOCATOR=$cfg timeout -k 10 "$secs" \
       python -m pytest -v -p peer_allocator \
       -p no:cacheprovider -o console_output_style=classic --timeout 120 \
       --continue-on-collection-errors ${PEER_XDIST:+-n "$PEER_XDIST"} \
