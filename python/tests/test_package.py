@@ -186,7 +186,8 @@ def test_device_defaults_to_the_current_cuda_device(monkeypatch: pytest.MonkeyPa
     assert vmmbuf._device(None) == 0
 
 
-def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Any) -> None:
     """vmmbuf.torch and vmmbuf.torch_memory_saver refuse bad devices, budgets,
     tags and flags in words, before any CUDA call: checked against a stand-in
     for torch with two devices, so it runs without a GPU."""
@@ -250,6 +251,34 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     with pytest.raises(vmmbuf.InvalidArgumentError, match="'torch' or 'preload'"):
         saver.hook_mode = "cuda"
     assert saver.hook_mode == "torch", "a refused mode changes nothing"
+    # Backup backends and disk backup: pinned is vmmbuf's; mmap and files
+    # are refused in words; the checks torch_memory_saver makes come first.
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="requires enable_cpu_backup=True"):
+        with saver.region("w", cpu_backup_backend="pinned"):
+            pass
+    with pytest.raises(vmmbuf.UnsupportedError, match="pinned host memory"):
+        with saver.region("w", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+            pass
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="'pinned' or 'mmap'"):
+        with saver.region("w", enable_cpu_backup=True, cpu_backup_backend="disk"):
+            pass
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="mutually exclusive"):
+        with saver.region("w", enable_cpu_backup=True, enable_disk_backup=True):
+            pass
+    with pytest.raises(vmmbuf.UnsupportedError, match="spilled to files"):
+        with saver.region("w", enable_disk_backup=True):
+            pass
+    with pytest.raises(vmmbuf.UnsupportedError, match="pinned host memory"):
+        with saver.cuda_graph(object(), tag="g", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+            pass
+    assert "w" not in saver._used, "a refused region records nothing"
+    disk = tmp_path / "tms-disk"
+    saver.set_disk_backup_dir(str(disk))
+    assert disk.is_dir()
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="takes a path"):
+        saver.set_disk_backup_dir("")
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="CUDA tensor"):
+        saver.get_cpu_backup(object())
     # cuda_graph() needs vmmbuf process-wide (the stand-in is not): refused.
     with pytest.raises(vmmbuf.UnsupportedError, match="process's allocator"):
         with saver.cuda_graph(object(), tag="g"):

@@ -463,3 +463,32 @@ def test_torch_memory_saver_cuda_graph_memory_pauses_and_the_graph_replays(torch
         print("OK")
     """)
     assert out.strip().endswith("OK"), out
+
+
+def test_torch_memory_saver_get_cpu_backup_reads_a_paused_tensor(torch_gpu):
+    """``get_cpu_backup`` (torch_memory_saver's): while paused, a tensor of a
+    region with a CPU backup reads back as a CPU tensor of its contents;
+    one without a backup, or any after the resume, gives None."""
+    out = run_script("""
+        import torch
+        from vmmbuf.torch_memory_saver import TorchMemorySaver
+        tms = TorchMemorySaver()
+        g = torch.Generator(device="cuda").manual_seed(21)
+        with tms.region("kept", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+            w = torch.randn(3, 1 << 20, device="cuda", generator=g)
+        with tms.region("dropped"):
+            kv = torch.ones(1 << 20, device="cuda")
+        ref = w.cpu()
+        assert tms.get_cpu_backup(w) is None, "not paused: no backup"
+        tms.pause()
+        b = tms.get_cpu_backup(w)
+        assert b is not None and b.device.type == "cpu" and b.shape == w.shape and b.dtype == w.dtype
+        assert torch.equal(b, ref), "the backup holds every byte"
+        assert torch.equal(tms.get_cpu_backup(w[1], zero_copy=True), ref[1])
+        assert tms.get_cpu_backup(kv) is None, "paused without a backup"
+        tms.resume()
+        assert tms.get_cpu_backup(w) is None, "resumed"
+        assert torch.equal(w.cpu(), ref)
+        print("OK")
+    """)
+    assert "OK" in out, out

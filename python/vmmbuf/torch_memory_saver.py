@@ -73,6 +73,7 @@ class TorchMemorySaver:
         # ends (PyTorch aborts on a MemPool destroyed while another pool is
         # in use: c10's synchronize_and_free_events asserts that no pool is).
         self._local = threading.local()
+        self._disk_dir: Optional[str] = os.environ.get("TMS_DISK_BACKUP_DIR")
 
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -84,12 +85,27 @@ class TorchMemorySaver:
         return spent
 
     @contextlib.contextmanager
-    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> Iterator[None]:
+    def region(self, tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
+               enable_disk_backup: bool = False,
+               cpu_backup_backend: Optional[str] = None) -> Iterator[None]:
         """Tensors made inside can be paused with ``pause(tag)``, their
         contents kept in host memory (``enable_cpu_backup=True``) or dropped.
-        Regions nest: the innermost one's tag and backup apply."""
+        Regions nest: the innermost one's tag and backup apply.
+        ``cpu_backup_backend`` (with a CPU backup only, as in
+        torch_memory_saver): ``"pinned"`` (what vmmbuf keeps backups in) or
+        None; ``"mmap"`` and ``enable_disk_backup=True`` are refused with
+        :class:`~vmmbuf.errors.UnsupportedError` (vmmbuf has no file-backed
+        backup yet)."""
         tag = _check.tag("tag", tag)
         enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
+        if _check.flag("enable_disk_backup", enable_disk_backup):
+            if enable_cpu_backup:
+                raise InvalidArgumentError(
+                    "enable_cpu_backup and enable_disk_backup are mutually exclusive")
+            raise UnsupportedError(
+                "enable_disk_backup: vmmbuf keeps backups in pinned host memory only; a backup "
+                "spilled to files is not implemented")
+        _backup_backend(enable_cpu_backup, cpu_backup_backend)
         self._local.depth = self._depth() + 1
         try:
             with _allocating_as(self._note(tag, enable_cpu_backup)):
@@ -102,7 +118,8 @@ class TorchMemorySaver:
     @contextlib.contextmanager
     def cuda_graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
                    capture_error_mode: str = "global", tag: str = _TAG_DEFAULT,
-                   enable_cpu_backup: bool = False) -> Iterator[None]:
+                   enable_cpu_backup: bool = False,
+                   cpu_backup_backend: Optional[str] = None) -> Iterator[None]:
         """``torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode)``
         whose memory (the graph's pool) pauses and resumes with ``tag``, as
         torch_memory_saver's does. It needs vmmbuf as the process's
@@ -112,6 +129,7 @@ class TorchMemorySaver:
         resume."""
         tag = _check.tag("tag", tag)
         enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
+        _backup_backend(enable_cpu_backup, cpu_backup_backend)
         if not _vtorch.is_process_wide():
             raise UnsupportedError(
                 "cuda_graph() needs vmmbuf as the process's allocator (vmmbuf.torch.use() before "
@@ -186,6 +204,38 @@ class TorchMemorySaver:
             _native.release_host_cache()
         return total
 
+    def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
+        """A CPU tensor of what a pause kept for ``x`` (a contiguous CUDA
+        tensor made in a region with a CPU backup), while its tag is paused;
+        None when no backup holds it (not paused, paused without a backup,
+        or made outside every region), as torch_memory_saver answers.
+        ``zero_copy=True`` gives a copy too: vmmbuf's backup is not mapped
+        for the CPU at a stable address (the ``reachable`` mode keeps the
+        contents at ``x``'s own address instead, where ``x.cpu()`` reads
+        them)."""
+        _check.flag("zero_copy", zero_copy)
+        if not getattr(x, "is_cuda", False):
+            raise InvalidArgumentError(f"get_cpu_backup takes a CUDA tensor, not {type(x).__name__}")
+        torch = _vtorch.torch
+        if not x.is_contiguous():
+            raise InvalidArgumentError(
+                f"get_cpu_backup takes a contiguous tensor (shape {tuple(x.shape)}, "
+                f"strides {x.stride()})")
+        got = _native.read_backup(x.data_ptr(), x.nbytes)
+        if got is None:
+            return None
+        flat = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+        return flat.view(x.dtype).view(x.shape)
+
+    def set_disk_backup_dir(self, path: str) -> None:
+        """Records where disk backups would go (the directory is made, as
+        torch_memory_saver makes it); vmmbuf refuses
+        ``region(enable_disk_backup=True)`` itself."""
+        if not isinstance(path, str) or not path:
+            raise InvalidArgumentError(f"set_disk_backup_dir takes a path, not {path!r}")
+        os.makedirs(path, exist_ok=True)
+        self._disk_dir = path
+
     @property
     def retain_cpu_backup(self) -> bool:
         """Whether the pinned host memory of the backups stays after a
@@ -240,6 +290,21 @@ class TorchMemorySaver:
         return True
 
 
+def _backup_backend(enable_cpu_backup: bool, backend: Optional[str]) -> None:
+    """torch_memory_saver's checks of ``cpu_backup_backend``, and vmmbuf's
+    one answer: pinned host memory."""
+    if backend is None:
+        return
+    if not enable_cpu_backup:
+        raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
+    if backend == "mmap":
+        raise UnsupportedError(
+            "cpu_backup_backend='mmap': vmmbuf keeps backups in pinned host memory "
+            "(cpu_backup_backend='pinned')")
+    if backend != "pinned":
+        raise InvalidArgumentError(f"cpu_backup_backend {backend!r}: 'pinned' or 'mmap'")
+
+
 @contextlib.contextmanager
 def _allocating_as(tag: str) -> Iterator[None]:
     """Allocations of this block carry the vmmbuf tag ``tag``: through the
@@ -275,9 +340,12 @@ def _init_enable(saver: TorchMemorySaver, env: Dict[str, str]) -> bool:
 _init_enable(torch_memory_saver, dict(os.environ))
 
 
-def region(tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False) -> "contextlib.AbstractContextManager[None]":
+def region(tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
+           enable_disk_backup: bool = False,
+           cpu_backup_backend: Optional[str] = None) -> "contextlib.AbstractContextManager[None]":
     """``torch_memory_saver.region``."""
-    return torch_memory_saver.region(tag, enable_cpu_backup)
+    return torch_memory_saver.region(tag, enable_cpu_backup, enable_disk_backup,
+                                     cpu_backup_backend)
 
 
 def pause(tag: Optional[str] = None) -> int:

@@ -27,6 +27,7 @@ use crate::table::{ChunkTable, Entry};
 
 use super::stats::SplitCount;
 
+mod backup;
 mod modes;
 
 /// What a sleep does with the data.

@@ -517,6 +517,20 @@ fn a_stashing_sleep_keeps_every_byte_away_from_the_addresses() {
         "only the stash is held: the GPU chunks went back"
     );
     assert!(!arena.is_offloaded());
+    // Asleep, the stash can be read at the allocations' addresses
+    // (torch_memory_saver's get_cpu_backup); a range it does not hold
+    // (below the arena, past its runs) cannot.
+    for (a, data) in live.iter().step_by(4) {
+        let mut got = vec![0u8; data.len()];
+        assert!(arena.read_backup(a.address(), &mut got).unwrap());
+        assert!(got == *data, "the stash holds the allocation's bytes");
+    }
+    let mut none = vec![7u8; 64];
+    assert!(!arena.read_backup(arena.base() - 64, &mut none).unwrap());
+    assert!(!arena
+        .read_backup(arena.base() + (1 << 40), &mut none)
+        .unwrap());
+    assert!(none.iter().all(|&b| b == 7), "untouched when refused");
     // Asleep: reads of a stashed allocation fail (unmapped), new ones land
     // elsewhere and keep their bytes, and a stashed one is freed.
     let mut probe = vec![0u8; 16];
@@ -536,6 +550,11 @@ fn a_stashing_sleep_keeps_every_byte_away_from_the_addresses() {
     drop(freed);
     let w = arena.wake(&[Q(0), Q(1)], &WakeDesc::default()).unwrap();
     assert_eq!(arena.sleep_mode(), None);
+    let mut probe = vec![0u8; 16];
+    assert!(
+        !arena.read_backup(live[0].0.address(), &mut probe).unwrap(),
+        "awake: no backup to read"
+    );
     assert_eq!(w.bytes, r.bytes);
     assert_eq!(arena.stats().discarded_bytes, 0);
     assert_intact(&live, &addresses, "after the wake");

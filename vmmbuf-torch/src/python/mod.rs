@@ -82,6 +82,18 @@ fn free_stream_destroyed(py: Python<'_>, ptr: u64, device: c_int) -> PyResult<()
     detached(py, || state::free_stream_destroyed(ptr, device)).map_err(to_py)
 }
 
+/// The bytes a stashing sleep kept for `[ptr, ptr + nbytes)` while their
+/// tag is asleep (torch_memory_saver's `get_cpu_backup`); None otherwise.
+#[pyfunction]
+fn read_backup(
+    py: Python<'_>,
+    ptr: u64,
+    nbytes: usize,
+) -> PyResult<Option<Py<pyo3::types::PyBytes>>> {
+    let got = detached(py, || state::read_backup(ptr, nbytes)).map_err(to_py)?;
+    Ok(got.map(|b| pyo3::types::PyBytes::new(py, &b).unbind()))
+}
+
 /// The address of the C function `vmmbuf_record_stream`, for PyTorch's
 /// `CUDAPluggableAllocator.allocator().set_record_stream_fn`.
 #[pyfunction]
@@ -302,6 +314,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tags, m)?)?;
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
+    m.add_function(wrap_pyfunction!(read_backup, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak, m)?)?;
     m.add_function(wrap_pyfunction!(set_budget, m)?)?;

@@ -148,3 +148,20 @@ pub(crate) fn set_host_cache_limit(bytes: usize) -> Result<()> {
 /// The host bound for devices used later (`usize::MAX`: none).
 pub(super) static HOST_LIMIT: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// The bytes a stashing sleep kept for `[ptr, ptr + bytes)`, while the tag
+/// whose arena holds them is asleep stashed (torch_memory_saver's
+/// `get_cpu_backup`); `None` when no arena holds such a backup.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn read_backup(ptr: u64, bytes: usize) -> Result<Option<Vec<u8>>> {
+    let mut buf = vec![0u8; bytes];
+    for (_, d) in all_devices() {
+        let d = d.lock();
+        for a in d.arenas.values() {
+            if a.read_backup(ptr, &mut buf)? {
+                return Ok(Some(buf));
+            }
+        }
+    }
+    Ok(None)
+}
