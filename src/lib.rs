@@ -132,7 +132,7 @@ pub mod cuda {
     };
     pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
     pub use crate::backend::cuda::probe::{
-        device_count, probe, DeviceProbe, KeepCurrentContext, Probe,
+        current_device, device_count, probe, DeviceProbe, KeepCurrentContext, Probe,
     };
     pub use crate::backend::cuda::tensor::CudaTensor;
     pub use crate::backend::cuda::{

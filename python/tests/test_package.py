@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import types
@@ -246,11 +247,25 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
         saver.retain_cpu_backup = 1
     saver.hook_mode = "torch"
     assert saver.hook_mode == "torch"
-    with pytest.raises(vmmbuf.UnsupportedError, match="preload"):
-        saver.hook_mode = "preload"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(vmmbuf.UnsupportedError, match="configure_subprocess"):
+        saver.hook_mode = "preload"     # this process was not started with the library
     with pytest.raises(vmmbuf.InvalidArgumentError, match="'torch' or 'preload'"):
         saver.hook_mode = "cuda"
     assert saver.hook_mode == "torch", "a refused mode changes nothing"
+    # configure_subprocess(): the preload library first in LD_PRELOAD, what
+    # was there kept, all put back after (torch_memory_saver's own tests
+    # of it check the same).
+    lib = tms.preload_library_path()
+    assert lib.startswith(str(tmp_path / "cache" / "vmmbuf")) and tms.preload_library_path() == lib
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with tms.configure_subprocess():
+        assert os.environ["LD_PRELOAD"] == lib
+    assert "LD_PRELOAD" not in os.environ
+    monkeypatch.setenv("LD_PRELOAD", "/other/lib.so")
+    with tms.configure_subprocess():
+        assert os.environ["LD_PRELOAD"].split(":") == [lib, "/other/lib.so"]
+    assert os.environ["LD_PRELOAD"] == "/other/lib.so"
     # Backup backends and disk backup: pinned is vmmbuf's; mmap and files
     # are refused in words; the checks torch_memory_saver makes come first.
     with pytest.raises(vmmbuf.InvalidArgumentError, match="requires enable_cpu_backup=True"):
@@ -328,3 +343,41 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     a.wake_up()
     assert a.get_current_usage() == 0
     vllm.CuMemAllocator.instance = None
+
+
+def test_the_preload_library_answers_through_vmmbuf_and_passes_on_otherwise(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preload library (torch_memory_saver's preload mode): it exports
+    cudaMalloc and cudaFree; unattached, or attached with preload mode off
+    or no tag on the thread, a call goes on to the CUDA runtime (none in
+    this process: cudaErrorInitializationError, 3); attaching finds the
+    package's native module; a pointer vmmbuf never made is passed on."""
+    import ctypes
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    data = vmmbuf._native.preload_library()
+    assert data is not None and data[:4] == b"\x7fELF"
+    path = os.path.join(str(tmp_path), "vmmbuf", "x.so")
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(data)
+    lib = ctypes.CDLL(path)              # loaded locally: it interposes nothing here
+    lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    lib.cudaFree.argtypes = [ctypes.c_void_p]
+    lib.vmmbuf_preload_attach.argtypes = [ctypes.c_char_p]
+    p = ctypes.c_void_p()
+    assert lib.vmmbuf_preload_attached() == 0
+    assert lib.cudaMalloc(ctypes.byref(p), 1 << 20) == 3, "no runtime after it"
+    assert lib.vmmbuf_preload_attach(b"/no/such/module.so") == -1
+    assert lib.vmmbuf_preload_attach(vmmbuf.library_path().encode()) == 0
+    assert lib.vmmbuf_preload_attached() == 1
+    assert lib.cudaMalloc(ctypes.byref(p), 1 << 20) == 3, "preload mode off: passed on"
+    vmmbuf._native.set_preload(True)
+    try:
+        assert lib.cudaMalloc(ctypes.byref(p), 1 << 20) == 3, "no tag: passed on"
+        with vmmbuf.tag("weights"):
+            # A tag, but no CUDA context current: passed on as well.
+            assert lib.cudaMalloc(ctypes.byref(p), 1 << 20) == 3
+        assert lib.cudaFree(ctypes.c_void_p(0x1234)) == 3, "not vmmbuf's: passed on"
+    finally:
+        vmmbuf._native.set_preload(False)

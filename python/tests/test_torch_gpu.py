@@ -492,3 +492,36 @@ def test_torch_memory_saver_get_cpu_backup_reads_a_paused_tensor(torch_gpu):
         print("OK")
     """)
     assert "OK" in out, out
+
+
+def test_torch_memory_saver_preload_mode_pauses_what_pytorchs_own_allocator_took(torch_gpu):
+    """torch_memory_saver's preload mode on vmmbuf: in a process started
+    with vmmbuf's preload library (``configure_subprocess``), PyTorch's own
+    caching allocator takes a region's segment with ``cudaMalloc``, which
+    the library hands to vmmbuf under the region's tag; ``pause`` gives the
+    GiB back, ``resume`` brings every sampled byte back at the same address,
+    and memory made outside the region is the CUDA runtime's, untouched."""
+    from vmmbuf.torch_memory_saver import preload_library_path
+
+    out = run_script("""
+        import torch
+        from vmmbuf.torch_memory_saver import torch_memory_saver as tms
+        tms.hook_mode = "preload"
+        normal = torch.full((1_000_000,), 100, dtype=torch.uint8, device="cuda")
+        g = torch.Generator(device="cuda").manual_seed(3)
+        with tms.region("w", enable_cpu_backup=True):
+            x = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device="cuda", generator=g)
+        ref = x[:: 4099].cpu()
+        addr = x.data_ptr()
+        torch.cuda.synchronize()
+        before = torch.cuda.mem_get_info()[0]
+        tms.pause()
+        after = torch.cuda.mem_get_info()[0]
+        assert after - before > 0.9 * (1 << 30), (before, after)
+        tms.resume()
+        assert x.data_ptr() == addr
+        assert torch.equal(x[:: 4099].cpu(), ref), "every sampled byte back"
+        assert int(normal.sum()) == 100 * 1_000_000
+        print("OK")
+    """, env={"LD_PRELOAD": preload_library_path()})
+    assert "OK" in out, out

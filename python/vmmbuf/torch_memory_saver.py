@@ -30,6 +30,11 @@ nest; a tag may have regions with and without a backup; ``cuda_graph()``
 the process is pausable under the tag ``"default"``, as in
 torch_memory_saver's preload mode (vmmbuf becomes the process's allocator:
 import it before the first CUDA tensor).
+``hook_mode = "preload"`` is torch_memory_saver's LD_PRELOAD mode: in a
+process started inside ``configure_subprocess()``, vmmbuf's preload library
+answers the CUDA runtime's ``cudaMalloc``/``cudaFree`` for the whole
+process, so what any library allocates inside a region pauses too.
+``get_cpu_backup(tensor)`` reads a paused tensor's backup.
 ``sleep``/``wake`` are the same as
 ``pause``/``resume``.
 """
@@ -108,7 +113,7 @@ class TorchMemorySaver:
         _backup_backend(enable_cpu_backup, cpu_backup_backend)
         self._local.depth = self._depth() + 1
         try:
-            with _allocating_as(self._note(tag, enable_cpu_backup)):
+            with _allocating_as(self._note(tag, enable_cpu_backup), self._hook_mode == "preload"):
                 yield
         finally:
             self._local.depth -= 1
@@ -149,7 +154,12 @@ class TorchMemorySaver:
         untagged memory, which ``pause()`` leaves alone, given back to the
         driver as the block ends, as torch_memory_saver disposes of its
         pool)."""
-        if _vtorch.is_process_wide():
+        if self._hook_mode == "preload":
+            # The CUDA runtime's own memory: the preload library passes on
+            # what is allocated under no tag.
+            with _tagged(""):
+                yield
+        elif _vtorch.is_process_wide():
             with _tagged(""):
                 yield
             _vtorch.empty_cache()
@@ -251,20 +261,25 @@ class TorchMemorySaver:
     @property
     def hook_mode(self) -> str:
         """How allocations are caught: ``"torch"`` (PyTorch's pluggable
-        allocator, per region). torch_memory_saver's ``"preload"`` (an
-        LD_PRELOAD library catching the CUDA runtime's allocations) is not
-        available yet and is refused in words."""
+        allocator, per region) or ``"preload"`` (torch_memory_saver's
+        LD_PRELOAD mode: vmmbuf's preload library answers the CUDA
+        runtime's ``cudaMalloc``/``cudaFree`` of the whole process, so what
+        any library allocates inside a region pauses too). ``"preload"``
+        needs a process started with the library preloaded (spawn it
+        inside :func:`configure_subprocess`); elsewhere it is refused in
+        words."""
         return self._hook_mode
 
     @hook_mode.setter
     def hook_mode(self, mode: str) -> None:
         if mode == "torch":
+            if self._hook_mode == "preload":
+                _native.set_preload(False)
             self._hook_mode = mode
         elif mode == "preload":
-            raise UnsupportedError(
-                "hook_mode='preload' (an LD_PRELOAD library catching cudaMalloc for the whole "
-                "process) is not available in vmmbuf yet; hook_mode='torch' catches what "
-                "PyTorch allocates inside region()")
+            _attach_preload()
+            _native.set_preload(True)
+            self._hook_mode = mode
         else:
             raise InvalidArgumentError(f"hook_mode must be 'torch' or 'preload', not {mode!r}")
 
@@ -306,15 +321,84 @@ def _backup_backend(enable_cpu_backup: bool, backend: Optional[str]) -> None:
 
 
 @contextlib.contextmanager
-def _allocating_as(tag: str) -> Iterator[None]:
+def _allocating_as(tag: str, preload: bool = False) -> Iterator[None]:
     """Allocations of this block carry the vmmbuf tag ``tag``: through the
-    thread's tag where vmmbuf is the process's allocator, else a pool."""
-    if _vtorch.is_process_wide():
+    thread's tag where vmmbuf is the process's allocator or answers the CUDA
+    runtime's allocations (``preload``), else a pool."""
+    if preload or _vtorch.is_process_wide():
         with _tagged(tag):
             yield
     else:
         with _vtorch.pool(tag):
             yield
+
+
+def preload_library_path() -> str:
+    """Where vmmbuf's preload library is: written once from the package into
+    a per-user cache folder (``$XDG_CACHE_HOME/vmmbuf``, else
+    ``~/.cache/vmmbuf``), under a name that changes with its contents."""
+    data = _native.preload_library()
+    if data is None:
+        raise UnsupportedError("hook_mode='preload' is built on Linux only")
+    import hashlib
+    import tempfile
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(base, "vmmbuf")
+    path = os.path.join(folder, f"libvmmbuf_preload-{hashlib.sha256(data).hexdigest()[:16]}.so")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        # Written whole under another name, then renamed: a process that
+        # starts meanwhile never loads half a file.
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.part")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    return path
+
+
+@contextlib.contextmanager
+def configure_subprocess() -> Iterator[None]:
+    """torch_memory_saver's ``configure_subprocess()``: processes started
+    inside the block load vmmbuf's preload library (``LD_PRELOAD``, put
+    first, the entries already there kept), for ``hook_mode='preload'``
+    in them."""
+    path = preload_library_path()
+    before = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = path if not before else f"{path}:{before}"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
+def _attach_preload() -> None:
+    """Points the preload library of this process at vmmbuf's native
+    module; refused in words unless this process was started with it."""
+    import ctypes
+
+    from . import library_path
+
+    path = preload_library_path()
+    try:
+        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    except OSError as e:
+        raise UnsupportedError(
+            "hook_mode='preload' needs this process started with vmmbuf's preload library "
+            "(LD_PRELOAD): start it inside vmmbuf.torch_memory_saver.configure_subprocess()") from e
+    lib.vmmbuf_preload_attach.argtypes = [ctypes.c_char_p]
+    lib.vmmbuf_preload_attach.restype = ctypes.c_int
+    if lib.vmmbuf_preload_attach(library_path().encode()) != 0:
+        raise UnsupportedError("the preload library found no vmmbuf native module to answer it")
 
 
 torch_memory_saver = TorchMemorySaver()
@@ -362,4 +446,5 @@ sleep = pause
 wake = resume
 
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver", "region", "pause",
+           "configure_subprocess", "preload_library_path",
            "resume", "sleep", "wake"]

@@ -174,6 +174,56 @@ pub extern "C" fn vmmbuf_record_stream(ptr: *mut c_void, stream: *mut c_void) {
     })
 }
 
+/// The preload library's `cudaMalloc` (src/preload.c): 0 with vmmbuf's
+/// memory at `*ptr`, 1 to leave the call to the CUDA runtime (preload mode
+/// off, or no tag on this thread), 2 (`cudaErrorMemoryAllocation`) when
+/// vmmbuf could not serve it (logged, [`vmmbuf_last_error`]).
+///
+/// # Safety
+///
+/// `ptr` is null (answered 1) or valid for writing one pointer, as
+/// `cudaMalloc`'s first argument is.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_preload_malloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    guard("vmmbuf_preload_malloc", 2, || {
+        if ptr.is_null() {
+            return 1;
+        }
+        match state::preload_malloc(size) {
+            Ok(None) => 1,
+            Ok(Some(p)) => {
+                // SAFETY: `ptr` is not null, and valid for a write (the
+                // caller's contract: cudaMalloc's out-pointer).
+                unsafe { *ptr = p as usize as *mut c_void };
+                0
+            }
+            Err(e) => {
+                fail(&format!("cudaMalloc({size}) under preload mode"), &e);
+                2
+            }
+        }
+    })
+}
+
+/// The preload library's `cudaFree`: 0 when `ptr` was vmmbuf's and is
+/// freed, 1 to leave the call to the CUDA runtime, 719
+/// (`cudaErrorLaunchFailure`, what `cudaFree` answers when the device's
+/// work failed) when the device synchronisation before the free failed:
+/// then nothing is freed (logged, [`vmmbuf_last_error`]).
+#[no_mangle]
+pub extern "C" fn vmmbuf_preload_free(ptr: *mut c_void) -> c_int {
+    guard("vmmbuf_preload_free", 1, || {
+        match state::preload_free(ptr as usize as u64) {
+            Ok(true) => 0,
+            Ok(false) => 1,
+            Err(e) => {
+                fail(&format!("cudaFree({ptr:?}) under preload mode"), &e);
+                719
+            }
+        }
+    })
+}
+
 /// Frees `ptr` after the stream it was allocated on was destroyed: nothing
 /// is recorded on that stream, and no stream takes the bytes before a
 /// device synchronisation shows its work finished. 0 on success, -1 on

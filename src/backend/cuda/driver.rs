@@ -161,6 +161,19 @@ pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(cudarc_err("cuCtxSetCurrent"))
 }
 
+/// `cuCtxGetDevice`: the ordinal of the device of the context current on
+/// this thread (the CUDA runtime's current device).
+pub(crate) fn current_device() -> Result<u32> {
+    let mut dev: sys::CUdevice = 0;
+    check(
+        "cuCtxGetDevice",
+        // SAFETY: a valid out-pointer.
+        unsafe { sys::cuCtxGetDevice(&mut dev) },
+        0,
+    )?;
+    u32::try_from(dev).map_err(|_| crate::Error::invalid(format!("cuCtxGetDevice gave {dev}")))
+}
+
 /// `cuCtxGetCurrent`: the context current on this thread (null for none),
 /// as a raw handle for [`restore_current`].
 pub(crate) fn current_raw() -> Result<sys::CUcontext> {

@@ -241,3 +241,18 @@ impl Drop for KeepCurrentContext {
         }
     }
 }
+
+/// The device of the CUDA context current on this thread (the CUDA
+/// runtime's current device), or `None` when no context is current (or the
+/// driver was never initialised, or there is none).
+pub fn current_device() -> Result<Option<u32>> {
+    if CudaBackend::check_driver().is_err() {
+        return Ok(None);
+    }
+    match driver::current_raw() {
+        Ok(ctx) if ctx.is_null() => Ok(None),
+        Ok(_) => driver::current_device().map(Some),
+        // Not initialised: nothing is current.
+        Err(_) => Ok(None),
+    }
+}

@@ -94,6 +94,30 @@ fn read_backup(
     Ok(got.map(|b| pyo3::types::PyBytes::new(py, &b).unbind()))
 }
 
+/// The preload library of torch_memory_saver's preload mode (a shared
+/// library, src/preload.c), as bytes to write out for LD_PRELOAD; None
+/// where it is not built (outside Linux).
+#[pyfunction]
+fn preload_library(py: Python<'_>) -> Option<Py<pyo3::types::PyBytes>> {
+    #[cfg(target_os = "linux")]
+    {
+        static LIB: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libvmmbuf_preload.so"));
+        Some(pyo3::types::PyBytes::new(py, LIB).unbind())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = py;
+        None
+    }
+}
+
+/// Turns preload mode on or off: the preload library's cudaMalloc and
+/// cudaFree are answered by vmmbuf under a tag, or all passed on.
+#[pyfunction]
+fn set_preload(on: bool) {
+    state::set_preload(on)
+}
+
 /// The address of the C function `vmmbuf_record_stream`, for PyTorch's
 /// `CUDAPluggableAllocator.allocator().set_record_stream_fn`.
 #[pyfunction]
@@ -315,6 +339,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
     m.add_function(wrap_pyfunction!(read_backup, m)?)?;
+    m.add_function(wrap_pyfunction!(preload_library, m)?)?;
+    m.add_function(wrap_pyfunction!(set_preload, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak, m)?)?;
     m.add_function(wrap_pyfunction!(set_budget, m)?)?;

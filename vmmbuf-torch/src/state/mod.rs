@@ -25,6 +25,7 @@ use vmmbuf::{
 mod alloc;
 mod budget;
 mod nccl;
+mod preload;
 mod sleep;
 #[cfg(test)]
 mod tests;
@@ -32,6 +33,7 @@ mod tests;
 pub(crate) use alloc::*;
 pub(crate) use budget::*;
 pub(crate) use nccl::*;
+pub(crate) use preload::*;
 pub(crate) use sleep::*;
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;

@@ -1,0 +1,85 @@
+// torch_memory_saver's preload mode on vmmbuf: a library loaded with
+// LD_PRELOAD (vmmbuf.torch_memory_saver.configure_subprocess() sets it) whose
+// cudaMalloc and cudaFree come before the CUDA runtime's. Each asks vmmbuf
+// first, through the plug-in the Python package loaded (attached by
+// vmmbuf_preload_attach): inside a torch_memory_saver region the memory is
+// vmmbuf's, tagged, and pauses with its tag; elsewhere, and before the
+// attach, the call goes on to the CUDA runtime unchanged. It needs nothing
+// but libdl, so the processes a preloaded one starts (which inherit
+// LD_PRELOAD) load it harmlessly.
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stddef.h>
+
+typedef int cuda_error;  // cudaError_t
+typedef cuda_error (*malloc_fn)(void**, size_t);
+typedef cuda_error (*free_fn)(void*);
+// vmmbuf's answers: 0 served, 1 not vmmbuf's (the runtime serves it),
+// anything else a cudaError_t to return.
+typedef int (*vmmbuf_malloc_fn)(void**, size_t);
+typedef int (*vmmbuf_free_fn)(void*);
+
+static vmmbuf_malloc_fn vmmbuf_malloc_hook;
+static vmmbuf_free_fn vmmbuf_free_hook;
+
+// cudaErrorInitializationError: no CUDA runtime after this library.
+enum { NO_RUNTIME = 3 };
+
+static malloc_fn next_malloc(void) {
+    static malloc_fn f;
+    malloc_fn g = __atomic_load_n(&f, __ATOMIC_ACQUIRE);
+    if (g == NULL) {
+        g = (malloc_fn)dlsym(RTLD_NEXT, "cudaMalloc");
+        __atomic_store_n(&f, g, __ATOMIC_RELEASE);
+    }
+    return g;
+}
+
+static free_fn next_free(void) {
+    static free_fn f;
+    free_fn g = __atomic_load_n(&f, __ATOMIC_ACQUIRE);
+    if (g == NULL) {
+        g = (free_fn)dlsym(RTLD_NEXT, "cudaFree");
+        __atomic_store_n(&f, g, __ATOMIC_RELEASE);
+    }
+    return g;
+}
+
+__attribute__((visibility("default"))) cuda_error cudaMalloc(void** ptr, size_t size) {
+    vmmbuf_malloc_fn v = __atomic_load_n(&vmmbuf_malloc_hook, __ATOMIC_ACQUIRE);
+    if (v != NULL) {
+        int r = v(ptr, size);
+        if (r != 1) return r;
+    }
+    malloc_fn f = next_malloc();
+    return f != NULL ? f(ptr, size) : NO_RUNTIME;
+}
+
+__attribute__((visibility("default"))) cuda_error cudaFree(void* ptr) {
+    vmmbuf_free_fn v = __atomic_load_n(&vmmbuf_free_hook, __ATOMIC_ACQUIRE);
+    if (v != NULL && ptr != NULL) {
+        int r = v(ptr);
+        if (r != 1) return r;
+    }
+    free_fn f = next_free();
+    return f != NULL ? f(ptr) : NO_RUNTIME;
+}
+
+// Points the two functions at the plug-in already loaded from `native`
+// (the Python package's native module): 0 on success, -1 if it is not
+// loaded or lacks the hooks. Nothing is loaded here (RTLD_NOLOAD).
+__attribute__((visibility("default"))) int vmmbuf_preload_attach(const char* native) {
+    void* h = dlopen(native, RTLD_NOW | RTLD_NOLOAD);
+    if (h == NULL) return -1;
+    vmmbuf_malloc_fn m = (vmmbuf_malloc_fn)dlsym(h, "vmmbuf_preload_malloc");
+    vmmbuf_free_fn f = (vmmbuf_free_fn)dlsym(h, "vmmbuf_preload_free");
+    if (m == NULL || f == NULL) return -1;
+    __atomic_store_n(&vmmbuf_free_hook, f, __ATOMIC_RELEASE);
+    __atomic_store_n(&vmmbuf_malloc_hook, m, __ATOMIC_RELEASE);
+    return 0;
+}
+
+// Whether vmmbuf is attached: 1 or 0.
+__attribute__((visibility("default"))) int vmmbuf_preload_attached(void) {
+    return __atomic_load_n(&vmmbuf_malloc_hook, __ATOMIC_ACQUIRE) != NULL;
+}
