@@ -63,7 +63,7 @@ elif name == "rt8":
     # free's fence, as the duplicate-key list did on merge.
     edit("src/order.rs", ADD_IF_ABSENT, ADD_IF_ABSENT_NEW)
     edit("src/order.rs", "    pub(crate) fn is_empty(&self) -> bool {",
-         "    pub(crate) fn into_vec(self) -> Vec<Stamped<F>> {\n        self.0\n    }\n\n    pub(crate) fn is_empty(&self) -> bool {")
+         "    pub(crate) fn into_vec(self) -> Vec<Stamped<F>> {\n        self.0.into_vec()\n    }\n\n    pub(crate) fn is_empty(&self) -> bool {")
     edit("src/arena/allocation.rs", "        fences.merge(self.uses.take().map(Mark::Fence));",
          "        let own = std::mem::take(&mut fences);\n        fences = self.uses.take().map(Mark::Fence);\n        for f in own.into_vec() {\n            fences.add_if_absent(f);\n        }")
 elif name == "g1":
