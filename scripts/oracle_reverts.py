@@ -98,7 +98,7 @@ elif name == "b1":
     edit("src/arena/mapping.rs", "        if let Err(e) = owed.wait_set(backend, &f.fences) {",
          "        let _ = (&f, &owed);\n        if let Err(e) = Ok::<(), crate::Error>(()) {")
     edit("src/arena/mapping.rs", "        self.settle_zone(st, z);\n        let o = self.take(st, z, size, key)?;",
-         "        st.zones[z].settle(|_| true);\n        let o = self.take(st, z, size, key)?;")
+         "        {\n            let State { zones, region, .. } = &mut *st;\n            zones[z].settle_in(|_| true, &region.walls());\n        }\n        let o = self.take(st, z, size, key)?;")
 elif name == "g3":
     # RT4-1 (issue 38): a block allocated before a capture and freed into
     # it owes no fence on its stream: the capture retakes it, and after
