@@ -3,7 +3,9 @@
 that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
 Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
-19), g1 g2 (the CUDA graph pools of issue 23), g3 (RT4-1, issue 38), h1 h2 (map hooks, issue 24),
+19), g1 g2 (the CUDA graph pools of issue 23), g3 (RT4-1, issue 38), h1 h2 (map hooks, issue 24;
+no longer faults since issue 40, which reports every chunk as its own range: releasing
+single chunks and cutting at chunk ends is then what the code does anyway),
 d1 (deferred free fences), w1 (a wake around a graph's blocks) or b1
 (waiting for another stream's block before growing).
 Run the oracle there afterwards:
