@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 LINE = re.compile(r"^(\S+::\S.*?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 # pytest-xdist's -v lines: "[gw3] PASSED path::test" (or "[gw3] [ 12%] PASSED ...").
@@ -39,6 +39,19 @@ def outcomes(path: str) -> Tuple[Dict[str, str], bool, str]:
     return tests, closed, last
 
 
+def table(title: str, keys: List[str], a: Dict[str, str], b: Dict[str, str],
+          names: Tuple[str, str]) -> None:
+    """Prints `title` and, if there are any, each test's two outcomes."""
+    print(title)
+    print()
+    if keys:
+        print(f"| test | {names[0]} | {names[1]} |")
+        print("|---|---|---|")
+        for k in keys:
+            print(f"| `{k}` | {a.get(k, 'not reached')} | {b.get(k, 'not reached')} |")
+        print()
+
+
 def main() -> int:
     args = sys.argv[1:]
     names = ("baseline", "vmmbuf")
@@ -57,23 +70,10 @@ def main() -> int:
     both = set(a) & set(b)
     diff = sorted(k for k in both if a[k] != b[k])
     only = sorted((set(a) | set(b)) - both)
-    print(f"{len(diff)} tests differ (of {len(both)} that both runs reached):")
-    print()
-    if diff:
-        print(f"| test | {names[0]} | {names[1]} |")
-        print("|---|---|---|")
-        for k in diff:
-            print(f"| `{k}` | {a[k]} | {b[k]} |")
-        print()
+    table(f"{len(diff)} tests differ (of {len(both)} that both runs reached):", diff, a, b, names)
     # A run cut by its time cap (or a crash) never reaches some tests; they
     # are listed apart, since their outcome is unknown rather than different.
-    print(f"{len(only)} tests reached by one run only:")
-    print()
-    if only:
-        print(f"| test | {names[0]} | {names[1]} |")
-        print("|---|---|---|")
-        for k in only:
-            print(f"| `{k}` | {a.get(k, 'not reached')} | {b.get(k, 'not reached')} |")
+    table(f"{len(only)} tests reached by one run only:", only, a, b, names)
     return 0
 
 
