@@ -126,6 +126,7 @@ pub use report::BufferStats;
 /// (which capture a stream is in, relaxed mode, a graph's release), and the
 /// probe.
 pub mod cuda {
+    pub use crate::arena::tensor::CudaTensor;
     pub use crate::arena::{CudaAllocation, CudaArena};
     pub use crate::backend::cuda::capture::{
         capture_of, capture_state, Capture, CaptureState, RelaxedCapture,
@@ -134,7 +135,6 @@ pub mod cuda {
     pub use crate::backend::cuda::probe::{
         current_device, device_count, probe, DeviceProbe, KeepCurrentContext, Probe,
     };
-    pub use crate::backend::cuda::tensor::CudaTensor;
     pub use crate::backend::cuda::{
         ChunkKind, CudaBackend, CudaBackendDesc, CudaChunk, CudaFence, CudaReservation,
     };

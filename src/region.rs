@@ -514,10 +514,22 @@ fn call_hook(what: &str, f: impl FnOnce()) {
     }
 }
 
+/// Offsets free blocks must not join across, and that no block handed out
+/// may straddle: the starts of the chunks of a region whose memory a map
+/// hook registers chunk by chunk (an NCCL registration holds one physical
+/// allocation; a tensor across two lies in none, and NCCL then treats it
+/// as unregistered on that rank alone).
+pub(crate) trait Walls {
+    /// Whether a wall stands at `offset`.
+    fn at(&self, offset: usize) -> bool;
+    /// The first wall strictly between `start` and `end`.
+    fn first_inside(&self, start: usize, end: usize) -> Option<usize>;
+}
+
 /// The walls of [`Region::walls`]: chunk starts, or none.
 pub(crate) struct ChunkWalls<'a, C>(Option<&'a ChunkTable<C>>);
 
-impl<C> crate::arena::Walls for ChunkWalls<'_, C> {
+impl<C> Walls for ChunkWalls<'_, C> {
     #[inline]
     fn at(&self, offset: usize) -> bool {
         self.0.is_some_and(|t| t.starts_at(offset))

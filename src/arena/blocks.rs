@@ -13,17 +13,7 @@
 pub(crate) use crate::order::StreamKey;
 use crate::order::{FenceSet, Stamped};
 
-/// Offsets free blocks must not join across, and that no block handed out
-/// may straddle: the starts of the chunks of an arena whose memory a map
-/// hook registers chunk by chunk (an NCCL registration holds one physical
-/// allocation; a tensor across two lies in none, and NCCL then treats it
-/// as unregistered on that rank alone).
-pub(crate) trait Walls {
-    /// Whether a wall stands at `offset`.
-    fn at(&self, offset: usize) -> bool;
-    /// The first wall strictly between `start` and `end`.
-    fn first_inside(&self, start: usize, end: usize) -> Option<usize>;
-}
+pub(crate) use crate::region::Walls;
 
 /// No walls: blocks join wherever they touch.
 #[cfg(test)]

@@ -5,7 +5,6 @@
 mod alloc;
 mod allocation;
 mod blocks;
-pub(crate) use blocks::Walls;
 mod cuda_view;
 mod desc;
 mod graph;
@@ -13,6 +12,7 @@ mod mapping;
 mod owed;
 mod sleep;
 mod stats;
+pub(crate) mod tensor;
 mod trace;
 
 pub use allocation::Allocation;

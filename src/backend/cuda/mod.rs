@@ -19,7 +19,6 @@ pub(crate) mod interop;
 pub(crate) mod nccl;
 pub(crate) mod probe;
 mod setup;
-pub(crate) mod tensor;
 mod tokens;
 
 pub(crate) use fence::stream_key;

@@ -22,9 +22,9 @@ use cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop,
 };
 
-use super::interop::{Element, View, ViewMut};
-use super::{driver, stream_key};
-use crate::arena::{CudaAllocation, CudaArena};
+use super::{CudaAllocation, CudaArena};
+use crate::backend::cuda::interop::{Element, View, ViewMut};
+use crate::backend::cuda::{driver, stream_key};
 use crate::error::{Error, Result};
 
 /// `len` elements of `T` in a CUDA arena: an owned tensor, `Send + Sync`,
