@@ -144,6 +144,25 @@ def test_sleep_and_stats_without_memory():
         assert warns(["'w'"], lambda: vmmbuf.sleep("w", reachable=False)) == 0
         assert warns(["'w'"], lambda: vmmbuf.prepare_sleep("w", wait=True, reachable=False)) == 0
         assert warns(["'weights'"], lambda: vmmbuf.prepare_sleep(["weights"])) == 0
+        # One mode spelling: mode= names it; the older keywords must agree.
+        for m in ("keep", "stash", "discard"):
+            assert warns(["'kv'"], lambda: vmmbuf.sleep("kv", mode=m)) == 0
+        assert warns(["'kv'"], lambda: vmmbuf.sleep("kv", mode="discard", discard=True)) == 0
+        assert warns(["'w'"], lambda: vmmbuf.prepare_sleep("w", wait=True, mode="stash")) == 0
+        for bad in (dict(mode="fast"), dict(mode="Keep"), dict(mode="keep", discard=True),
+                    dict(mode="stash", discard=True), dict(mode="keep", reachable=False)):
+            try:
+                vmmbuf.sleep("kv", **bad)
+            except vmmbuf.InvalidArgumentError as e:
+                assert "mode" in str(e), e
+            else:
+                raise SystemExit(f"sleep({bad}) was not refused")
+        try:
+            vmmbuf._native.sleep("kv", "fast")
+        except vmmbuf.InvalidArgumentError as e:
+            assert '"keep", "stash" or "discard"' in str(e), e
+        else:
+            raise SystemExit("the native sleep took mode 'fast'")
         assert vmmbuf.release_host_cache() == 0
         vmmbuf.set_host_cache_limit(1 << 30)
         vmmbuf.set_host_cache_limit(2**64 - 1)

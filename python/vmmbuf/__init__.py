@@ -108,28 +108,32 @@ def _each(tags: Tags, what: str) -> Iterable[Optional[str]]:
     return each
 
 
-def sleep(tags: Tags = None, *, discard: bool = False, reachable: bool = True) -> int:
+def sleep(tags: Tags = None, *, mode: Optional[str] = None, discard: bool = False,
+          reachable: bool = True) -> int:
     """Puts the allocations of ``tags`` (a tag, a list, or None for every
     tag, untagged included) to sleep and gives their device memory back;
-    every tensor keeps its address. Three ways:
+    every tensor keeps its address. ``mode`` says what becomes of the data
+    (the one spelling of the Rust ``SleepMode`` and the C functions' mode
+    numbers):
 
-    - default: the data moves to pinned host memory mapped at the tensors'
-      addresses, so they stay valid while asleep (kernels and the CPU reach
-      them over the bus);
-    - ``reachable=False``: the data is copied to pinned host memory kept
-      away from the tensors (a stash reused from sleep to sleep) and their
-      ranges are unmapped until ``wake``, as torch_memory_saver's and
-      vLLM's backups leave them: one copy each way, the fastest;
-    - ``discard=True``: nothing is copied and the contents are lost (KV
+    - ``"keep"`` (the default): the data moves to pinned host memory mapped
+      at the tensors' addresses, so they stay valid while asleep (kernels
+      and the CPU reach them over the bus);
+    - ``"stash"``: the data is copied to pinned host memory kept away from
+      the tensors (a stash reused from sleep to sleep) and their ranges are
+      unmapped until ``wake``, as torch_memory_saver's and vLLM's backups
+      leave them: one copy each way, the fastest;
+    - ``"discard"``: nothing is copied and the contents are lost (KV
       caches, activations).
 
-    Touching an unmapped tensor before ``wake`` faults. Waits only for the
-    streams that used the memory. The pinned host memory is taken from what
-    the last sleep left (see ``prepare_sleep`` and ``release_host_cache``).
-    Returns the bytes put to sleep."""
-    discard = _check.flag("discard", discard)
-    reachable = _check.flag("reachable", reachable)
-    return sum(_native.sleep(t, discard, reachable)[0] for t in _each(tags, "sleep"))
+    ``discard=True`` and ``reachable=False`` are the older spellings of
+    ``"discard"`` and ``"stash"``; with ``mode`` given they must agree with
+    it. Touching an unmapped tensor before ``wake`` faults. Waits only for
+    the streams that used the memory. The pinned host memory is taken from
+    what the last sleep left (see ``prepare_sleep`` and
+    ``release_host_cache``). Returns the bytes put to sleep."""
+    m = _mode(mode, _check.flag("discard", discard), _check.flag("reachable", reachable))
+    return sum(_native.sleep(t, m)[0] for t in _each(tags, "sleep"))
 
 
 def wake(tags: Tags = None, *, zero: bool = False) -> int:
@@ -142,15 +146,31 @@ def wake(tags: Tags = None, *, zero: bool = False) -> int:
     return sum(_native.wake(t, zero)[0] for t in _each(tags, "wake"))
 
 
-def prepare_sleep(tags: Tags = None, *, wait: bool = False, reachable: bool = True) -> int:
+def prepare_sleep(tags: Tags = None, *, wait: bool = False, mode: Optional[str] = None,
+                  reachable: bool = True) -> int:
     """Pins, ahead of the first ``sleep`` that keeps the data (with the same
-    ``reachable``), the host memory it will take (pinning costs ~0.3 s per
-    GiB; a steady-state sleep pins nothing). By default on a thread of its
-    own while the GPU keeps working (the next sleep waits for it) and
-    returns 0; with ``wait=True`` returns the bytes pinned."""
+    ``mode``, ``"keep"`` or ``"stash"``; ``reachable=False`` is ``"stash"``),
+    the host memory it will take (pinning costs ~0.3 s per GiB; a
+    steady-state sleep pins nothing). By default on a thread of its own
+    while the GPU keeps working (the next sleep waits for it) and returns 0;
+    with ``wait=True`` returns the bytes pinned."""
     wait = _check.flag("wait", wait)
-    reachable = _check.flag("reachable", reachable)
-    return sum(_native.prepare_sleep(t, wait, reachable) for t in _each(tags, "prepare_sleep"))
+    m = _mode(mode, False, _check.flag("reachable", reachable))
+    return sum(_native.prepare_sleep(t, wait, m) for t in _each(tags, "prepare_sleep"))
+
+
+def _mode(mode: Optional[str], discard: bool, reachable: bool) -> str:
+    """The sleep mode ``mode`` names, or the older keywords do; refused in
+    words when they disagree or ``mode`` is not one of the three."""
+    implied = "discard" if discard else ("keep" if reachable else "stash")
+    if mode is None:
+        return implied
+    if mode not in ("keep", "stash", "discard"):
+        raise InvalidArgumentError(f"mode {mode!r}: 'keep', 'stash' or 'discard'")
+    if (discard or not reachable) and implied != mode:
+        raise InvalidArgumentError(
+            f"mode {mode!r} and discard={discard}, reachable={reachable} disagree")
+    return mode
 
 
 def release_host_cache() -> int:

@@ -202,7 +202,8 @@ class TorchMemorySaver:
         bytes paused. A tag with no region is nothing to pause."""
         total = 0
         for t, kept in self._tags(tag):
-            total += _native.sleep(t, not kept, self._reachable if kept else True)[0]
+            mode = "discard" if not kept else ("keep" if self._reachable else "stash")
+            total += _native.sleep(t, mode)[0]
         return total
 
     def resume(self, tag: Optional[str] = None) -> int:

@@ -28,43 +28,10 @@ use crate::table::{ChunkTable, Entry};
 use super::stats::SplitCount;
 
 mod backup;
+mod mode;
 mod modes;
 
-/// What a sleep does with the data.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum SleepMode {
-    /// Every chunk moves to pinned host memory with its data, at the same
-    /// address (vLLM's sleep level 1, torch_memory_saver with a CPU
-    /// backup). Kernels and the CPU still reach the allocations while
-    /// asleep, over the bus.
-    #[default]
-    Keep,
-    /// The data is copied to pinned host memory mapped away from the
-    /// allocations (a stash the arena keeps from one sleep to the next),
-    /// and the allocations' ranges are unmapped until the wake, as
-    /// torch_memory_saver's and vLLM's backups leave them: touching one
-    /// before the wake faults. One copy each way and no host-memory grant
-    /// per sleep (which costs ~12-20 ms per GiB on an H100, per mapping):
-    /// the fastest way to keep the data.
-    Stash,
-    /// Every chunk is unmapped and given back without a copy (vLLM's level
-    /// 2, torch_memory_saver without a backup): for KV caches and
-    /// activations. The wake maps fresh memory at the same addresses; what
-    /// it holds is undefined (zeros with [`WakeDesc::zero`]). Touching a
-    /// discarded allocation before the wake faults.
-    Discard,
-}
-
-impl std::fmt::Display for SleepMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Keep => "keep",
-            Self::Stash => "stash",
-            Self::Discard => "discard",
-        })
-    }
-}
+pub use mode::SleepMode;
 
 /// How [`Arena::sleep`] sleeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

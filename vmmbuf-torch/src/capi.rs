@@ -308,30 +308,29 @@ pub extern "C" fn vmmbuf_empty_cache(device: c_int) -> c_int {
     })
 }
 
-/// Pins, ahead of a kept sleep of `tag` (null: every tag), the host memory
-/// it will take (`flags` bit 1, `VMMBUF_STASH`: a stashing sleep): on a
-/// thread of its own if `wait` is 0 (the next sleep waits for it), else
-/// now. Returns the bytes pinned (0 when not waiting), or -1 on an error
-/// (logged).
+/// Pins, ahead of a sleep of `tag` (null: every tag) in `mode` (the
+/// sleep's mode number, [`vmmbuf::SleepMode::code`]: `VMMBUF_KEEP` 0 or
+/// `VMMBUF_STASH` 2; `VMMBUF_DISCARD` 1 pins nothing), the host memory it
+/// will take: on a thread of its own if `wait` is 0 (the next sleep waits
+/// for it), else now. Returns the bytes pinned (0 when not waiting), or -1
+/// on an error (logged; an unknown mode number too).
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn vmmbuf_prepare_sleep(
-    tag: *const c_char,
-    flags: c_int,
-    wait: c_int,
-) -> i64 {
+pub unsafe extern "C" fn vmmbuf_prepare_sleep(tag: *const c_char, mode: c_int, wait: c_int) -> i64 {
     guard("vmmbuf_prepare_sleep", -1, || {
         let every = tag.is_null();
         let Some(tag) = tag_of(tag) else {
             fail("vmmbuf_prepare_sleep", &"a tag that is not UTF-8");
             return -1;
         };
-        let mode = if flags & 2 != 0 {
-            vmmbuf::SleepMode::Stash
-        } else {
-            vmmbuf::SleepMode::Keep
+        let Some(mode) = vmmbuf::SleepMode::from_code(mode) else {
+            fail(
+                "vmmbuf_prepare_sleep",
+                &format!("sleep mode number {mode}: 0, 1 or 2"),
+            );
+            return -1;
         };
         match state::prepare_sleep((!every).then_some(tag.as_str()), mode, wait != 0) {
             Ok(n) => n as i64,
@@ -449,12 +448,14 @@ pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
 }
 
 /// Puts `tag`'s allocations (null: every tag's) on every device to sleep
-/// and gives their device memory back; the addresses stay. By default the
-/// contents move to pinned host memory at the same addresses (kernels still
-/// reach them); `flags` bit 0 (`VMMBUF_DISCARD`) discards them instead, bit
-/// 1 (`VMMBUF_STASH`) copies them to pinned host memory kept away from the
-/// addresses (unmapped until the wake; one copy each way, the fastest way to
-/// keep them). Waits for the work queued so far on the streams of
+/// and gives their device memory back; the addresses stay. `mode` is the
+/// sleep's mode number ([`vmmbuf::SleepMode::code`], the one mode type of
+/// Rust and Python too): `VMMBUF_KEEP` 0 moves the contents to pinned host
+/// memory at the same addresses (kernels still reach them),
+/// `VMMBUF_DISCARD` 1 drops them, `VMMBUF_STASH` 2 copies them to pinned
+/// host memory kept away from the addresses (unmapped until the wake; one
+/// copy each way, the fastest way to keep them); another number is an
+/// error. Waits for the work queued so far on the streams of
 /// the tag's live allocations, for the fences of its frees and for the uses
 /// recorded on its allocations; never for the whole device. Until
 /// `vmmbuf_wake`, new allocations under a tag kept asleep are made in host
@@ -465,8 +466,8 @@ pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
 /// # Safety
 /// `tag` is null or a NUL-terminated string.
 #[no_mangle]
-pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char, flags: c_int) -> i64 {
-    guard("vmmbuf_sleep", -1, || move_tag(tag, true, flags))
+pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char, mode: c_int) -> i64 {
+    guard("vmmbuf_sleep", -1, || move_tag(tag, true, mode))
 }
 
 /// Wakes `tag`'s allocations (null: every tag's) at the same addresses:
@@ -489,16 +490,12 @@ fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
         return -1;
     };
     let t = (!every).then_some(tag.as_str());
-    let mode = match flags & 3 {
-        0 => vmmbuf::SleepMode::Keep,
-        1 => vmmbuf::SleepMode::Discard,
-        2 => vmmbuf::SleepMode::Stash,
-        _ => {
-            fail(what, &"VMMBUF_DISCARD and VMMBUF_STASH together");
-            return -1;
-        }
-    };
     let r = if sleep {
+        // `flags` is the sleep's mode number here.
+        let Some(mode) = vmmbuf::SleepMode::from_code(flags) else {
+            fail(what, &format!("sleep mode number {flags}: 0, 1 or 2"));
+            return -1;
+        };
         state::sleep_tags(t, mode)
     } else {
         state::wake_tags(t, flags & 1 != 0)

@@ -282,9 +282,15 @@ mod tests {
             assert_eq!(vmmbuf_wake(c"weights".as_ptr(), 0), 0);
             assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 1), 0);
             assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 2), 0);
-            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 3), -1, "two modes");
+            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 3), -1, "no mode 3");
+            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), -1), -1, "no mode -1");
             assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 0, 1), 0);
             assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 2, 1), 0);
+            assert_eq!(
+                vmmbuf_prepare_sleep(std::ptr::null(), 7, 1),
+                -1,
+                "no mode 7"
+            );
             assert_eq!(
                 vmmbuf_prepare_sleep(c"\xff".as_ptr(), 0, 1),
                 -1,

@@ -201,32 +201,24 @@ fn captures() -> (bool, usize) {
     state::CAPTURES.state()
 }
 
-/// The mode a sleep's keywords name.
-fn mode_of(discard: bool, reachable: bool) -> vmmbuf::SleepMode {
-    match (discard, reachable) {
-        (true, _) => vmmbuf::SleepMode::Discard,
-        (false, false) => vmmbuf::SleepMode::Stash,
-        (false, true) => vmmbuf::SleepMode::Keep,
-    }
+/// The sleep mode named `mode` ("keep", "stash" or "discard": the one
+/// spelling of `vmmbuf::SleepMode::name`), or refused in words.
+fn mode_named(mode: &str) -> PyResult<vmmbuf::SleepMode> {
+    mode.parse().map_err(to_py)
 }
 
-/// Puts `tag`'s allocations (None: every tag's) to sleep: the data kept in
-/// pinned host memory at the same addresses, or (`reachable` false) away
-/// from them, or (`discard`) dropped; the device memory goes back, the
-/// addresses stay. `(bytes put to sleep, device bytes given back)`.
+/// Puts `tag`'s allocations (None: every tag's) to sleep in `mode`: the
+/// data kept in pinned host memory at the same addresses ("keep"), away
+/// from them ("stash"), or dropped ("discard"); the device memory goes
+/// back, the addresses stay. `(bytes put to sleep, device bytes given
+/// back)`.
 #[pyfunction]
-#[pyo3(signature = (tag=None, discard=false, reachable=true))]
-fn sleep(
-    py: Python<'_>,
-    tag: Option<String>,
-    discard: bool,
-    reachable: bool,
-) -> PyResult<(u64, u64)> {
-    detached(py, || {
-        state::sleep_tags(tag.as_deref(), mode_of(discard, reachable))
-    })
-    .map(|m| (m.bytes, m.device_bytes))
-    .map_err(to_py)
+#[pyo3(signature = (tag=None, mode="keep"))]
+fn sleep(py: Python<'_>, tag: Option<String>, mode: &str) -> PyResult<(u64, u64)> {
+    let mode = mode_named(mode)?;
+    detached(py, || state::sleep_tags(tag.as_deref(), mode))
+        .map(|m| (m.bytes, m.device_bytes))
+        .map_err(to_py)
 }
 
 /// Wakes `tag`'s allocations (None: every tag's) at the same addresses:
@@ -240,21 +232,15 @@ fn wake(py: Python<'_>, tag: Option<String>, zero: bool) -> PyResult<(u64, u64)>
         .map_err(to_py)
 }
 
-/// Creates the pinned host pieces a kept sleep of `tag` (None: every tag)
-/// would take: on a thread of its own (`wait` false; the next sleep waits
-/// for it) or now. The bytes created (0 when not waiting).
+/// Creates the pinned host pieces a sleep of `tag` (None: every tag) in
+/// `mode` would take ("keep" or "stash"; "discard" takes none): on a
+/// thread of its own (`wait` false; the next sleep waits for it) or now.
+/// The bytes created (0 when not waiting).
 #[pyfunction]
-#[pyo3(signature = (tag=None, wait=false, reachable=true))]
-fn prepare_sleep(
-    py: Python<'_>,
-    tag: Option<String>,
-    wait: bool,
-    reachable: bool,
-) -> PyResult<u64> {
-    detached(py, || {
-        state::prepare_sleep(tag.as_deref(), mode_of(false, reachable), wait)
-    })
-    .map_err(to_py)
+#[pyo3(signature = (tag=None, wait=false, mode="keep"))]
+fn prepare_sleep(py: Python<'_>, tag: Option<String>, wait: bool, mode: &str) -> PyResult<u64> {
+    let mode = mode_named(mode)?;
+    detached(py, || state::prepare_sleep(tag.as_deref(), mode, wait)).map_err(to_py)
 }
 
 /// Gives the host pieces kept between sleeps back to the driver; the bytes.
