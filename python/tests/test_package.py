@@ -285,6 +285,19 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     with tms.configure_subprocess():
         assert os.environ["LD_PRELOAD"].split(":") == [lib, "/other/lib.so"]
     assert os.environ["LD_PRELOAD"] == "/other/lib.so"
+    # Never set, the hook mode follows the process: preload mode where the
+    # library was preloaded (here it is only named, so attaching is refused
+    # in words), torch mode elsewhere.
+    fresh = tms.TorchMemorySaver()
+    assert fresh._preload() is False and fresh.hook_mode == "torch"
+    named = tms.TorchMemorySaver()
+    monkeypatch.setenv("LD_PRELOAD", lib)
+    with pytest.raises(vmmbuf.UnsupportedError, match="configure_subprocess"):
+        named._preload()
+    chosen = tms.TorchMemorySaver()
+    chosen.hook_mode = "torch"
+    assert chosen._preload() is False, "a mode set is kept"
+    monkeypatch.setenv("LD_PRELOAD", "/other/lib.so")
     # Backup backends and disk backup: pinned is vmmbuf's; mmap and files
     # are refused in words; the checks torch_memory_saver makes come first.
     with pytest.raises(vmmbuf.InvalidArgumentError, match="requires enable_cpu_backup=True"):

@@ -73,6 +73,10 @@ class TorchMemorySaver:
         self._reachable = reachable
         self._retain = False
         self._hook_mode = "torch"
+        # Until hook_mode is set, a process started with vmmbuf's preload
+        # library (configure_subprocess) takes preload mode at its first
+        # region, as torch_memory_saver defaults to its preload mode.
+        self._hook_chosen = False
         # MemPool mode: how deep this thread is in regions, and the pools
         # disable() used inside them, given back once the outermost region
         # ends (PyTorch aborts on a MemPool destroyed while another pool is
@@ -113,7 +117,7 @@ class TorchMemorySaver:
         _backup_backend(enable_cpu_backup, cpu_backup_backend)
         self._local.depth = self._depth() + 1
         try:
-            with _allocating_as(self._note(tag, enable_cpu_backup), self._hook_mode == "preload"):
+            with _allocating_as(self._note(tag, enable_cpu_backup), self._preload()):
                 yield
         finally:
             self._local.depth -= 1
@@ -154,7 +158,7 @@ class TorchMemorySaver:
         untagged memory, which ``pause()`` leaves alone, given back to the
         driver as the block ends, as torch_memory_saver disposes of its
         pool)."""
-        if self._hook_mode == "preload":
+        if self._preload():
             # The CUDA runtime's own memory: the preload library passes on
             # what is allocated under no tag.
             with _tagged(""):
@@ -174,6 +178,15 @@ class TorchMemorySaver:
                     # Given back when the outermost region ends.
                     self._spent().append(pool)
                 del pool
+
+    def _preload(self) -> bool:
+        """Whether allocations are caught in preload mode: as set, or (never
+        set) when this process was started with vmmbuf's preload library."""
+        if not self._hook_chosen:
+            self._hook_chosen = True
+            if _PRELOAD_NAME in os.environ.get("LD_PRELOAD", ""):
+                self.hook_mode = "preload"
+        return self._hook_mode == "preload"
 
     def _note(self, tag: str, backup: bool) -> str:
         """Records that ``tag`` has memory kept (``backup``) or dropped at a
@@ -268,11 +281,14 @@ class TorchMemorySaver:
         any library allocates inside a region pauses too). ``"preload"``
         needs a process started with the library preloaded (spawn it
         inside :func:`configure_subprocess`); elsewhere it is refused in
-        words."""
+        words. Never set, it becomes ``"preload"`` at the first region in
+        such a process (torch_memory_saver's default mode) and stays
+        ``"torch"`` elsewhere."""
         return self._hook_mode
 
     @hook_mode.setter
     def hook_mode(self, mode: str) -> None:
+        self._hook_chosen = True
         if mode == "torch":
             if self._hook_mode == "preload":
                 _native.set_preload(False)
@@ -334,6 +350,10 @@ def _allocating_as(tag: str, preload: bool = False) -> Iterator[None]:
             yield
 
 
+# The preload library's file name starts with this (preload_library_path).
+_PRELOAD_NAME = "libvmmbuf_preload-"
+
+
 def preload_library_path() -> str:
     """Where vmmbuf's preload library is: written once from the package into
     a per-user cache folder (``$XDG_CACHE_HOME/vmmbuf``, else
@@ -346,7 +366,7 @@ def preload_library_path() -> str:
 
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     folder = os.path.join(base, "vmmbuf")
-    path = os.path.join(folder, f"libvmmbuf_preload-{hashlib.sha256(data).hexdigest()[:16]}.so")
+    path = os.path.join(folder, f"{_PRELOAD_NAME}{hashlib.sha256(data).hexdigest()[:16]}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
         # Written whole under another name, then renamed: a process that
