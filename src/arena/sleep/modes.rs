@@ -242,13 +242,9 @@ impl<B: Backend> Shared<B> {
         zero: bool,
         r: &mut SleepReport,
     ) -> Result<()> {
-        let from_stash = asleep.mode == SleepMode::Stash;
-        let zero = zero && !from_stash;
-        let backend = &*self.backend;
         for fences in &asleep.frees {
-            st.owed.wait_set(backend, fences)?;
+            st.owed.wait_set(&*self.backend, fences)?;
         }
-        let placement = st.placement;
         let total: usize = asleep.runs.iter().map(|r| r.1).sum();
         let Some(hold) = Budget::hold(self.shared_budget.as_deref(), total) else {
             return Err(self.out_of_memory(st, total, None));
@@ -260,61 +256,94 @@ impl<B: Backend> Shared<B> {
             return Err(self.out_of_memory(st, total, None));
         }
         let mut mapped: Vec<(usize, usize)> = Vec::new();
-        let attempt = (|| {
-            for &(o, b) in &asleep.runs {
-                let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.small_end)
-                    .iter()
-                    .map(|p| p.1)
-                    .collect();
-                let t = Instant::now();
-                let acquired = self.map_fresh(st, o, &sizes)?;
-                r.migration.acquire_time += acquired;
-                r.migration.swap_time += t.elapsed() - acquired;
-                let n = sizes.len();
-                mapped.push((o, b));
-                r.chunks_after += n;
-                if zero {
-                    backend.zero(st.region.res(), o, b)?;
-                }
-                if from_stash {
-                    let stash = st.stash.as_ref().ok_or_else(|| {
-                        Error::invalid("a stashed arena without its stash (a bug)")
-                    })?;
-                    backend.copy(st.region.res(), o, stash.res_ref(), o, b)?;
-                }
-            }
-            if zero || from_stash {
-                let t = Instant::now();
-                backend.wait_copies()?;
-                r.migration.copy_time += t.elapsed();
-            }
-            Ok::<(), Error>(())
-        })();
-        if let Err(e) = attempt {
-            // Nothing used the fresh memory: give it back, stay asleep.
-            let _ = backend.wait_copies();
-            for (o, b) in mapped {
-                match st.region.unmap(o, b) {
-                    Ok(gone) => {
-                        for (_, e) in gone {
-                            let _ = self.pool.give(e.placement, e.bytes, e.chunk);
-                        }
-                    }
-                    Err(u) => st.region.poison(
-                        format!("undoing a failed wake: unmapping {o:#x} failed: {u}"),
-                        [],
-                    ),
-                }
-            }
+        if let Err(e) = self.map_runs(st, asleep, zero, r, &mut mapped) {
+            self.unmap_runs(st, mapped);
             return Err(e);
         }
         hold.keep();
+        self.free_runs(st, asleep);
+        r.bytes = total;
+        r.device_bytes = if st.placement == Location::Host {
+            0
+        } else {
+            total
+        };
+        Ok(())
+    }
+
+    /// Maps fresh pieces over every run of `asleep`, filled from the stash
+    /// (a stashing sleep) or zeroed (`zero`, a discarding one), and waits
+    /// for those copies; each run mapped goes into `mapped` as it is.
+    fn map_runs(
+        &self,
+        st: &mut State<B>,
+        asleep: &Asleep<Mark<B::Fence>>,
+        zero: bool,
+        r: &mut SleepReport,
+        mapped: &mut Vec<(usize, usize)>,
+    ) -> Result<()> {
+        let backend = &*self.backend;
+        let from_stash = asleep.mode == SleepMode::Stash;
+        let zero = zero && !from_stash;
+        for &(o, b) in &asleep.runs {
+            let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.small_end)
+                .iter()
+                .map(|p| p.1)
+                .collect();
+            let t = Instant::now();
+            let acquired = self.map_fresh(st, o, &sizes)?;
+            r.migration.acquire_time += acquired;
+            r.migration.swap_time += t.elapsed() - acquired;
+            let n = sizes.len();
+            mapped.push((o, b));
+            r.chunks_after += n;
+            if zero {
+                backend.zero(st.region.res(), o, b)?;
+            }
+            if from_stash {
+                let stash = st
+                    .stash
+                    .as_ref()
+                    .ok_or_else(|| Error::invalid("a stashed arena without its stash (a bug)"))?;
+                backend.copy(st.region.res(), o, stash.res_ref(), o, b)?;
+            }
+        }
+        if zero || from_stash {
+            let t = Instant::now();
+            backend.wait_copies()?;
+            r.migration.copy_time += t.elapsed();
+        }
+        Ok(())
+    }
+
+    /// Undoes a failed wake: nothing used the fresh memory of `mapped`, so
+    /// it goes back (the arena stays asleep); a run that will not unmap
+    /// poisons the region.
+    fn unmap_runs(&self, st: &mut State<B>, mapped: Vec<(usize, usize)>) {
+        let _ = self.backend.wait_copies();
+        for (o, b) in mapped {
+            match st.region.unmap(o, b) {
+                Ok(gone) => {
+                    for (_, e) in gone {
+                        let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+                    }
+                }
+                Err(u) => st.region.poison(
+                    format!("undoing a failed wake: unmapping {o:#x} failed: {u}"),
+                    [],
+                ),
+            }
+        }
+    }
+
+    /// Every byte of `asleep`'s runs that no live allocation, lost block or
+    /// graph holds is free again (the frees made while asleep were waited
+    /// for before the wake).
+    fn free_runs(&self, st: &mut State<B>, asleep: &Asleep<Mark<B::Fence>>) {
         // Live allocations in address order (the map is not ordered).
         let mut by_offset: Vec<(usize, usize)> =
             st.live.iter().map(|(&x, l)| (x, l.size)).collect();
         by_offset.sort_unstable();
-        // Every byte of a run that no live allocation holds is free again
-        // (the frees made while asleep were waited for above).
         for &(o, b) in &asleep.runs {
             let mut at = o;
             // What overlaps the run, cut to it: a range may start in an
@@ -358,12 +387,5 @@ impl<B: Backend> Shared<B> {
                 at = at.max(x + size);
             }
         }
-        r.bytes = total;
-        r.device_bytes = if placement == Location::Host {
-            0
-        } else {
-            total
-        };
-        Ok(())
     }
 }
