@@ -159,14 +159,21 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let s =
         (!std::ptr::eq(a.stream().cu_stream().cast::<c_void>(), stream)).then(|| d.stream(stream));
     let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
-    let other = s.as_ref().filter(|s| key(s) != key(a.stream()));
-    // Freed while its stream (or the one named) is captured: no fence can
-    // be recorded there, and the graph may use the bytes in every replay,
-    // so they are the graph's until CUDA destroys it. Each stream is asked
-    // once. A stream whose capture was invalidated takes no fence either:
-    // the free is owed there, and covered at its next call once the
-    // capture has ended. A failed question counts as "invalidated": a
-    // fence is then recorded nowhere it might not belong.
+    // The other streams that used the block: the one the free names (if
+    // not its own) and those record_stream named, each once.
+    let mut others: Vec<Arc<CudaStream>> = Vec::new();
+    for t in s.into_iter().chain(recorded) {
+        if key(&t) != key(a.stream()) && !others.iter().any(|o| key(o) == key(&t)) {
+            others.push(t);
+        }
+    }
+    // Freed while its stream (or another that used it) is captured: no
+    // fence can be recorded there, and the graph may use the bytes in
+    // every replay, so they are the graph's until CUDA destroys it. Each
+    // stream is asked once. A stream whose capture was invalidated takes
+    // no fence either: the free is owed there, and covered at its next
+    // call once the capture has ended. A failed question counts as
+    // "invalidated": a fence is then recorded nowhere it might not belong.
     let ask = |t: &Arc<CudaStream>| {
         capture_state_of(t).unwrap_or_else(|e| {
             tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
@@ -174,37 +181,25 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
         })
     };
     let own = ask(a.stream());
-    let named = other.map(ask);
-    // Streams named by record_stream: each not captured gets a fence at the
-    // free, as the stream named does; one under capture makes the block
-    // its graph's, since the graph's replays may use it.
-    let recorded: Vec<(Arc<CudaStream>, CaptureState)> = recorded
+    let others: Vec<(Arc<CudaStream>, CaptureState)> = others
         .into_iter()
-        .map(|s| {
-            let c = ask(&s);
-            (s, c)
+        .map(|t| {
+            let c = ask(&t);
+            (t, c)
         })
         .collect();
-    for (s, c) in &recorded {
+    // Each other stream not captured gets a fence of its own, at the free
+    // or (an ordinary free) with the free's. (Its capture invalidated, the
+    // fence fails and the free is owed there instead: nothing is lost.) One
+    // under capture makes the block its graph's, since the graph's replays
+    // may use it.
+    for (t, c) in &others {
         if c.active().is_none() {
-            a.record_stream(s);
+            a.record_stream(t);
         }
     }
     let plain = |c: &CaptureState| matches!(c, CaptureState::None);
-    // The stream named, not captured, gets a fence of its own: at the
-    // free, or (an ordinary free) with the free's.
-    // (Its capture invalidated, the fence fails and the free is owed
-    // there instead: nothing is lost.)
-    if let (Some(other), Some(n)) = (other, named.as_ref()) {
-        if n.active().is_none() {
-            a.record_stream(other);
-        }
-    }
-    match own
-        .active()
-        .or(named.as_ref().and_then(CaptureState::active))
-        .or(recorded.iter().find_map(|(_, c)| c.active()))
-    {
+    match own.active().or(others.iter().find_map(|(_, c)| c.active())) {
         Some(c) => {
             let g = d.graph_pool(c)?;
             // Its own stream not captured: a real fence there.
