@@ -236,6 +236,18 @@ class Pinned(Sleeper):
             c.data = torch.empty(shape, dtype=dtype, device="cuda")
 
 
+def train_step(torch: Any, model: Any, opt: Any, seqs: Any, vocab: int) -> float:
+    """One training step of the decoder on next-token prediction over
+    ``seqs``; the loss (read back, so the step has finished)."""
+    out = model(seqs[:, :-1])
+    loss = torch.nn.functional.cross_entropy(out.reshape(-1, vocab).float(),
+                                             seqs[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss)
+
+
 def make(variant: str, torch: Any) -> Sleeper:
     if variant in ("vmmbuf", "vmmbuf-stash"):
         return Vmmbuf(reachable=variant == "vmmbuf")
@@ -302,13 +314,7 @@ def run_one(a: argparse.Namespace) -> None:
         row: Dict[str, Any] = {"iter": it}
         # 1. train
         def step() -> None:
-            out = model(seqs[:, :-1])
-            loss = torch.nn.functional.cross_entropy(out.reshape(-1, vocab).float(),
-                                                     seqs[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            row["loss"] = float(loss)
+            row["loss"] = train_step(torch, model, opt, seqs, vocab)
         row["train_s"] = timed(step)
         # 2. weights to the engine, then the training state sleeps
         with torch.no_grad():

@@ -52,7 +52,7 @@ def worker(a: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     sys.path.insert(0, HERE)
-    from rl_loop import Tms, Vmmbuf, model_classes
+    from rl_loop import Tms, Vmmbuf, model_classes, train_step
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -127,13 +127,7 @@ def worker(a: argparse.Namespace) -> None:
             row: Dict[str, Any] = {"iter": it}
 
             def step() -> None:
-                out = model(seqs[:, :-1])
-                loss = torch.nn.functional.cross_entropy(out.reshape(-1, vocab).float(),
-                                                         seqs[:, 1:].reshape(-1))
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                row["loss"] = float(loss)
+                row["loss"] = train_step(torch, model, opt, seqs, vocab)
             row["train_s"] = timed(step)
             # The engine gets the whole weights (an all-gather per tensor).
             with torch.no_grad():
