@@ -82,7 +82,6 @@ class TorchMemorySaver:
         # ends (PyTorch aborts on a MemPool destroyed while another pool is
         # in use: c10's synchronize_and_free_events asserts that no pool is).
         self._local = threading.local()
-        self._disk_dir: Optional[str] = os.environ.get("TMS_DISK_BACKUP_DIR")
 
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -252,13 +251,12 @@ class TorchMemorySaver:
         return flat.view(x.dtype).view(x.shape)
 
     def set_disk_backup_dir(self, path: str) -> None:
-        """Records where disk backups would go (the directory is made, as
-        torch_memory_saver makes it); vmmbuf refuses
+        """Makes the directory, as torch_memory_saver does; nothing is ever
+        written there, since vmmbuf refuses
         ``region(enable_disk_backup=True)`` itself."""
         if not isinstance(path, str) or not path:
             raise InvalidArgumentError(f"set_disk_backup_dir takes a path, not {path!r}")
         os.makedirs(path, exist_ok=True)
-        self._disk_dir = path
 
     @property
     def retain_cpu_backup(self) -> bool:
