@@ -69,7 +69,8 @@
 //! # Where things live
 //! `unsafe` is denied crate-wide and allowed only where memory meets the
 //! driver or becomes a Rust slice: the two backends (`backend/cuda/`,
-//! `backend/host.rs`) and the buffer's two view files (`buffer/host_view.rs`,
+//! `backend/host.rs`), the pageable sleep's host buffer
+//! (`backend/pages.rs`) and the buffer's two view files (`buffer/host_view.rs`,
 //! `buffer/cuda_view.rs`). The chunk table, the growth plan, the pool and the
 //! statistics are safe code, tested without a GPU.
 #![warn(missing_docs)]

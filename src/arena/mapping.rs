@@ -464,6 +464,8 @@ impl<B: Backend> Shared<B> {
         s.inactive_split_bytes.set(split);
         s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
         s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
+        s.pageable_bytes = st.asleep.as_ref().map_or(0, |a| a.pageable_bytes())
+            + st.kept_pages.iter().map(|p| p.1.len()).sum::<usize>();
         s.fragmentation = if mapped == 0 {
             0.0
         } else {

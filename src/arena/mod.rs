@@ -170,6 +170,13 @@ struct State<B: Backend> {
     /// arena's own offsets in a reservation of their own, kept from one
     /// sleep to the next.
     stash: Option<Region<B>>,
+    /// A pageable sleep's copies kept past its wake
+    /// ([`WakeDesc::keep_backup`]), `(offset, buffer)` in address order:
+    /// readable until the next sleep, which writes into them again.
+    kept_pages: Vec<(usize, crate::backend::pages::PageableBuf)>,
+    /// Whether the last wake kept the host copy (the stash or
+    /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
+    backup_kept: bool,
     /// The blocks CUDA graphs hold (see [`Arena::alloc_in_graph`]).
     graphs: BTreeMap<GraphPoolId, graph::GraphPool<Mark<B::Fence>>>,
     /// Frees whose fence is deferred, per stream (see [`owed`]).
@@ -202,6 +209,9 @@ struct Shared<B: Backend> {
     placement: Location,
     access: Vec<AccessDesc>,
     syncs_at_start: u64,
+    /// Where a [`SleepMode::Disk`] sleep writes its files
+    /// ([`Arena::set_spill_dir`]).
+    spill_dir: Mutex<Option<std::path::PathBuf>>,
     state: Mutex<State<B>>,
     trace: Mutex<Option<trace::TraceSink>>,
 }
@@ -349,6 +359,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 placement,
                 access,
                 syncs_at_start,
+                spill_dir: Mutex::new(None),
                 state: Mutex::new(State {
                     allocated: 0,
                     requested: 0,
@@ -366,6 +377,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     placement,
                     asleep: None,
                     stash: None,
+                    kept_pages: Vec::new(),
+                    backup_kept: false,
                     owed: Owed::default(),
                     spare_uses: Vec::with_capacity(SPARE_USES),
                 }),

@@ -109,12 +109,32 @@ pub struct WakeDesc {
     /// After a discarding sleep, fill the fresh memory with zeros (queued on
     /// the backend's stream and waited for). The other modes ignore it.
     pub zero: bool,
+    /// After a stashing or pageable sleep, keep its host copy after the
+    /// wake (torch_memory_saver's `retain_cpu_backup`): it stays readable
+    /// ([`Arena::read_backup`], [`Arena::backup_address`], at the same host
+    /// address) until the next sleep, which copies into the same memory
+    /// where the runs match, or [`Arena::release_stash`]. Without it a
+    /// pageable copy goes back to the system at the wake, and no backup is
+    /// readable while awake. The other modes ignore it.
+    pub keep_backup: bool,
 }
 
 impl WakeDesc {
     /// A wake that zero-fills discarded memory.
     pub fn zeroed() -> Self {
-        Self { zero: true }
+        Self {
+            zero: true,
+            ..Self::default()
+        }
+    }
+
+    /// A wake that keeps the host copy of a stashing or pageable sleep
+    /// ([`keep_backup`](Self::keep_backup)).
+    pub fn keeping_backup() -> Self {
+        Self {
+            keep_backup: true,
+            ..Self::default()
+        }
     }
 }
 
@@ -159,6 +179,9 @@ pub(super) struct Asleep<F> {
     /// Discard and stash: blocks freed while asleep whose fence could not be
     /// recorded, `(offset, bytes)`: never handed out again.
     lost: Vec<(usize, usize)>,
+    /// Pageable: each run's data, `(offset, buffer)` in address order (one
+    /// per run, as long as the run), until the wake.
+    paged: Vec<(usize, crate::backend::pages::PageableBuf)>,
 }
 
 impl<F> Asleep<F> {
@@ -169,12 +192,18 @@ impl<F> Asleep<F> {
             runs: Vec::new(),
             frees: Vec::new(),
             lost: Vec::new(),
+            paged: Vec::new(),
         }
     }
 
     /// Bytes of the discarded runs.
     pub(super) fn discarded_bytes(&self) -> usize {
         self.runs.iter().map(|r| r.1).sum()
+    }
+
+    /// Bytes of the pageable copies.
+    pub(super) fn pageable_bytes(&self) -> usize {
+        self.paged.iter().map(|p| p.1.len()).sum()
     }
 
     /// Whether `offset` lies in a discarded run.
@@ -296,7 +325,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// [`wake`](Self::wake). With [`SleepMode::Stash`] each run is copied
     /// to the arena's stash (pinned host pieces mapped away from the
     /// allocations, kept from one sleep to the next) and unmapped; with
-    /// [`SleepMode::Discard`] it is unmapped without a copy. In both,
+    /// [`SleepMode::Discard`] it is unmapped without a copy; with
+    /// [`SleepMode::Pageable`] it is copied to pageable host memory of its
+    /// own (given back to the system at the wake) and unmapped, with
+    /// [`SleepMode::Disk`] likewise to files of the
+    /// [spill directory](Self::set_spill_dir). In these,
     /// allocating still works, in fresh device memory outside the sleeping
     /// ranges, and touching an allocation in them faults until the wake.
     ///
@@ -342,6 +375,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let device_before = st.region.table.mapped_bytes() - st.region.table.host_bytes();
         let t = Instant::now();
         sh.quiesce(st, streams)?;
+        // A backup kept past the last wake is not readable once a sleep has
+        // begun: the sleep copies into it afresh (a pageable one reuses its
+        // buffers).
+        st.backup_kept = false;
         r.wait_time = t.elapsed();
         let _span = tracing::debug_span!("vmmbuf.arena.sleep", mode = %desc.mode).entered();
         match desc.mode {
@@ -351,7 +388,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 st.asleep
                     .get_or_insert_with(|| Asleep::new(SleepMode::Keep, piece));
             }
-            SleepMode::Discard | SleepMode::Stash => {
+            SleepMode::Discard | SleepMode::Stash | SleepMode::Pageable | SleepMode::Disk => {
                 let mut asleep = st
                     .asleep
                     .take()
@@ -359,10 +396,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 r.chunks_before = st.region.table.chunk_count();
                 let had = asleep.runs.len();
                 let t = Instant::now();
-                let res = if desc.mode == SleepMode::Stash {
-                    sh.sleep_stash(st, &mut asleep, &mut r)
-                } else {
-                    sh.sleep_discard(st, &mut asleep)
+                let res = match desc.mode {
+                    SleepMode::Stash => sh.sleep_stash(st, &mut asleep, &mut r),
+                    SleepMode::Pageable | SleepMode::Disk => {
+                        sh.sleep_pageable(st, &mut asleep, &mut r)
+                    }
+                    _ => sh.sleep_discard(st, &mut asleep),
                 };
                 if desc.mode == SleepMode::Discard {
                     r.migration.swap_time = t.elapsed();
@@ -407,7 +446,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// arena's placement with its data (host pieces stay in the pool for
     /// the next sleep, up to its host bound); after a stashing sleep fresh
     /// memory is mapped at the same addresses and filled from the stash
-    /// (which stays, up to the pool's host bound); after a discarding sleep
+    /// (which stays, up to the pool's host bound); after a pageable one
+    /// likewise from its host copy, which then goes back to the system;
+    /// after a discarding sleep
     /// fresh memory is mapped there, its contents undefined unless
     /// `desc.zero`. Waits as [`sleep`](Self::sleep) does. All or nothing: on
     /// error the arena stays asleep as it was (unless undoing failed,
@@ -455,10 +496,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     st.placement = sh.placement;
                 })
             }
-            SleepMode::Discard | SleepMode::Stash => {
+            SleepMode::Discard | SleepMode::Stash | SleepMode::Pageable | SleepMode::Disk => {
                 r.chunks_before = 0;
                 sh.wake_discard(st, &asleep, desc.zero, &mut r).map(|()| {
-                    if asleep.mode == SleepMode::Stash {
+                    if asleep.mode != SleepMode::Discard {
                         r.migration.bytes_moved = r.bytes;
                     }
                 })
@@ -469,10 +510,15 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             sh.count(st);
             return Err(e);
         }
+        let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
+        st.backup_kept = keep;
+        if keep && asleep.mode.pages() {
+            st.kept_pages = asleep.paged;
+        }
         // A stash above the pool's host bound goes to the pool, which
-        // sheds what is over.
+        // sheds what is over (unless the wake keeps it as the backup).
         let stash_bytes = st.stash.as_ref().map_or(0, |s| s.table.mapped_bytes());
-        if stash_bytes > sh.pool.desc().max_host_bytes {
+        if stash_bytes > sh.pool.desc().max_host_bytes && !keep {
             let _ = sh.drop_stash(st);
         }
         sh.rebuild_split(st);
@@ -489,9 +535,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// ~260-400 ms per GiB (H100), which this pays now, on the calling
     /// thread: call it on a thread of its own while the GPU works (the
     /// arena's lock is held only to plan). Pieces the pool holds already
-    /// count. A discarding `desc` needs none. Returns the bytes created.
+    /// count. A discarding or pageable `desc` needs none. Returns the bytes created.
     pub fn prepare_sleep(&self, desc: &SleepDesc) -> Result<usize> {
-        if desc.mode == SleepMode::Discard {
+        if desc.mode == SleepMode::Discard || desc.mode.pages() {
             return Ok(0);
         }
         let sh = &*self.shared;
@@ -541,8 +587,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// Gives the pinned host memory of the arena's stash (kept from one
     /// [`SleepMode::Stash`] sleep to the next) to its pool, whose
     /// [`trim_at(Location::Host)`](crate::ChunkPool::trim_at) then gives it
-    /// back to the driver. [`Error::InvalidArgument`] while the arena sleeps
-    /// stashed (the stash holds its data). Returns the bytes.
+    /// back to the driver, and a pageable copy a wake kept
+    /// ([`WakeDesc::keep_backup`]) to the system. [`Error::InvalidArgument`]
+    /// while the arena sleeps stashed (the stash holds its data). Returns
+    /// the bytes.
     pub fn release_stash(&self) -> Result<usize> {
         let mut st = self.shared.state.lock();
         if st
@@ -554,9 +602,22 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 "the arena sleeps stashed: its stash holds the data until the wake",
             ));
         }
-        let n = self.shared.drop_stash(&mut st)?;
+        // A pageable copy kept past a wake goes back to the system too.
+        let kept: usize = std::mem::take(&mut st.kept_pages)
+            .iter()
+            .map(|p| p.1.len())
+            .sum();
+        st.backup_kept = false;
+        let n = kept + self.shared.drop_stash(&mut st)?;
         self.shared.count(&mut st);
         Ok(n)
+    }
+
+    /// Sets the directory a [`SleepMode::Disk`] sleep writes its files to
+    /// (None: none, and such a sleep is refused). It must exist; files of a
+    /// sleep already made stay where they are until its wake.
+    pub fn set_spill_dir(&self, dir: Option<std::path::PathBuf>) {
+        *self.shared.spill_dir.lock() = dir;
     }
 
     /// How the arena sleeps now; `None` while awake.

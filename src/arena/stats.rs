@@ -185,6 +185,10 @@ pub struct ArenaStats {
     /// Pinned host bytes in the arena's stash ([`SleepMode::Stash`](crate::SleepMode::Stash)),
     /// kept from one sleep to the next (not counted as reserved).
     pub stash_bytes: usize,
+    /// Pageable host bytes holding the data of a
+    /// [`SleepMode::Pageable`](crate::SleepMode::Pageable) sleep, until the
+    /// wake gives them back to the system.
+    pub pageable_bytes: usize,
     /// Freed bytes CUDA graphs hold until they are released
     /// ([`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph)): counted
     /// as active, not allocated.

@@ -21,6 +21,7 @@ pub(crate) mod cuda;
 pub(crate) mod handle;
 #[cfg(target_os = "linux")]
 pub(crate) mod host;
+pub(crate) mod pages;
 
 /// Counts of what a backend has live now, for leak checks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -25,6 +25,9 @@ crate::register! {
         prepare_sleep_pins_ahead_so_the_sleep_creates_nothing,
         a_stashing_sleep_keeps_every_byte_away_from_the_addresses,
         every_failed_call_of_a_stashing_sleep_or_wake_loses_nothing,
+        a_pageable_sleep_keeps_every_byte_in_host_memory_it_gives_back,
+        every_failed_call_of_a_pageable_sleep_or_wake_loses_nothing,
+        a_kept_backup_stays_readable_at_one_address_until_released,
     ],
     gpu: [sleep_gives_the_device_memory_back_and_kernels_still_read],
 }
@@ -653,6 +656,283 @@ fn every_failed_call_of_a_stashing_sleep_or_wake_loses_nothing() {
         },
     );
     eprintln!("stash: sleep {sleeps} calls, wake {wakes} calls, each failed once");
+    assert!(sleeps >= 3 && wakes >= 3, "{sleeps} / {wakes}");
+    assert_eq!(state.0.sleep_mode(), None);
+    assert_intact(&state.1, &addresses, "after the loops");
+    drop(state);
+    assert_eq!(fb.live().chunks, 0, "and nothing leaked");
+}
+
+/// A pageable sleep copies every run to pageable host memory of its own
+/// and unmaps it: no chunk of any kind stays (no pinned host piece either),
+/// the copies can be read at the allocations' addresses, allocating works
+/// asleep, a second sleep in the same mode takes what was mapped since, a
+/// sleep in another mode is refused, and the wake brings every byte back
+/// and lets the copies go.
+fn a_pageable_sleep_keeps_every_byte_in_host_memory_it_gives_back() {
+    for mode in [SleepMode::Pageable, SleepMode::Disk] {
+        pageable_or_disk_sleep(mode);
+    }
+}
+
+/// A directory of its own for a test's files, removed (with them) at the
+/// drop.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(what: &str) -> Self {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("vmmbuf-{what}-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+
+    /// The files in it and their total size.
+    fn files(&self) -> (usize, u64) {
+        std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .fold((0, 0), |(n, b), l| (n + 1, b + l))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// One mode of [`a_pageable_sleep_keeps_every_byte_in_host_memory_it_gives_back`]:
+/// a disk sleep is refused without a spill directory (nothing changes),
+/// and with one keeps one file per chunk there while asleep, none after.
+fn pageable_or_disk_sleep(mode: SleepMode) {
+    let (fb, arena) = emulated();
+    let mut live = fill(&arena, 97, 27);
+    let mut addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let desc = SleepDesc::from(mode);
+    let dir = TempDir::new("spill");
+    if mode == SleepMode::Disk {
+        let chunks = fb.live().chunks;
+        let e = arena.sleep(&[Q(0)], &desc).unwrap_err();
+        assert!(e.to_string().contains("spill directory"), "{e}");
+        assert_eq!(arena.sleep_mode(), None, "refused: nothing changed");
+        assert_eq!(fb.live().chunks, chunks);
+        arena.set_spill_dir(Some(dir.0.clone()));
+    }
+    assert_eq!(arena.prepare_sleep(&desc).unwrap(), 0, "nothing to pin");
+    let r = arena.sleep(&[Q(0), Q(1)], &desc).unwrap();
+    let s = arena.stats();
+    assert_eq!(arena.sleep_mode(), Some(mode));
+    if mode == SleepMode::Disk {
+        let (n, bytes) = dir.files();
+        assert_eq!(bytes as usize, r.bytes, "the files hold every run");
+        assert_eq!(n, r.chunks_after, "a file per chunk");
+        assert!(n >= 2, "{n}");
+    } else {
+        assert_eq!(dir.files().0, 0);
+    }
+    assert_eq!(s.reserved_bytes.current, 0, "nothing stays mapped: {s}");
+    assert_eq!(s.discarded_bytes, r.bytes);
+    assert_eq!(s.pageable_bytes, r.bytes, "a copy of every run");
+    assert_eq!(s.stash_bytes, 0);
+    assert_eq!(r.migration.bytes_moved, r.bytes);
+    assert_eq!(
+        fb.live().chunks,
+        0,
+        "no chunk is held, not even a pinned one"
+    );
+    for (a, data) in live.iter().step_by(3) {
+        let mut got = vec![0u8; data.len()];
+        assert!(arena.read_backup(a.address(), &mut got).unwrap());
+        assert!(got == *data, "the copy holds the allocation's bytes");
+    }
+    let mut none = vec![7u8; 64];
+    assert!(!arena.read_backup(arena.base() - 64, &mut none).unwrap());
+    assert!(!arena
+        .read_backup(arena.base() + (1 << 40), &mut none)
+        .unwrap());
+    assert!(none.iter().all(|&b| b == 7), "untouched when refused");
+    assert!(
+        arena.sleep(&[Q(0)], &SleepDesc::stash()).is_err(),
+        "another mode while asleep"
+    );
+    // Asleep: a new allocation lands elsewhere; it sleeps in a second
+    // pageable sleep, beside the first sleep's runs.
+    let mut extra = arena.alloc(3 << 20, &Q(0)).unwrap();
+    for &rg in &ranges(&live) {
+        assert!(disjoint((extra.address(), 3 << 20), rg), "{rg:?}");
+    }
+    let extra_data = random_bytes(13, 3 << 20);
+    extra.write(0, &extra_data).unwrap();
+    let (freed, _) = live.remove(4);
+    addresses.remove(4);
+    drop(freed);
+    let r2 = arena.sleep(&[Q(0)], &desc).unwrap();
+    assert!(
+        r2.bytes >= r.bytes + extra_data.len(),
+        "{} {}",
+        r.bytes,
+        r2.bytes
+    );
+    if mode == SleepMode::Disk {
+        assert_eq!(
+            dir.files().1 as usize,
+            r2.bytes,
+            "the second sleep's files too"
+        );
+    }
+    let mut got = vec![0u8; 3 << 20];
+    assert!(arena.read_backup(extra.address(), &mut got).unwrap());
+    assert!(got == extra_data);
+    let w = arena.wake(&[Q(0), Q(1)], &WakeDesc::default()).unwrap();
+    assert_eq!(w.bytes, r2.bytes);
+    assert_eq!(arena.sleep_mode(), None);
+    let s = arena.stats();
+    assert_eq!((s.pageable_bytes, s.discarded_bytes), (0, 0), "{s}");
+    assert_eq!(dir.files(), (0, 0), "{mode}: the files went at the wake");
+    assert_intact(&live, &addresses, "after the wake");
+    extra.read(0, &mut got).unwrap();
+    assert!(got == extra_data, "and the second sleep's allocation");
+    let mut probe = vec![0u8; 16];
+    assert!(!arena.read_backup(live[0].0.address(), &mut probe).unwrap());
+    drop((live, extra, arena));
+    assert_eq!(fb.live().chunks, 0);
+    assert_eq!(fb.live().reservations, 0);
+}
+
+/// torch_memory_saver's `retain_cpu_backup` and `get_cpu_backup(zero_copy=
+/// True)`, for both host copies (stash and pageable): the backup has one
+/// host address, readable there by the CPU while asleep; a wake that keeps
+/// it leaves it readable (and the same) while awake, the next sleep writes
+/// the new bytes at that address, and a wake that does not keep it (or
+/// `release_stash`) ends it.
+fn a_kept_backup_stays_readable_at_one_address_until_released() {
+    for mode in [SleepMode::Stash, SleepMode::Pageable] {
+        let (fb, arena) = emulated();
+        let mut live = fill(&arena, 103, 9);
+        let desc = SleepDesc::from(mode);
+        let (x, _) = &live[3];
+        let (addr, n) = (x.address(), live[3].1.len());
+        assert_eq!(
+            arena.backup_address(addr, n).unwrap(),
+            None,
+            "{mode}: awake, none"
+        );
+        arena.sleep(&[Q(0)], &desc).unwrap();
+        let host = arena.backup_address(addr, n).unwrap().expect("asleep: one");
+        // What the backup holds (read by copy; the address is what a
+        // zero-copy view would read, checked the same on the GPU).
+        let backup = || {
+            let mut got = vec![0u8; n];
+            assert!(arena.read_backup(addr, &mut got).unwrap());
+            got
+        };
+        let got = backup();
+        assert!(got == live[3].1, "{mode}: the backup holds the bytes");
+        assert_eq!(arena.backup_address(addr, 0).unwrap(), None);
+        assert_eq!(arena.backup_address(arena.base() - 8, 8).unwrap(), None);
+        arena.wake(&[Q(0)], &WakeDesc::keeping_backup()).unwrap();
+        assert_eq!(
+            arena.backup_address(addr, n).unwrap(),
+            Some(host),
+            "{mode}: kept"
+        );
+        let got = backup();
+        assert!(got == live[3].1, "{mode}: readable awake");
+        // New bytes, a second sleep: same address, the new bytes.
+        let fresh = random_bytes(17, n);
+        live[3].0.write(0, &fresh).unwrap();
+        live[3].1 = fresh.clone();
+        arena.sleep(&[Q(0)], &desc).unwrap();
+        assert_eq!(
+            arena.backup_address(addr, n).unwrap(),
+            Some(host),
+            "{mode}: reused"
+        );
+        let got = backup();
+        assert!(got == fresh, "{mode}: the second sleep's bytes");
+        if mode == SleepMode::Pageable {
+            assert!(arena.stats().pageable_bytes > 0);
+        }
+        // A wake that does not keep it: nothing readable awake.
+        arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+        assert_eq!(arena.backup_address(addr, n).unwrap(), None, "{mode}");
+        let mut probe = vec![0u8; 8];
+        assert!(!arena.read_backup(addr, &mut probe).unwrap());
+        assert_eq!(
+            arena.stats().pageable_bytes,
+            0,
+            "{mode}: the copy went back"
+        );
+        // Kept again, then released.
+        arena.sleep(&[Q(0)], &desc).unwrap();
+        arena.wake(&[Q(0)], &WakeDesc::keeping_backup()).unwrap();
+        assert!(arena.backup_address(addr, n).unwrap().is_some());
+        assert!(arena.release_stash().unwrap() > 0, "{mode}");
+        assert_eq!(arena.backup_address(addr, n).unwrap(), None);
+        assert_eq!(arena.stats().pageable_bytes, 0);
+        assert_eq!(arena.stats().stash_bytes, 0);
+        let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+        assert_intact(&live, &addresses, "after the cycles");
+        drop((live, arena));
+        assert_eq!(fb.live().chunks, 0, "{mode}: nothing leaked");
+    }
+}
+
+/// Fails each driver call of a pageable sleep, then of its wake, in turn:
+/// no byte is lost, as for a stashing one.
+fn every_failed_call_of_a_pageable_sleep_or_wake_loses_nothing() {
+    for mode in [SleepMode::Pageable, SleepMode::Disk] {
+        let dir = TempDir::new("faults");
+        failed_pageable_calls(mode, &dir);
+        assert_eq!(dir.files(), (0, 0), "{mode}: no file left");
+    }
+}
+
+/// One mode of [`every_failed_call_of_a_pageable_sleep_or_wake_loses_nothing`].
+fn failed_pageable_calls(mode: SleepMode, dir: &TempDir) {
+    let (fb, arena) = emulated();
+    arena.set_spill_dir(Some(dir.0.clone()));
+    let live = fill(&arena, 101, 14);
+    let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let desc = SleepDesc::from(mode);
+    let mut state = (arena, live);
+    let sleeps = fail_each_call(
+        &fb,
+        &mut state,
+        |(arena, _)| arena.sleep(&[Q(0)], &desc),
+        |(arena, live), k, r| {
+            if let Err(e) = r {
+                assert!(injected(&e), "call {k}: {e}");
+            }
+            if arena.sleep_mode().is_some() {
+                arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+            }
+            assert_intact(live, &addresses, &format!("sleep call {k} failed"));
+        },
+    );
+    assert_eq!(state.0.sleep_mode(), Some(mode));
+    let discarded = state.0.stats().discarded_bytes;
+    let wakes = fail_each_call(
+        &fb,
+        &mut state,
+        |(arena, _)| arena.wake(&[Q(0)], &WakeDesc::default()),
+        |(arena, live), k, r| match r {
+            Err(e) => {
+                assert!(injected(&e), "call {k}: {e}");
+                assert_eq!(arena.sleep_mode(), Some(mode), "call {k}");
+                assert_eq!(arena.stats().discarded_bytes, discarded);
+                assert_eq!(arena.stats().pageable_bytes, discarded);
+                assert_eq!(arena.stats().reserved_bytes.current, 0);
+            }
+            Ok(_) => {
+                assert_intact(live, &addresses, &format!("wake call {k} (late)"));
+                arena.sleep(&[Q(0)], &desc).unwrap();
+            }
+        },
+    );
+    eprintln!("{mode}: sleep {sleeps} calls, wake {wakes} calls, each failed once");
     assert!(sleeps >= 3 && wakes >= 3, "{sleeps} / {wakes}");
     assert_eq!(state.0.sleep_mode(), None);
     assert_intact(&state.1, &addresses, "after the loops");

@@ -1,48 +1,148 @@
-//! Reading what a stashing sleep kept, while the arena is asleep.
+//! Reading what a stashing or pageable sleep kept: while the arena is
+//! asleep, and after a wake that kept it (`WakeDesc::keep_backup`).
 
 use super::*;
+use crate::backend::pages::PageableBuf;
+
+/// Where the backup of an arena lies now.
+enum Source<'a, B: Backend> {
+    /// A pageable sleep's copies, `(offset, buffer)` in address order.
+    Pages(&'a [(usize, PageableBuf)]),
+    /// The stash.
+    Stash(&'a mut crate::region::Region<B>),
+}
 
 impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
-    /// Copies the bytes a stashing sleep kept for `[address, address +
-    /// dst.len())` into `dst`, while the arena is asleep in
-    /// [`SleepMode::Stash`] (torch_memory_saver's `get_cpu_backup`): true.
-    /// False, with `dst` untouched, when the arena is not asleep with a
-    /// stash, or the stash does not hold every byte of the range (a range
-    /// outside the arena, or outside what was mapped at the sleep).
-    /// Synchronous; the stash stays as it is.
+    /// Copies the bytes a stashing or pageable sleep kept for `[address,
+    /// address + dst.len())` into `dst`, while the arena is asleep in
+    /// [`SleepMode::Stash`] or [`SleepMode::Pageable`], or awake after a
+    /// wake that kept the backup ([`WakeDesc::keep_backup`]):
+    /// torch_memory_saver's `get_cpu_backup`. True; false, with `dst`
+    /// untouched, when there is no such backup, or it does not hold every
+    /// byte of the range (a range outside the arena, or outside what was
+    /// mapped at the sleep). Synchronous; the backup stays as it is.
     pub fn read_backup(&self, address: u64, dst: &mut [u8]) -> Result<bool> {
         let sh = &*self.shared;
-        let Some(offset) = address
-            .checked_sub(sh.base)
-            .and_then(|o| usize::try_from(o).ok())
-        else {
-            return Ok(false);
-        };
-        let Some(end) = offset.checked_add(dst.len()) else {
+        let Some((offset, end)) = self.offsets(address, dst.len()) else {
             return Ok(false);
         };
         let mut guard = sh.state.lock();
-        let st = &mut *guard;
-        if !matches!(&st.asleep, Some(a) if a.mode == SleepMode::Stash) {
-            return Ok(false);
+        match source(&mut guard) {
+            None => Ok(false),
+            Some(Source::Pages(paged)) => Ok(read_pages(paged, offset, dst)),
+            Some(Source::Stash(stash)) => {
+                if !stash_holds(stash, offset, end) {
+                    return Ok(false);
+                }
+                if dst.is_empty() {
+                    return Ok(true);
+                }
+                let (res, table) = stash.parts();
+                crate::migration::grant_cpu(&*sh.backend, res, table, offset, dst.len())?;
+                sh.backend.read(res, offset, dst)?;
+                Ok(true)
+            }
         }
-        let Some(stash) = st.stash.as_mut() else {
-            return Ok(false);
-        };
-        let held: usize = stash
-            .table
-            .overlapping(offset..end)
-            .map(|(o, e)| (o + e.bytes).min(end) - o.max(offset))
-            .sum();
-        if held != dst.len() {
-            return Ok(false);
-        }
-        if dst.is_empty() {
-            return Ok(true);
-        }
-        let (res, table) = stash.parts();
-        crate::migration::grant_cpu(&*sh.backend, res, table, offset, dst.len())?;
-        sh.backend.read(res, offset, dst)?;
-        Ok(true)
     }
+
+    /// The host address at which the backup of `[address, address + len)`
+    /// lies, whole and readable by the CPU (see [`read_backup`](Self::read_backup)
+    /// for when there is one), or `None`: torch_memory_saver's
+    /// `get_cpu_backup(zero_copy=True)`. The address stays valid, and
+    /// stays the same, until the backup goes: a wake that does not keep it,
+    /// [`release_stash`](Self::release_stash), or the arena's drop; a later
+    /// sleep reuses it where the runs are the same (its bytes then change).
+    /// Reading through it after that is the caller's fault, as after any
+    /// free. An empty range has none.
+    pub fn backup_address(&self, address: u64, len: usize) -> Result<Option<u64>> {
+        let sh = &*self.shared;
+        let Some((offset, end)) = self.offsets(address, len) else {
+            return Ok(None);
+        };
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut guard = sh.state.lock();
+        match source(&mut guard) {
+            None => Ok(None),
+            Some(Source::Pages(paged)) => {
+                let i = paged.partition_point(|(o, b)| o + b.len() <= offset);
+                Ok(paged
+                    .get(i)
+                    .filter(|(o, b)| *o <= offset && end <= o + b.len())
+                    .map(|(o, b)| b.address() + (offset - o) as u64))
+            }
+            Some(Source::Stash(stash)) => {
+                if !stash_holds(stash, offset, end) {
+                    return Ok(None);
+                }
+                let (res, table) = stash.parts();
+                crate::migration::grant_cpu(&*sh.backend, res, table, offset, len)?;
+                Ok(Some(stash.base() + offset as u64))
+            }
+        }
+    }
+
+    /// `[address, address + len)` as offsets in the arena, if it starts in
+    /// it.
+    fn offsets(&self, address: u64, len: usize) -> Option<(usize, usize)> {
+        let offset = usize::try_from(address.checked_sub(self.shared.base)?).ok()?;
+        Some((offset, offset.checked_add(len)?))
+    }
+}
+
+/// The backup readable now: a sleep's, or one a wake kept.
+fn source<B: Backend>(st: &mut State<B>) -> Option<Source<'_, B>> {
+    let State {
+        asleep,
+        stash,
+        kept_pages,
+        backup_kept,
+        ..
+    } = st;
+    match asleep.as_ref().map(|a| a.mode) {
+        Some(m) if m.pages() => asleep.as_ref().map(|a| Source::Pages(&a.paged)),
+        Some(SleepMode::Stash) => stash.as_mut().map(Source::Stash),
+        Some(_) => None,
+        None if !*backup_kept => None,
+        None if !kept_pages.is_empty() => Some(Source::Pages(kept_pages)),
+        None => stash.as_mut().map(Source::Stash),
+    }
+}
+
+/// Whether the stash holds every byte of `offset..end`.
+fn stash_holds<B: Backend>(stash: &crate::region::Region<B>, offset: usize, end: usize) -> bool {
+    let held: usize = stash
+        .table
+        .overlapping(offset..end)
+        .map(|(o, e)| (o + e.bytes).min(end) - o.max(offset))
+        .sum();
+    held == end - offset
+}
+
+/// Copies `[offset, offset + dst.len())` out of a pageable sleep's copies
+/// (`(offset, buffer)` in address order, side by side where runs of two
+/// sleeps meet): true if they hold every byte of it, else false with `dst`
+/// untouched.
+fn read_pages(paged: &[(usize, PageableBuf)], offset: usize, dst: &mut [u8]) -> bool {
+    let end = offset + dst.len();
+    // The copies that overlap the range, in order, must tile it.
+    let first = paged.partition_point(|(o, b)| o + b.len() <= offset);
+    let mut at = offset;
+    let mut parts = Vec::new();
+    for (o, b) in &paged[first..] {
+        if at >= end || *o > at {
+            break;
+        }
+        let to = (o + b.len()).min(end);
+        parts.push((at, &b.as_slice()[at - o..to - o]));
+        at = to;
+    }
+    if at < end {
+        return false;
+    }
+    for (from, src) in parts {
+        dst[from - offset..from - offset + src.len()].copy_from_slice(src);
+    }
+    true
 }

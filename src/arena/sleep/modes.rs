@@ -185,6 +185,73 @@ impl<B: Backend> Shared<B> {
         unmapped
     }
 
+    /// A pageable sleep: every mapped run copied to pageable host memory of
+    /// its own (see [`SleepMode::Pageable`]; a disk sleep: every chunk to a
+    /// file of the spill directory), then unmapped as a discarding sleep
+    /// unmaps. On an error before the unmapping nothing changed (the copies
+    /// made so far go back to the system); part way through it, the runs
+    /// unmapped so far sleep with their copies.
+    pub(super) fn sleep_pageable(
+        &self,
+        st: &mut State<B>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
+        r: &mut SleepReport,
+    ) -> Result<usize> {
+        let backend = &*self.backend;
+        let runs = st.region.table.runs();
+        let dir = match asleep.mode {
+            SleepMode::Disk => Some(self.spill_dir.lock().clone().ok_or_else(|| {
+                Error::invalid("a disk sleep needs a spill directory (Arena::set_spill_dir)")
+            })?),
+            _ => None,
+        };
+        // One copy per run; in files, one per chunk.
+        let parts: Vec<(usize, usize)> = match dir {
+            None => runs.clone(),
+            Some(_) => runs
+                .iter()
+                .flat_map(|&(o, b)| {
+                    st.region
+                        .table
+                        .overlapping(o..o + b)
+                        .map(|(k, e)| (k, e.bytes))
+                })
+                .collect(),
+        };
+        let t = Instant::now();
+        // The buffers a wake kept (WakeDesc::keep_backup) serve again where
+        // a part is the same, at the same host address.
+        let mut spare = std::mem::take(&mut st.kept_pages);
+        let mut copies = Vec::with_capacity(parts.len());
+        for &(o, b) in &parts {
+            let mut buf = match spare.iter().position(|x| x.0 == o && x.1.len() == b) {
+                Some(i) => spare.swap_remove(i).1,
+                None => match &dir {
+                    None => crate::backend::pages::PageableBuf::new(b)?,
+                    Some(d) => crate::backend::pages::PageableBuf::in_file(d, b)?,
+                },
+            };
+            backend.read(st.region.res_ref(), o, buf.as_mut_slice())?;
+            copies.push((o, buf));
+        }
+        r.migration.copy_time += t.elapsed();
+        r.migration.bytes_moved = runs.iter().map(|x| x.1).sum();
+        r.migration.chunks_moved = parts.len();
+        r.chunks_after = parts.len();
+        let t = Instant::now();
+        let unmapped = self.sleep_discard(st, asleep);
+        r.migration.swap_time += t.elapsed();
+        // Each copy whose run now sleeps goes with it (all of them, unless
+        // the unmapping failed part way).
+        for (o, buf) in copies {
+            if asleep.discarded(o) {
+                let at = asleep.paged.partition_point(|x| x.0 < o);
+                asleep.paged.insert(at, (o, buf));
+            }
+        }
+        unmapped
+    }
+
     /// Gives the stash's pieces to the pool (the caller has made sure the
     /// arena does not sleep stashed).
     pub(super) fn drop_stash(&self, st: &mut State<B>) -> Result<usize> {
@@ -284,7 +351,8 @@ impl<B: Backend> Shared<B> {
     ) -> Result<()> {
         let backend = &*self.backend;
         let from_stash = asleep.mode == SleepMode::Stash;
-        let zero = zero && !from_stash;
+        let from_pages = asleep.mode.pages();
+        let zero = zero && !from_stash && !from_pages;
         for &(o, b) in &asleep.runs {
             let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.small_end)
                 .iter()
@@ -307,10 +375,37 @@ impl<B: Backend> Shared<B> {
                     .ok_or_else(|| Error::invalid("a stashed arena without its stash (a bug)"))?;
                 backend.copy(st.region.res(), o, stash.res_ref(), o, b)?;
             }
+            if from_pages {
+                // The copies tile the run.
+                let t = Instant::now();
+                let mut at = o;
+                for (x, buf) in &asleep.paged[asleep.paged.partition_point(|p| p.0 < o)..] {
+                    if *x >= o + b {
+                        break;
+                    }
+                    if *x != at || x + buf.len() > o + b {
+                        break;
+                    }
+                    backend.write(st.region.res(), *x, buf.as_slice())?;
+                    at += buf.len();
+                }
+                if at != o + b {
+                    return Err(Error::invalid("a pageable run without its copy (a bug)"));
+                }
+                r.migration.copy_time += t.elapsed();
+            }
         }
         if zero || from_stash {
             let t = Instant::now();
             backend.wait_copies()?;
+            r.migration.copy_time += t.elapsed();
+        }
+        if from_pages {
+            // A copy from pageable memory may return before its transfer
+            // has reached the device: the device is waited for, so that
+            // every stream sees the data.
+            let t = Instant::now();
+            backend.synchronize()?;
             r.migration.copy_time += t.elapsed();
         }
         Ok(())
