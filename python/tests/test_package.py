@@ -145,7 +145,7 @@ def test_sleep_and_stats_without_memory():
         assert warns(["'w'"], lambda: vmmbuf.prepare_sleep("w", wait=True, reachable=False)) == 0
         assert warns(["'weights'"], lambda: vmmbuf.prepare_sleep(["weights"])) == 0
         # One mode spelling: mode= names it; the older keywords must agree.
-        for m in ("keep", "stash", "discard"):
+        for m in ("keep", "stash", "discard", "pageable", "disk"):
             assert warns(["'kv'"], lambda: vmmbuf.sleep("kv", mode=m)) == 0
         assert warns(["'kv'"], lambda: vmmbuf.sleep("kv", mode="discard", discard=True)) == 0
         assert warns(["'w'"], lambda: vmmbuf.prepare_sleep("w", wait=True, mode="stash")) == 0
@@ -160,7 +160,7 @@ def test_sleep_and_stats_without_memory():
         try:
             vmmbuf._native.sleep("kv", "fast")
         except vmmbuf.InvalidArgumentError as e:
-            assert '"keep", "stash" or "discard"' in str(e), e
+            assert '"keep", "stash", "discard", "pageable" or "disk"' in str(e), e
         else:
             raise SystemExit("the native sleep took mode 'fast'")
         assert vmmbuf.release_host_cache() == 0
@@ -298,30 +298,49 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     chosen.hook_mode = "torch"
     assert chosen._preload() is False, "a mode set is kept"
     monkeypatch.setenv("LD_PRELOAD", "/other/lib.so")
-    # Backup backends and disk backup: pinned is vmmbuf's; mmap and files
-    # are refused in words; the checks torch_memory_saver makes come first.
+    # Backup backends and disk backup: "pinned" (a stash) and "mmap" (a
+    # pageable sleep) are vmmbuf's, the process default from
+    # TMS_INIT_CPU_BACKUP_BACKEND; files are refused in words; the checks
+    # torch_memory_saver makes come first.
     with pytest.raises(vmmbuf.InvalidArgumentError, match="requires enable_cpu_backup=True"):
         with saver.region("w", cpu_backup_backend="pinned"):
             pass
-    with pytest.raises(vmmbuf.UnsupportedError, match="pinned host memory"):
-        with saver.region("w", enable_cpu_backup=True, cpu_backup_backend="mmap"):
-            pass
+    assert tms._backup_backend(True, "mmap") == "mmap"
+    assert tms._backup_backend(True, "pinned") == "pinned"
+    assert tms._backup_backend(False, None) == "discard"
+    monkeypatch.delenv("TMS_INIT_CPU_BACKUP_BACKEND", raising=False)
+    assert tms._backup_backend(True, None) == "pinned"
+    monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "mmap")
+    assert tms._backup_backend(True, None) == "mmap"
+    assert tms._backup_backend(True, "pinned") == "pinned", "an argument overrides it"
+    monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "disk")
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="TMS_INIT_CPU_BACKUP_BACKEND"):
+        tms._backup_backend(True, None)
+    monkeypatch.delenv("TMS_INIT_CPU_BACKUP_BACKEND")
+    assert tms._KINDS == {"pinned": "", "mmap": "\x1fmmap", "disk": "\x1fdisk", "discard": "\x1fdiscard"}
     with pytest.raises(vmmbuf.InvalidArgumentError, match="'pinned' or 'mmap'"):
         with saver.region("w", enable_cpu_backup=True, cpu_backup_backend="disk"):
             pass
     with pytest.raises(vmmbuf.InvalidArgumentError, match="mutually exclusive"):
         with saver.region("w", enable_cpu_backup=True, enable_disk_backup=True):
             pass
-    with pytest.raises(vmmbuf.UnsupportedError, match="spilled to files"):
-        with saver.region("w", enable_disk_backup=True):
-            pass
-    with pytest.raises(vmmbuf.UnsupportedError, match="pinned host memory"):
+    with pytest.raises(vmmbuf.UnsupportedError, match="process's allocator"):
         with saver.cuda_graph(object(), tag="g", enable_cpu_backup=True, cpu_backup_backend="mmap"):
             pass
     assert "w" not in saver._used, "a refused region records nothing"
+    spill: List[Any] = []
+    monkeypatch.setattr(tms._native, "set_spill_dir", spill.append)
     disk = tmp_path / "tms-disk"
     saver.set_disk_backup_dir(str(disk))
-    assert disk.is_dir()
+    assert disk.is_dir() and spill == [str(disk)], "made, and every arena's"
+    monkeypatch.setenv("TMS_DISK_BACKUP_DIR", str(tmp_path / "from-env"))
+    fresh = tms.TorchMemorySaver()
+    fresh._disk_dir_for_pause()
+    assert spill[-1] == str(tmp_path / "from-env") and (tmp_path / "from-env").is_dir()
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="not a directory"):
+        vmmbuf.set_spill_dir(str(tmp_path / "missing"))
+    with pytest.raises(vmmbuf.InvalidArgumentError, match="takes a path"):
+        vmmbuf.set_spill_dir("")
     with pytest.raises(vmmbuf.InvalidArgumentError, match="takes a path"):
         saver.set_disk_backup_dir("")
     with pytest.raises(vmmbuf.InvalidArgumentError, match="CUDA tensor"):
@@ -352,11 +371,16 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     assert not tms._init_enable(tms.TorchMemorySaver(), {"TMS_INIT_ENABLE": "0"}) and calls == []
     s1 = tms.TorchMemorySaver()
     assert tms._init_enable(s1, {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
-    assert calls == ["use", "default"] and s1._used == {"default": (True, False)}
+    assert calls == ["use", "default"] and s1._used == {"default": ["pinned"]}
     calls.clear()
     s2 = tms.TorchMemorySaver()
     assert tms._init_enable(s2, {"TMS_INIT_ENABLE": "1"})
-    assert calls == ["use", "default\x1fdiscard"] and s2._used == {"default": (False, True)}
+    assert calls == ["use", "default\x1fdiscard"] and s2._used == {"default": ["discard"]}
+    calls.clear()
+    s3 = tms.TorchMemorySaver()
+    assert tms._init_enable(s3, {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1",
+                                 "TMS_INIT_CPU_BACKUP_BACKEND": "mmap"})
+    assert calls == ["use", "default\x1fmmap"] and s3._used == {"default": ["mmap"]}
     # vLLM's interface: one allocator; bad tags refused before any CUDA call.
     a = vllm.CuMemAllocator.get_instance()
     assert a is vllm.CuMemAllocator.get_instance() and a.current_tag == "default"

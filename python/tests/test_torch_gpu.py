@@ -6,6 +6,7 @@ torch.from_dlpack, typed out-of-memory errors. Skipped without a GPU
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 
@@ -166,6 +167,51 @@ def test_mempool_scope_inside_vmmbuf_outside_pytorch(torch_gpu):
     torch.cuda.synchronize()
     after = vmmbuf.stats(dev)["allocated_bytes.all.current"]
     assert after < mid, f"the pool's segments went back to vmmbuf ({mid} -> {after})"
+
+
+def test_mempool_memory_goes_back_to_the_driver_when_pytorch_releases_it(torch_gpu):
+    """A MemPool's segments that PyTorch's caching allocator gives back (at
+    empty_cache, at the pool's end) leave vmmbuf too, as cudaFree's would:
+    kept in vmmbuf's cache, they starved PyTorch's own allocations (PyTorch's
+    test_cuda.py ran out of memory after a MemPool test took half the GPU)."""
+    out = run_script("""
+        import gc, json, torch, vmmbuf, vmmbuf.torch as vt
+        free0, total = torch.cuda.mem_get_info()
+        n = int(free0 * 0.6)                   # most of the GPU, twice over
+        pool = vt.MemPool()
+        g = torch.Generator(device="cuda").manual_seed(11)
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda", generator=g)
+            s = int(a[::4096].sum())
+            del a
+        torch.cuda.empty_cache()               # the pool's cached segment goes back
+        mid = vmmbuf.stats(0)["reserved_bytes.all.current"]
+        b = torch.ones(n, dtype=torch.uint8, device="cuda")   # PyTorch's own
+        ok_b = int(b[::4096].sum()) == (n + 4095) // 4096
+        del b
+        torch.cuda.empty_cache()
+        with torch.cuda.use_mem_pool(pool):    # the pool still works
+            c = torch.full((n // 2,), 3, dtype=torch.uint8, device="cuda")
+            ok_c = int(c[::4096].sum()) == 3 * ((n // 2 + 4095) // 4096)
+            del c
+        del pool
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        st = vmmbuf.stats(0)
+        free1, _ = torch.cuda.mem_get_info()
+        print("RESULT " + json.dumps(dict(s=s, mid=mid, ok_b=ok_b, ok_c=ok_c,
+              reserved=st["reserved_bytes.all.current"], device=st["device_bytes"],
+              free0=free0, free1=free1, n=n)))
+    """)
+    r = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert r["s"] > 0, r
+    assert r["mid"] == 0, r
+    assert r["ok_b"] and r["ok_c"], r
+    assert r["reserved"] == 0 and r["device"] == 0, r
+    # Everything back on the device but what PyTorch's and vmmbuf's handles
+    # keep (well under the tensor's size).
+    assert r["free1"] > r["free0"] - r["n"] // 8, r
 
 
 def test_torch_memory_saver_interface_pause_resume_keeps_data_and_frees(torch_gpu):
@@ -490,6 +536,132 @@ def test_torch_memory_saver_get_cpu_backup_reads_a_paused_tensor(torch_gpu):
         assert tms.get_cpu_backup(w) is None, "resumed"
         assert torch.equal(w.cpu(), ref)
         print("OK")
+    """)
+    assert "OK" in out, out
+
+
+@pytest.mark.parametrize("backend", ["pinned", "mmap"])
+def test_torch_memory_saver_retained_backup_is_one_zero_copy_view(torch_gpu, backend):
+    """``retain_cpu_backup`` and ``get_cpu_backup(zero_copy=True)``
+    (torch_memory_saver's), for both backends: the zero-copy view is the
+    backup itself, at one host address from pause to pause while retained;
+    after a retained resume it still reads the paused bytes; the next pause
+    writes the new bytes there; a resume without retain ends it (None)."""
+    out = run_script(f"""
+        import torch, vmmbuf
+        from vmmbuf.torch_memory_saver import TorchMemorySaver
+        tms = TorchMemorySaver()
+        g = torch.Generator(device="cuda").manual_seed(23)
+        with tms.region("w", enable_cpu_backup=True, cpu_backup_backend={backend!r}):
+            w = torch.randn(5, 1 << 18, device="cuda", generator=g)
+        ref = w.cpu()
+        tms.pause("w")
+        v1 = tms.get_cpu_backup(w, zero_copy=True)
+        p1 = v1.data_ptr()
+        assert torch.equal(v1, ref) and v1.device.type == "cpu"
+        assert p1 != w.data_ptr(), "a host address of its own"
+        del v1
+        tms.retain_cpu_backup = True
+        tms.resume("w")
+        v2 = tms.get_cpu_backup(w, zero_copy=True)
+        assert v2 is not None and v2.data_ptr() == p1 and torch.equal(v2, ref), "retained"
+        assert torch.equal(tms.get_cpu_backup(w), ref)
+        del v2
+        w.mul_(-2.0)
+        ref2 = w.cpu()
+        tms.pause("w")
+        v3 = tms.get_cpu_backup(w, zero_copy=True)
+        assert v3.data_ptr() == p1 and torch.equal(v3, ref2), "the same memory, the new bytes"
+        del v3
+        tms.retain_cpu_backup = False
+        tms.resume("w")
+        assert tms.get_cpu_backup(w) is None and tms.get_cpu_backup(w, zero_copy=True) is None
+        assert torch.equal(w.cpu(), ref2)
+        st = vmmbuf.stats(0)
+        assert st["pageable_bytes"] == 0 and st["stash_bytes"] == 0, st
+        print("OK")
+    """)
+    assert "OK" in out, out
+
+
+def test_torch_memory_saver_mmap_backup_is_pageable_memory_given_back_at_resume(torch_gpu):
+    """``cpu_backup_backend="mmap"``: the pause copies to pageable host
+    memory (the process's resident memory grows by about the tensor, no
+    pinned memory is taken), the resume brings every byte back for every
+    stream and gives that memory back to the system (resident memory falls
+    again)."""
+    out = run_script("""
+        import json, torch, vmmbuf
+        from vmmbuf.torch_memory_saver import TorchMemorySaver
+        def rss():
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+        tms = TorchMemorySaver()
+        n = 1 << 30
+        with tms.region("m", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+            x = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+        ref = x[::4096].cpu()
+        total = int(x.sum(dtype=torch.int64))
+        torch.cuda.synchronize()
+        r0 = rss()
+        tms.pause("m")
+        r1 = rss()
+        st = vmmbuf.stats(0)
+        back = tms.get_cpu_backup(x[: 1 << 20])
+        tms.resume("m")
+        r2 = rss()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):              # another stream sees the bytes
+            got = int(x.sum(dtype=torch.int64))
+            got_ref = x[::4096].cpu()
+        s.synchronize()
+        print("RESULT " + json.dumps(dict(
+            grew=r1 - r0, fell=r1 - r2, pageable=st["pageable_bytes"],
+            modes=st["sleep_modes"], pooled_host=st["pooled_host_bytes"],
+            back_ok=bool(torch.equal(back[::4096], ref[:256])),
+            same=got == total and bool(torch.equal(got_ref, ref)),
+            after=vmmbuf.stats(0)["pageable_bytes"])))
+    """)
+    r = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    n = 1 << 30
+    assert r["modes"] == {"m\x1fmmap": "pageable"}, r
+    assert r["pageable"] >= n and r["pooled_host"] == 0, r
+    assert r["grew"] > 0.75 * n, r
+    assert r["fell"] > 0.75 * n, r
+    assert r["back_ok"] and r["same"], r
+    assert r["after"] == 0, r
+
+
+def test_torch_memory_saver_disk_backup_keeps_the_bytes_in_files_until_resume(torch_gpu, tmp_path):
+    """``region(enable_disk_backup=True)``: the pause writes the contents to
+    files of the disk backup directory (one per chunk, as large as the
+    tensors at least), the resume brings every byte back and removes them;
+    two cycles use the same space; memory without a backup is dropped."""
+    out = run_script(f"""
+        import os, torch
+        from vmmbuf.torch_memory_saver import TorchMemorySaver
+        tms = TorchMemorySaver()
+        d = {str(tmp_path / "disk")!r}
+        tms.set_disk_backup_dir(d)
+        g = torch.Generator(device="cuda").manual_seed(29)
+        with tms.region(enable_disk_backup=True):
+            big = torch.randn(3 << 20, device="cuda", generator=g)
+            small = torch.full((7,), 10, dtype=torch.uint8, device="cuda")
+        with tms.region():
+            gone = torch.full((1 << 20,), 20, dtype=torch.uint8, device="cuda")
+        ref = big.cpu()
+        sizes = []
+        for _ in range(2):
+            tms.pause()
+            files = os.listdir(d)
+            total = sum(os.path.getsize(os.path.join(d, f)) for f in files)
+            assert len(files) >= 1 and total >= big.numel() * 4, (files, total)
+            sizes.append(total)
+            tms.resume()
+            assert os.listdir(d) == [], "removed at the resume"
+            assert torch.equal(big.cpu(), ref) and small.tolist() == [10] * 7
+        assert sizes[0] == sizes[1], sizes
+        print("OK", sizes)
     """)
     assert "OK" in out, out
 

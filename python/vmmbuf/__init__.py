@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from typing import Any, Dict, Iterable, Iterator, Optional, Union
 
 import warnings
@@ -124,7 +125,15 @@ def sleep(tags: Tags = None, *, mode: Optional[str] = None, discard: bool = Fals
       unmapped until ``wake``, as torch_memory_saver's and vLLM's backups
       leave them: one copy each way, the fastest;
     - ``"discard"``: nothing is copied and the contents are lost (KV
-      caches, activations).
+      caches, activations);
+    - ``"pageable"``: the data is copied to pageable host memory of its own
+      (no pinned memory; torch_memory_saver's ``cpu_backup_backend="mmap"``)
+      and the ranges are unmapped until ``wake``, which gives that memory
+      back to the system: the process's resident memory grows while asleep
+      and falls at the wake. Slower copies than ``"stash"``;
+    - ``"disk"``: as ``"pageable"``, in files of the directory
+      ``set_spill_dir`` names (one per chunk, removed at the wake), for data
+      larger than host memory allows; refused without one.
 
     ``discard=True`` and ``reachable=False`` are the older spellings of
     ``"discard"`` and ``"stash"``; with ``mode`` given they must agree with
@@ -161,16 +170,29 @@ def prepare_sleep(tags: Tags = None, *, wait: bool = False, mode: Optional[str] 
 
 def _mode(mode: Optional[str], discard: bool, reachable: bool) -> str:
     """The sleep mode ``mode`` names, or the older keywords do; refused in
-    words when they disagree or ``mode`` is not one of the three."""
+    words when they disagree or ``mode`` is not one of them."""
     implied = "discard" if discard else ("keep" if reachable else "stash")
     if mode is None:
         return implied
-    if mode not in ("keep", "stash", "discard"):
-        raise InvalidArgumentError(f"mode {mode!r}: 'keep', 'stash' or 'discard'")
+    if mode not in ("keep", "stash", "discard", "pageable", "disk"):
+        raise InvalidArgumentError(
+            f"mode {mode!r}: 'keep', 'stash', 'discard', 'pageable' or 'disk'")
     if (discard or not reachable) and implied != mode:
         raise InvalidArgumentError(
             f"mode {mode!r} and discard={discard}, reachable={reachable} disagree")
     return mode
+
+
+def set_spill_dir(path: Optional[str]) -> None:
+    """The directory (which must exist) where ``sleep(mode="disk")`` writes
+    its files, for every tag and device; None: none (such a sleep is then
+    refused). Files of a sleep already made stay where they are until its
+    wake."""
+    if path is not None and (not isinstance(path, str) or not path):
+        raise InvalidArgumentError(f"set_spill_dir takes a path or None, not {path!r}")
+    if path is not None and not os.path.isdir(path):
+        raise InvalidArgumentError(f"set_spill_dir: {path!r} is not a directory")
+    _native.set_spill_dir(path)
 
 
 def release_host_cache() -> int:
@@ -262,6 +284,7 @@ __all__ = [
     "prepare_sleep",
     "release_host_cache",
     "set_host_cache_limit",
+    "set_spill_dir",
     "stats",
     "set_budget",
     "empty_cache",

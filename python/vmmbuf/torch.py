@@ -89,7 +89,10 @@ def _allocator(malloc: str = "vmmbuf_torch_malloc") -> Any:
       retries, then raises ``torch.OutOfMemoryError``).
     """
     if malloc not in _ALLOCATORS:
-        a = torch.cuda.memory.CUDAPluggableAllocator(library_path(), malloc, "vmmbuf_free")
+        # A MemPool's segments go back as cudaFree's would (PyTorch's cache
+        # above is the cache); process-wide, a free keeps them for reuse.
+        free = "vmmbuf_free" if malloc == "vmmbuf_torch_malloc" else "vmmbuf_segment_free"
+        a = torch.cuda.memory.CUDAPluggableAllocator(library_path(), malloc, free)
         if malloc == "vmmbuf_torch_malloc":
             # Process-wide, ``Tensor.record_stream`` reaches the plug-in only
             # through this hook: PyTorch skips the call when none is set,

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from . import _check, _native
@@ -54,12 +55,14 @@ from . import torch as _vtorch
 _TAG_DEFAULT = "default"
 
 
-# A region without a CPU backup is a vmmbuf tag of its own beside the one
-# with a backup (a tag may have both kinds, as under torch_memory_saver,
-# whose pools are per tag and backup flag); this mark is never in a tag a
-# user names (it is a control character).
-_DISCARD = "\x1fdiscard"
-
+# Region memory is a vmmbuf tag per kind: the region's tag followed by the
+# kind's suffix ("pinned" backups none, "mmap" backups and memory without a
+# backup a mark no user's tag has, starting with a control character), as
+# torch_memory_saver keeps a pool per tag and backup. The table is the
+# native module's, which the C tms_pause reads too. A pause sleeps "pinned"
+# memory "stash" (or "keep" when the saver keeps paused memory reachable),
+# "mmap" memory "pageable" and the rest "discard".
+_KINDS: Dict[str, str] = dict(_native.tms_suffixes())
 
 class TorchMemorySaver:
     """torch_memory_saver's ``TorchMemorySaver`` on vmmbuf."""
@@ -68,10 +71,14 @@ class TorchMemorySaver:
         """``reachable=True``: regions with a CPU backup stay readable while
         paused (moved to host memory at their addresses) instead of being
         stashed and unmapped."""
-        # Every region tag used, as vmmbuf tags: (kept, discarded).
-        self._used: Dict[str, Tuple[bool, bool]] = {}
+        # Every region tag used, with the kinds of its memory ("pinned",
+        # "mmap", "discard"; see _KINDS), each a vmmbuf tag of its own.
+        self._used: Dict[str, List[str]] = {}
         self._reachable = reachable
-        self._retain = False
+        # Where disk backups go (set_disk_backup_dir), once known.
+        self._disk_dir: Optional[str] = None
+        # torch_memory_saver reads TMS_RETAIN_CPU_BACKUP=1 for the default.
+        self._retain = os.environ.get("TMS_RETAIN_CPU_BACKUP", "0") == "1"
         self._hook_mode = "torch"
         # Until hook_mode is set, a process started with vmmbuf's preload
         # library (configure_subprocess) takes preload mode at its first
@@ -100,23 +107,28 @@ class TorchMemorySaver:
         contents kept in host memory (``enable_cpu_backup=True``) or dropped.
         Regions nest: the innermost one's tag and backup apply.
         ``cpu_backup_backend`` (with a CPU backup only, as in
-        torch_memory_saver): ``"pinned"`` (what vmmbuf keeps backups in) or
-        None; ``"mmap"`` and ``enable_disk_backup=True`` are refused with
-        :class:`~vmmbuf.errors.UnsupportedError` (vmmbuf has no file-backed
-        backup yet)."""
+        torch_memory_saver): ``"pinned"`` (a stash of pinned host memory,
+        the default), ``"mmap"`` (pageable host memory given back to the
+        system at the resume: vmmbuf's ``"pageable"`` sleep), or None (the
+        process default, ``TMS_INIT_CPU_BACKUP_BACKEND``, else pinned).
+        ``enable_disk_backup=True`` (without a CPU backup) keeps the contents
+        in files of the disk backup directory instead, one per chunk,
+        removed at the resume (vmmbuf's ``"disk"`` sleep): see
+        ``set_disk_backup_dir`` (default ``TMS_DISK_BACKUP_DIR``, else
+        ``/tmp``)."""
         tag = _check.tag("tag", tag)
         enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
-        if _check.flag("enable_disk_backup", enable_disk_backup):
-            if enable_cpu_backup:
-                raise InvalidArgumentError(
-                    "enable_cpu_backup and enable_disk_backup are mutually exclusive")
-            raise UnsupportedError(
-                "enable_disk_backup: vmmbuf keeps backups in pinned host memory only; a backup "
-                "spilled to files is not implemented")
-        _backup_backend(enable_cpu_backup, cpu_backup_backend)
+        disk = _check.flag("enable_disk_backup", enable_disk_backup)
+        if disk and enable_cpu_backup:
+            raise InvalidArgumentError(
+                "enable_cpu_backup and enable_disk_backup are mutually exclusive")
+        kind = _backup_backend(enable_cpu_backup, cpu_backup_backend)
+        if disk:
+            self._disk_dir_for_pause()
+            kind = "disk"
         self._local.depth = self._depth() + 1
         try:
-            with _allocating_as(self._note(tag, enable_cpu_backup), self._preload()):
+            with _allocating_as(self._note(tag, kind), self._preload()):
                 yield
         finally:
             self._local.depth -= 1
@@ -130,24 +142,25 @@ class TorchMemorySaver:
                    cpu_backup_backend: Optional[str] = None) -> Iterator[None]:
         """``torch.cuda.graph(cuda_graph, pool, stream, capture_error_mode)``
         whose memory (the graph's pool) pauses and resumes with ``tag``, as
-        torch_memory_saver's does. It needs vmmbuf as the process's
-        allocator (``vmmbuf.torch.use()``, or ``TMS_INIT_ENABLE=1``), which
-        then serves graph pools too: torch_memory_saver's needs its preload
-        mode likewise. A paused graph must not be replayed before its
-        resume."""
+        torch_memory_saver's does. It needs vmmbuf under PyTorch's own
+        allocator: process-wide (``vmmbuf.torch.use()``, or
+        ``TMS_INIT_ENABLE=1``), which then serves graph pools too, or preload
+        mode (``hook_mode = "preload"``), where the pool's ``cudaMalloc``
+        comes to vmmbuf; torch_memory_saver's needs its preload mode
+        likewise. A paused graph must not be replayed before its resume."""
         tag = _check.tag("tag", tag)
         enable_cpu_backup = _check.flag("enable_cpu_backup", enable_cpu_backup)
-        _backup_backend(enable_cpu_backup, cpu_backup_backend)
-        if not _vtorch.is_process_wide():
+        kind = _backup_backend(enable_cpu_backup, cpu_backup_backend)
+        if not (_vtorch.is_process_wide() or self._preload()):
             raise UnsupportedError(
                 "cuda_graph() needs vmmbuf as the process's allocator (vmmbuf.torch.use() before "
-                "the first CUDA tensor, or TMS_INIT_ENABLE=1): PyTorch serves a graph's pool from "
-                "its own allocator otherwise")
-        as_tag = self._note(tag, enable_cpu_backup)
+                "the first CUDA tensor, or TMS_INIT_ENABLE=1) or preload mode (hook_mode = "
+                "'preload'): PyTorch serves a graph's pool from its own allocator otherwise")
+        as_tag = self._note(tag, kind)
         torch = _vtorch.torch
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                               capture_error_mode=capture_error_mode):
-            with _allocating_as(as_tag):
+            with _allocating_as(as_tag, preload=self._preload()):
                 yield
 
     @contextlib.contextmanager
@@ -157,15 +170,24 @@ class TorchMemorySaver:
         untagged memory, which ``pause()`` leaves alone, given back to the
         driver as the block ends, as torch_memory_saver disposes of its
         pool)."""
-        if self._preload():
-            # The CUDA runtime's own memory: the preload library passes on
-            # what is allocated under no tag.
-            with _tagged(""):
-                yield
-        elif _vtorch.is_process_wide():
+        if _vtorch.is_process_wide():
+            # vmmbuf's untagged memory (in preload mode too: PyTorch's
+            # tensors come to vmmbuf directly), given back as the block ends.
             with _tagged(""):
                 yield
             _vtorch.empty_cache()
+        elif self._preload():
+            # The CUDA runtime's own memory (the preload library passes on
+            # what is allocated under no tag), in a PyTorch pool of its own
+            # that is disposed of as the block ends, as torch_memory_saver
+            # does: its memory goes back to the driver rather than staying
+            # in PyTorch's cache beside the paused memory.
+            torch = _vtorch.torch
+            with _tagged(""):
+                pool = torch.cuda.MemPool()
+                with torch.cuda.use_mem_pool(pool):
+                    yield
+                del pool
         else:
             torch = _vtorch.torch
             pool = torch.cuda.MemPool()
@@ -187,25 +209,19 @@ class TorchMemorySaver:
                 self.hook_mode = "preload"
         return self._hook_mode == "preload"
 
-    def _note(self, tag: str, backup: bool) -> str:
-        """Records that ``tag`` has memory kept (``backup``) or dropped at a
-        pause, and returns the vmmbuf tag that memory is made under."""
-        kept, dropped = self._used.get(tag, (False, False))
-        self._used[tag] = (kept or backup, dropped or not backup)
-        return tag if backup else tag + _DISCARD
+    def _note(self, tag: str, kind: str) -> str:
+        """Records that ``tag`` has memory of ``kind`` (see ``_KINDS``), and
+        returns the vmmbuf tag that memory is made under."""
+        kinds = self._used.setdefault(tag, [])
+        if kind not in kinds:
+            kinds.append(kind)
+        return tag + _KINDS[kind]
 
-    def _tags(self, tag: Optional[str]) -> List[Tuple[str, bool]]:
-        """The vmmbuf tags of ``tag`` (None: every region's), each with
-        whether its contents are kept."""
+    def _tags(self, tag: Optional[str]) -> List[Tuple[str, str]]:
+        """The vmmbuf tags of ``tag`` (None: every region's), each with the
+        kind of its memory."""
         names = sorted(self._used) if tag is None else [_check.tag("tag", tag)]
-        out: List[Tuple[str, bool]] = []
-        for name in names:
-            kept, dropped = self._used.get(name, (False, False))
-            if kept:
-                out.append((name, True))
-            if dropped:
-                out.append((name + _DISCARD, False))
-        return out
+        return [(name + _KINDS[k], k) for name in names for k in self._used.get(name, [])]
 
     def pause(self, tag: Optional[str] = None) -> int:
         """Gives back the device memory of ``tag`` (None: every region's
@@ -213,30 +229,36 @@ class TorchMemorySaver:
         asked for a CPU backup and discarding them otherwise; returns the
         bytes paused. A tag with no region is nothing to pause."""
         total = 0
-        for t, kept in self._tags(tag):
-            mode = "discard" if not kept else ("keep" if self._reachable else "stash")
+        for t, kind in self._tags(tag):
+            mode = {"discard": "discard", "mmap": "pageable", "disk": "disk"}.get(
+                kind, "keep" if self._reachable else "stash")
             total += _native.sleep(t, mode)[0]
         return total
 
     def resume(self, tag: Optional[str] = None) -> int:
         """Maps ``tag``'s memory (None: every region's) back at the same
         addresses; returns the bytes resumed. Unless ``retain_cpu_backup``,
-        the pinned host memory the backups used goes back to the system."""
-        total = sum(_native.wake(t)[0] for t, _ in self._tags(tag))
+        the host memory the backups used goes back to the system; with it,
+        the backups stay readable (``get_cpu_backup``, at the same host
+        address) until the next pause, which copies into them again."""
+        keep = self._retain
+        total = sum(_native.wake(t, False, keep)[0] for t, _ in self._tags(tag))
         if not self._retain:
             _native.release_host_cache()
         return total
 
     def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
         """A CPU tensor of what a pause kept for ``x`` (a contiguous CUDA
-        tensor made in a region with a CPU backup), while its tag is paused;
-        None when no backup holds it (not paused, paused without a backup,
-        or made outside every region), as torch_memory_saver answers.
-        ``zero_copy=True`` gives a copy too: vmmbuf's backup is not mapped
-        for the CPU at a stable address (the ``reachable`` mode keeps the
+        tensor made in a region with a CPU backup), while its tag is paused
+        or after a resume with ``retain_cpu_backup``; None when no backup
+        holds it (not paused, paused without a backup, or made outside
+        every region), as torch_memory_saver answers. ``zero_copy=True``
+        gives a view of the backup itself (the same host address from pause
+        to pause while retained), valid until the backup goes: a resume
+        without ``retain_cpu_backup``. (The ``reachable`` mode keeps the
         contents at ``x``'s own address instead, where ``x.cpu()`` reads
-        them)."""
-        _check.flag("zero_copy", zero_copy)
+        them, and has no separate backup.)"""
+        zero_copy = _check.flag("zero_copy", zero_copy)
         if not getattr(x, "is_cuda", False):
             raise InvalidArgumentError(f"get_cpu_backup takes a CUDA tensor, not {type(x).__name__}")
         torch = _vtorch.torch
@@ -244,26 +266,46 @@ class TorchMemorySaver:
             raise InvalidArgumentError(
                 f"get_cpu_backup takes a contiguous tensor (shape {tuple(x.shape)}, "
                 f"strides {x.stride()})")
-        got = _native.read_backup(x.data_ptr(), x.nbytes)
-        if got is None:
-            return None
-        flat = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+        if zero_copy:
+            at = _native.backup_address(x.data_ptr(), x.nbytes)
+            if at is None:
+                return None
+            import ctypes
+
+            view = (ctypes.c_uint8 * x.nbytes).from_address(at)
+            flat = torch.frombuffer(view, dtype=torch.uint8)
+        else:
+            got = _native.read_backup(x.data_ptr(), x.nbytes)
+            if got is None:
+                return None
+            flat = torch.frombuffer(bytearray(got), dtype=torch.uint8)
         return flat.view(x.dtype).view(x.shape)
 
     def set_disk_backup_dir(self, path: str) -> None:
-        """Makes the directory, as torch_memory_saver does; nothing is ever
-        written there, since vmmbuf refuses
-        ``region(enable_disk_backup=True)`` itself."""
+        """The directory (made if needed) where the pauses of regions with
+        ``enable_disk_backup=True`` write their files, for the whole process
+        (as torch_memory_saver's). It should be a real disk: on a memory
+        file system the files take host memory."""
         if not isinstance(path, str) or not path:
             raise InvalidArgumentError(f"set_disk_backup_dir takes a path, not {path!r}")
         os.makedirs(path, exist_ok=True)
+        _native.set_spill_dir(path)
+        self._disk_dir = path
+
+    def _disk_dir_for_pause(self) -> None:
+        """Makes sure disk pauses have a directory: the one set, else
+        torch_memory_saver's default (``TMS_DISK_BACKUP_DIR``, else
+        ``/tmp``)."""
+        if self._disk_dir is None:
+            self.set_disk_backup_dir(os.environ.get("TMS_DISK_BACKUP_DIR") or "/tmp")
 
     @property
     def retain_cpu_backup(self) -> bool:
-        """Whether the pinned host memory of the backups stays after a
-        resume, for the next pause (False by default, as in
-        torch_memory_saver; True saves re-pinning it, about 0.25 s per GiB,
-        at every pause)."""
+        """Whether the host memory of the backups stays after a resume,
+        readable and for the next pause (False by default, as in
+        torch_memory_saver, or ``TMS_RETAIN_CPU_BACKUP=1``; True saves
+        re-pinning it, about 0.25 s per GiB, at every pause). Read at each
+        resume."""
         return self._retain
 
     @retain_cpu_backup.setter
@@ -320,19 +362,28 @@ class TorchMemorySaver:
         return True
 
 
-def _backup_backend(enable_cpu_backup: bool, backend: Optional[str]) -> None:
-    """torch_memory_saver's checks of ``cpu_backup_backend``, and vmmbuf's
-    one answer: pinned host memory."""
-    if backend is None:
-        return
+def _backup_backend(enable_cpu_backup: bool, backend: Optional[str],
+                    env: Optional[Dict[str, str]] = None) -> str:
+    """torch_memory_saver's checks of ``cpu_backup_backend``; the kind of
+    memory a region makes (see ``_KINDS``): ``"discard"`` without a CPU
+    backup, else the backend named, or the process default
+    (``TMS_INIT_CPU_BACKUP_BACKEND`` in ``env``, the environment if None,
+    else ``"pinned"``)."""
+    if backend is not None:
+        if not enable_cpu_backup:
+            raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
+        if backend not in ("pinned", "mmap"):
+            raise InvalidArgumentError(f"cpu_backup_backend {backend!r}: 'pinned' or 'mmap'")
     if not enable_cpu_backup:
-        raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
-    if backend == "mmap":
-        raise UnsupportedError(
-            "cpu_backup_backend='mmap': vmmbuf keeps backups in pinned host memory "
-            "(cpu_backup_backend='pinned')")
-    if backend != "pinned":
-        raise InvalidArgumentError(f"cpu_backup_backend {backend!r}: 'pinned' or 'mmap'")
+        return "discard"
+    if backend:
+        return backend
+    # torch_memory_saver's process default.
+    default = (os.environ if env is None else env).get("TMS_INIT_CPU_BACKUP_BACKEND", "")
+    if default not in ("", "pinned", "mmap"):
+        raise InvalidArgumentError(
+            f"TMS_INIT_CPU_BACKUP_BACKEND={default!r}: 'pinned' or 'mmap'")
+    return default or "pinned"
 
 
 @contextlib.contextmanager
@@ -436,7 +487,17 @@ def _init_enable(saver: TorchMemorySaver, env: Dict[str, str]) -> bool:
         return False
     backup = env.get("TMS_INIT_ENABLE_CPU_BACKUP", "0") == "1"
     _vtorch.use()
-    _native.set_default_tag(saver._note(_TAG_DEFAULT, backup))
+    _native.set_default_tag(saver._note(_TAG_DEFAULT, _backup_backend(backup, None, env)))
+    if _PRELOAD_NAME in env.get("LD_PRELOAD", ""):
+        # Started with vmmbuf's preload library (torch_memory_saver's
+        # preload mode): what other libraries cudaMalloc is pausable too.
+        try:
+            saver.hook_mode = "preload"
+        except UnsupportedError as e:
+            # Another build's library (its name has another hash): PyTorch's
+            # allocations are vmmbuf's still; other libraries' are not.
+            warnings.warn(f"TMS_INIT_ENABLE: preload mode is off: {e}", RuntimeWarning,
+                          stacklevel=2)
     return True
 
 

@@ -159,6 +159,27 @@ pub extern "C" fn vmmbuf_free(ptr: *mut c_void, size: isize, device: c_int, stre
     })
 }
 
+/// [`vmmbuf_free`] for a segment that the cache above vmmbuf gives back,
+/// as `cudaFree` frees: PyTorch's caching allocator over a vmmbuf `MemPool`
+/// releases memory through it (`empty_cache`, a retry after running out, a
+/// pool's end), and the memory then goes back to the driver instead of
+/// staying cached twice (after the device's work, as `cudaFree` waits; not
+/// while a capture may be under way, when it stays cached). Failures are
+/// logged, as [`vmmbuf_free`]'s.
+#[no_mangle]
+pub extern "C" fn vmmbuf_segment_free(
+    ptr: *mut c_void,
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) {
+    guard("vmmbuf_segment_free", (), || {
+        if let Err(e) = state::free_segment(ptr as usize as u64, device, stream) {
+            fail(&format!("vmmbuf_segment_free({ptr:?}, {size})"), &e);
+        }
+    })
+}
+
 /// PyTorch's `Tensor.record_stream` (`CUDAPluggableAllocator`'s
 /// `set_record_stream_fn` takes this function): the free of the allocation
 /// at `ptr` also waits for the work queued on `stream` until then (or
@@ -310,7 +331,8 @@ pub extern "C" fn vmmbuf_empty_cache(device: c_int) -> c_int {
 
 /// Pins, ahead of a sleep of `tag` (null: every tag) in `mode` (the
 /// sleep's mode number, [`vmmbuf::SleepMode::code`]: `VMMBUF_KEEP` 0 or
-/// `VMMBUF_STASH` 2; `VMMBUF_DISCARD` 1 pins nothing), the host memory it
+/// `VMMBUF_STASH` 2; `VMMBUF_DISCARD` 1 and `VMMBUF_PAGEABLE` 3 pin
+/// nothing), the host memory it
 /// will take: on a thread of its own if `wait` is 0 (the next sleep waits
 /// for it), else now. Returns the bytes pinned (0 when not waiting), or -1
 /// on an error (logged; an unknown mode number too).
@@ -328,7 +350,7 @@ pub unsafe extern "C" fn vmmbuf_prepare_sleep(tag: *const c_char, mode: c_int, w
         let Some(mode) = vmmbuf::SleepMode::from_code(mode) else {
             fail(
                 "vmmbuf_prepare_sleep",
-                &format!("sleep mode number {mode}: 0, 1 or 2"),
+                &format!("sleep mode number {mode}: 0, 1, 2 or 3"),
             );
             return -1;
         };
@@ -427,6 +449,46 @@ fn tag_of(tag: *const c_char) -> Option<String> {
     s.to_str().ok().map(str::to_owned)
 }
 
+/// torch_memory_saver's C `tms_pause` (vmmbuf's preload library exports
+/// that name and calls this): the memory of the region tag `tag` (null:
+/// every region's) sleeps as `torch_memory_saver.pause` puts it to sleep
+/// (a pinned backup stashed, an mmap backup in pageable memory, the rest
+/// discarded). Returns 0, or -1 on an error (logged, [`vmmbuf_last_error`]).
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_tms_pause(tag: *const c_char) -> c_int {
+    guard("tms_pause", -1, || tms_move(tag, true))
+}
+
+/// torch_memory_saver's C `tms_resume`: the memory of the region tag `tag`
+/// (null: every region's) wakes at its addresses. Returns 0, or -1 on an
+/// error (logged).
+///
+/// # Safety
+/// `tag` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn vmmbuf_tms_resume(tag: *const c_char) -> c_int {
+    guard("tms_resume", -1, || tms_move(tag, false))
+}
+
+fn tms_move(tag: *const c_char, pause: bool) -> c_int {
+    let what = if pause { "tms_pause" } else { "tms_resume" };
+    let every = tag.is_null();
+    let Some(tag) = tag_of(tag) else {
+        fail(what, &"a tag that is not UTF-8");
+        return -1;
+    };
+    match state::tms_move((!every).then_some(tag.as_str()), pause) {
+        Ok(_) => 0,
+        Err(e) => {
+            fail(what, &e);
+            -1
+        }
+    }
+}
+
 /// Makes `tag` the tag of this thread's allocations from now on (null or ""
 /// for none); other threads keep theirs. Returns 0, or -1 for a tag that is
 /// not UTF-8.
@@ -454,7 +516,9 @@ pub unsafe extern "C" fn vmmbuf_set_tag(tag: *const c_char) -> c_int {
 /// memory at the same addresses (kernels still reach them),
 /// `VMMBUF_DISCARD` 1 drops them, `VMMBUF_STASH` 2 copies them to pinned
 /// host memory kept away from the addresses (unmapped until the wake; one
-/// copy each way, the fastest way to keep them); another number is an
+/// copy each way, the fastest way to keep them), `VMMBUF_PAGEABLE` 3
+/// copies them to pageable host memory away from the addresses, given
+/// back to the system at the wake (no pinned memory); another number is an
 /// error. Waits for the work queued so far on the streams of
 /// the tag's live allocations, for the fences of its frees and for the uses
 /// recorded on its allocations; never for the whole device. Until
@@ -472,8 +536,10 @@ pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char, mode: c_int) -> i64 {
 
 /// Wakes `tag`'s allocations (null: every tag's) at the same addresses:
 /// kept contents come back; discarded ranges get fresh memory, zeroed if
-/// `flags` bit 0 (`VMMBUF_ZERO`) is set. Returns the bytes woken, or -1 on
-/// an error (logged).
+/// `flags` bit 0 (`VMMBUF_ZERO`) is set; a stashing or pageable sleep's
+/// host copy stays readable after the wake if bit 1
+/// (`VMMBUF_KEEP_BACKUP`) is set. Returns the bytes woken, or -1 on an
+/// error (logged).
 ///
 /// # Safety
 /// `tag` is null or a NUL-terminated string.
@@ -493,12 +559,12 @@ fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
     let r = if sleep {
         // `flags` is the sleep's mode number here.
         let Some(mode) = vmmbuf::SleepMode::from_code(flags) else {
-            fail(what, &format!("sleep mode number {flags}: 0, 1 or 2"));
+            fail(what, &format!("sleep mode number {flags}: 0, 1, 2 or 3"));
             return -1;
         };
         state::sleep_tags(t, mode)
     } else {
-        state::wake_tags(t, flags & 1 != 0)
+        state::wake_tags(t, flags & 1 != 0, flags & 2 != 0)
     };
     match r {
         Ok(m) => m.bytes as i64,

@@ -25,7 +25,9 @@
 //! (process-wide: it throws a failure as a C++ exception, since PyTorch's
 //! pluggable allocator would wrap a null as a tensor at address 0), and
 //! `void vmmbuf_free(void* ptr, ssize_t size, int device, cudaStream_t
-//! stream)`; `vmmbuf.torch` loads them with
+//! stream)` (process-wide) or [`vmmbuf_segment_free`] (same arguments, for
+//! a `MemPool`: its memory goes back to the driver, as `cudaFree`'s would,
+//! since PyTorch's cache above is the cache); `vmmbuf.torch` loads them with
 //! `torch.cuda.memory.CUDAPluggableAllocator`. No panic crosses the C
 //! boundary: each entry point catches it, logs it and answers null (or
 //! nothing). Zero bytes get null; an unknown pointer or a second free of
@@ -282,7 +284,17 @@ mod tests {
             assert_eq!(vmmbuf_wake(c"weights".as_ptr(), 0), 0);
             assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 1), 0);
             assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 2), 0);
-            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 3), -1, "no mode 3");
+            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 3), 0, "pageable");
+            assert_eq!(
+                vmmbuf_sleep(c"weights".as_ptr(), 4),
+                0,
+                "disk: nothing to move"
+            );
+            assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 5), -1, "no mode 5");
+            assert_eq!(vmmbuf_tms_pause(std::ptr::null()), 0, "no region: nothing");
+            assert_eq!(vmmbuf_tms_resume(c"w".as_ptr()), 0);
+            assert_eq!(vmmbuf_tms_pause(c"\xff".as_ptr()), -1, "not UTF-8");
+            assert_eq!(vmmbuf_wake(c"weights".as_ptr(), 2), 0, "VMMBUF_KEEP_BACKUP");
             assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), -1), -1, "no mode -1");
             assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 0, 1), 0);
             assert_eq!(vmmbuf_prepare_sleep(std::ptr::null(), 2, 1), 0);

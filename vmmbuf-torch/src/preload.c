@@ -18,9 +18,13 @@ typedef cuda_error (*free_fn)(void*);
 // anything else a cudaError_t to return.
 typedef int (*vmmbuf_malloc_fn)(void**, size_t);
 typedef int (*vmmbuf_free_fn)(void*);
+// torch_memory_saver's C pause and resume: 0, or -1 (logged by vmmbuf).
+typedef int (*vmmbuf_tag_fn)(const char*);
 
 static vmmbuf_malloc_fn vmmbuf_malloc_hook;
 static vmmbuf_free_fn vmmbuf_free_hook;
+static vmmbuf_tag_fn vmmbuf_pause_hook;
+static vmmbuf_tag_fn vmmbuf_resume_hook;
 
 // cudaErrorInitializationError: no CUDA runtime after this library.
 enum { NO_RUNTIME = 3 };
@@ -65,7 +69,21 @@ __attribute__((visibility("default"))) cuda_error cudaFree(void* ptr) {
     return f != NULL ? f(ptr) : NO_RUNTIME;
 }
 
-// Points the two functions at the plug-in already loaded from `native`
+// torch_memory_saver's C entry points (its preload library's): pause and
+// resume the memory of `tag` (NULL: every region's) from C, as
+// torch_memory_saver.pause/resume do. Before vmmbuf is attached nothing of
+// vmmbuf's exists, and nothing is done.
+__attribute__((visibility("default"))) void tms_pause(const char* tag) {
+    vmmbuf_tag_fn f = __atomic_load_n(&vmmbuf_pause_hook, __ATOMIC_ACQUIRE);
+    if (f != NULL) (void)f(tag);
+}
+
+__attribute__((visibility("default"))) void tms_resume(const char* tag) {
+    vmmbuf_tag_fn f = __atomic_load_n(&vmmbuf_resume_hook, __ATOMIC_ACQUIRE);
+    if (f != NULL) (void)f(tag);
+}
+
+// Points the functions above at the plug-in already loaded from `native`
 // (the Python package's native module): 0 on success, -1 if it is not
 // loaded or lacks the hooks. Nothing is loaded here (RTLD_NOLOAD).
 __attribute__((visibility("default"))) int vmmbuf_preload_attach(const char* native) {
@@ -73,7 +91,11 @@ __attribute__((visibility("default"))) int vmmbuf_preload_attach(const char* nat
     if (h == NULL) return -1;
     vmmbuf_malloc_fn m = (vmmbuf_malloc_fn)dlsym(h, "vmmbuf_preload_malloc");
     vmmbuf_free_fn f = (vmmbuf_free_fn)dlsym(h, "vmmbuf_preload_free");
-    if (m == NULL || f == NULL) return -1;
+    vmmbuf_tag_fn p = (vmmbuf_tag_fn)dlsym(h, "vmmbuf_tms_pause");
+    vmmbuf_tag_fn r = (vmmbuf_tag_fn)dlsym(h, "vmmbuf_tms_resume");
+    if (m == NULL || f == NULL || p == NULL || r == NULL) return -1;
+    __atomic_store_n(&vmmbuf_pause_hook, p, __ATOMIC_RELEASE);
+    __atomic_store_n(&vmmbuf_resume_hook, r, __ATOMIC_RELEASE);
     __atomic_store_n(&vmmbuf_free_hook, f, __ATOMIC_RELEASE);
     __atomic_store_n(&vmmbuf_malloc_hook, m, __ATOMIC_RELEASE);
     return 0;

@@ -82,8 +82,9 @@ fn free_stream_destroyed(py: Python<'_>, ptr: u64, device: c_int) -> PyResult<()
     detached(py, || state::free_stream_destroyed(ptr, device)).map_err(to_py)
 }
 
-/// The bytes a stashing sleep kept for `[ptr, ptr + nbytes)` while their
-/// tag is asleep (torch_memory_saver's `get_cpu_backup`); None otherwise.
+/// The bytes a stashing or pageable sleep kept for `[ptr, ptr + nbytes)`
+/// while their tag is asleep, or after a wake that kept them
+/// (torch_memory_saver's `get_cpu_backup`); None otherwise.
 #[pyfunction]
 fn read_backup(
     py: Python<'_>,
@@ -92,6 +93,31 @@ fn read_backup(
 ) -> PyResult<Option<Py<pyo3::types::PyBytes>>> {
     let got = detached(py, || state::read_backup(ptr, nbytes)).map_err(to_py)?;
     Ok(got.map(|b| pyo3::types::PyBytes::new(py, &b).unbind()))
+}
+
+/// The host address at which the backup of `[ptr, ptr + nbytes)` lies,
+/// readable by the CPU (torch_memory_saver's `get_cpu_backup(zero_copy=
+/// True)`): valid until the backup goes (a wake that does not keep it,
+/// `release_host_cache`); None when there is no such backup.
+#[pyfunction]
+fn backup_address(py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Option<u64>> {
+    detached(py, || state::backup_address(ptr, nbytes)).map_err(to_py)
+}
+
+/// Sets the directory where disk sleeps ("disk") write their files, for
+/// every arena (None: none; such a sleep is then refused). It must exist.
+#[pyfunction]
+#[pyo3(signature = (path=None))]
+fn set_spill_dir(path: Option<std::path::PathBuf>) {
+    state::set_spill_dir(path);
+}
+
+/// torch_memory_saver's region memory kinds ("pinned", "mmap", "discard")
+/// and the suffix each adds to the region's tag: the one table the C
+/// `tms_pause` reads too.
+#[pyfunction]
+fn tms_suffixes() -> Vec<(&'static str, &'static str)> {
+    state::TMS_KINDS.iter().map(|&(k, s, _)| (k, s)).collect()
 }
 
 /// The preload library of torch_memory_saver's preload mode (a shared
@@ -201,7 +227,7 @@ fn captures() -> (bool, usize) {
     state::CAPTURES.state()
 }
 
-/// The sleep mode named `mode` ("keep", "stash" or "discard": the one
+/// The sleep mode named `mode` ("keep", "stash", "discard" or "pageable": the one
 /// spelling of `vmmbuf::SleepMode::name`), or refused in words.
 fn mode_named(mode: &str) -> PyResult<vmmbuf::SleepMode> {
     mode.parse().map_err(to_py)
@@ -209,7 +235,8 @@ fn mode_named(mode: &str) -> PyResult<vmmbuf::SleepMode> {
 
 /// Puts `tag`'s allocations (None: every tag's) to sleep in `mode`: the
 /// data kept in pinned host memory at the same addresses ("keep"), away
-/// from them ("stash"), or dropped ("discard"); the device memory goes
+/// from them ("stash"), in pageable host memory away from them
+/// ("pageable"), or dropped ("discard"); the device memory goes
 /// back, the addresses stay. `(bytes put to sleep, device bytes given
 /// back)`.
 #[pyfunction]
@@ -223,17 +250,24 @@ fn sleep(py: Python<'_>, tag: Option<String>, mode: &str) -> PyResult<(u64, u64)
 
 /// Wakes `tag`'s allocations (None: every tag's) at the same addresses:
 /// kept data comes back; discarded ranges get fresh memory (zeroed with
-/// `zero`). `(bytes woken, device bytes mapped)`.
+/// `zero`); a stashing or pageable sleep's host copy stays readable with
+/// `keep_backup`. `(bytes woken, device bytes mapped)`.
 #[pyfunction]
-#[pyo3(signature = (tag=None, zero=false))]
-fn wake(py: Python<'_>, tag: Option<String>, zero: bool) -> PyResult<(u64, u64)> {
-    detached(py, || state::wake_tags(tag.as_deref(), zero))
+#[pyo3(signature = (tag=None, zero=false, keep_backup=false))]
+fn wake(
+    py: Python<'_>,
+    tag: Option<String>,
+    zero: bool,
+    keep_backup: bool,
+) -> PyResult<(u64, u64)> {
+    detached(py, || state::wake_tags(tag.as_deref(), zero, keep_backup))
         .map(|m| (m.bytes, m.device_bytes))
         .map_err(to_py)
 }
 
 /// Creates the pinned host pieces a sleep of `tag` (None: every tag) in
-/// `mode` would take ("keep" or "stash"; "discard" takes none): on a
+/// `mode` would take ("keep" or "stash"; "discard" and "pageable" take
+/// none): on a
 /// thread of its own (`wait` false; the next sleep waits for it) or now.
 /// The bytes created (0 when not waiting).
 #[pyfunction]
@@ -325,6 +359,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
     m.add_function(wrap_pyfunction!(read_backup, m)?)?;
+    m.add_function(wrap_pyfunction!(backup_address, m)?)?;
+    m.add_function(wrap_pyfunction!(tms_suffixes, m)?)?;
+    m.add_function(wrap_pyfunction!(set_spill_dir, m)?)?;
     m.add_function(wrap_pyfunction!(preload_library, m)?)?;
     m.add_function(wrap_pyfunction!(set_preload, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;

@@ -214,6 +214,37 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     Ok(())
 }
 
+/// Frees a segment that the cache above vmmbuf gives back, as `cudaFree`
+/// would: PyTorch's caching allocator over a vmmbuf `MemPool` calls this
+/// only when it releases memory (`empty_cache`, a retry after running out,
+/// a pool's end), and expects the memory back on the device for anyone.
+/// Kept in vmmbuf's cache instead, it would be cached twice and starve
+/// allocations that never come to vmmbuf (another thread's outside the
+/// pool, PyTorch's own allocator): after the free, the device's work is
+/// waited for (`cudaFree` synchronises the device too) and every whole
+/// free chunk goes back to the driver. Not while a capture may be under
+/// way (a synchronisation would invalidate it): the memory then stays
+/// cached, for vmmbuf's next allocation or `empty_cache`.
+pub(crate) fn free_segment(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
+    free(ptr, dev, stream)?;
+    if CAPTURES.may_capture() {
+        return Ok(());
+    }
+    give_back_cached(dev)
+}
+
+/// The device's work waited for, every whole free chunk of the device back
+/// to the driver (see [`free_segment`]). Not during a capture: the caller
+/// knows none is under way.
+pub(super) fn give_back_cached(dev: c_int) -> Result<()> {
+    let Some(d) = existing(dev) else {
+        return Ok(());
+    };
+    let d = d.lock();
+    vmmbuf::Backend::synchronize(&*d.backend)?;
+    d.arenas.values().try_for_each(|a| a.empty_cache())
+}
+
 /// Frees `ptr` after its stream was destroyed (a CuPy stream collected
 /// before the memory it allocated): nothing is recorded on that stream,
 /// and no stream takes the bytes before a device synchronisation shows its

@@ -17,6 +17,23 @@ pub(crate) fn set_memory_margin(bytes: usize) {
     }
 }
 
+/// Where every arena's disk sleeps write their files (torch_memory_saver's
+/// `set_disk_backup_dir`), for the arenas there are and those to come.
+pub(super) static SPILL_DIR: parking_lot::RwLock<Option<std::path::PathBuf>> =
+    parking_lot::RwLock::new(None);
+
+/// Sets [`SPILL_DIR`] (`vmmbuf::Arena::set_spill_dir`) for the arenas there
+/// are and those to come.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn set_spill_dir(dir: Option<std::path::PathBuf>) {
+    *SPILL_DIR.write() = dir.clone();
+    for (_, d) in all_devices() {
+        for a in d.lock().arenas.values() {
+            a.set_spill_dir(dir.clone());
+        }
+    }
+}
+
 /// The device's statistics with PyTorch's key names, as JSON; `None` if the
 /// device has no arena yet.
 pub(crate) fn stats_json(dev: c_int) -> Option<String> {
@@ -80,6 +97,7 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     );
     m.insert("discarded_bytes".into(), s.discarded_bytes.into());
     m.insert("stash_bytes".into(), s.stash_bytes.into());
+    m.insert("pageable_bytes".into(), s.pageable_bytes.into());
     m.insert("graph_bytes".into(), s.graph_bytes.into());
     m.insert("graph_pools".into(), d.graphs.len().into());
     m.insert("fragmentation".into(), s.fragmentation.into());

@@ -306,6 +306,7 @@ impl Device {
                 arena.set_map_hook(Some(h.clone()))?;
             }
             arena.set_device_margin(MARGIN.load(std::sync::atomic::Ordering::Relaxed));
+            arena.set_spill_dir(SPILL_DIR.read().clone());
             self.arenas.insert(tag.to_owned(), arena);
         }
         Ok(&self.arenas[tag])
@@ -350,6 +351,7 @@ impl Device {
             sum.host_bytes += s.host_bytes;
             sum.discarded_bytes += s.discarded_bytes;
             sum.stash_bytes += s.stash_bytes;
+            sum.pageable_bytes += s.pageable_bytes;
             sum.graph_bytes += s.graph_bytes;
             sum.device_bytes += s.device_bytes;
             sum.num_device_syncs = sum.num_device_syncs.max(s.num_device_syncs);

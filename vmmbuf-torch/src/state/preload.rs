@@ -50,6 +50,9 @@ pub(crate) fn preload_free(ptr: u64) -> Result<bool> {
         };
         backend.synchronize()?;
         free(ptr, dev, std::ptr::null_mut())?;
+        // The memory goes back to the device, as cudaFree's does: PyTorch's
+        // caching allocator above is the cache (see `free_segment`).
+        give_back_cached(dev)?;
         return Ok(true);
     }
     Ok(false)

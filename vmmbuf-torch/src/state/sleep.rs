@@ -52,13 +52,13 @@ pub(crate) fn sleep_tags(tag: Option<&str>, mode: SleepMode) -> Result<Moved> {
 
 /// Wakes `tag`'s arena (`None`: every tag's) on every device: kept data
 /// comes back, discarded ranges get fresh memory (zeroed if `zero`), at the
-/// same addresses. On an error the arena that failed stays asleep.
-pub(crate) fn wake_tags(tag: Option<&str>, zero: bool) -> Result<Moved> {
-    let desc = if zero {
-        WakeDesc::zeroed()
-    } else {
-        WakeDesc::default()
-    };
+/// same addresses; a stashing or pageable sleep's host copy stays readable
+/// if `keep_backup` (`WakeDesc::keep_backup`). On an error the arena that
+/// failed stays asleep.
+pub(crate) fn wake_tags(tag: Option<&str>, zero: bool, keep_backup: bool) -> Result<Moved> {
+    let mut desc = WakeDesc::default();
+    desc.zero = zero;
+    desc.keep_backup = keep_backup;
     let mut moved = Moved::default();
     for (_, d) in all_devices() {
         let d = d.lock();
@@ -149,9 +149,10 @@ pub(crate) fn set_host_cache_limit(bytes: usize) -> Result<()> {
 pub(super) static HOST_LIMIT: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(usize::MAX);
 
-/// The bytes a stashing sleep kept for `[ptr, ptr + bytes)`, while the tag
-/// whose arena holds them is asleep stashed (torch_memory_saver's
-/// `get_cpu_backup`); `None` when no arena holds such a backup.
+/// The bytes a stashing or pageable sleep kept for `[ptr, ptr + bytes)`,
+/// while the tag whose arena holds them is asleep so, or after a wake that
+/// kept them (torch_memory_saver's `get_cpu_backup`); `None` when no arena
+/// holds such a backup.
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) fn read_backup(ptr: u64, bytes: usize) -> Result<Option<Vec<u8>>> {
     let mut buf = vec![0u8; bytes];
@@ -164,4 +165,74 @@ pub(crate) fn read_backup(ptr: u64, bytes: usize) -> Result<Option<Vec<u8>>> {
         }
     }
     Ok(None)
+}
+
+/// The host address of the backup of `[ptr, ptr + bytes)` (see
+/// `Arena::backup_address`): torch_memory_saver's
+/// `get_cpu_backup(zero_copy=True)`; `None` when no arena holds it whole.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn backup_address(ptr: u64, bytes: usize) -> Result<Option<u64>> {
+    for (_, d) in all_devices() {
+        let d = d.lock();
+        for a in d.arenas.values() {
+            if let Some(h) = a.backup_address(ptr, bytes)? {
+                return Ok(Some(h));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// torch_memory_saver's region memory as the Python package tags it: the
+/// region's tag followed by the suffix of its kind (`cpu_backup_backend`
+/// "pinned", "mmap", a disk backup, or no backup), and the sleep its pause
+/// takes. The
+/// suffixes start with a control character no user's tag has. One table
+/// for Python (`_native.tms_suffixes`) and the C `tms_pause`.
+pub(crate) const TMS_KINDS: [(&str, &str, SleepMode); 4] = [
+    ("pinned", "", SleepMode::Stash),
+    ("mmap", "\u{1f}mmap", SleepMode::Pageable),
+    ("disk", "\u{1f}disk", SleepMode::Disk),
+    ("discard", "\u{1f}discard", SleepMode::Discard),
+];
+
+/// torch_memory_saver's C `tms_pause` (`pause`) and `tms_resume`: every
+/// arena of the region tag `tag` (`None`: of every region; untagged memory
+/// is no region's) sleeps as its kind's pause does, or wakes. On an error
+/// the arena that failed stays as it was and the ones before it moved.
+pub(crate) fn tms_move(tag: Option<&str>, pause: bool) -> Result<Moved> {
+    let mut moved = Moved::default();
+    for (_, d) in all_devices() {
+        let mut d = d.lock();
+        d.finish_preparing();
+        let mut todo: Vec<(String, SleepMode)> = Vec::new();
+        for t in tags_of(&d, None) {
+            let Some((base, mode)) = TMS_KINDS.iter().find_map(|&(_, suffix, mode)| {
+                let base = t.strip_suffix(suffix)?;
+                (!base.is_empty() && !base.contains('\u{1f}')).then_some((base, mode))
+            }) else {
+                continue;
+            };
+            if tag.is_none_or(|want| want == base) {
+                todo.push((t.clone(), mode));
+            }
+        }
+        for (t, mode) in todo {
+            let arena = &d.arenas[&t];
+            let streams = d.live_streams(arena);
+            let r = if pause {
+                if arena.sleep_mode().is_some() {
+                    continue;
+                }
+                arena.sleep(&streams, &SleepDesc::from(mode))?
+            } else {
+                if arena.sleep_mode().is_none() {
+                    continue;
+                }
+                arena.wake(&streams, &WakeDesc::default())?
+            };
+            moved.add(&r);
+        }
+    }
+    Ok(moved)
 }
