@@ -431,9 +431,19 @@ def test_the_preload_library_answers_through_vmmbuf_and_passes_on_otherwise(
     vmmbuf._native.set_preload(True)
     try:
         assert lib.cudaMalloc(ctypes.byref(p), 1 << 20) == 3, "no tag: passed on"
-        with vmmbuf.tag("weights"):
-            # A tag, but no CUDA context current: passed on as well.
-            assert lib.cudaMalloc(ctypes.byref(p), 1 << 20) == 3
+
+        def tagged_without_a_context() -> int:
+            # A tag, but no CUDA context current (a new thread has none, even
+            # where an earlier test made one current on this thread): passed
+            # on as well.
+            with vmmbuf.tag("weights"):
+                return int(lib.cudaMalloc(ctypes.byref(ctypes.c_void_p()), 1 << 20))
+
+        answers: List[int] = []
+        t = threading.Thread(target=lambda: answers.append(tagged_without_a_context()))
+        t.start()
+        t.join()
+        assert answers == [3], answers
         assert lib.cudaFree(ctypes.c_void_p(0x1234)) == 3, "not vmmbuf's: passed on"
     finally:
         vmmbuf._native.set_preload(False)

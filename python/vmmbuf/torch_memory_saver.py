@@ -253,9 +253,11 @@ class TorchMemorySaver:
         or after a resume with ``retain_cpu_backup``; None when no backup
         holds it (not paused, paused without a backup, or made outside
         every region), as torch_memory_saver answers. ``zero_copy=True``
-        gives a view of the backup itself (the same host address from pause
-        to pause while retained), valid until the backup goes: a resume
-        without ``retain_cpu_backup``. (The ``reachable`` mode keeps the
+        gives a view of an ``"mmap"`` or disk backup itself (the same host
+        address from pause to pause while retained), valid until the backup
+        goes: a resume without ``retain_cpu_backup``; a pinned backup is
+        copied out (vmmbuf's pinned stash is mapped for the GPU, and the CPU
+        faulted reading it on an H200). (The ``reachable`` mode keeps the
         contents at ``x``'s own address instead, where ``x.cpu()`` reads
         them, and has no separate backup.)"""
         zero_copy = _check.flag("zero_copy", zero_copy)
@@ -266,10 +268,10 @@ class TorchMemorySaver:
             raise InvalidArgumentError(
                 f"get_cpu_backup takes a contiguous tensor (shape {tuple(x.shape)}, "
                 f"strides {x.stride()})")
-        if zero_copy:
-            at = _native.backup_address(x.data_ptr(), x.nbytes)
-            if at is None:
-                return None
+        # A pageable or disk backup has a host address to view; a pinned
+        # stash is read by copy (see Arena::backup_address).
+        at = _native.backup_address(x.data_ptr(), x.nbytes) if zero_copy else None
+        if at is not None:
             import ctypes
 
             view = (ctypes.c_uint8 * x.nbytes).from_address(at)

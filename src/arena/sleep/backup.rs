@@ -45,15 +45,20 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
     }
 
-    /// The host address at which the backup of `[address, address + len)`
-    /// lies, whole and readable by the CPU (see [`read_backup`](Self::read_backup)
-    /// for when there is one), or `None`: torch_memory_saver's
+    /// The host address at which the copy a [`SleepMode::Pageable`] or
+    /// [`SleepMode::Disk`] sleep kept of `[address, address + len)` lies,
+    /// whole and readable by the CPU (while asleep, or after a wake that
+    /// kept it), or `None`: torch_memory_saver's
     /// `get_cpu_backup(zero_copy=True)`. The address stays valid, and
-    /// stays the same, until the backup goes: a wake that does not keep it,
+    /// stays the same, until the copy goes: a wake that does not keep it,
     /// [`release_stash`](Self::release_stash), or the arena's drop; a later
     /// sleep reuses it where the runs are the same (its bytes then change).
     /// Reading through it after that is the caller's fault, as after any
-    /// free. An empty range has none.
+    /// free. An empty range has none, and so has a stash: it is host memory
+    /// mapped for the device, and on an H200 (driver 580) the CPU faulted
+    /// reading it after `cuMemSetAccess` granted the host access, so no
+    /// address of it is offered ([`read_backup`](Self::read_backup) copies
+    /// it out instead).
     pub fn backup_address(&self, address: u64, len: usize) -> Result<Option<u64>> {
         let sh = &*self.shared;
         let Some((offset, end)) = self.offsets(address, len) else {
@@ -72,14 +77,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     .filter(|(o, b)| *o <= offset && end <= o + b.len())
                     .map(|(o, b)| b.address() + (offset - o) as u64))
             }
-            Some(Source::Stash(stash)) => {
-                if !stash_holds(stash, offset, end) {
-                    return Ok(None);
-                }
-                let (res, table) = stash.parts();
-                crate::migration::grant_cpu(&*sh.backend, res, table, offset, len)?;
-                Ok(Some(stash.base() + offset as u64))
-            }
+            Some(Source::Stash(_)) => Ok(None),
         }
     }
 
