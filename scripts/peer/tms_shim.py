@@ -7,8 +7,9 @@ its wheel, and a shim whose public names are vmmbuf's
 The shim's test helpers (``testing_utils``, ``utils``: what the suite
 imports besides the public interface) are the real package's own files,
 copied at run time from the wheel into the output folder, never into the
-project. A name vmmbuf lacks (``configure_subprocess``, preload mode) is
-missing from the shim as well, so the tests that use it fail.
+project. The package's private modules are not served: a test that patches
+or reads them (``hooks.mode_preload.get_binary_path_from_package``,
+``entrypoint.is_xpu``, ``_impl``) fails, and is named as testing internals.
 
 Usage: tms_shim.py WHEEL NATIVE_DIR SHIM_DIR
 """
