@@ -270,6 +270,35 @@ fn disjoint(a: (u64, usize), b: (u64, usize)) -> bool {
     a.0 + a.1 as u64 <= b.0 || b.0 + b.1 as u64 <= a.0
 }
 
+/// A new 3 MiB allocation of random bytes (from `seed`), made while the
+/// arena sleeps: it lies apart from every sleeping allocation of `live`.
+fn alloc_apart(arena: &EmuArena, live: &Live, seed: u64) -> (Allocation<Fb, Q>, Vec<u8>) {
+    let mut extra = arena.alloc(3 << 20, &Q(0)).unwrap();
+    for &rg in &ranges(live) {
+        assert!(disjoint((extra.address(), 3 << 20), rg), "{rg:?}");
+    }
+    let data = random_bytes(seed, 3 << 20);
+    extra.write(0, &data).unwrap();
+    (extra, data)
+}
+
+/// Asleep with a backup: every `step`-th allocation of `live` reads back
+/// from it (`read_backup`), and ranges it does not hold (below the arena,
+/// far past it) are refused with the buffer untouched.
+fn assert_backup_holds(arena: &EmuArena, live: &Live, step: usize) {
+    for (a, data) in live.iter().step_by(step) {
+        let mut got = vec![0u8; data.len()];
+        assert!(arena.read_backup(a.address(), &mut got).unwrap());
+        assert!(got == *data, "the backup holds the allocation's bytes");
+    }
+    let mut none = vec![7u8; 64];
+    assert!(!arena.read_backup(arena.base() - 64, &mut none).unwrap());
+    assert!(!arena
+        .read_backup(arena.base() + (1 << 40), &mut none)
+        .unwrap());
+    assert!(none.iter().all(|&b| b == 7), "untouched when refused");
+}
+
 /// A discarding sleep unmaps everything and gives it back (nothing is
 /// copied, nothing kept); allocating while asleep maps fresh memory outside
 /// the discarded ranges; frees while asleep are honoured; the wake maps
@@ -303,12 +332,7 @@ fn a_discarding_sleep_gives_everything_back_and_the_wake_maps_the_same_addresses
 
         // Asleep: a new allocation lands outside every live one and keeps
         // its bytes; one of the discarded allocations is freed.
-        let mut extra = arena.alloc(3 << 20, &Q(0)).unwrap();
-        for &rg in &ranges(&live) {
-            assert!(disjoint((extra.address(), 3 << 20), rg), "{rg:?}");
-        }
-        let extra_data = random_bytes(5, 3 << 20);
-        extra.write(0, &extra_data).unwrap();
+        let (extra, extra_data) = alloc_apart(&arena, &live, 5);
         let (freed, freed_data) = live.remove(4);
         let freed_at = (freed.address(), freed_data.len());
         drop(freed);
@@ -523,17 +547,7 @@ fn a_stashing_sleep_keeps_every_byte_away_from_the_addresses() {
     // Asleep, the stash can be read at the allocations' addresses
     // (torch_memory_saver's get_cpu_backup); a range it does not hold
     // (below the arena, past its runs) cannot.
-    for (a, data) in live.iter().step_by(4) {
-        let mut got = vec![0u8; data.len()];
-        assert!(arena.read_backup(a.address(), &mut got).unwrap());
-        assert!(got == *data, "the stash holds the allocation's bytes");
-    }
-    let mut none = vec![7u8; 64];
-    assert!(!arena.read_backup(arena.base() - 64, &mut none).unwrap());
-    assert!(!arena
-        .read_backup(arena.base() + (1 << 40), &mut none)
-        .unwrap());
-    assert!(none.iter().all(|&b| b == 7), "untouched when refused");
+    assert_backup_holds(&arena, &live, 4);
     // Asleep: reads of a stashed allocation fail (unmapped), new ones land
     // elsewhere and keep their bytes, and a stashed one is freed.
     let mut probe = vec![0u8; 16];
@@ -541,12 +555,7 @@ fn a_stashing_sleep_keeps_every_byte_away_from_the_addresses() {
         live[0].0.read(0, &mut probe).is_err(),
         "unmapped while asleep"
     );
-    let mut extra = arena.alloc(3 << 20, &Q(0)).unwrap();
-    for &rg in &ranges(&live) {
-        assert!(disjoint((extra.address(), 3 << 20), rg), "{rg:?}");
-    }
-    let extra_data = random_bytes(9, 3 << 20);
-    extra.write(0, &extra_data).unwrap();
+    let (extra, extra_data) = alloc_apart(&arena, &live, 9);
     let (freed, freed_data) = live.remove(5);
     addresses.remove(5);
     let freed_len = freed_data.len();
@@ -742,29 +751,14 @@ fn pageable_or_disk_sleep(mode: SleepMode) {
         0,
         "no chunk is held, not even a pinned one"
     );
-    for (a, data) in live.iter().step_by(3) {
-        let mut got = vec![0u8; data.len()];
-        assert!(arena.read_backup(a.address(), &mut got).unwrap());
-        assert!(got == *data, "the copy holds the allocation's bytes");
-    }
-    let mut none = vec![7u8; 64];
-    assert!(!arena.read_backup(arena.base() - 64, &mut none).unwrap());
-    assert!(!arena
-        .read_backup(arena.base() + (1 << 40), &mut none)
-        .unwrap());
-    assert!(none.iter().all(|&b| b == 7), "untouched when refused");
+    assert_backup_holds(&arena, &live, 3);
     assert!(
         arena.sleep(&[Q(0)], &SleepDesc::stash()).is_err(),
         "another mode while asleep"
     );
     // Asleep: a new allocation lands elsewhere; it sleeps in a second
     // pageable sleep, beside the first sleep's runs.
-    let mut extra = arena.alloc(3 << 20, &Q(0)).unwrap();
-    for &rg in &ranges(&live) {
-        assert!(disjoint((extra.address(), 3 << 20), rg), "{rg:?}");
-    }
-    let extra_data = random_bytes(13, 3 << 20);
-    extra.write(0, &extra_data).unwrap();
+    let (extra, extra_data) = alloc_apart(&arena, &live, 13);
     let (freed, _) = live.remove(4);
     addresses.remove(4);
     drop(freed);
