@@ -55,10 +55,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// sleep reuses it where the runs are the same (its bytes then change).
     /// Reading through it after that is the caller's fault, as after any
     /// free. An empty range has none, and so has a stash: it is host memory
-    /// mapped for the device, and on an H200 (driver 580) the CPU faulted
-    /// reading it after `cuMemSetAccess` granted the host access, so no
-    /// address of it is offered ([`read_backup`](Self::read_backup) copies
-    /// it out instead).
+    /// mapped for the device only (its pieces record no host descriptor, so
+    /// granting the CPU asks for nothing), and on an H200 the CPU faulted
+    /// reading it; no address of it is offered ([`read_backup`](Self::read_backup)
+    /// copies it out instead).
     pub fn backup_address(&self, address: u64, len: usize) -> Result<Option<u64>> {
         let sh = &*self.shared;
         let Some((offset, end)) = self.offsets(address, len) else {
