@@ -256,6 +256,10 @@ mod tests {
     /// Recording and numbering are one step: threads that record on one
     /// stream get numbers in the order of their recordings.
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "parking_lot_core's futex call fails miri's variadic-argument check (the dependency's, not this code's)"
+    )]
     fn numbers_follow_the_recording_order_across_threads() {
         let key = (7, 7);
         let clock = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));

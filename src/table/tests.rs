@@ -199,7 +199,8 @@ fn agree(t: &ChunkTable<u32>, m: &Model) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    // Fewer under miri, which interprets every step (CI's miri job).
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 4 } else { 256 }))]
     #[test]
     fn the_table_matches_a_granule_model(ops in prop::collection::vec(op(), 1..60)) {
         let mut t = ChunkTable::<u32>::new(GRANULES * G, G).unwrap();
