@@ -318,6 +318,8 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
         tms._backup_backend(True, None)
     monkeypatch.delenv("TMS_INIT_CPU_BACKUP_BACKEND")
     assert tms._KINDS == {"pinned": "", "mmap": "\x1fmmap", "disk": "\x1fdisk", "discard": "\x1fdiscard"}
+    assert tms._PAUSE_MODES == {"pinned": "stash", "mmap": "pageable", "disk": "disk",
+                                "discard": "discard"}
     with pytest.raises(vmmbuf.InvalidArgumentError, match="'pinned' or 'mmap'"):
         with saver.region("w", enable_cpu_backup=True, cpu_backup_backend="disk"):
             pass

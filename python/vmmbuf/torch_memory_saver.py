@@ -59,10 +59,14 @@ _TAG_DEFAULT = "default"
 # kind's suffix ("pinned" backups none, "mmap" backups and memory without a
 # backup a mark no user's tag has, starting with a control character), as
 # torch_memory_saver keeps a pool per tag and backup. The table is the
-# native module's, which the C tms_pause reads too. A pause sleeps "pinned"
-# memory "stash" (or "keep" when the saver keeps paused memory reachable),
-# "mmap" memory "pageable" and the rest "discard".
-_KINDS: Dict[str, str] = dict(_native.tms_suffixes())
+# native module's, which the C tms_pause reads too, with the sleep each
+# kind's pause takes ("pinned" memory "stash", or "keep" when the saver keeps
+# paused memory reachable; "mmap" "pageable"; "disk" "disk"; the rest
+# "discard").
+_KINDS: Dict[str, str] = {k: suffix for k, suffix, _ in _native.tms_kinds()}
+_PAUSE_MODES: Dict[str, str] = {k: mode for k, _, mode in _native.tms_kinds()}
+# The backends torch_memory_saver's cpu_backup_backend names.
+_BACKENDS = ("pinned", "mmap")
 
 class TorchMemorySaver:
     """torch_memory_saver's ``TorchMemorySaver`` on vmmbuf."""
@@ -230,8 +234,7 @@ class TorchMemorySaver:
         bytes paused. A tag with no region is nothing to pause."""
         total = 0
         for t, kind in self._tags(tag):
-            mode = {"discard": "discard", "mmap": "pageable", "disk": "disk"}.get(
-                kind, "keep" if self._reachable else "stash")
+            mode = "keep" if kind == "pinned" and self._reachable else _PAUSE_MODES[kind]
             total += _native.sleep(t, mode)[0]
         return total
 
@@ -374,7 +377,7 @@ def _backup_backend(enable_cpu_backup: bool, backend: Optional[str],
     if backend is not None:
         if not enable_cpu_backup:
             raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
-        if backend not in ("pinned", "mmap"):
+        if backend not in _BACKENDS:
             raise InvalidArgumentError(f"cpu_backup_backend {backend!r}: 'pinned' or 'mmap'")
     if not enable_cpu_backup:
         return "discard"
@@ -382,7 +385,7 @@ def _backup_backend(enable_cpu_backup: bool, backend: Optional[str],
         return backend
     # torch_memory_saver's process default.
     default = (os.environ if env is None else env).get("TMS_INIT_CPU_BACKUP_BACKEND", "")
-    if default not in ("", "pinned", "mmap"):
+    if default and default not in _BACKENDS:
         raise InvalidArgumentError(
             f"TMS_INIT_CPU_BACKUP_BACKEND={default!r}: 'pinned' or 'mmap'")
     return default or "pinned"

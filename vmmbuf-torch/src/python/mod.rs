@@ -112,12 +112,16 @@ fn set_spill_dir(path: Option<std::path::PathBuf>) {
     state::set_spill_dir(path);
 }
 
-/// torch_memory_saver's region memory kinds ("pinned", "mmap", "discard")
-/// and the suffix each adds to the region's tag: the one table the C
-/// `tms_pause` reads too.
+/// torch_memory_saver's region memory kinds ("pinned", "mmap", "disk",
+/// "discard"), each with the suffix it adds to the region's tag and the
+/// name of the sleep its pause takes: the one table the C `tms_pause`
+/// reads too.
 #[pyfunction]
-fn tms_suffixes() -> Vec<(&'static str, &'static str)> {
-    state::TMS_KINDS.iter().map(|&(k, s, _)| (k, s)).collect()
+fn tms_kinds() -> Vec<(&'static str, &'static str, &'static str)> {
+    state::TMS_KINDS
+        .iter()
+        .map(|&(k, s, mode)| (k, s, mode.name()))
+        .collect()
 }
 
 /// The preload library of torch_memory_saver's preload mode (a shared
@@ -360,7 +364,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
     m.add_function(wrap_pyfunction!(read_backup, m)?)?;
     m.add_function(wrap_pyfunction!(backup_address, m)?)?;
-    m.add_function(wrap_pyfunction!(tms_suffixes, m)?)?;
+    m.add_function(wrap_pyfunction!(tms_kinds, m)?)?;
     m.add_function(wrap_pyfunction!(set_spill_dir, m)?)?;
     m.add_function(wrap_pyfunction!(preload_library, m)?)?;
     m.add_function(wrap_pyfunction!(set_preload, m)?)?;

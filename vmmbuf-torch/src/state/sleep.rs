@@ -188,7 +188,7 @@ pub(crate) fn backup_address(ptr: u64, bytes: usize) -> Result<Option<u64>> {
 /// "pinned", "mmap", a disk backup, or no backup), and the sleep its pause
 /// takes. The
 /// suffixes start with a control character no user's tag has. One table
-/// for Python (`_native.tms_suffixes`) and the C `tms_pause`.
+/// for Python (`_native.tms_kinds`) and the C `tms_pause`.
 pub(crate) const TMS_KINDS: [(&str, &str, SleepMode); 4] = [
     ("pinned", "", SleepMode::Stash),
     ("mmap", "\u{1f}mmap", SleepMode::Pageable),
