@@ -465,7 +465,7 @@ impl<B: Backend> Shared<B> {
         s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
         s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
         s.pageable_bytes = st.asleep.as_ref().map_or(0, |a| a.pageable_bytes())
-            + st.kept_pages.iter().map(|p| p.1.len()).sum::<usize>();
+            + super::sleep::pages_bytes(&st.kept_pages);
         s.fragmentation = if mapped == 0 {
             0.0
         } else {

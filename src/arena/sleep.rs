@@ -203,7 +203,7 @@ impl<F> Asleep<F> {
 
     /// Bytes of the pageable copies.
     pub(super) fn pageable_bytes(&self) -> usize {
-        self.paged.iter().map(|p| p.1.len()).sum()
+        pages_bytes(&self.paged)
     }
 
     /// Whether `offset` lies in a discarded run.
@@ -306,6 +306,11 @@ fn pieces(offset: usize, bytes: usize, max_piece: usize, split_at: usize) -> Vec
         at += n;
     }
     out
+}
+
+/// Bytes of a pageable or disk sleep's copies, `(offset, buffer)`.
+pub(super) fn pages_bytes(pages: &[(usize, crate::backend::pages::PageableBuf)]) -> usize {
+    pages.iter().map(|p| p.1.len()).sum()
 }
 
 /// How many chunks of `table` the groups cover.
@@ -603,10 +608,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             ));
         }
         // A pageable copy kept past a wake goes back to the system too.
-        let kept: usize = std::mem::take(&mut st.kept_pages)
-            .iter()
-            .map(|p| p.1.len())
-            .sum();
+        let kept = pages_bytes(&std::mem::take(&mut st.kept_pages));
         st.backup_kept = false;
         let n = kept + self.shared.drop_stash(&mut st)?;
         self.shared.count(&mut st);

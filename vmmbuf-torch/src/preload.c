@@ -29,24 +29,25 @@ static vmmbuf_tag_fn vmmbuf_resume_hook;
 // cudaErrorInitializationError: no CUDA runtime after this library.
 enum { NO_RUNTIME = 3 };
 
-static malloc_fn next_malloc(void) {
-    static malloc_fn f;
-    malloc_fn g = __atomic_load_n(&f, __ATOMIC_ACQUIRE);
+// The next definition of `name` after this library (the CUDA runtime's),
+// looked up once into `*slot`.
+static void* next_symbol(const char* name, void** slot) {
+    void* g = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
     if (g == NULL) {
-        g = (malloc_fn)dlsym(RTLD_NEXT, "cudaMalloc");
-        __atomic_store_n(&f, g, __ATOMIC_RELEASE);
+        g = dlsym(RTLD_NEXT, name);
+        __atomic_store_n(slot, g, __ATOMIC_RELEASE);
     }
     return g;
 }
 
+static malloc_fn next_malloc(void) {
+    static void* f;
+    return (malloc_fn)next_symbol("cudaMalloc", &f);
+}
+
 static free_fn next_free(void) {
-    static free_fn f;
-    free_fn g = __atomic_load_n(&f, __ATOMIC_ACQUIRE);
-    if (g == NULL) {
-        g = (free_fn)dlsym(RTLD_NEXT, "cudaFree");
-        __atomic_store_n(&f, g, __ATOMIC_RELEASE);
-    }
-    return g;
+    static void* f;
+    return (free_fn)next_symbol("cudaFree", &f);
 }
 
 __attribute__((visibility("default"))) cuda_error cudaMalloc(void** ptr, size_t size) {

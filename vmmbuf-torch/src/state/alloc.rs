@@ -240,8 +240,11 @@ pub(super) fn give_back_cached(dev: c_int) -> Result<()> {
     let Some(d) = existing(dev) else {
         return Ok(());
     };
+    // The wait runs without the device's lock, which other threads'
+    // allocations and frees need meanwhile (as in `preload_free`).
+    let backend = d.lock().backend.clone();
+    vmmbuf::Backend::synchronize(&*backend)?;
     let d = d.lock();
-    vmmbuf::Backend::synchronize(&*d.backend)?;
     d.arenas.values().try_for_each(|a| a.empty_cache())
 }
 
