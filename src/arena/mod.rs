@@ -212,6 +212,9 @@ struct Shared<B: Backend> {
     /// Where a [`SleepMode::Disk`] sleep writes its files
     /// ([`Arena::set_spill_dir`]).
     spill_dir: Mutex<Option<std::path::PathBuf>>,
+    /// The most bytes one file of a disk sleep holds; 0: a file per chunk
+    /// ([`Arena::set_spill_file_bytes`]).
+    spill_file_bytes: std::sync::atomic::AtomicUsize,
     state: Mutex<State<B>>,
     trace: Mutex<Option<trace::TraceSink>>,
 }
@@ -360,6 +363,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 access,
                 syncs_at_start,
                 spill_dir: Mutex::new(None),
+                spill_file_bytes: std::sync::atomic::AtomicUsize::new(0),
                 state: Mutex::new(State {
                     allocated: 0,
                     requested: 0,

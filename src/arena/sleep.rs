@@ -622,6 +622,16 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         *self.shared.spill_dir.lock() = dir;
     }
 
+    /// The most bytes one file of a [`SleepMode::Disk`] sleep holds: a
+    /// chunk larger than that is written to several files, each at most
+    /// `bytes` long (torch_memory_saver's `TMS_DISK_BACKUP_CHUNK_MB`). 0,
+    /// the default: a file per chunk. Sleeps made after the call follow it.
+    pub fn set_spill_file_bytes(&self, bytes: usize) {
+        self.shared
+            .spill_file_bytes
+            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// How the arena sleeps now; `None` while awake.
     pub fn sleep_mode(&self) -> Option<SleepMode> {
         self.shared.state.lock().asleep.as_ref().map(|a| a.mode)

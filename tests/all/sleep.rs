@@ -27,6 +27,7 @@ crate::register! {
         every_failed_call_of_a_stashing_sleep_or_wake_loses_nothing,
         a_pageable_sleep_keeps_every_byte_in_host_memory_it_gives_back,
         every_failed_call_of_a_pageable_sleep_or_wake_loses_nothing,
+        a_disk_sleep_cuts_chunks_into_files_of_at_most_the_bytes_set,
         a_kept_backup_stays_readable_at_one_address_until_released,
     ],
     gpu: [sleep_gives_the_device_memory_back_and_kernels_still_read],
@@ -640,6 +641,64 @@ fn a_pageable_sleep_keeps_every_byte_in_host_memory_it_gives_back() {
     }
 }
 
+/// `Arena::set_spill_file_bytes` (torch_memory_saver's
+/// `TMS_DISK_BACKUP_CHUNK_MB`): a disk sleep writes no file longer than the
+/// bytes set, odd sizes included, the files together hold every run, and
+/// the wake brings every byte back from them and removes them; 0 is a file
+/// per chunk again.
+fn a_disk_sleep_cuts_chunks_into_files_of_at_most_the_bytes_set() {
+    let (fb, arena) = emulated();
+    let live = fill(&arena, 61, 21);
+    let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let dir = TempDir::new("pieces");
+    arena.set_spill_dir(Some(dir.0.clone()));
+    let desc = SleepDesc::from(SleepMode::Disk);
+    // A wake maps each run afresh: the chunks after the first one are the
+    // layout every later cycle sleeps.
+    let mut per_chunk = None;
+    for (cycle, most) in [0, 0, 1 << 40, 100_003usize, 64 << 10, 0]
+        .into_iter()
+        .enumerate()
+    {
+        arena.set_spill_file_bytes(most);
+        let r = arena.sleep(&[Q(0)], &desc).unwrap();
+        let sizes: Vec<u64> = std::fs::read_dir(&dir.0)
+            .unwrap()
+            .map(|e| e.unwrap().metadata().unwrap().len())
+            .collect();
+        assert_eq!(
+            sizes.iter().sum::<u64>() as usize,
+            r.bytes,
+            "{most}: every run"
+        );
+        let limit = if most == 0 { usize::MAX } else { most };
+        assert!(
+            sizes.iter().all(|&n| n > 0 && n as usize <= limit),
+            "{most}: {sizes:?}"
+        );
+        if most == 0 || most == 1 << 40 {
+            // The first cycle's layout is fill's; the second is the wakes'.
+            if cycle <= 1 {
+                per_chunk = Some(sizes.len());
+            }
+            assert_eq!(Some(sizes.len()), per_chunk, "{most}: a file per chunk");
+        } else {
+            let n = per_chunk.unwrap();
+            assert!(
+                sizes.len() > n,
+                "{most}: chunks cut ({} files, {n} chunks)",
+                sizes.len()
+            );
+        }
+        assert_backup_holds(&arena, &live, 2);
+        arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+        assert_eq!(dir.files(), (0, 0), "{most}: the files went at the wake");
+        assert_intact(&live, &addresses, "after the wake");
+    }
+    drop((live, arena));
+    assert_eq!(fb.live().chunks, 0);
+}
+
 /// A directory of its own for a test's files, removed (with them) at the
 /// drop.
 struct TempDir(std::path::PathBuf);
@@ -753,15 +812,13 @@ fn pageable_or_disk_sleep(mode: SleepMode) {
 
 /// torch_memory_saver's `retain_cpu_backup` and `get_cpu_backup(zero_copy=
 /// True)`, for both host copies (stash and pageable): the backup has one
-/// host address, readable there by the CPU while asleep; a wake that keeps
+/// host address, readable there by the CPU while asleep (a stash's after
+/// the host's access is given); a wake that keeps
 /// it leaves it readable (and the same) while awake, the next sleep writes
 /// the new bytes at that address, and a wake that does not keep it (or
 /// `release_stash`) ends it.
 fn a_kept_backup_stays_readable_at_one_address_until_released() {
     for mode in [SleepMode::Stash, SleepMode::Pageable] {
-        // A stash offers no CPU address (see Arena::backup_address); its
-        // bytes are read by copy.
-        let addressed = mode != SleepMode::Stash;
         let (fb, arena) = emulated();
         let mut live = fill(&arena, 103, 9);
         let desc = SleepDesc::from(mode);
@@ -773,8 +830,22 @@ fn a_kept_backup_stays_readable_at_one_address_until_released() {
             "{mode}: awake, none"
         );
         arena.sleep(&[Q(0)], &desc).unwrap();
+        if mode == SleepMode::Stash {
+            // The stash's pieces are mapped for the device only: the
+            // address is offered after the host's access is given, and a
+            // refused grant is an error, not an address the CPU faults on.
+            fb.fail_every(Some("set_access"));
+            assert!(arena.backup_address(addr, n).is_err(), "{mode}");
+            fb.fail_every(None);
+        }
         let host = arena.backup_address(addr, n).unwrap();
-        assert_eq!(host.is_some(), addressed, "{mode}: asleep, an address");
+        assert!(host.is_some(), "{mode}: asleep, an address");
+        if mode == SleepMode::Stash {
+            // Granted once: asking again calls the driver no more.
+            let calls = fb.calls();
+            assert_eq!(arena.backup_address(addr, n).unwrap(), host);
+            assert_eq!(fb.calls(), calls, "{mode}: the grant is kept");
+        }
         // What the backup holds (read by copy; the address is what a
         // zero-copy view would read, checked the same on the GPU).
         let backup = || {
@@ -818,7 +889,7 @@ fn a_kept_backup_stays_readable_at_one_address_until_released() {
         // Kept again, then released.
         arena.sleep(&[Q(0)], &desc).unwrap();
         arena.wake(&[Q(0)], &WakeDesc::keeping_backup()).unwrap();
-        assert_eq!(arena.backup_address(addr, n).unwrap().is_some(), addressed);
+        assert!(arena.backup_address(addr, n).unwrap().is_some(), "{mode}");
         assert!(arena.release_stash().unwrap() > 0, "{mode}");
         assert_eq!(arena.backup_address(addr, n).unwrap(), None);
         assert_eq!(arena.stats().pageable_bytes, 0);

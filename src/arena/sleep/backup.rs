@@ -54,11 +54,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// [`release_stash`](Self::release_stash), or the arena's drop; a later
     /// sleep reuses it where the runs are the same (its bytes then change).
     /// Reading through it after that is the caller's fault, as after any
-    /// free. An empty range has none, and so has a stash: it is host memory
-    /// mapped for the device only (its pieces record no host descriptor, so
-    /// granting the CPU asks for nothing), and on an H200 the CPU faulted
-    /// reading it; no address of it is offered ([`read_backup`](Self::read_backup)
-    /// copies it out instead).
+    /// free. An empty range has none. A [`SleepMode::Stash`] copy (pinned
+    /// host memory mapped in the stash's own reservation) is offered too:
+    /// its pieces are mapped for the device, and the host's access is
+    /// given to the ones the range covers first (the CPU faults reading
+    /// them otherwise). The stash's pieces stay at their addresses between
+    /// sleeps of the same runs, so the address then stays the same.
     pub fn backup_address(&self, address: u64, len: usize) -> Result<Option<u64>> {
         let sh = &*self.shared;
         let Some((offset, end)) = self.offsets(address, len) else {
@@ -77,7 +78,15 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     .filter(|(o, b)| *o <= offset && end <= o + b.len())
                     .map(|(o, b)| b.address() + (offset - o) as u64))
             }
-            Some(Source::Stash(_)) => Ok(None),
+            Some(Source::Stash(stash)) => {
+                if !stash_holds(stash, offset, end) {
+                    return Ok(None);
+                }
+                let base = stash.base();
+                let (res, table) = stash.parts();
+                crate::migration::grant_cpu(&*sh.backend, res, table, offset, len)?;
+                Ok(Some(base + offset as u64))
+            }
         }
     }
 

@@ -141,7 +141,15 @@ impl<B: Backend> Shared<B> {
             backend.home(),
             crate::location::Access::ReadWrite,
         )];
-        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = rw.as_slice().into();
+        // The host's descriptor is recorded but not given at the mapping:
+        // `migration::grant_cpu` gives it before the CPU reads the stash
+        // (`Arena::backup_address`), as for an arena's own host chunks.
+        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = [
+            rw[0],
+            crate::location::AccessDesc::new(Location::Host, crate::location::Access::ReadWrite),
+        ]
+        .as_slice()
+        .into();
         let mut todo = missing.iter().zip(chunks);
         while let Some((&(o, n), chunk)) = todo.next() {
             let new = vec![NewChunk {
@@ -205,7 +213,15 @@ impl<B: Backend> Shared<B> {
             })?),
             _ => None,
         };
-        // One copy per run; in files, one per chunk.
+        // One copy per run; in files, one per chunk, or per piece of at
+        // most `spill_file_bytes` of it.
+        let most = match self
+            .spill_file_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => usize::MAX,
+            n => n,
+        };
         let parts: Vec<(usize, usize)> = match dir {
             None => runs.clone(),
             Some(_) => runs
@@ -215,6 +231,11 @@ impl<B: Backend> Shared<B> {
                         .table
                         .overlapping(o..o + b)
                         .map(|(k, e)| (k, e.bytes))
+                })
+                .flat_map(|(k, n)| {
+                    (k..k + n)
+                        .step_by(most.min(n).max(1))
+                        .map(move |at| (at, most.min(k + n - at)))
                 })
                 .collect(),
         };
