@@ -331,14 +331,32 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
             pass
     assert "w" not in saver._used, "a refused region records nothing"
     spill: List[Any] = []
-    monkeypatch.setattr(tms._native, "set_spill_dir", spill.append)
+    monkeypatch.setattr(tms._native, "set_spill_dir", lambda p, n=0: spill.append((p, n)))
     disk = tmp_path / "tms-disk"
+    monkeypatch.delenv("TMS_DISK_BACKUP_CHUNK_MB", raising=False)
     saver.set_disk_backup_dir(str(disk))
-    assert disk.is_dir() and spill == [str(disk)], "made, and every arena's"
+    assert disk.is_dir() and spill == [(str(disk), 0)], "made, and every arena's"
     monkeypatch.setenv("TMS_DISK_BACKUP_DIR", str(tmp_path / "from-env"))
+    monkeypatch.setenv("TMS_DISK_BACKUP_CHUNK_MB", "3")
     fresh = tms.TorchMemorySaver()
     fresh._disk_dir_for_pause()
-    assert spill[-1] == str(tmp_path / "from-env") and (tmp_path / "from-env").is_dir()
+    assert spill[-1] == (str(tmp_path / "from-env"), 3 << 20), "files of at most 3 MiB"
+    assert (tmp_path / "from-env").is_dir()
+    for bad in ("0", "-1", "1.5", "one"):
+        monkeypatch.setenv("TMS_DISK_BACKUP_CHUNK_MB", bad)
+        with pytest.raises(vmmbuf.InvalidArgumentError, match="TMS_DISK_BACKUP_CHUNK_MB"):
+            saver.set_disk_backup_dir(str(disk))
+    monkeypatch.delenv("TMS_DISK_BACKUP_CHUNK_MB")
+    monkeypatch.setattr(vmmbuf._native, "set_spill_dir", lambda p, n=0: spill.append((p, n)))
+    vmmbuf.set_spill_dir(str(disk), file_bytes=12345)
+    assert spill[-1] == (str(disk), 12345)
+    vmmbuf.set_spill_dir(None)
+    assert spill[-1] == (None, 0), "None: a file per chunk"
+    for bad in (0, -5):
+        with pytest.raises(vmmbuf.InvalidArgumentError, match="file_bytes"):
+            vmmbuf.set_spill_dir(str(disk), file_bytes=bad)
+    with pytest.raises(TypeError, match="file_bytes"):
+        vmmbuf.set_spill_dir(str(disk), file_bytes=1.5)  # type: ignore[arg-type]
     with pytest.raises(vmmbuf.InvalidArgumentError, match="not a directory"):
         vmmbuf.set_spill_dir(str(tmp_path / "missing"))
     with pytest.raises(vmmbuf.InvalidArgumentError, match="takes a path"):

@@ -549,11 +549,9 @@ def test_torch_memory_saver_retained_backup_is_one_zero_copy_view(torch_gpu, bac
     """``retain_cpu_backup`` and ``get_cpu_backup(zero_copy=True)``
     (torch_memory_saver's), for both backends: after a retained resume the
     backup still reads the paused bytes; the next pause takes the new
-    bytes; a resume without retain ends it (None). For "mmap" the zero-copy
-    view is the backup itself, at one host address from pause to pause
-    while retained; a pinned stash is copied out (the CPU faulted reading
-    it directly on an H200), so its views are copies."""
-    same = backend == "mmap"
+    bytes; a resume without retain ends it (None). The zero-copy view is
+    the backup itself, at one host address from pause to pause while
+    retained (torch_memory_saver's ``test_cpu_backup`` checks the same)."""
     out = run_script(f"""
         import torch, vmmbuf
         from vmmbuf.torch_memory_saver import TorchMemorySaver
@@ -564,23 +562,21 @@ def test_torch_memory_saver_retained_backup_is_one_zero_copy_view(torch_gpu, bac
         ref = w.cpu()
         tms.pause("w")
         v1 = tms.get_cpu_backup(w, zero_copy=True)
-        p1 = v1.data_ptr() if {same!r} else None
+        p1 = v1.data_ptr()
         assert torch.equal(v1, ref) and v1.device.type == "cpu"
         assert p1 != w.data_ptr(), "a host address of its own"
-        def at(v):
-            return v.data_ptr() if {same!r} else None
         del v1
         tms.retain_cpu_backup = True
         tms.resume("w")
         v2 = tms.get_cpu_backup(w, zero_copy=True)
-        assert v2 is not None and at(v2) == p1 and torch.equal(v2, ref), "retained"
+        assert v2 is not None and v2.data_ptr() == p1 and torch.equal(v2, ref), "retained"
         assert torch.equal(tms.get_cpu_backup(w), ref)
         del v2
         w.mul_(-2.0)
         ref2 = w.cpu()
         tms.pause("w")
         v3 = tms.get_cpu_backup(w, zero_copy=True)
-        assert at(v3) == p1 and torch.equal(v3, ref2), "the same memory, the new bytes"
+        assert v3.data_ptr() == p1 and torch.equal(v3, ref2), "the same memory, the new bytes"
         del v3
         tms.retain_cpu_backup = False
         tms.resume("w")
@@ -703,6 +699,53 @@ def test_torch_memory_saver_preload_mode_pauses_what_pytorchs_own_allocator_took
         assert x.data_ptr() == addr
         assert torch.equal(x[:: 4099].cpu(), ref), "every sampled byte back"
         assert int(normal.sum()) == 100 * 1_000_000
+        print("OK")
+    """, env={"LD_PRELOAD": preload_library_path()})
+    assert "OK" in out, out
+
+
+def test_torch_memory_saver_preload_mode_keeps_regions_segments_to_themselves(torch_gpu):
+    """In preload mode PyTorch's allocator must not carve a tensor made
+    outside a region (or in another region) from a segment a region's
+    ``cudaMalloc`` made, or a pause takes that tensor's memory away too: the
+    region's small tensors (PyTorch's 2 MiB segments) and large ones sit in
+    segments no later tensor shares; while one tag is paused, tensors made
+    after it and in another tag are read and written, and every byte of both
+    tags comes back."""
+    from vmmbuf.torch_memory_saver import preload_library_path
+
+    out = run_script("""
+        import torch
+        from vmmbuf.torch_memory_saver import torch_memory_saver as tms
+        tms.hook_mode = "preload"
+        g = torch.Generator(device="cuda").manual_seed(31)
+        with tms.region("a", enable_cpu_backup=True):
+            big = torch.randn(3000, 2048, device="cuda", generator=g)
+            small = torch.randn(100, device="cuda", generator=g)
+        with tms.region("b", enable_cpu_backup=True):
+            other = torch.randn(300, device="cuda", generator=g)
+        after_big = torch.randn(4096, 1024, device="cuda", generator=g)
+        after_small = torch.randn(77, device="cuda", generator=g)
+        refs = [t.cpu() for t in (big, small, other, after_big, after_small)]
+        seg = {s["address"]: s["address"] + s["total_size"] for s in torch.cuda.memory_snapshot()}
+        def segment(t):
+            return next(a for a, e in seg.items() if a <= t.data_ptr() < e)
+        ids = [segment(t) for t in (big, small, other, after_big, after_small)]
+        assert len({ids[0], ids[1]} & {ids[2], ids[3], ids[4]}) == 0, ids
+        assert ids[2] not in (ids[3], ids[4]), ids
+        torch.cuda.synchronize()
+        tms.pause("a")
+        # Tensors of other tags and of none: read, written, and new ones made.
+        assert torch.equal(after_small.cpu(), refs[4]) and torch.equal(other.cpu(), refs[2])
+        after_big.mul_(2.0); after_big.div_(2.0)  # exact: a power of two
+        v = float(after_small.sum())
+        extra = torch.full((1000,), v, device="cuda")
+        assert torch.equal(after_big.cpu(), refs[3])
+        tms.pause("b")
+        assert torch.equal(after_small.cpu(), refs[4]) and bool((extra == v).all())
+        tms.resume()
+        for t, r in zip((big, small, other, after_big, after_small), refs):
+            assert torch.equal(t.cpu(), r)
         print("OK")
     """, env={"LD_PRELOAD": preload_library_path()})
     assert "OK" in out, out

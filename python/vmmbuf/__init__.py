@@ -183,16 +183,19 @@ def _mode(mode: Optional[str], discard: bool, reachable: bool) -> str:
     return mode
 
 
-def set_spill_dir(path: Optional[str]) -> None:
+def set_spill_dir(path: Optional[str], file_bytes: Optional[int] = None) -> None:
     """The directory (which must exist) where ``sleep(mode="disk")`` writes
     its files, for every tag and device; None: none (such a sleep is then
-    refused). Files of a sleep already made stay where they are until its
-    wake."""
+    refused). ``file_bytes``: the most bytes one file holds (a chunk larger
+    than that is written to several files); None: a file per chunk. Files
+    of a sleep already made stay where they are until its wake."""
     if path is not None and (not isinstance(path, str) or not path):
         raise InvalidArgumentError(f"set_spill_dir takes a path or None, not {path!r}")
     if path is not None and not os.path.isdir(path):
         raise InvalidArgumentError(f"set_spill_dir: {path!r} is not a directory")
-    _native.set_spill_dir(path)
+    most = 0 if file_bytes is None else _check.integer("file_bytes", file_bytes, minimum=1,
+                                                       maximum=(1 << 63) - 1)
+    _native.set_spill_dir(path, most)
 
 
 def release_host_cache() -> int:

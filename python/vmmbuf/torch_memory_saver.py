@@ -93,6 +93,10 @@ class TorchMemorySaver:
         # ends (PyTorch aborts on a MemPool destroyed while another pool is
         # in use: c10's synchronize_and_free_events asserts that no pool is).
         self._local = threading.local()
+        # Preload mode: PyTorch's pool per vmmbuf tag and device (see
+        # _allocating_as), kept for the process, as torch_memory_saver keeps
+        # its MemPools.
+        self._pools: Dict[Tuple[str, int], Any] = {}
 
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -116,8 +120,9 @@ class TorchMemorySaver:
         system at the resume: vmmbuf's ``"pageable"`` sleep), or None (the
         process default, ``TMS_INIT_CPU_BACKUP_BACKEND``, else pinned).
         ``enable_disk_backup=True`` (without a CPU backup) keeps the contents
-        in files of the disk backup directory instead, one per chunk,
-        removed at the resume (vmmbuf's ``"disk"`` sleep): see
+        in files of the disk backup directory instead, one per chunk (or
+        per ``TMS_DISK_BACKUP_CHUNK_MB`` MiB of it, read when the directory
+        is set), removed at the resume (vmmbuf's ``"disk"`` sleep): see
         ``set_disk_backup_dir`` (default ``TMS_DISK_BACKUP_DIR``, else
         ``/tmp``)."""
         tag = _check.tag("tag", tag)
@@ -132,7 +137,7 @@ class TorchMemorySaver:
             kind = "disk"
         self._local.depth = self._depth() + 1
         try:
-            with _allocating_as(self._note(tag, kind), self._preload()):
+            with _allocating_as(self._note(tag, kind), self._preload(), self._pools):
                 yield
         finally:
             self._local.depth -= 1
@@ -164,6 +169,7 @@ class TorchMemorySaver:
         torch = _vtorch.torch
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                               capture_error_mode=capture_error_mode):
+            # The graph's own pool keeps its memory apart already.
             with _allocating_as(as_tag, preload=self._preload()):
                 yield
 
@@ -256,13 +262,12 @@ class TorchMemorySaver:
         or after a resume with ``retain_cpu_backup``; None when no backup
         holds it (not paused, paused without a backup, or made outside
         every region), as torch_memory_saver answers. ``zero_copy=True``
-        gives a view of an ``"mmap"`` or disk backup itself (the same host
-        address from pause to pause while retained), valid until the backup
-        goes: a resume without ``retain_cpu_backup``; a pinned backup is
-        copied out (vmmbuf's pinned stash is mapped for the GPU, and the CPU
-        faulted reading it on an H200). (The ``reachable`` mode keeps the
-        contents at ``x``'s own address instead, where ``x.cpu()`` reads
-        them, and has no separate backup.)"""
+        gives a view of the backup itself (pinned, ``"mmap"`` or disk; the
+        same host address from pause to pause while retained), valid until
+        the backup goes: a resume without ``retain_cpu_backup``. (The
+        ``reachable`` mode keeps the contents at ``x``'s own address
+        instead, where ``x.cpu()`` reads them, and has no separate
+        backup.)"""
         zero_copy = _check.flag("zero_copy", zero_copy)
         if not getattr(x, "is_cuda", False):
             raise InvalidArgumentError(f"get_cpu_backup takes a CUDA tensor, not {type(x).__name__}")
@@ -271,8 +276,8 @@ class TorchMemorySaver:
             raise InvalidArgumentError(
                 f"get_cpu_backup takes a contiguous tensor (shape {tuple(x.shape)}, "
                 f"strides {x.stride()})")
-        # A pageable or disk backup has a host address to view; a pinned
-        # stash is read by copy (see Arena::backup_address).
+        # The backup's host address (Arena::backup_address), or None where
+        # no backup holds every byte of x.
         at = _native.backup_address(x.data_ptr(), x.nbytes) if zero_copy else None
         if at is not None:
             import ctypes
@@ -294,7 +299,7 @@ class TorchMemorySaver:
         if not isinstance(path, str) or not path:
             raise InvalidArgumentError(f"set_disk_backup_dir takes a path, not {path!r}")
         os.makedirs(path, exist_ok=True)
-        _native.set_spill_dir(path)
+        _native.set_spill_dir(path, _disk_file_bytes(os.environ))
         self._disk_dir = path
 
     def _disk_dir_for_pause(self) -> None:
@@ -391,13 +396,48 @@ def _backup_backend(enable_cpu_backup: bool, backend: Optional[str],
     return default or "pinned"
 
 
+def _disk_file_bytes(env: Dict[str, str]) -> int:
+    """The most bytes one disk backup file holds: torch_memory_saver's
+    ``TMS_DISK_BACKUP_CHUNK_MB`` (whole MiB, at least 1), 0 (a file per
+    chunk) where it is not set."""
+    text = env.get("TMS_DISK_BACKUP_CHUNK_MB", "")
+    if not text:
+        return 0
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = 0
+    if mib < 1:
+        raise InvalidArgumentError(
+            f"TMS_DISK_BACKUP_CHUNK_MB={text!r}: a whole number of MiB, at least 1")
+    return mib << 20
+
+
 @contextlib.contextmanager
-def _allocating_as(tag: str, preload: bool = False) -> Iterator[None]:
+def _allocating_as(tag: str, preload: bool = False,
+                   pools: Optional[Dict[Tuple[str, int], Any]] = None) -> Iterator[None]:
     """Allocations of this block carry the vmmbuf tag ``tag``: through the
-    thread's tag where vmmbuf is the process's allocator or answers the CUDA
-    runtime's allocations (``preload``), else a pool."""
-    if preload or _vtorch.is_process_wide():
+    thread's tag where vmmbuf is the process's allocator; where it answers
+    the CUDA runtime's allocations (``preload``), through the thread's tag
+    and, given ``pools``, a PyTorch pool of the tag's own (made once per
+    tag and device, kept in ``pools``), as torch_memory_saver's preload mode
+    does: PyTorch's allocator then never carves a tensor made outside the
+    region from a segment the region's ``cudaMalloc`` made (which a pause
+    takes away); else a vmmbuf pool."""
+    if _vtorch.is_process_wide():
         with _tagged(tag):
+            yield
+    elif preload:
+        if pools is None:
+            with _tagged(tag):
+                yield
+            return
+        torch = _vtorch.torch
+        key = (tag, torch.cuda.current_device())
+        pool = pools.get(key)
+        if pool is None:
+            pool = pools[key] = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool), _tagged(tag):
             yield
     else:
         with _vtorch.pool(tag):

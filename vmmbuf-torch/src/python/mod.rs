@@ -106,10 +106,11 @@ fn backup_address(py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Option<u6
 
 /// Sets the directory where disk sleeps ("disk") write their files, for
 /// every arena (None: none; such a sleep is then refused). It must exist.
+/// `file_bytes`: the most bytes one file holds (0: a file per chunk).
 #[pyfunction]
-#[pyo3(signature = (path=None))]
-fn set_spill_dir(path: Option<std::path::PathBuf>) {
-    state::set_spill_dir(path);
+#[pyo3(signature = (path=None, file_bytes=0))]
+fn set_spill_dir(path: Option<std::path::PathBuf>, file_bytes: usize) {
+    state::set_spill_dir(path, file_bytes);
 }
 
 /// torch_memory_saver's region memory kinds ("pinned", "mmap", "disk",

@@ -22,14 +22,21 @@ pub(crate) fn set_memory_margin(bytes: usize) {
 pub(super) static SPILL_DIR: parking_lot::RwLock<Option<std::path::PathBuf>> =
     parking_lot::RwLock::new(None);
 
-/// Sets [`SPILL_DIR`] (`vmmbuf::Arena::set_spill_dir`) for the arenas there
-/// are and those to come.
+/// The most bytes one file of a disk sleep holds, 0 for a file per chunk
+/// (`vmmbuf::Arena::set_spill_file_bytes`), for every arena.
+pub(super) static SPILL_FILE_BYTES: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// Sets [`SPILL_DIR`] (`vmmbuf::Arena::set_spill_dir`) and
+/// [`SPILL_FILE_BYTES`] for the arenas there are and those to come.
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
-pub(crate) fn set_spill_dir(dir: Option<std::path::PathBuf>) {
+pub(crate) fn set_spill_dir(dir: Option<std::path::PathBuf>, file_bytes: usize) {
     *SPILL_DIR.write() = dir.clone();
+    SPILL_FILE_BYTES.store(file_bytes, std::sync::atomic::Ordering::Relaxed);
     for (_, d) in all_devices() {
         for a in d.lock().arenas.values() {
             a.set_spill_dir(dir.clone());
+            a.set_spill_file_bytes(file_bytes);
         }
     }
 }

@@ -307,6 +307,9 @@ impl Device {
             }
             arena.set_device_margin(MARGIN.load(std::sync::atomic::Ordering::Relaxed));
             arena.set_spill_dir(SPILL_DIR.read().clone());
+            arena.set_spill_file_bytes(
+                budget::SPILL_FILE_BYTES.load(std::sync::atomic::Ordering::Relaxed),
+            );
             self.arenas.insert(tag.to_owned(), arena);
         }
         Ok(&self.arenas[tag])
