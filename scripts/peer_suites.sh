@@ -22,8 +22,12 @@
 # PEER_GPUS (one CUDA_VISIBLE_DEVICES value per configuration, space-separated,
 # e.g. "0,1 2,3": the configurations then run at once, each on its own GPUs,
 # the same count for each; unset: one after the other on every GPU),
-# PEER_XDIST (a worker count: each run spread over that many processes by
+# PEER_TIMEOUT (seconds one test may take, default 120), PEER_XDIST (a worker
+# count: each run spread over that many processes by
 # pytest-xdist, for a larger sample in the same time).
+# PEER_CONFIGS (the configurations to run, space-separated, a subset of the
+# suite's; the differences are then taken against OUT_DIR's native log of an
+# earlier run where native is not among them).
 # Each run gets PYTHONFAULTHANDLER=1, so a crash leaves its stack in the log.
 set -uo pipefail
 suite=$1 dir=$(cd "$2" && pwd) out=$3 secs=${4:-600}
@@ -39,6 +43,7 @@ case "$suite" in
     python3 "$here/peer/tms_shim.py" "$whl" "$out/tms-native-pkg" "$out/tms-shim-pkg" || exit 2 ;;
   *) echo "peer_suites: unknown suite $suite" >&2; exit 2 ;;
 esac
+configs=${PEER_CONFIGS:-$configs}
 files=${PEER_FILES:-}
 if [ -z "$files" ]; then
   case "$suite" in cupy) files=tests/cupy_tests/cuda_tests ;; torch) files=test_cuda.py ;; tms) files=test ;; esac
@@ -52,7 +57,7 @@ run_one() { # CONFIG [CUDA_VISIBLE_DEVICES]
   start=$(date +%s)
   (cd "$dir" && env ${2:+CUDA_VISIBLE_DEVICES=$2} ${pp:+PYTHONPATH=$pp:$PYTHONPATH} PEER_ALLOCATOR=$cfg timeout -k 10 "$secs" \
       python -m pytest -v -p peer_allocator \
-      -p no:cacheprovider -o console_output_style=classic --timeout 120 \
+      -p no:cacheprovider -o console_output_style=classic --timeout "${PEER_TIMEOUT:-120}" \
       --continue-on-collection-errors ${PEER_XDIST:+-n "$PEER_XDIST"} \
       ${PEER_K:+-k "$PEER_K"} $files) >> "$log" 2>&1
   rc=$?

@@ -28,15 +28,23 @@ Variants (one process each, run interleaved):
                  asleep (as the others leave them).
   tms            torch_memory_saver 0.0.10 (hook mode "torch"): "train" in a
                  region with a CPU backup, "kv" without.
+  tms-preload    the same in its preload mode (the process started inside
+                 its configure_subprocess(), LD_PRELOAD interposing the CUDA
+                 runtime's cudaMalloc/cudaFree).
   tms-retain     the same with retain_cpu_backup = True (its PR #86).
   tms-nobackup   "train" without a CPU backup: its contents are dropped, so
                  neither the data check nor the loss apply (timing only).
+  vtms, vtms-preload, vtms-retain
+                 tms, tms-preload and tms-retain with the import changed to
+                 vmmbuf.torch_memory_saver (what a user switching gets).
   pinned         vLLM-style: PyTorch's allocator; pinned CPU tensors kept
                  across iterations, copy_(non_blocking=True) both ways, the
                  GPU tensors freed and empty_cache() (new addresses on wake).
 
 Per phase: wall time (the call and a synchronize), device memory freed
-(cuMemGetInfo). The losses of every iteration must be equal across the
+(cuMemGetInfo). Each process also times a copy of 1 GiB between a pinned
+host tensor and the GPU, both ways (the link rate the pauses are held to),
+and the table gives the pauses and resumes in ms per GiB of training state. The losses of every iteration must be equal across the
 variants that keep the data.
 """
 from __future__ import annotations
@@ -50,7 +58,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-VARIANTS = ("vmmbuf", "vmmbuf-stash", "tms", "tms-retain", "tms-nobackup", "pinned")
+VARIANTS = ("vmmbuf", "vmmbuf-stash", "tms", "tms-preload", "tms-retain", "tms-nobackup",
+            "vtms", "vtms-preload", "vtms-retain", "pinned")
 HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = float(1 << 30)
 
@@ -169,12 +178,19 @@ class Vmmbuf(Sleeper):
 
 
 class Tms(Sleeper):
-    def __init__(self, retain: bool, backup: bool) -> None:
-        from torch_memory_saver import torch_memory_saver as tms
-        tms.hook_mode = "torch"
+    """torch_memory_saver's interface: the real package, or vmmbuf's
+    (``ours``), in either hook mode."""
+
+    def __init__(self, retain: bool, backup: bool, preload: bool, ours: bool) -> None:
+        if ours:
+            from vmmbuf.torch_memory_saver import torch_memory_saver as tms
+        else:
+            from torch_memory_saver import torch_memory_saver as tms
+        tms.hook_mode = "preload" if preload else "torch"
         self.tms, self.backup = tms, backup
         self.keeps_data = backup
-        self.name = "tms" + ("-retain" if retain else "") + ("" if backup else "-nobackup")
+        self.name = (("vtms" if ours else "tms") + ("-preload" if preload else "")
+                     + ("-retain" if retain else "") + ("" if backup else "-nobackup"))
         if retain:
             tms.retain_cpu_backup = True
 
@@ -253,7 +269,28 @@ def make(variant: str, torch: Any) -> Sleeper:
         return Vmmbuf(reachable=variant == "vmmbuf")
     if variant == "pinned":
         return Pinned(torch)
-    return Tms(retain=variant == "tms-retain", backup=variant != "tms-nobackup")
+    return Tms(retain=variant.endswith("-retain"), backup=not variant.endswith("-nobackup"),
+               preload=variant.endswith("-preload"), ours=variant.startswith("vtms"))
+
+
+def link_rate(torch: Any) -> Dict[str, float]:
+    """ms per GiB of a copy of 1 GiB between a pinned host tensor and the
+    GPU, each way (the median of three), in this process."""
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out: Dict[str, float] = {}
+    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[f"link_{name}_ms_per_gib"] = statistics.median(times) * 1e3
+    del host, dev
+    return out
 
 
 def run_one(a: argparse.Namespace) -> None:
@@ -355,7 +392,10 @@ def run_one(a: argparse.Namespace) -> None:
             del ref
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
+    # The link, after the loop (its memory outside every region and pool).
+    link = link_rate(torch)
     result = {
+        **link,
         "variant": sl.name,
         "state_gib": state_bytes / GiB,
         "kv_gib": kv_bytes / GiB,
@@ -371,9 +411,18 @@ def run_one(a: argparse.Namespace) -> None:
 
 
 def child(variant: str, a: argparse.Namespace) -> Dict[str, Any]:
+    import contextlib
     cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant,
            "--iters", str(a.iters)] + (["--small"] if a.small else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    started: Any = contextlib.nullcontext()
+    if variant == "tms-preload":
+        from torch_memory_saver import configure_subprocess
+        started = configure_subprocess()
+    elif variant == "vtms-preload":
+        from vmmbuf.torch_memory_saver import configure_subprocess as ours
+        started = ours()
+    with started:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         return {"variant": variant, "error": (r.stderr or r.stdout)[-3000:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -405,6 +454,7 @@ def table(a: argparse.Namespace) -> None:
     print("| variant | pause train (first) | pause train | resume train | freed by pause | "
           "KV discard | KV resume | freed by discard | train step | rollout | data intact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rates: List[str] = []
     losses: Dict[str, List[float]] = {}
     for v, rs in ok.items():
         if not rs:
@@ -420,9 +470,27 @@ def table(a: argparse.Namespace) -> None:
               f"{med(steady, 'sleep_kv_s'):.4f} | {med(steady, 'wake_kv_s'):.4f} | "
               f"{med(steady, 'freed_kv_gib'):.2f} GiB | {med(steady, 'train_s'):.3f} | "
               f"{med(steady, 'rollout_s'):.3f} | {data} |")
+        gib = rs[0]["state_gib"]
+        d2h = statistics.median(r["link_d2h_ms_per_gib"] for r in rs)
+        h2d = statistics.median(r["link_h2d_ms_per_gib"] for r in rs)
+        p1, p, w = (med(first, "sleep_train_s") * 1e3 / gib, med(steady, "sleep_train_s") * 1e3 / gib,
+                    med(steady, "wake_train_s") * 1e3 / gib)
+        rates.append(f"| {v} | {p1:.1f} | {p:.1f} | {w:.1f} | {d2h:.1f} / {h2d:.1f} | "
+                     f"{d2h / p:.2f}x / {h2d / w:.2f}x | "
+                     f"{med(steady, 'sleep_kv_s') * 1e3 / rs[0]['kv_gib']:.2f} |")
         if rs[0]["keeps_data"]:
             for r in rs:
                 losses.setdefault(v, []).append([row["loss"] for row in r["rows"]])
+    print()
+    print("ms per GiB of training state (first pause, steady pause and resume), the pinned "
+          "copy's in the same process (to the host / to the GPU), the pause and resume as a "
+          "fraction of it (1.00x: at the link's rate), and the KV discard per GiB of cache:")
+    print()
+    print("| variant | first pause | pause | resume | link d2h / h2d | pause / resume vs link "
+          "| KV discard |")
+    print("|---|---|---|---|---|---|---|")
+    for line in rates:
+        print(line)
     print()
     all_losses = [tuple(l) for ls in losses.values() for l in ls]
     same = len(set(all_losses)) == 1
