@@ -228,7 +228,7 @@ fn desc_for(n: usize) -> BufferDesc {
 /// pool, and the first offload into a pool filled by `ChunkPool::reserve`.
 fn breakdown(backend: &std::sync::Arc<vmmbuf::CudaBackend>, n: usize, desc: &BufferDesc) {
     let per_gib = |d: Duration| d.as_secs_f64() * 1e3 * (GIB as f64 / n as f64);
-    let show = |what: &str, r: &vmmbuf::MigrationReport| {
+    let show = |what: &str, r: &vmmbuf::migration::MigrationReport| {
         println!(
             "breakdown {what:<28} total {:7.1}  acquire {:7.1}  stage {:6.1}  copy {:6.1}  swap {:6.1}  dispose {:6.1}  ({} chunks)",
             per_gib(r.total_time()),

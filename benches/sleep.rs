@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use common::{gpu_or_skip, ok, Raw, GIB, MIB};
 use cudarc::driver::{sys, CudaStream};
-use vmmbuf::{Arena, ArenaDesc, CudaBackend, Location, SleepDesc, SleepReport, WakeDesc};
+use vmmbuf::stats::SleepReport;
+use vmmbuf::{Arena, ArenaDesc, CudaBackend, Location, SleepDesc, WakeDesc};
 
 type A = Arena<CudaBackend, Arc<CudaStream>>;
 type Live = Vec<(vmmbuf::Allocation<CudaBackend, Arc<CudaStream>>, u32)>;

@@ -6,7 +6,8 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use vmmbuf::{
-    stats::Bytes, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy, Location, MigrationPlan,
+    migration::MigrationPlan, stats::Bytes, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy,
+    Location,
 };
 
 const SRC: &str = r#"

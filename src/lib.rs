@@ -50,8 +50,8 @@
 //! the same offsets in its own range, on the same or another GPU.
 //!
 //! Beyond growing:
-//! - **Placement and access** ([`Location`], [`Access`], [`MigrationPolicy`],
-//!   [`MigrationPlan`]): chunks live on a GPU or in pinned host memory and move
+//! - **Placement and access** ([`Location`], [`Access`], [`MigrationPolicy`](migration::MigrationPolicy),
+//!   [`MigrationPlan`](migration::MigrationPlan)): chunks live on a GPU or in pinned host memory and move
 //!   between them without changing address (`migrate`, `offload`, `restore`);
 //!   access is set per chunk and per device (`set_access`, `add_peer`).
 //! - **Reuse** ([`ChunkPool`]): released chunks kept for regrowth across
@@ -65,6 +65,20 @@
 //!   and [map hooks](crate::hook) that keep a growing arena or buffer
 //!   registered with NCCL (`Arena::set_map_hook`).
 //! - **What the machine supports**: [`probe`](crate::cuda::probe).
+//!
+//! # The root's names
+//! Twenty-three, what most programs name: the buffer ([`GrowableBuffer`],
+//! [`BufferDesc`], [`GrowthPolicy`]); the arena ([`Arena`], [`ArenaDesc`],
+//! [`Allocation`], [`ArenaStream`], [`StreamKey`], [`GraphPoolId`]); sleep
+//! ([`SleepDesc`], [`SleepMode`], [`WakeDesc`]); backends ([`Backend`],
+//! [`CudaBackend`], [`HostBackend`]); placement ([`Location`], [`Access`],
+//! [`AccessDesc`]); chunk reuse ([`ChunkPool`], [`PoolDesc`], [`Budget`]);
+//! and [`Error`] with its [`Result`]. The rest, one module each:
+//! [`cuda`] (tokens, cudarc interop, capture, probe), [`host`], [`migration`]
+//! (plans, policies and their reports), [`stats`] (every counter and
+//! report, a sleep's too), [`trace`], [`hook`] and [`nccl`] (map hooks,
+//! NCCL registration), [`ipc`] (sharing across processes), [`hash`], and
+//! [`backends`] (what a backend's methods name).
 //!
 //! # Where things live
 //! `unsafe` is denied crate-wide and allowed only where memory meets the
@@ -93,7 +107,7 @@ pub mod hook;
 #[cfg(target_os = "linux")]
 pub mod ipc;
 mod location;
-mod migration;
+pub mod migration;
 pub mod nccl;
 mod order;
 mod plan;
@@ -103,24 +117,28 @@ mod region;
 mod report;
 mod table;
 
-// About twenty names at the root: what most users name. The rest lives in
-// the modules below, one path each.
+// About twenty names at the root (listed in the crate's docs): what most
+// users name. The rest lives in the modules below.
 pub use arena::{
-    Allocation, Arena, ArenaDesc, ArenaStream, GraphPoolId, SleepDesc, SleepMode, SleepReport,
-    WakeDesc,
+    Allocation, Arena, ArenaDesc, ArenaStream, GraphPoolId, SleepDesc, SleepMode, WakeDesc,
 };
 pub use backend::cuda::CudaBackend;
 #[cfg(target_os = "linux")]
 pub use backend::host::HostBackend;
-pub use backend::{Backend, HostMapped, PoolSlot};
+pub use backend::Backend;
 pub use buffer::{BufferDesc, GrowableBuffer};
 pub use error::{Error, Result};
 pub use location::{Access, AccessDesc, Location};
-pub use migration::{MigrationPlan, MigrationPolicy, MigrationReport};
 pub use order::StreamKey;
 pub use plan::GrowthPolicy;
 pub use pool::{Budget, ChunkPool, PoolDesc};
-pub use report::BufferStats;
+
+/// What a [`Backend`]'s methods name besides the trait: the mark of
+/// backends whose memory the CPU can be given access to, and the slot a
+/// backend lends its default pool.
+pub mod backends {
+    pub use crate::backend::{HostMapped, PoolSlot};
+}
 
 /// CUDA: the backend's tokens, cudarc interop (typed views, a non-owning
 /// `CudaSlice`, owned tensors), arenas for cudarc's streams, graph capture
@@ -167,7 +185,7 @@ pub mod trace {
 /// Counters and reports: a buffer's, an arena's, a pool's, and the
 /// backend's live handles.
 pub mod stats {
-    pub use crate::arena::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
+    pub use crate::arena::{ArenaSnapshot, ArenaStats, BlockInfo, SleepReport, StatValue};
     pub use crate::backend::LiveCounts;
     pub use crate::pool::PoolStats;
     pub use crate::report::{BufferStats, Bytes, ChunkInfo, Report};

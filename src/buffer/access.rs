@@ -54,7 +54,7 @@ impl<B: Backend> GrowableBuffer<B> {
         })
     }
 
-    /// Undoes [`MigrationPolicy::ReadMostly`](crate::MigrationPolicy::ReadMostly) on the chunks touching `range`:
+    /// Undoes [`MigrationPolicy::ReadMostly`](crate::migration::MigrationPolicy::ReadMostly) on the chunks touching `range`:
     /// every location gets back the access the buffer grants.
     pub fn make_writable(&mut self, range: Range<usize>) -> Result<()> {
         check_range(&range)?;

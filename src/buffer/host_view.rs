@@ -67,7 +67,7 @@ impl<B: HostMapped> GrowableBuffer<B> {
     /// The CPU's view of the bytes in use in `range` (`..` for all of them),
     /// after waiting for every recorded use. Every chunk in the range must grant the host
     /// read access: host-backend chunks, or CUDA chunks placed in host memory
-    /// (see [`MigrationPolicy::PreferHost`](crate::MigrationPolicy) and
+    /// (see [`MigrationPolicy::PreferHost`](crate::migration::MigrationPolicy) and
     /// [`offload`](Self::offload)); otherwise [`Error::InvalidArgument`].
     ///
     /// Sound because: every chunk in the range is memory the host may read

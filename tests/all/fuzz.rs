@@ -7,9 +7,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use crate::common::{assert_consistent, contents};
-use vmmbuf::{
-    Access, Backend, BufferDesc, Error, GrowableBuffer, GrowthPolicy, Location, MigrationPolicy,
-};
+use vmmbuf::migration::MigrationPolicy;
+use vmmbuf::{Access, Backend, BufferDesc, Error, GrowableBuffer, GrowthPolicy, Location};
 
 crate::register! {
     host: [host_api_survives_arbitrary_arguments],

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use crate::common::{contents, host, random_bytes};
 use crate::fault::{FaultBackend, TestFence};
+use vmmbuf::migration::MigrationPolicy;
 use vmmbuf::{
     Access, Backend, BufferDesc, ChunkPool, Error, GrowableBuffer, GrowthPolicy, HostBackend,
-    Location, MigrationPolicy, PoolDesc,
+    Location, PoolDesc,
 };
 
 crate::register! {

@@ -12,7 +12,7 @@ pub(crate) struct Moved {
 }
 
 impl Moved {
-    fn add(&mut self, r: &vmmbuf::SleepReport) {
+    fn add(&mut self, r: &vmmbuf::stats::SleepReport) {
         self.bytes += r.bytes as u64;
         self.device_bytes += r.device_bytes as u64;
     }
