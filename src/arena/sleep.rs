@@ -394,36 +394,15 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     .get_or_insert_with(|| Asleep::new(SleepMode::Keep, piece));
             }
             SleepMode::Discard | SleepMode::Stash | SleepMode::Pageable | SleepMode::Disk => {
-                let mut asleep = st
-                    .asleep
-                    .take()
-                    .unwrap_or_else(|| Asleep::new(desc.mode, piece));
-                r.chunks_before = st.region.table.chunk_count();
-                let had = asleep.runs.len();
-                let t = Instant::now();
-                let res = match desc.mode {
-                    SleepMode::Stash => sh.sleep_stash(st, &mut asleep, &mut r),
-                    SleepMode::Pageable | SleepMode::Disk => {
-                        sh.sleep_pageable(st, &mut asleep, &mut r)
-                    }
-                    _ => sh.sleep_discard(st, &mut asleep),
-                };
-                if desc.mode == SleepMode::Discard {
-                    r.migration.swap_time = t.elapsed();
+                let res = sh.sleep_unmapping(st, desc.mode, piece, &mut r);
+                if res.is_ok() {
+                    r.device_bytes = device_before;
                 }
-                r.bytes = asleep.runs.iter().map(|x| x.1).sum();
                 if let Err(e) = res {
-                    // Nothing unmapped: the arena stays as it was; else the
-                    // runs unmapped so far sleep.
-                    if !asleep.runs.is_empty() || had > 0 {
-                        st.asleep = Some(asleep);
-                    }
                     sh.rebuild_split(st);
                     sh.count(st);
                     return Err(e);
                 }
-                st.asleep = Some(asleep);
-                r.device_bytes = device_before;
             }
         }
         sh.rebuild_split(st);

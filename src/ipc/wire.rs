@@ -198,18 +198,7 @@ pub(crate) fn validate(
     granularity_of: impl Fn(Location) -> Result<usize>,
     reachable: impl Fn(Location) -> Result<bool>,
 ) -> Result<Plan> {
-    if head.generation <= held.generation {
-        return Err(Error::StaleGeneration {
-            got: head.generation,
-            have: held.generation,
-        });
-    }
-    if head.reserved as usize != held.reserved || head.granularity as usize != held.granularity {
-        return Err(Error::protocol(format!(
-            "the reservation changed: {} bytes at {} (held: {} at {})",
-            head.reserved, head.granularity, held.reserved, held.granularity
-        )));
-    }
+    check_head(head, held)?;
     let mut end = 0u64;
     // Where the run of chunks from offset 0 without a hole ends: the length
     // must lie within it (the chunk table's rule).
@@ -217,39 +206,12 @@ pub(crate) fn validate(
     let mut fresh = Vec::new();
     let mut kept = std::collections::BTreeSet::new();
     for (index, r) in records.iter().enumerate() {
-        let place = placement_of(r.placement)?;
-        let g = granularity_of(place)
-            .map_err(|e| Error::protocol(format!("a chunk placed at {place}: {e}")))?
-            as u64;
-        let ok = r.offset >= end
-            && r.bytes > 0
-            && r.offset % g == 0
-            && r.bytes % g == 0
-            && r.offset
-                .checked_add(r.bytes)
-                .is_some_and(|e| e <= head.reserved);
-        if !ok {
-            return Err(Error::protocol(format!(
-                "chunk {:#x}+{:#x} in a {:#x}-byte reservation",
-                r.offset, r.bytes, head.reserved
-            )));
-        }
-        if !reachable(place)? {
-            return Err(Error::protocol(format!(
-                "a chunk on {place}, which this device cannot reach"
-            )));
-        }
+        let place = check_record(head, r, end, &granularity_of, &reachable)?;
         end = r.offset + r.bytes;
         if r.offset == prefix {
             prefix = end;
         }
         let offset = r.offset as usize;
-        if r.fresh > FRESH_FABRIC {
-            return Err(Error::protocol(format!(
-                "chunk {:#x}: unknown handle code {}",
-                r.offset, r.fresh
-            )));
-        }
         if r.fresh == 0 {
             if held.ids.get(&offset) != Some(&r.id) {
                 return Err(Error::protocol(format!(
@@ -286,6 +248,64 @@ pub(crate) fn validate(
         fresh,
         gone,
     })
+}
+
+/// A description must be newer than what is held, of the same reservation.
+fn check_head(head: &Head, held: &Held<'_>) -> Result<()> {
+    if head.generation <= held.generation {
+        return Err(Error::StaleGeneration {
+            got: head.generation,
+            have: held.generation,
+        });
+    }
+    if head.reserved as usize != held.reserved || head.granularity as usize != held.granularity {
+        return Err(Error::protocol(format!(
+            "the reservation changed: {} bytes at {} (held: {} at {})",
+            head.reserved, head.granularity, held.reserved, held.granularity
+        )));
+    }
+    Ok(())
+}
+
+/// One chunk's record: after the previous chunk's `end`, aligned to its
+/// placement's granularity, inside the reservation, on a placement this
+/// device reaches, with a known handle code. Its placement.
+fn check_record(
+    head: &Head,
+    r: &Record,
+    end: u64,
+    granularity_of: &impl Fn(Location) -> Result<usize>,
+    reachable: &impl Fn(Location) -> Result<bool>,
+) -> Result<Location> {
+    let place = placement_of(r.placement)?;
+    let g = granularity_of(place)
+        .map_err(|e| Error::protocol(format!("a chunk placed at {place}: {e}")))?
+        as u64;
+    let ok = r.offset >= end
+        && r.bytes > 0
+        && r.offset % g == 0
+        && r.bytes % g == 0
+        && r.offset
+            .checked_add(r.bytes)
+            .is_some_and(|e| e <= head.reserved);
+    if !ok {
+        return Err(Error::protocol(format!(
+            "chunk {:#x}+{:#x} in a {:#x}-byte reservation",
+            r.offset, r.bytes, head.reserved
+        )));
+    }
+    if !reachable(place)? {
+        return Err(Error::protocol(format!(
+            "a chunk on {place}, which this device cannot reach"
+        )));
+    }
+    if r.fresh > FRESH_FABRIC {
+        return Err(Error::protocol(format!(
+            "chunk {:#x}: unknown handle code {}",
+            r.offset, r.fresh
+        )));
+    }
+    Ok(place)
 }
 
 #[cfg(test)]

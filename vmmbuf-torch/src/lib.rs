@@ -291,6 +291,11 @@ mod tests {
                 "disk: nothing to move"
             );
             assert_eq!(vmmbuf_sleep(c"weights".as_ptr(), 5), -1, "no mode 5");
+            let said = std::ffi::CStr::from_ptr(vmmbuf_last_error()).to_string_lossy();
+            assert!(
+                said.contains("number 5") && said.contains("4 (disk)"),
+                "the error names the numbers there are: {said}"
+            );
             assert_eq!(vmmbuf_tms_pause(std::ptr::null()), 0, "no region: nothing");
             assert_eq!(vmmbuf_tms_resume(c"w".as_ptr()), 0);
             assert_eq!(vmmbuf_tms_pause(c"\xff".as_ptr()), -1, "not UTF-8");

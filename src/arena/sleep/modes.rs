@@ -84,6 +84,35 @@ impl<B: Backend> Shared<B> {
         Ok(())
     }
 
+    /// A sleep that unmaps (stash, pageable, disk or discard): the runs
+    /// mapped now join those already asleep in `mode`. On an error the runs
+    /// unmapped so far sleep (none: the arena stays awake, as it was).
+    pub(super) fn sleep_unmapping(
+        &self,
+        st: &mut State<B>,
+        mode: SleepMode,
+        piece: usize,
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let mut asleep = st.asleep.take().unwrap_or_else(|| Asleep::new(mode, piece));
+        r.chunks_before = st.region.table.chunk_count();
+        let had = asleep.runs.len();
+        let t = Instant::now();
+        let res = match mode {
+            SleepMode::Stash => self.sleep_stash(st, &mut asleep, r),
+            SleepMode::Pageable | SleepMode::Disk => self.sleep_pageable(st, &mut asleep, r),
+            _ => self.sleep_discard(st, &mut asleep),
+        };
+        if mode == SleepMode::Discard {
+            r.migration.swap_time = t.elapsed();
+        }
+        r.bytes = asleep.runs.iter().map(|x| x.1).sum();
+        if res.is_ok() || !asleep.runs.is_empty() || had > 0 {
+            st.asleep = Some(asleep);
+        }
+        res.map(|_| ())
+    }
+
     /// A stashing sleep: every mapped run copied to the stash (host pieces
     /// mapped at the same offsets of a reservation of their own, kept
     /// from one sleep to the next), then unmapped as a discarding sleep
@@ -111,12 +140,47 @@ impl<B: Backend> Shared<B> {
             )?);
         }
         let stash = st.stash.as_mut().expect("made above");
+        self.fit_stash(stash, &parts, r)?;
+        // One copy per run (all device memory on one side, all host memory
+        // on the other), then one wait.
+        let t = Instant::now();
+        let copied = (|| {
+            for &(o, b) in &runs {
+                backend.copy(stash.res(), o, st.region.res_ref(), o, b)?;
+            }
+            backend.wait_copies()
+        })();
+        r.migration.copy_time += t.elapsed();
+        if let Err(e) = copied {
+            let _ = backend.wait_copies();
+            return Err(e);
+        }
+        r.migration.bytes_moved = runs.iter().map(|x| x.1).sum();
+        r.migration.chunks_moved = parts.len();
+        r.chunks_after = parts.len();
+        let t = Instant::now();
+        let unmapped = self.sleep_discard(st, asleep);
+        r.migration.swap_time += t.elapsed();
+        unmapped
+    }
+
+    /// Makes the stash's pieces tile `parts`: keeps the ones that match,
+    /// gives the others to the pool, and maps what is missing (granted to
+    /// the GPU only: no copy of a sleep runs on the CPU). On an error the
+    /// pieces taken for it go back to the pool.
+    fn fit_stash(
+        &self,
+        stash: &mut crate::region::Region<B>,
+        parts: &[(usize, usize)],
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let backend = &*self.backend;
         // The stash's pieces tile the runs: keep the ones that match, give
         // the others to the pool, map what is missing (granted to the GPU
         // only: no copy here runs on the CPU).
         let t = Instant::now();
         let mut missing: Vec<(usize, usize)> = Vec::new();
-        for &(o, n) in &parts {
+        for &(o, n) in parts {
             if stash.table.get(o).is_some_and(|e| e.bytes == n) {
                 continue;
             }
@@ -170,27 +234,7 @@ impl<B: Backend> Shared<B> {
             }
         }
         r.migration.stage_time += t.elapsed();
-        // One copy per run (all device memory on one side, all host memory
-        // on the other), then one wait.
-        let t = Instant::now();
-        let copied = (|| {
-            for &(o, b) in &runs {
-                backend.copy(stash.res(), o, st.region.res_ref(), o, b)?;
-            }
-            backend.wait_copies()
-        })();
-        r.migration.copy_time += t.elapsed();
-        if let Err(e) = copied {
-            let _ = backend.wait_copies();
-            return Err(e);
-        }
-        r.migration.bytes_moved = runs.iter().map(|x| x.1).sum();
-        r.migration.chunks_moved = parts.len();
-        r.chunks_after = parts.len();
-        let t = Instant::now();
-        let unmapped = self.sleep_discard(st, asleep);
-        r.migration.swap_time += t.elapsed();
-        unmapped
+        Ok(())
     }
 
     /// A pageable sleep: every mapped run copied to pageable host memory of

@@ -14,8 +14,9 @@ use super::*;
 /// host memory kept away from the addresses (unmapped until the wake; one
 /// copy each way, the fastest way to keep them), `VMMBUF_PAGEABLE` 3
 /// copies them to pageable host memory away from the addresses, given
-/// back to the system at the wake (no pinned memory); another number is an
-/// error. Waits for the work queued so far on the streams of
+/// back to the system at the wake (no pinned memory), `VMMBUF_DISK` 4 to
+/// files of the spill directory (`vmmbuf.set_spill_dir`), removed at the
+/// wake; another number is an error. Waits for the work queued so far on the streams of
 /// the tag's live allocations, for the fences of its frees and for the uses
 /// recorded on its allocations; never for the whole device. Until
 /// `vmmbuf_wake`, new allocations under a tag kept asleep are made in host
@@ -44,6 +45,16 @@ pub unsafe extern "C" fn vmmbuf_wake(tag: *const c_char, flags: c_int) -> i64 {
     guard("vmmbuf_wake", -1, || move_tag(tag, false, flags))
 }
 
+/// The error for a mode number no [`vmmbuf::SleepMode`] has, naming the
+/// numbers there are.
+fn unknown_mode(n: c_int) -> String {
+    let known: Vec<String> = vmmbuf::SleepMode::ALL
+        .iter()
+        .map(|m| format!("{} ({m})", m.code()))
+        .collect();
+    format!("sleep mode number {n}: one of {}", known.join(", "))
+}
+
 fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
     let what = if sleep { "vmmbuf_sleep" } else { "vmmbuf_wake" };
     let every = tag.is_null();
@@ -55,7 +66,7 @@ fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
     let r = if sleep {
         // `flags` is the sleep's mode number here.
         let Some(mode) = vmmbuf::SleepMode::from_code(flags) else {
-            fail(what, &format!("sleep mode number {flags}: 0, 1, 2 or 3"));
+            fail(what, &unknown_mode(flags));
             return -1;
         };
         state::sleep_tags(t, mode)
@@ -73,8 +84,8 @@ fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
 
 /// Pins, ahead of a sleep of `tag` (null: every tag) in `mode` (the
 /// sleep's mode number, [`vmmbuf::SleepMode::code`]: `VMMBUF_KEEP` 0 or
-/// `VMMBUF_STASH` 2; `VMMBUF_DISCARD` 1 and `VMMBUF_PAGEABLE` 3 pin
-/// nothing), the host memory it
+/// `VMMBUF_STASH` 2; `VMMBUF_DISCARD` 1, `VMMBUF_PAGEABLE` 3 and
+/// `VMMBUF_DISK` 4 pin nothing), the host memory it
 /// will take: on a thread of its own if `wait` is 0 (the next sleep waits
 /// for it), else now. Returns the bytes pinned (0 when not waiting), or -1
 /// on an error (logged; an unknown mode number too).
@@ -90,10 +101,7 @@ pub unsafe extern "C" fn vmmbuf_prepare_sleep(tag: *const c_char, mode: c_int, w
             return -1;
         };
         let Some(mode) = vmmbuf::SleepMode::from_code(mode) else {
-            fail(
-                "vmmbuf_prepare_sleep",
-                &format!("sleep mode number {mode}: 0, 1, 2 or 3"),
-            );
+            fail("vmmbuf_prepare_sleep", &unknown_mode(mode));
             return -1;
         };
         match state::prepare_sleep((!every).then_some(tag.as_str()), mode, wait != 0) {

@@ -49,6 +49,16 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     d.release_graphs();
     let s = d.stats();
     let mut m = serde_json::Map::new();
+    torchs_keys(&mut m, &s);
+    memory_keys(&mut m, &d, &s);
+    plugin_keys(&mut m, &d);
+    Some(serde_json::Value::Object(m).to_string())
+}
+
+type Json = serde_json::Map<String, serde_json::Value>;
+
+/// The keys PyTorch's `torch.cuda.memory_stats()` has, with its names.
+fn torchs_keys(m: &mut Json, s: &vmmbuf::stats::ArenaStats) {
     for (name, v) in [
         ("allocated_bytes", s.allocated_bytes),
         ("reserved_bytes", s.reserved_bytes),
@@ -59,57 +69,39 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
         m.insert(format!("{name}.all.current"), v.current.into());
         m.insert(format!("{name}.all.peak"), v.peak.into());
     }
-    m.insert("num_alloc_retries".into(), s.num_alloc_retries.into());
-    m.insert("num_ooms".into(), s.num_ooms.into());
-    m.insert("num_device_syncs".into(), s.num_device_syncs.into());
-    m.insert("num_allocs".into(), s.num_allocs.into());
-    m.insert("num_frees".into(), s.num_frees.into());
-    m.insert("num_device_alloc".into(), s.num_device_alloc.into());
-    m.insert("num_device_free".into(), s.num_device_free.into());
-    m.insert(
-        "num_grows_past_pending".into(),
-        s.num_grows_past_pending.into(),
-    );
-    m.insert(
-        "grown_past_pending_bytes".into(),
-        s.grown_past_pending_bytes.into(),
-    );
-    m.insert(
-        "num_waits_before_grow".into(),
-        s.num_waits_before_grow.into(),
-    );
-    let ns = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-    m.insert("host_ns_in_malloc".into(), ns(&MALLOC_NS).into());
-    m.insert("host_ns_in_free".into(), ns(&FREE_NS).into());
-    m.insert(
-        "num_fence_queries".into(),
-        vmmbuf::Backend::live(&*d.backend).fence_queries.into(),
-    );
-    m.insert("live_allocations".into(), d.live.len().into());
-    let n = d.nccl.as_ref().map(|h| h.counts()).unwrap_or_default();
-    m.insert("nccl_comms".into(), n.comms.into());
-    m.insert("nccl_registrations".into(), n.registrations.into());
-    m.insert("nccl_deregistrations".into(), n.deregistrations.into());
-    m.insert("nccl_failures".into(), n.failures.into());
-    m.insert("nccl_registered_bytes".into(), n.registered_bytes.into());
-    m.insert("nccl_mapped_bytes".into(), n.mapped_bytes.into());
-    let (announced, underway) = CAPTURES.state();
-    m.insert("captures_announced".into(), announced.into());
-    m.insert("captures_underway".into(), underway.into());
-    m.insert("num_capture_queries".into(), ns(&CAPTURE_QUERIES).into());
-    m.insert("pooled_bytes".into(), s.pooled_bytes.into());
-    m.insert(
-        "pooled_host_bytes".into(),
-        d.pool.stats().pooled_host_bytes.into(),
-    );
-    m.insert("discarded_bytes".into(), s.discarded_bytes.into());
-    m.insert("stash_bytes".into(), s.stash_bytes.into());
-    m.insert("pageable_bytes".into(), s.pageable_bytes.into());
-    m.insert("graph_bytes".into(), s.graph_bytes.into());
-    m.insert("graph_pools".into(), d.graphs.len().into());
+    for (name, v) in [
+        ("num_alloc_retries", s.num_alloc_retries),
+        ("num_ooms", s.num_ooms),
+        ("num_device_syncs", s.num_device_syncs),
+        ("num_allocs", s.num_allocs),
+        ("num_frees", s.num_frees),
+        ("num_device_alloc", s.num_device_alloc),
+        ("num_device_free", s.num_device_free),
+        ("num_grows_past_pending", s.num_grows_past_pending),
+        ("grown_past_pending_bytes", s.grown_past_pending_bytes),
+        ("num_waits_before_grow", s.num_waits_before_grow),
+    ] {
+        m.insert(name.into(), v.into());
+    }
+}
+
+/// Where the device's memory is: pooled, asleep (and how), in graphs, on
+/// the host; the budget; which tags sleep, in which mode.
+fn memory_keys(m: &mut Json, d: &Device, s: &vmmbuf::stats::ArenaStats) {
+    for (name, v) in [
+        ("pooled_bytes", s.pooled_bytes),
+        ("pooled_host_bytes", d.pool.stats().pooled_host_bytes),
+        ("discarded_bytes", s.discarded_bytes),
+        ("stash_bytes", s.stash_bytes),
+        ("pageable_bytes", s.pageable_bytes),
+        ("graph_bytes", s.graph_bytes),
+        ("graph_pools", d.graphs.len()),
+        ("host_bytes", s.host_bytes),
+        ("device_bytes", s.device_bytes),
+    ] {
+        m.insert(name.into(), v.into());
+    }
     m.insert("fragmentation".into(), s.fragmentation.into());
-    m.insert("host_bytes".into(), s.host_bytes.into());
-    m.insert("device_bytes".into(), s.device_bytes.into());
     m.insert(
         "budget_bytes".into(),
         d.budget.as_ref().map(|b| b.limit()).into(),
@@ -133,7 +125,39 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
                 .collect(),
         ),
     );
-    Some(serde_json::Value::Object(m).to_string())
+}
+
+/// The plug-in's own costs and state: time in malloc and free, fence and
+/// capture queries, live allocations, NCCL registrations, captures.
+fn plugin_keys(m: &mut Json, d: &Device) {
+    let ns = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let n = d.nccl.as_ref().map(|h| h.counts()).unwrap_or_default();
+    let (announced, underway) = CAPTURES.state();
+    for (name, v) in [
+        ("host_ns_in_malloc", ns(&MALLOC_NS)),
+        ("host_ns_in_free", ns(&FREE_NS)),
+        (
+            "num_fence_queries",
+            vmmbuf::Backend::live(&*d.backend).fence_queries,
+        ),
+        ("num_capture_queries", ns(&CAPTURE_QUERIES)),
+    ] {
+        m.insert(name.into(), v.into());
+    }
+    use serde_json::Value as J;
+    for (name, v) in [
+        ("live_allocations", J::from(d.live.len())),
+        ("nccl_comms", J::from(n.comms)),
+        ("nccl_registrations", J::from(n.registrations)),
+        ("nccl_deregistrations", J::from(n.deregistrations)),
+        ("nccl_failures", J::from(n.failures)),
+        ("nccl_registered_bytes", J::from(n.registered_bytes)),
+        ("nccl_mapped_bytes", J::from(n.mapped_bytes)),
+        ("captures_announced", J::from(announced)),
+        ("captures_underway", J::from(underway)),
+    ] {
+        m.insert(name.into(), v);
+    }
 }
 
 /// Sets every peak of the device's statistics to its current value.
