@@ -283,8 +283,8 @@ fn check_record(
         as u64;
     let ok = r.offset >= end
         && r.bytes > 0
-        && r.offset % g == 0
-        && r.bytes % g == 0
+        && r.offset.is_multiple_of(g)
+        && r.bytes.is_multiple_of(g)
         && r.offset
             .checked_add(r.bytes)
             .is_some_and(|e| e <= head.reserved);
