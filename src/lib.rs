@@ -97,6 +97,16 @@
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// How many cases a property test draws under miri, which interprets
+/// every step: `VMMBUF_MIRI_CASES` (CI's miri job sets 1), else 4.
+#[cfg(test)]
+pub(crate) fn miri_cases() -> u32 {
+    std::env::var("VMMBUF_MIRI_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4)
+}
+
 mod arena;
 mod backend;
 mod buffer;

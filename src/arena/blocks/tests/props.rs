@@ -228,7 +228,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { 4 } else { 256 }))]
+    #![proptest_config(ProptestConfig::with_cases(if cfg!(miri) { crate::miri_cases() } else { 256 }))]
     /// Free/alloc sequences against a byte model: blocks never overlap,
     /// never cover an allocated byte, merge whenever they can, and a stream
     /// never gets another stream's unsettled block. In half the cases,
