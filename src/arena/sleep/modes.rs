@@ -155,9 +155,22 @@ impl<B: Backend> Shared<B> {
             let _ = backend.wait_copies();
             return Err(e);
         }
+        self.unmap_copied(st, asleep, r, &runs, parts.len())
+    }
+
+    /// After a copying sleep copied `runs` (in `pieces` pieces): counts
+    /// them in the report and unmaps them as a discarding sleep does.
+    fn unmap_copied(
+        &self,
+        st: &mut State<B>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
+        r: &mut SleepReport,
+        runs: &[(usize, usize)],
+        pieces: usize,
+    ) -> Result<usize> {
         r.migration.bytes_moved = runs.iter().map(|x| x.1).sum();
-        r.migration.chunks_moved = parts.len();
-        r.chunks_after = parts.len();
+        r.migration.chunks_moved = pieces;
+        r.chunks_after = pieces;
         let t = Instant::now();
         let unmapped = self.sleep_discard(st, asleep);
         r.migration.swap_time += t.elapsed();
@@ -300,12 +313,7 @@ impl<B: Backend> Shared<B> {
             copies.push((o, buf));
         }
         r.migration.copy_time += t.elapsed();
-        r.migration.bytes_moved = runs.iter().map(|x| x.1).sum();
-        r.migration.chunks_moved = parts.len();
-        r.chunks_after = parts.len();
-        let t = Instant::now();
-        let unmapped = self.sleep_discard(st, asleep);
-        r.migration.swap_time += t.elapsed();
+        let unmapped = self.unmap_copied(st, asleep, r, &runs, parts.len());
         // Each copy whose run now sleeps goes with it (all of them, unless
         // the unmapping failed part way).
         for (o, buf) in copies {
