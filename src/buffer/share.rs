@@ -54,28 +54,10 @@ impl<B: Backend> GrowableBuffer<B> {
             &to.sent,
             to.kind,
         );
-        // The handles of the fresh chunks, in record order (one record per
-        // chunk of the table, in its order): descriptors for batches, or
-        // fabric handles after the records. Made before anything is sent: a
-        // chunk that cannot be exported so fails the publish unsent.
-        let mut fds = Vec::with_capacity(d.fresh_at.len());
-        let mut inline: Vec<u8> = Vec::new();
-        for ((_, e), r) in g.region.table.iter().zip(&d.records) {
-            if r.fresh != 0 {
-                let h = self.backend.export_handle(&e.chunk, to.kind)?;
-                if h.kind() != to.kind {
-                    return Err(Error::invalid(format!(
-                        "the backend exported {} where {} was asked for",
-                        h.kind(),
-                        to.kind
-                    )));
-                }
-                match h {
-                    ChunkHandle::PosixFd(fd) => fds.push(fd),
-                    ChunkHandle::Fabric(h) => inline.extend_from_slice(&h.0),
-                }
-            }
-        }
+        // Made before anything is sent: a chunk that cannot be exported so
+        // fails the publish unsent.
+        let (fds, inline) =
+            self.export_fresh(&g.region.table, &d.records, d.fresh_at.len(), to.kind)?;
         // From here chunks given up are released, never pooled (an importer
         // may hold them); not before: a publish refused above sent nothing.
         self.published
@@ -88,26 +70,9 @@ impl<B: Backend> GrowableBuffer<B> {
             HandleKind::Fabric => Vec::new(),
         };
         drop(g);
-        let result = (|| {
-            let mut payload = bytemuck::cast_slice::<_, u8>(&records).to_vec();
-            payload.extend_from_slice(&inline);
-            send_frame(&to.socket, &head, &payload, &[])?;
-            let mut fds = fds.into_iter();
-            for batch in fresh_at.chunks(FDS_PER_MESSAGE) {
-                let these: Vec<OwnedFd> = fds.by_ref().take(batch.len()).collect();
-                let h = Head {
-                    magic: MAGIC,
-                    kind: KIND_FDS,
-                    generation,
-                    count: batch.len() as u64,
-                    ..Head::default()
-                };
-                send_frame(&to.socket, &h, bytemuck::cast_slice(batch), &these)?;
-                // Our copies close here; the peer holds its own.
-            }
-            Ok(())
-        })();
-        if let Err(e) = result {
+        let mut payload = bytemuck::cast_slice::<_, u8>(&records).to_vec();
+        payload.extend_from_slice(&inline);
+        if let Err(e) = send_generation(to, &head, &payload, &fresh_at, fds) {
             to.broken = true;
             return Err(e);
         }
@@ -124,4 +89,65 @@ impl<B: Backend> GrowableBuffer<B> {
         );
         Ok(generation)
     }
+}
+
+impl<B: Backend> GrowableBuffer<B> {
+    /// The handles of the fresh chunks (`records` has one per chunk of
+    /// `table`, in its order), in record order: descriptors for the
+    /// batches that follow the description, or fabric handles appended to
+    /// it.
+    fn export_fresh(
+        &self,
+        table: &crate::table::ChunkTable<B::Chunk>,
+        records: &[crate::ipc::Record],
+        fresh: usize,
+        kind: HandleKind,
+    ) -> Result<(Vec<OwnedFd>, Vec<u8>)> {
+        let mut fds = Vec::with_capacity(fresh);
+        let mut inline: Vec<u8> = Vec::new();
+        for ((_, e), r) in table.iter().zip(records) {
+            if r.fresh != 0 {
+                let h = self.backend.export_handle(&e.chunk, kind)?;
+                if h.kind() != kind {
+                    return Err(Error::invalid(format!(
+                        "the backend exported {} where {} was asked for",
+                        h.kind(),
+                        kind
+                    )));
+                }
+                match h {
+                    ChunkHandle::PosixFd(fd) => fds.push(fd),
+                    ChunkHandle::Fabric(h) => inline.extend_from_slice(&h.0),
+                }
+            }
+        }
+        Ok((fds, inline))
+    }
+}
+
+/// Sends one generation: the description (`head`, then `payload`: the
+/// records and any fabric handles), then the descriptors in batches that
+/// name their records by index (`fresh_at`). Our copies of the
+/// descriptors close as they go; the peer holds its own.
+fn send_generation(
+    to: &Exporter,
+    head: &Head,
+    payload: &[u8],
+    fresh_at: &[u64],
+    fds: Vec<OwnedFd>,
+) -> Result<()> {
+    send_frame(&to.socket, head, payload, &[])?;
+    let mut fds = fds.into_iter();
+    for batch in fresh_at.chunks(FDS_PER_MESSAGE) {
+        let these: Vec<OwnedFd> = fds.by_ref().take(batch.len()).collect();
+        let h = Head {
+            magic: MAGIC,
+            kind: KIND_FDS,
+            generation: head.generation,
+            count: batch.len() as u64,
+            ..Head::default()
+        };
+        send_frame(&to.socket, &h, bytemuck::cast_slice(batch), &these)?;
+    }
+    Ok(())
 }

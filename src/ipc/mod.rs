@@ -51,4 +51,4 @@ pub use socket::Exporter;
 pub use wire::{FDS_PER_MESSAGE, MAX_RECORDS};
 
 pub(crate) use socket::send_frame;
-pub(crate) use wire::{describe, Chunk, Head, KIND_FDS, MAGIC};
+pub(crate) use wire::{describe, Chunk, Head, Record, KIND_FDS, MAGIC};
