@@ -140,13 +140,38 @@ impl<B: Backend> GrowableBuffer<B> {
         }
     }
 
+    /// The plan's chunks, in address order: pooled ones from the buffer's
+    /// source (its pool: one another buffer took meanwhile is created
+    /// anew), the others created. On an error the ones taken go back.
+    fn take_planned(&self, plan: &[crate::plan::Planned]) -> Result<Vec<NewChunk<B::Chunk>>> {
+        let driver = Driver(&*self.backend);
+        let source = self.source(&driver);
+        let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::with_capacity(plan.len());
+        for c in plan {
+            let from: &dyn ChunkSource<B> = if c.pooled { source } else { &driver };
+            match from.take(self.shareable, c.placement, c.bytes) {
+                Ok(chunk) => chunks.push(NewChunk {
+                    chunk,
+                    bytes: c.bytes,
+                    placement: c.placement,
+                }),
+                Err(e) => {
+                    for c in chunks {
+                        let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(chunks)
+    }
+
     /// Maps chunks until the capacity reaches `bytes`, as the one growth plan
     /// says (pooled chunks first), all or nothing.
     fn map_more(&self, g: &mut Inner<B>, bytes: usize) -> Result<()> {
         let start = Instant::now();
         let span =
             tracing::debug_span!("vmmbuf.grow", from = g.region.table.len(), to = bytes).entered();
-        let backend = &*self.backend;
         let at = g.capacity();
         let offer = self.pool.as_ref().map(|p| p.offer(self.shareable));
         let plan = plan_growth(&GrowthRequest {
@@ -166,32 +191,9 @@ impl<B: Backend> GrowableBuffer<B> {
                 requested_bytes: total,
             });
         };
-        // (chunk, bytes, placement), in address order from `at`.
-        let mut chunks: Vec<NewChunk<B::Chunk>> = Vec::with_capacity(plan.len());
-        // Pooled chunks come from the buffer's source (its pool: one another
-        // buffer took meanwhile is created anew); the plan's others are
-        // created.
-        let driver = Driver(backend);
-        let source = self.source(&driver);
         let hits = || self.pool.as_ref().map_or(0, |p| p.stats().hits);
         let hits_before = hits();
-        for c in &plan {
-            let from: &dyn ChunkSource<B> = if c.pooled { source } else { &driver };
-            let chunk = from.take(self.shareable, c.placement, c.bytes);
-            match chunk {
-                Ok(chunk) => chunks.push(NewChunk {
-                    chunk,
-                    bytes: c.bytes,
-                    placement: c.placement,
-                }),
-                Err(e) => {
-                    for c in chunks {
-                        let _ = self.dispose(c.chunk, c.bytes, c.placement); // logged inside
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        let chunks = self.take_planned(&plan)?;
         let n = chunks.len();
         let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.grants.as_slice().into();
         let mapped = g.region.map_batch(
