@@ -102,37 +102,7 @@ pub(super) fn fill_by_creating<B: Backend>(
     let threads = create_threads().min(host.len());
     let mut first_err: Option<Error> = None;
     if threads > 1 {
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let failed = std::sync::atomic::AtomicBool::new(false);
-        let made: Vec<(usize, Result<B::Chunk>)> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut out = Vec::new();
-                        loop {
-                            let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            if k >= host.len() || failed.load(std::sync::atomic::Ordering::Relaxed)
-                            {
-                                break;
-                            }
-                            let i = host[k];
-                            let r = crate::backend::create_chunk(
-                                backend, shareable, wants[i].1, wants[i].0,
-                            );
-                            if r.is_err() {
-                                failed.store(true, std::sync::atomic::Ordering::Relaxed);
-                            }
-                            out.push((i, r));
-                        }
-                        out
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .flat_map(|w| w.join().unwrap_or_default())
-                .collect()
-        });
+        let made = create_on_threads(backend, shareable, wants, &host, threads);
         for (i, r) in made {
             match r {
                 Ok(c) => have[i] = Some(c),
@@ -170,4 +140,47 @@ pub(super) fn fill_by_creating<B: Backend>(
             Err(e)
         }
     }
+}
+
+/// Creates the chunks `wants[i]` for every `i` in `todo` on `threads`
+/// threads, each taking the next index until all are made or one fails
+/// (the others then stop). Every chunk made comes back with its index.
+fn create_on_threads<B: Backend>(
+    backend: &B,
+    shareable: bool,
+    wants: &[(Location, usize)],
+    todo: &[usize],
+    threads: usize,
+) -> Vec<(usize, Result<B::Chunk>)> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let k = next.fetch_add(1, Relaxed);
+                        if k >= todo.len() || failed.load(Relaxed) {
+                            break;
+                        }
+                        let i = todo[k];
+                        let r = crate::backend::create_chunk(
+                            backend, shareable, wants[i].1, wants[i].0,
+                        );
+                        if r.is_err() {
+                            failed.store(true, Relaxed);
+                        }
+                        out.push((i, r));
+                    }
+                    out
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap_or_default())
+            .collect()
+    })
 }
