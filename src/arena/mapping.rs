@@ -175,25 +175,7 @@ impl<B: Backend> Shared<B> {
         key: StreamKey,
         whole: bool,
     ) -> Result<(usize, usize)> {
-        // Whole free chunks first go to the pool, which the mapping below
-        // takes from: memory taken follows memory allocated.
-        if self.release_before_map {
-            self.release_free_chunks(st)?;
-        } else if whole && st.region.has_hook() {
-            // With a hook, a chunk's free bytes serve only requests that fit
-            // in that chunk: where mapping this one would take memory past
-            // HOOKED_SLACK times the peak allocated, whole free chunks go
-            // back first.
-            let mapped = st.region.table.mapped_bytes();
-            let want = round_up(size, self.granularity).unwrap_or(usize::MAX);
-            let live = st
-                .allocated
-                .saturating_add(size)
-                .max(st.stats.allocated_bytes.peak);
-            if (mapped.saturating_add(want) as f64) > HOOKED_SLACK * live as f64 {
-                self.release_free_chunks(st)?;
-            }
-        }
+        self.release_before_mapping(st, size, whole)?;
         let g = self.granularity;
         let reserved = st.region.table.reserved();
         let zone = if z == 0 {
@@ -217,20 +199,7 @@ impl<B: Backend> Shared<B> {
                 (need <= h.end - h.start).then_some((h.start, need))
             })
             .ok_or_else(|| self.out_of_memory(st, size, None))?;
-        if self
-            .budget
-            .is_some_and(|budget| st.region.table.mapped_bytes() + need > budget)
-        {
-            return Err(self.out_of_memory(st, size, None));
-        }
-        let margin = self.margin.load(std::sync::atomic::Ordering::Relaxed);
-        if margin > 0 && matches!(st.placement, Location::Device(_)) {
-            if let Some((free, total)) = self.backend.device_memory() {
-                if need.saturating_add(margin) > free {
-                    return Err(self.out_of_memory(st, size, Some((free, total))));
-                }
-            }
-        }
+        self.check_room(st, size, need)?;
         // The budget shared with other arenas and buffers: taken before any
         // chunk is created, given back if the mapping fails.
         let Some(hold) = Budget::hold(self.shared_budget.as_deref(), need) else {
@@ -251,6 +220,49 @@ impl<B: Backend> Shared<B> {
         self.map_fresh(st, at, &sizes)?;
         hold.keep();
         Ok((at, need))
+    }
+
+    /// Whole free chunks go to the pool before a mapping, which takes from
+    /// it, so that memory taken follows memory allocated: always with
+    /// `release_before_map`; with a hook (`whole`), where mapping `size`
+    /// would take memory past `HOOKED_SLACK` times the peak allocated (a
+    /// chunk's free bytes then serve only requests that fit in that chunk).
+    fn release_before_mapping(&self, st: &mut State<B>, size: usize, whole: bool) -> Result<()> {
+        if self.release_before_map {
+            return self.release_free_chunks(st).map(|_| ());
+        }
+        if whole && st.region.has_hook() {
+            let mapped = st.region.table.mapped_bytes();
+            let want = round_up(size, self.granularity).unwrap_or(usize::MAX);
+            let live = st
+                .allocated
+                .saturating_add(size)
+                .max(st.stats.allocated_bytes.peak);
+            if (mapped.saturating_add(want) as f64) > HOOKED_SLACK * live as f64 {
+                return self.release_free_chunks(st).map(|_| ());
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `need` more bytes may be mapped for a request of `size`:
+    /// within the arena's budget, and leaving the device margin free.
+    fn check_room(&self, st: &State<B>, size: usize, need: usize) -> Result<()> {
+        if self
+            .budget
+            .is_some_and(|budget| st.region.table.mapped_bytes() + need > budget)
+        {
+            return Err(self.out_of_memory(st, size, None));
+        }
+        let margin = self.margin.load(std::sync::atomic::Ordering::Relaxed);
+        if margin > 0 && matches!(st.placement, Location::Device(_)) {
+            if let Some((free, total)) = self.backend.device_memory() {
+                if need.saturating_add(margin) > free {
+                    return Err(self.out_of_memory(st, size, Some((free, total))));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Maps new chunks of `sizes` bytes, one after the other from `at`,
