@@ -170,40 +170,13 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
         let need = round_up(target - end, g).ok_or_else(overflow)?.min(room);
         let place = (req.placement_at)(end);
         let pooled = offer.as_mut().and_then(|offer| {
-            let fit = ((target - end).saturating_add(bound - 1) / g * g).min(room);
-            let size = match policy {
-                GrowthPolicy::Exact => Some(g),
-                GrowthPolicy::Fixed { chunk_bytes } => Some(chunk_bytes).filter(|s| *s <= room),
-                // The pooled chunk closest to what the policy would create:
-                // the smallest at or above that size within the bound, else
-                // the largest below it that covers the need, else the
-                // largest smaller one (the growth then takes several).
-                // Chunks under half the policy's size stay pooled: each
-                // mapping costs ~20-40 us whatever its size, so small ones
-                // would turn a logarithmic count into one per step.
-                GrowthPolicy::Proportional { divisor } => {
-                    let proportional = target / divisor.max(1) / g * g;
-                    let floor = (proportional / 2).max(g);
-                    let (lo, hi) = (need.max(floor), fit.max(need));
-                    let want = need.max(proportional).clamp(lo, hi.max(lo));
-                    let range = |a: usize, b: usize, up: bool| {
-                        (a < b)
-                            .then(|| {
-                                let mut r = offer.range((place, a)..(place, b));
-                                if up {
-                                    r.next()
-                                } else {
-                                    r.next_back()
-                                }
-                            })
-                            .flatten()
-                            .map(|(k, _)| k.1)
-                    };
-                    range(want, hi.saturating_add(1), true)
-                        .or_else(|| range(lo, want, false))
-                        .or_else(|| range(floor, need, false))
-                }
-            }?;
+            let step = Step {
+                end,
+                need,
+                room,
+                place,
+            };
+            let size = pooled_size(offer, req, bound, step)?;
             let n = offer.get_mut(&(place, size))?;
             *n -= 1;
             if *n == 0 {
@@ -226,6 +199,67 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
         end += bytes;
     }
     Ok(plan)
+}
+
+/// Where a growth step is: at `end` (a chunk there placed at `place`),
+/// `need` bytes still to map, `room` left in the reservation.
+#[derive(Clone, Copy)]
+struct Step {
+    end: usize,
+    need: usize,
+    room: usize,
+    place: Location,
+}
+
+/// The size of the pooled chunk a growth [`Step`] takes, if
+/// `offer` has one that suits `policy`: exactly the granule for `Exact`,
+/// the policy's chunk for `Fixed`; for `Proportional` the pooled chunk
+/// closest to what the policy would create: the smallest at or above that
+/// size within the over-commit `bound`, else the largest below it that
+/// covers the need, else the largest smaller one (the growth then takes
+/// several). Chunks under half the policy's size stay pooled: each mapping
+/// costs ~20-40 us whatever its size, so small ones would turn a
+/// logarithmic count into one per step.
+fn pooled_size(
+    offer: &PoolOffer,
+    req: &GrowthRequest<'_>,
+    bound: usize,
+    step: Step,
+) -> Option<usize> {
+    let (policy, g, target) = (req.policy, req.granularity, req.target);
+    let Step {
+        end,
+        need,
+        room,
+        place,
+    } = step;
+    let fit = ((target - end).saturating_add(bound - 1) / g * g).min(room);
+    match policy {
+        GrowthPolicy::Exact => Some(g),
+        GrowthPolicy::Fixed { chunk_bytes } => Some(chunk_bytes).filter(|s| *s <= room),
+        GrowthPolicy::Proportional { divisor } => {
+            let proportional = target / divisor.max(1) / g * g;
+            let floor = (proportional / 2).max(g);
+            let (lo, hi) = (need.max(floor), fit.max(need));
+            let want = need.max(proportional).clamp(lo, hi.max(lo));
+            let range = |a: usize, b: usize, up: bool| {
+                (a < b)
+                    .then(|| {
+                        let mut r = offer.range((place, a)..(place, b));
+                        if up {
+                            r.next()
+                        } else {
+                            r.next_back()
+                        }
+                    })
+                    .flatten()
+                    .map(|(k, _)| k.1)
+            };
+            range(want, hi.saturating_add(1), true)
+                .or_else(|| range(lo, want, false))
+                .or_else(|| range(floor, need, false))
+        }
+    }
 }
 
 fn push(
