@@ -27,6 +27,65 @@ mod budget;
 mod nccl;
 mod preload;
 mod sleep;
+
+/// The plug-in's arena description, from its settings (`VMMBUF_TORCH_*`):
+/// every arena of every device gets this one, plus the device's budget.
+fn arena_desc() -> ArenaDesc {
+    let mut desc = ArenaDesc::new(RESERVE);
+    // Training changes tensor sizes every step: free chunks stay
+    // mapped (given back on a budget, out of memory or empty_cache)
+    // under expandable segments' block rules. On an H100 that kept
+    // the median step within 1.4% of PyTorch's own allocator at
+    // 0.885-0.905 utilization, where unmapping them on every miss
+    // cost 2.5x the step time. VMMBUF_TORCH_RELEASE_BEFORE_MAP=1
+    // turns the unmapping back on (tighter memory, slower).
+    desc.release_before_map =
+        std::env::var("VMMBUF_TORCH_RELEASE_BEFORE_MAP").as_deref() == Ok("1");
+    // Chunks of up to 20 MiB, as expandable segments map their large
+    // pool: growth maps what a request needs (rounded to the 2 MiB
+    // granularity, so no more memory is taken than with 2 MiB
+    // chunks) in a tenth of the mappings, and each mapping costs
+    // ~20 us whatever its size. Under FSDP on one H100 the plug-in's
+    // time per step was 6.1 ms with 2 MiB chunks and 3.7-4.4 ms with
+    // 20 MiB ones (issue 24); large
+    // tensors in larger chunks are also faster for NCCL's peer
+    // copies (all-gather at 0.8x of ncclMemAlloc's speed on 2 MiB
+    // chunks, equal on one chunk). VMMBUF_TORCH_MAX_CHUNK_BYTES
+    // sets another largest chunk.
+    desc = desc.max_chunk_bytes(DEFAULT_MAX_CHUNK);
+    // VMMBUF_TORCH_DEFER_FENCES=1: a free on the allocation's own
+    // stream records no event; a later call on that stream records
+    // one for many (`ArenaDesc::defer_free_fences`; empty_cache, a
+    // sleep or out of memory then may synchronise the device).
+    desc = desc.defer_free_fences(std::env::var("VMMBUF_TORCH_DEFER_FENCES").as_deref() == Ok("1"));
+    // A request that would map new memory while another stream's
+    // free block that fits is pending waits for that block on the
+    // CPU instead (`ArenaDesc::wait_before_grow`). Under FSDP on
+    // 2x H200 (issue 24), growing instead left 6 of 11 launches at
+    // 0.79-0.93 utilization on one rank, as the GPU's lag decided;
+    // waiting kept all 11 at or above expandable segments' (0.948,
+    // 0.952), after 0-11 waits a launch and rank, with no step-time
+    // cost the noise could show (per-round ratio median 1.00).
+    // VMMBUF_TORCH_WAIT_BEFORE_GROW=0 grows instead.
+    desc =
+        desc.wait_before_grow(std::env::var("VMMBUF_TORCH_WAIT_BEFORE_GROW").as_deref() != Ok("0"));
+    // Every GPU that can reach this one maps its chunks too, as
+    // every GPU with peer access enabled reaches cudaMalloc memory:
+    // PyTorch's and CuPy's copies between devices (cudaMemcpyPeer,
+    // or a kernel on the other GPU) failed without it (issue 38).
+    // VMMBUF_TORCH_PEER_ACCESS=0 maps for this GPU only.
+    desc = desc.peer_access(std::env::var("VMMBUF_TORCH_PEER_ACCESS").as_deref() != Ok("0"));
+    if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
+        match v.parse::<usize>() {
+            Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),
+            _ => {
+                tracing::warn!(value = %v, "vmmbuf-torch: VMMBUF_TORCH_MAX_CHUNK_BYTES is not a byte count; ignored")
+            }
+        }
+    }
+    desc
+}
+
 #[cfg(test)]
 mod tests;
 
@@ -231,62 +290,7 @@ impl Device {
     /// The arena of `tag`, created on first use.
     fn arena(&mut self, tag: &str) -> Result<&TorchArena> {
         if !self.arenas.contains_key(tag) {
-            let mut desc = ArenaDesc::new(RESERVE);
-            // Training changes tensor sizes every step: free chunks stay
-            // mapped (given back on a budget, out of memory or empty_cache)
-            // under expandable segments' block rules. On an H100 that kept
-            // the median step within 1.4% of PyTorch's own allocator at
-            // 0.885-0.905 utilization, where unmapping them on every miss
-            // cost 2.5x the step time. VMMBUF_TORCH_RELEASE_BEFORE_MAP=1
-            // turns the unmapping back on (tighter memory, slower).
-            desc.release_before_map =
-                std::env::var("VMMBUF_TORCH_RELEASE_BEFORE_MAP").as_deref() == Ok("1");
-            // Chunks of up to 20 MiB, as expandable segments map their large
-            // pool: growth maps what a request needs (rounded to the 2 MiB
-            // granularity, so no more memory is taken than with 2 MiB
-            // chunks) in a tenth of the mappings, and each mapping costs
-            // ~20 us whatever its size. Under FSDP on one H100 the plug-in's
-            // time per step was 6.1 ms with 2 MiB chunks and 3.7-4.4 ms with
-            // 20 MiB ones (issue 24); large
-            // tensors in larger chunks are also faster for NCCL's peer
-            // copies (all-gather at 0.8x of ncclMemAlloc's speed on 2 MiB
-            // chunks, equal on one chunk). VMMBUF_TORCH_MAX_CHUNK_BYTES
-            // sets another largest chunk.
-            desc = desc.max_chunk_bytes(DEFAULT_MAX_CHUNK);
-            // VMMBUF_TORCH_DEFER_FENCES=1: a free on the allocation's own
-            // stream records no event; a later call on that stream records
-            // one for many (`ArenaDesc::defer_free_fences`; empty_cache, a
-            // sleep or out of memory then may synchronise the device).
-            desc = desc.defer_free_fences(
-                std::env::var("VMMBUF_TORCH_DEFER_FENCES").as_deref() == Ok("1"),
-            );
-            // A request that would map new memory while another stream's
-            // free block that fits is pending waits for that block on the
-            // CPU instead (`ArenaDesc::wait_before_grow`). Under FSDP on
-            // 2x H200 (issue 24), growing instead left 6 of 11 launches at
-            // 0.79-0.93 utilization on one rank, as the GPU's lag decided;
-            // waiting kept all 11 at or above expandable segments' (0.948,
-            // 0.952), after 0-11 waits a launch and rank, with no step-time
-            // cost the noise could show (per-round ratio median 1.00).
-            // VMMBUF_TORCH_WAIT_BEFORE_GROW=0 grows instead.
-            desc = desc.wait_before_grow(
-                std::env::var("VMMBUF_TORCH_WAIT_BEFORE_GROW").as_deref() != Ok("0"),
-            );
-            // Every GPU that can reach this one maps its chunks too, as
-            // every GPU with peer access enabled reaches cudaMalloc memory:
-            // PyTorch's and CuPy's copies between devices (cudaMemcpyPeer,
-            // or a kernel on the other GPU) failed without it (issue 38).
-            // VMMBUF_TORCH_PEER_ACCESS=0 maps for this GPU only.
-            desc =
-                desc.peer_access(std::env::var("VMMBUF_TORCH_PEER_ACCESS").as_deref() != Ok("0"));
-            if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
-                match v.parse::<usize>() {
-                    Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),
-                    _ => {
-                        tracing::warn!(value = %v, "vmmbuf-torch: VMMBUF_TORCH_MAX_CHUNK_BYTES is not a byte count; ignored")
-                    }
-                }
-            }
+            let mut desc = arena_desc();
             if let Some(b) = &self.budget {
                 desc = desc.shared_budget(b.clone());
             }
