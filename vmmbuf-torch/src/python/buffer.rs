@@ -100,6 +100,71 @@ impl Buffer {
             Mem::Cuda { buf, .. } => cuda(buf),
         }
     }
+
+    /// Where a view of the buffer lives, for DLPack: the GPU, or the host
+    /// (which takes no consumer stream).
+    fn dl_device(&self, consumer: Option<usize>) -> Result<DLDevice> {
+        Ok(match self.device {
+            None => {
+                if consumer.is_some() {
+                    return Err(Error::InvalidArgument(
+                        "a stream for a view of host memory".into(),
+                    ));
+                }
+                DLDevice {
+                    device_type: dlpack::DL_CPU,
+                    device_id: 0,
+                }
+            }
+            Some(d) => DLDevice {
+                device_type: dlpack::DL_CUDA,
+                device_id: d,
+            },
+        })
+    }
+
+    /// Registers a view up to byte `end`, once the capacity is checked,
+    /// under one read lock of the memory: shrink_to_fit (the write lock)
+    /// cannot unmap in between (RT4-3). The `consumer` stream first waits
+    /// for the recorded writes.
+    fn register_view(&self, end: usize, consumer: Option<usize>) -> Result<ViewGuard> {
+        let m = self.shared.mem.read();
+        // Mapped bytes past the length may be viewed too (the
+        // package's append writes through a view of the capacity).
+        let mapped = match &*m {
+            #[cfg(target_os = "linux")]
+            Mem::Host(b) => b.capacity(),
+            Mem::Cuda { buf, .. } => buf.capacity(),
+        };
+        if end > mapped {
+            return Err(Error::InvalidArgument(format!(
+                "a view up to byte {end} of a buffer with {mapped} bytes mapped"
+            )));
+        }
+        if let (
+            Some(s),
+            Mem::Cuda {
+                ctx,
+                last_write: Some((w, fence)),
+                ..
+            },
+        ) = (consumer, &*m)
+        {
+            if *w != s {
+                wrap(ctx, s)
+                    .wait(fence.event())
+                    .map_err(|e| Error::Driver {
+                        call: "cuStreamWaitEvent",
+                        source: e,
+                    })?;
+            }
+        }
+        *self.shared.views.lock().entry(end).or_insert(0) += 1;
+        Ok(ViewGuard {
+            shared: self.shared.clone(),
+            end,
+        })
+    }
 }
 
 #[pymethods]
@@ -277,65 +342,9 @@ impl Buffer {
             }
             Some(s) => Some(s as usize),
         };
-        let device = match self.device {
-            None => {
-                if consumer.is_some() {
-                    return Err(to_py(Error::InvalidArgument(
-                        "a stream for a view of host memory".into(),
-                    )));
-                }
-                DLDevice {
-                    device_type: dlpack::DL_CPU,
-                    device_id: 0,
-                }
-            }
-            Some(d) => DLDevice {
-                device_type: dlpack::DL_CUDA,
-                device_id: d,
-            },
-        };
-        // The capacity is checked and the view registered under one read
-        // lock of the memory: shrink_to_fit (the write lock) cannot unmap
-        // in between (RT4-3).
+        let device = self.dl_device(consumer).map_err(to_py)?;
         let guard = py
-            .detach(|| -> Result<ViewGuard> {
-                let m = self.shared.mem.read();
-                // Mapped bytes past the length may be viewed too (the
-                // package's append writes through a view of the capacity).
-                let mapped = match &*m {
-                    #[cfg(target_os = "linux")]
-                    Mem::Host(b) => b.capacity(),
-                    Mem::Cuda { buf, .. } => buf.capacity(),
-                };
-                if end > mapped {
-                    return Err(Error::InvalidArgument(format!(
-                        "a view up to byte {end} of a buffer with {mapped} bytes mapped"
-                    )));
-                }
-                if let (
-                    Some(s),
-                    Mem::Cuda {
-                        ctx,
-                        last_write: Some((w, fence)),
-                        ..
-                    },
-                ) = (consumer, &*m)
-                {
-                    if *w != s {
-                        wrap(ctx, s)
-                            .wait(fence.event())
-                            .map_err(|e| Error::Driver {
-                                call: "cuStreamWaitEvent",
-                                source: e,
-                            })?;
-                    }
-                }
-                *self.shared.views.lock().entry(end).or_insert(0) += 1;
-                Ok(ViewGuard {
-                    shared: self.shared.clone(),
-                    end,
-                })
-            })
+            .detach(|| self.register_view(end, consumer))
             .map_err(to_py)?;
         let view = View {
             data: self.base + offset as u64,
