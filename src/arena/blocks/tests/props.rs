@@ -205,26 +205,40 @@ proptest! {
                     }
                 }
             }
-            let want = forms[0].listing();
-            for (i, b) in forms.iter().enumerate() {
-                prop_assert_eq!(&answers.get(i), &answers.first(), "form {}'s answer", i);
-                prop_assert_eq!(&b.listing(), &want, "form {}'s blocks", i);
-                prop_assert_eq!(b.bytes(), forms[0].bytes(), "form {}'s byte counts", i);
-                // The same blocks, so the same verdict on the merge rule (a
-                // carve may leave two mergeable pieces side by side, in all).
-                prop_assert_eq!(b.check(), forms[0].check(), "form {}'s check", i);
-                for o in (0..=SPACE).step_by(16) {
-                    prop_assert_eq!(b.call_size_at(o), forms[0].call_size_at(o), "size_at {}", o);
-                    prop_assert_eq!(b.ending_at(o), forms[0].ending_at(o), "ending_at {}", o);
-                    for n in [0, 16, 512] {
-                        for settled in [false, true] {
-                            prop_assert_eq!(b.call_covers(o, n, settled), forms[0].call_covers(o, n, settled));
-                        }
-                    }
+            forms_agree(&forms, &answers, SPACE)?;
+        }
+    }
+}
+
+/// After each call of [`blocks_agree_with_each_other`]: every form gave
+/// the first form's answer and holds the same blocks, byte counts, verdict
+/// on the merge rule (a carve may leave two mergeable pieces side by side,
+/// in all) and answers to the lookups at every 16 bytes of the space.
+fn forms_agree(
+    forms: &[Box<dyn Form>],
+    answers: &[String],
+    space: usize,
+) -> Result<(), TestCaseError> {
+    let want = forms[0].listing();
+    for (i, b) in forms.iter().enumerate() {
+        prop_assert_eq!(&answers.get(i), &answers.first(), "form {}'s answer", i);
+        prop_assert_eq!(&b.listing(), &want, "form {}'s blocks", i);
+        prop_assert_eq!(b.bytes(), forms[0].bytes(), "form {}'s byte counts", i);
+        prop_assert_eq!(b.check(), forms[0].check(), "form {}'s check", i);
+        for o in (0..=space).step_by(16) {
+            prop_assert_eq!(b.call_size_at(o), forms[0].call_size_at(o), "size_at {}", o);
+            prop_assert_eq!(b.ending_at(o), forms[0].ending_at(o), "ending_at {}", o);
+            for n in [0, 16, 512] {
+                for settled in [false, true] {
+                    prop_assert_eq!(
+                        b.call_covers(o, n, settled),
+                        forms[0].call_covers(o, n, settled)
+                    );
                 }
             }
         }
     }
+    Ok(())
 }
 
 proptest! {
@@ -302,23 +316,57 @@ proptest! {
                     }
                 }
             }
-            b.check_in(&walls).map_err(TestCaseError::fail)?;
-            let allocated: usize = live.iter().map(|l| l.1).sum();
-            prop_assert_eq!(b.free_bytes() + allocated, SPACE);
-            for (o, f) in b.iter() {
-                for x in &owner[o..o + f.size] {
-                    prop_assert!(*x != Some(9), "a free block covers allocated bytes");
-                }
-            }
+            model_holds(&b, &walls, &live, &owner, SPACE)?;
         }
-        // Everything freed and settled: one block between each two walls.
-        for (at, n) in std::mem::take(&mut live) {
-            b.insert_in(at, Free { size: n, stream: None, fences: FenceSet::default() }, &walls);
-        }
-        b.settle_in(|_| true, &walls);
-        let mut want: Vec<usize> = std::iter::once(0).chain(walls.iter().copied().filter(|&w| w < SPACE)).collect();
-        want.dedup();
-        let got: Vec<usize> = b.iter().map(|(o, _)| o).collect();
-        prop_assert_eq!(got, want);
+        all_freed_is_one_block_per_wall(b, &walls, live, SPACE)?;
     }
+}
+
+/// After each step of [`blocks_match_a_byte_model`]: the index is sound
+/// within the walls, free and allocated bytes fill the space, and no free
+/// block covers an allocated byte (9 in the model).
+fn model_holds(
+    b: &Blocks<u32>,
+    walls: &std::collections::BTreeSet<usize>,
+    live: &[(usize, usize)],
+    owner: &[Option<u8>],
+    space: usize,
+) -> Result<(), TestCaseError> {
+    b.check_in(walls).map_err(TestCaseError::fail)?;
+    let allocated: usize = live.iter().map(|l| l.1).sum();
+    prop_assert_eq!(b.free_bytes() + allocated, space);
+    for (o, f) in b.iter() {
+        for x in &owner[o..o + f.size] {
+            prop_assert!(*x != Some(9), "a free block covers allocated bytes");
+        }
+    }
+    Ok(())
+}
+
+/// Everything freed and settled: one block between each two walls.
+fn all_freed_is_one_block_per_wall(
+    mut b: Blocks<u32>,
+    walls: &std::collections::BTreeSet<usize>,
+    live: Vec<(usize, usize)>,
+    space: usize,
+) -> Result<(), TestCaseError> {
+    for (at, n) in live {
+        b.insert_in(
+            at,
+            Free {
+                size: n,
+                stream: None,
+                fences: FenceSet::default(),
+            },
+            walls,
+        );
+    }
+    b.settle_in(|_| true, walls);
+    let mut want: Vec<usize> = std::iter::once(0)
+        .chain(walls.iter().copied().filter(|&w| w < space))
+        .collect();
+    want.dedup();
+    let got: Vec<usize> = b.iter().map(|(o, _)| o).collect();
+    prop_assert_eq!(got, want);
+    Ok(())
 }
