@@ -436,48 +436,7 @@ mod tests {
                         }
                     }
                 }
-                // What is open is exactly each communicator's device ranges
-                // that NCCL did not refuse.
-                let refused = rec.refuse.lock().clone();
-                let mut want: Vec<(usize, u64)> = comms
-                    .iter()
-                    .flat_map(|&(_, c)| {
-                        mapped
-                            .values()
-                            .filter(|r| r.placement != Location::Host)
-                            .map(move |r| (c, r.addr))
-                    })
-                    .collect();
-                let mut open: Vec<(usize, u64)> = rec.open.lock().values().copied().collect();
-                // A range refused after its registration stays registered.
-                want.retain(|w| open.contains(w) || !refused.contains(&w.1));
-                want.sort_unstable();
-                open.sort_unstable();
-                assert_eq!(open, want, "case {case}");
-                let n = hook.counts();
-                let dev_bytes: u64 = mapped
-                    .values()
-                    .filter(|r| r.placement != Location::Host)
-                    .map(|r| r.bytes as u64)
-                    .sum();
-                assert_eq!(n.mapped_bytes, dev_bytes, "case {case}");
-                let reg_bytes: u64 = open.iter().map(|(_, a)| mapped[a].bytes as u64).sum();
-                assert_eq!(n.registered_bytes, reg_bytes, "case {case}");
-                assert_eq!(n.comms, comms.len());
-                // A range is covered where every communicator holds it; a
-                // byte past it never is (ranges are not merged).
-                for r in mapped.values() {
-                    let want = r.placement != Location::Host
-                        && !comms.is_empty()
-                        && comms.iter().all(|&(_, c)| open.contains(&(c, r.addr)));
-                    assert_eq!(hook.covers(r.addr, r.bytes), want, "case {case}: {r:?}");
-                    assert!(!hook.covers(r.addr, r.bytes + 1), "case {case}: {r:?}");
-                }
-                assert_eq!(
-                    n.registrations - n.deregistrations,
-                    open.len() as u64,
-                    "case {case}: {n:?}"
-                );
+                hook_agrees(&hook, &rec, &mapped, &comms, case);
             }
             assert!(
                 rec.calls.lock().iter().all(|c| c.2 < HOST_AT),
@@ -490,6 +449,61 @@ mod tests {
         }
         // The draws took every path: registrations, refusals, undoing.
         assert!(seen.0 > 0 && seen.1 > 0 && seen.2 > 0, "{seen:?}");
+    }
+
+    /// After each call of the test above: what is open is exactly each
+    /// communicator's device ranges that NCCL did not refuse, the counts
+    /// and bytes agree with it, and a range is covered exactly where every
+    /// communicator holds it.
+    fn hook_agrees(
+        hook: &NcclHook,
+        rec: &Recorder,
+        mapped: &BTreeMap<u64, MappedRange>,
+        comms: &[(u64, usize)],
+        case: usize,
+    ) {
+        // What is open is exactly each communicator's device ranges
+        // that NCCL did not refuse.
+        let refused = rec.refuse.lock().clone();
+        let mut want: Vec<(usize, u64)> = comms
+            .iter()
+            .flat_map(|&(_, c)| {
+                mapped
+                    .values()
+                    .filter(|r| r.placement != Location::Host)
+                    .map(move |r| (c, r.addr))
+            })
+            .collect();
+        let mut open: Vec<(usize, u64)> = rec.open.lock().values().copied().collect();
+        // A range refused after its registration stays registered.
+        want.retain(|w| open.contains(w) || !refused.contains(&w.1));
+        want.sort_unstable();
+        open.sort_unstable();
+        assert_eq!(open, want, "case {case}");
+        let n = hook.counts();
+        let dev_bytes: u64 = mapped
+            .values()
+            .filter(|r| r.placement != Location::Host)
+            .map(|r| r.bytes as u64)
+            .sum();
+        assert_eq!(n.mapped_bytes, dev_bytes, "case {case}");
+        let reg_bytes: u64 = open.iter().map(|(_, a)| mapped[a].bytes as u64).sum();
+        assert_eq!(n.registered_bytes, reg_bytes, "case {case}");
+        assert_eq!(n.comms, comms.len());
+        // A range is covered where every communicator holds it; a
+        // byte past it never is (ranges are not merged).
+        for r in mapped.values() {
+            let want = r.placement != Location::Host
+                && !comms.is_empty()
+                && comms.iter().all(|&(_, c)| open.contains(&(c, r.addr)));
+            assert_eq!(hook.covers(r.addr, r.bytes), want, "case {case}: {r:?}");
+            assert!(!hook.covers(r.addr, r.bytes + 1), "case {case}: {r:?}");
+        }
+        assert_eq!(
+            n.registrations - n.deregistrations,
+            open.len() as u64,
+            "case {case}: {n:?}"
+        );
     }
 
     #[test]
