@@ -394,15 +394,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     .get_or_insert_with(|| Asleep::new(SleepMode::Keep, piece));
             }
             SleepMode::Discard | SleepMode::Stash | SleepMode::Pageable | SleepMode::Disk => {
-                let res = sh.sleep_unmapping(st, desc.mode, piece, &mut r);
-                if res.is_ok() {
-                    r.device_bytes = device_before;
-                }
-                if let Err(e) = res {
+                if let Err(e) = sh.sleep_unmapping(st, desc.mode, piece, &mut r) {
                     sh.rebuild_split(st);
                     sh.count(st);
                     return Err(e);
                 }
+                r.device_bytes = device_before;
             }
         }
         sh.rebuild_split(st);

@@ -31,15 +31,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             None => Ok(false),
             Some(Source::Pages(paged)) => Ok(read_pages(paged, offset, dst)),
             Some(Source::Stash(stash)) => {
-                if !stash_holds(stash, offset, end) {
+                if !grant_stash(&*sh.backend, stash, offset, end)? {
                     return Ok(false);
                 }
-                if dst.is_empty() {
-                    return Ok(true);
+                if !dst.is_empty() {
+                    sh.backend.read(stash.res(), offset, dst)?;
                 }
-                let (res, table) = stash.parts();
-                crate::migration::grant_cpu(&*sh.backend, res, table, offset, dst.len())?;
-                sh.backend.read(res, offset, dst)?;
                 Ok(true)
             }
         }
@@ -78,15 +75,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     .filter(|(o, b)| *o <= offset && end <= o + b.len())
                     .map(|(o, b)| b.address() + (offset - o) as u64))
             }
-            Some(Source::Stash(stash)) => {
-                if !stash_holds(stash, offset, end) {
-                    return Ok(None);
-                }
-                let base = stash.base();
-                let (res, table) = stash.parts();
-                crate::migration::grant_cpu(&*sh.backend, res, table, offset, len)?;
-                Ok(Some(base + offset as u64))
-            }
+            Some(Source::Stash(stash)) => Ok(grant_stash(&*sh.backend, stash, offset, end)?
+                .then(|| stash.base() + offset as u64)),
         }
     }
 
@@ -115,6 +105,27 @@ fn source<B: Backend>(st: &mut State<B>) -> Option<Source<'_, B>> {
         None if !kept_pages.is_empty() => Some(Source::Pages(kept_pages)),
         None => stash.as_mut().map(Source::Stash),
     }
+}
+
+/// Whether the stash holds every byte of `offset..end`; if so (and the
+/// range is not empty), the host's access to the pieces that hold them is
+/// given first (the stash is mapped
+/// for the device; the CPU, and the driver's synchronous copies, fault
+/// reading it otherwise).
+fn grant_stash<B: Backend>(
+    backend: &B,
+    stash: &mut crate::region::Region<B>,
+    offset: usize,
+    end: usize,
+) -> Result<bool> {
+    if !stash_holds(stash, offset, end) {
+        return Ok(false);
+    }
+    if end > offset {
+        let (res, table) = stash.parts();
+        crate::migration::grant_cpu(backend, res, table, offset, end - offset)?;
+    }
+    Ok(true)
 }
 
 /// Whether the stash holds every byte of `offset..end`.

@@ -188,9 +188,6 @@ impl<B: Backend> Shared<B> {
         r: &mut SleepReport,
     ) -> Result<()> {
         let backend = &*self.backend;
-        // The stash's pieces tile the runs: keep the ones that match, give
-        // the others to the pool, map what is missing (granted to the GPU
-        // only: no copy here runs on the CPU).
         let t = Instant::now();
         let mut missing: Vec<(usize, usize)> = Vec::new();
         for &(o, n) in parts {
@@ -289,11 +286,7 @@ impl<B: Backend> Shared<B> {
                         .overlapping(o..o + b)
                         .map(|(k, e)| (k, e.bytes))
                 })
-                .flat_map(|(k, n)| {
-                    (k..k + n)
-                        .step_by(most.min(n).max(1))
-                        .map(move |at| (at, most.min(k + n - at)))
-                })
+                .flat_map(|(k, n)| pieces(k, n, most, 0))
                 .collect(),
         };
         let t = Instant::now();
