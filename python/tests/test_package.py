@@ -137,6 +137,12 @@ def test_sleep_and_stats_without_memory():
         assert vmmbuf.stats(0) == {}
         assert vmmbuf.sleep() == 0
         assert vmmbuf.wake(zero=True) == 0
+        assert vmmbuf.wake(restore_free=True) == 0
+        try:
+            vmmbuf.wake(restore_free="yes")
+            raise AssertionError("a non-bool restore_free was taken")
+        except TypeError as e:
+            assert "restore_free must be True or False" in str(e), e
         assert vmmbuf.prepare_sleep(wait=True) == 0
         assert warns(["'weights'", "(the default tag)"], lambda: vmmbuf.wake(["weights", None])) == 0
         assert warns(["'kv'"], lambda: vmmbuf.sleep("kv")) == 0
@@ -387,11 +393,22 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     calls: List[Any] = []
     monkeypatch.setattr(tms._vtorch, "use", lambda: calls.append("use"))
     monkeypatch.setattr(tms._native, "set_default_tag", lambda t: calls.append(t))
+    # The C tms_resume is told to map free memory back (resume's default
+    # where vmmbuf is the process's allocator), and told again on a change.
+    restores: List[bool] = []
+    monkeypatch.setattr(tms._native, "set_tms_restore_free", restores.append)
+    monkeypatch.setattr(tms._vtorch, "is_process_wide", lambda: "use" in calls)
     assert not tms._init_enable(tms.TorchMemorySaver(), {}) and calls == []
     assert not tms._init_enable(tms.TorchMemorySaver(), {"TMS_INIT_ENABLE": "0"}) and calls == []
     s1 = tms.TorchMemorySaver()
     assert tms._init_enable(s1, {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
     assert calls == ["use", "default"] and s1._used == {"default": ["pinned"]}
+    assert restores == [True] and s1.restore_free and s1._restores()
+    s1.restore_free = False
+    assert restores == [True, False] and not s1._restores()
+    with pytest.raises(TypeError, match="restore_free must be True or False"):
+        s1.restore_free = 1
+    assert restores == [True, False] and not s1.restore_free
     calls.clear()
     s2 = tms.TorchMemorySaver()
     assert tms._init_enable(s2, {"TMS_INIT_ENABLE": "1"})

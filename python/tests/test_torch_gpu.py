@@ -468,6 +468,59 @@ def test_torch_memory_saver_init_enable_pauses_every_allocation(torch_gpu):
     assert out.strip().endswith("OK"), out
 
 
+def test_torch_memory_saver_resume_maps_back_what_pause_gave(torch_gpu):
+    """``TMS_INIT_ENABLE=1`` (vmmbuf the process's allocator): after a
+    forward pass leaves 768 MiB of freed activations in vmmbuf's cache,
+    ``resume()`` maps back all that ``pause()`` gave, as torch_memory_saver
+    does (its training-engine example checks this), so the next forward
+    pass maps nothing; with ``restore_free = False`` it maps back only what
+    the weights hold, and the C ``tms_resume`` follows the setting. The
+    weights keep every byte throughout."""
+    out = run_script("""
+        import ctypes, torch, vmmbuf
+        from vmmbuf.torch_memory_saver import torch_memory_saver as tms, preload_library_path
+        MiB = 1 << 20
+        g = torch.Generator(device="cuda").manual_seed(5)
+        w = torch.randint(0, 255, (96 * MiB,), dtype=torch.uint8, device="cuda", generator=g)
+        ref = w.clone().cpu()
+
+        def forward():
+            act = torch.ones(192 * MiB, device="cuda")  # 768 MiB, freed at return
+            return (act * w[:1].float()).sum().item()
+
+        def used():
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+
+        lib = ctypes.CDLL(vmmbuf.library_path())
+        first = forward()
+        for restore in (True, False):
+            tms.restore_free = restore
+            before = used()
+            tms.pause()
+            paused = used()
+            assert before - paused >= 800 * MiB, (before, paused)
+            if restore:
+                tms.resume()
+            else:
+                assert lib.vmmbuf_tms_resume(None) == 0, vmmbuf.last_error()
+            back = used() - paused
+            if restore:
+                assert abs(back - (before - paused)) <= 8 * MiB, (back, before - paused)
+                at = used()
+                assert forward() == first
+                assert abs(used() - at) <= 2 * MiB, "the next pass mapped nothing"
+            else:
+                assert 96 * MiB <= back <= 120 * MiB, back
+                assert forward() == first
+            assert torch.equal(w.cpu(), ref), "the weights kept every byte"
+            print("restore", restore, "paused", (before - paused) // MiB, "MiB, resumed", back // MiB, "MiB")
+        print("OK")
+    """, env={"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"})
+    assert out.strip().endswith("OK"), out
+
+
 def test_torch_memory_saver_cuda_graph_memory_pauses_and_the_graph_replays(torch_gpu):
     """``cuda_graph()`` (vmmbuf process-wide): a graph whose intermediate
     tensors (1 GiB) live in its pool; ``pause("graph")`` gives that memory

@@ -145,14 +145,18 @@ def sleep(tags: Tags = None, *, mode: Optional[str] = None, discard: bool = Fals
     return sum(_native.sleep(t, m)[0] for t in _each(tags, "sleep"))
 
 
-def wake(tags: Tags = None, *, zero: bool = False) -> int:
+def wake(tags: Tags = None, *, zero: bool = False, restore_free: bool = False) -> int:
     """Wakes the allocations of ``tags`` (None: every tag's) at the same
     addresses: kept data comes back to the GPU; discarded memory is mapped
     afresh, its contents undefined unless ``zero=True``. The pinned host
-    memory a kept sleep used stays cached for the next sleep. Returns the
-    bytes woken."""
+    memory a kept sleep used stays cached for the next sleep. With
+    ``restore_free=True`` the free memory the sleep gave back (vmmbuf's
+    cache) is mapped again too, so the footprint is the one before the
+    sleep and the next allocations map nothing (best effort: what the
+    device cannot hold stays unmapped). Returns the bytes woken."""
     zero = _check.flag("zero", zero)
-    return sum(_native.wake(t, zero)[0] for t in _each(tags, "wake"))
+    restore_free = _check.flag("restore_free", restore_free)
+    return sum(_native.wake(t, zero, False, restore_free)[0] for t in _each(tags, "wake"))
 
 
 def prepare_sleep(tags: Tags = None, *, wait: bool = False, mode: Optional[str] = None,

@@ -29,7 +29,9 @@ nest; a tag may have regions with and without a backup; ``cuda_graph()``
 ``TMS_INIT_ENABLE_CPU_BACKUP=1`` to keep the contents), every allocation of
 the process is pausable under the tag ``"default"``, as in
 torch_memory_saver's preload mode (vmmbuf becomes the process's allocator:
-import it before the first CUDA tensor).
+import it before the first CUDA tensor); its ``resume`` then maps back
+the free memory the pause gave back too, as torch_memory_saver's does
+(``restore_free``).
 ``hook_mode = "preload"`` is torch_memory_saver's LD_PRELOAD mode: in a
 process started inside ``configure_subprocess()``, vmmbuf's preload library
 answers the CUDA runtime's ``cudaMalloc``/``cudaFree`` for the whole
@@ -97,6 +99,8 @@ class TorchMemorySaver:
         # _allocating_as), kept for the process, as torch_memory_saver keeps
         # its MemPools.
         self._pools: Dict[Tuple[str, int], Any] = {}
+        # resume maps back the free memory pause gave back (restore_free).
+        self._restore_free = True
 
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -251,7 +255,8 @@ class TorchMemorySaver:
         the backups stay readable (``get_cpu_backup``, at the same host
         address) until the next pause, which copies into them again."""
         keep = self._retain
-        total = sum(_native.wake(t, False, keep)[0] for t, _ in self._tags(tag))
+        restore = self._restores()
+        total = sum(_native.wake(t, False, keep, restore)[0] for t, _ in self._tags(tag))
         if not self._retain:
             _native.release_host_cache()
         return total
@@ -321,6 +326,32 @@ class TorchMemorySaver:
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool) -> None:
         self._retain = _check.flag("retain_cpu_backup", value)
+
+    @property
+    def restore_free(self) -> bool:
+        """Whether ``resume`` maps back, besides the tensors' memory, the
+        free memory ``pause`` gave back, where vmmbuf is the process's
+        allocator (``TMS_INIT_ENABLE=1`` or ``vmmbuf.torch.use()``): its free
+        blocks are then the cache PyTorch's allocator would keep, and
+        torch_memory_saver's resume maps back everything its pause unmapped,
+        that cache included. True by default, as torch_memory_saver: the
+        device footprint after ``resume`` is the one before ``pause``, and the
+        next step allocates without mapping. False maps back only what
+        tensors hold (less memory taken at the resume; free memory is mapped
+        again when an allocation needs it). In a region's ``MemPool``
+        PyTorch's allocator keeps the cache itself and resume maps it back
+        either way. Best effort: what the device cannot hold stays unmapped.
+        Also what the C ``tms_resume`` does."""
+        return self._restore_free
+
+    @restore_free.setter
+    def restore_free(self, value: bool) -> None:
+        self._restore_free = _check.flag("restore_free", value)
+        _native.set_tms_restore_free(self._restores())
+
+    def _restores(self) -> bool:
+        """Whether a resume maps back free memory (see ``restore_free``)."""
+        return self._restore_free and _vtorch.is_process_wide()
 
     @property
     def hook_mode(self) -> str:
@@ -532,6 +563,7 @@ def _init_enable(saver: TorchMemorySaver, env: Dict[str, str]) -> bool:
         return False
     backup = env.get("TMS_INIT_ENABLE_CPU_BACKUP", "0") == "1"
     _vtorch.use()
+    _native.set_tms_restore_free(saver._restores())
     _native.set_default_tag(saver._note(_TAG_DEFAULT, _backup_backend(backup, None, env)))
     if _PRELOAD_NAME in env.get("LD_PRELOAD", ""):
         # Started with vmmbuf's preload library (torch_memory_saver's

@@ -382,6 +382,12 @@ impl<B: Backend> Shared<B> {
     /// Unmaps every chunk that lies wholly inside a settled free block and
     /// hands it to the pool. Returns the bytes released.
     pub(super) fn release_free_chunks(&self, st: &mut State<B>) -> Result<usize> {
+        Ok(self.release_free_ranges(st)?.iter().map(|r| r.1).sum())
+    }
+
+    /// [`release_free_chunks`](Self::release_free_chunks), returning the
+    /// ranges given back, `(offset, bytes)`.
+    pub(super) fn release_free_ranges(&self, st: &mut State<B>) -> Result<Vec<(usize, usize)>> {
         for z in 0..st.zones.len() {
             self.settle_zone(st, z);
         }
@@ -403,7 +409,7 @@ impl<B: Backend> Shared<B> {
             st.zone_pieces(o, b)
                 .all(|(z, at, n)| st.zones[z].covers(at, n, true))
         });
-        let mut released = 0;
+        let mut released = Vec::with_capacity(whole.len());
         for (o, b) in whole {
             // Settled: the uses of these bytes have passed, no wait needed.
             for (_, e) in st.region.unmap(o, b)? {
@@ -416,7 +422,7 @@ impl<B: Backend> Shared<B> {
             for (z, at, n) in st.zone_pieces(o, b).collect::<Vec<_>>() {
                 st.zones[z].carve(at, n);
             }
-            released += b;
+            released.push((o, b));
             st.stats.num_device_free += 1;
         }
         Ok(released)

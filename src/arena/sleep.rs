@@ -28,115 +28,12 @@ use crate::table::{ChunkTable, Entry};
 use super::stats::SplitCount;
 
 mod backup;
+mod desc;
 mod mode;
 mod modes;
 
+pub use desc::{SleepDesc, WakeDesc};
 pub use mode::SleepMode;
-
-/// How [`Arena::sleep`] sleeps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct SleepDesc {
-    /// Keep the data, or discard it.
-    pub mode: SleepMode,
-    /// The largest piece a run of adjacent chunks is joined into, for the
-    /// sleep and the wake after it (rounded to the granularity; 64 MiB by
-    /// default, 256 MiB for [`SleepDesc::discard`]). Larger pieces mean fewer driver calls; a piece goes back
-    /// to the driver only whole, so after a wake the arena may hold up to
-    /// one piece more than its allocations need per run.
-    pub max_piece_bytes: usize,
-}
-
-impl Default for SleepDesc {
-    fn default() -> Self {
-        Self {
-            mode: SleepMode::Keep,
-            max_piece_bytes: 64 << 20,
-        }
-    }
-}
-
-impl SleepDesc {
-    /// Sleep keeping the data (the default).
-    pub fn keep() -> Self {
-        Self::default()
-    }
-
-    /// Sleep stashing the data away from the allocations
-    /// ([`SleepMode::Stash`]).
-    pub fn stash() -> Self {
-        Self {
-            mode: SleepMode::Stash,
-            ..Self::default()
-        }
-    }
-
-    /// Sleep discarding the data, in pieces of up to 256 MiB: with no copy
-    /// to overlap, a discarding sleep and its wake cost per mapping (on an
-    /// H100, 1.9 ms per GiB for both with 256 MiB pieces, 2.2 with 64 MiB).
-    pub fn discard() -> Self {
-        Self {
-            mode: SleepMode::Discard,
-            max_piece_bytes: 256 << 20,
-        }
-    }
-
-    /// Sets the largest piece runs are joined into.
-    pub fn max_piece_bytes(mut self, bytes: usize) -> Self {
-        self.max_piece_bytes = bytes;
-        self
-    }
-}
-
-impl From<SleepMode> for SleepDesc {
-    /// The default sleep of `mode` ([`SleepDesc::keep`],
-    /// [`SleepDesc::stash`] or [`SleepDesc::discard`]).
-    fn from(mode: SleepMode) -> Self {
-        match mode {
-            SleepMode::Discard => Self::discard(),
-            mode => Self {
-                mode,
-                ..Self::default()
-            },
-        }
-    }
-}
-
-/// How [`Arena::wake`] wakes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct WakeDesc {
-    /// After a discarding sleep, fill the fresh memory with zeros (queued on
-    /// the backend's stream and waited for). The other modes ignore it.
-    pub zero: bool,
-    /// After a stashing or pageable sleep, keep its host copy after the
-    /// wake (torch_memory_saver's `retain_cpu_backup`): it stays readable
-    /// ([`Arena::read_backup`], [`Arena::backup_address`], at the same host
-    /// address) until the next sleep, which copies into the same memory
-    /// where the runs match, or [`Arena::release_stash`]. Without it a
-    /// pageable copy goes back to the system at the wake, and no backup is
-    /// readable while awake. The other modes ignore it.
-    pub keep_backup: bool,
-}
-
-impl WakeDesc {
-    /// A wake that zero-fills discarded memory.
-    pub fn zeroed() -> Self {
-        Self {
-            zero: true,
-            ..Self::default()
-        }
-    }
-
-    /// A wake that keeps the host copy of a stashing or pageable sleep
-    /// ([`keep_backup`](Self::keep_backup)).
-    pub fn keeping_backup() -> Self {
-        Self {
-            keep_backup: true,
-            ..Self::default()
-        }
-    }
-}
 
 /// What a sleep or a wake did, and where its time went.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -155,6 +52,10 @@ pub struct SleepReport {
     /// Bytes of device memory the arena unmapped (sleep: its free chunks
     /// too) or mapped (wake).
     pub device_bytes: usize,
+    /// A wake with [`WakeDesc::restore_free`]: the bytes of free memory
+    /// mapped again (counted in `device_bytes` too). A sleep: the bytes of
+    /// whole free chunks it gave back.
+    pub free_bytes: usize,
     /// The copy pipeline's phases (a kept sleep and its wake).
     pub migration: MigrationReport,
     /// Waiting for the streams, the recorded uses and the pending frees.
@@ -182,6 +83,9 @@ pub(super) struct Asleep<F> {
     /// Pageable: each run's data, `(offset, buffer)` in address order (one
     /// per run, as long as the run), until the wake.
     paged: Vec<(usize, crate::backend::pages::PageableBuf)>,
+    /// The whole free chunks the sleeps gave back, `(offset, bytes)`, for
+    /// a wake that maps them again ([`WakeDesc::restore_free`]).
+    freed: Vec<(usize, usize)>,
 }
 
 impl<F> Asleep<F> {
@@ -193,6 +97,7 @@ impl<F> Asleep<F> {
             frees: Vec::new(),
             lost: Vec::new(),
             paged: Vec::new(),
+            freed: Vec::new(),
         }
     }
 
@@ -379,7 +284,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         };
         let device_before = st.region.table.mapped_bytes() - st.region.table.host_bytes();
         let t = Instant::now();
-        sh.quiesce(st, streams)?;
+        let freed = sh.quiesce(st, streams)?;
+        r.free_bytes = freed.iter().map(|x| x.1).sum();
         // A backup kept past the last wake is not readable once a sleep has
         // begun: the sleep copies into it afresh (a pageable one reuses its
         // buffers).
@@ -401,6 +307,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 }
                 r.device_bytes = device_before;
             }
+        }
+        if let Some(a) = st.asleep.as_mut() {
+            a.freed.extend(freed);
         }
         sh.rebuild_split(st);
         sh.count(st);
@@ -490,6 +399,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             st.asleep = Some(asleep);
             sh.count(st);
             return Err(e);
+        }
+        if desc.restore_free {
+            r.free_bytes = sh.refill(st, &asleep.freed);
+            if sh.placement != Location::Host {
+                r.device_bytes += r.free_bytes;
+            }
         }
         let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
         st.backup_kept = keep;

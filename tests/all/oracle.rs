@@ -452,8 +452,10 @@ enum AOp {
     SleepUnmapping {
         stash: bool,
     },
+    /// A wake; `restore` maps back the free chunks the sleep gave back.
     Wake {
         zero: bool,
+        restore: bool,
     },
     /// Stream `s` starts being captured into a new CUDA graph: until
     /// `CaptureEnd`, its allocations come from the graph's pool, its uses of
@@ -518,7 +520,7 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => Just(AOp::Offload),
         1 => Just(AOp::Restore),
         2 => any::<bool>().prop_map(|stash| AOp::SleepUnmapping { stash }),
-        1 => any::<bool>().prop_map(|zero| AOp::Wake { zero }),
+        1 => (any::<bool>(), any::<bool>()).prop_map(|(zero, restore)| AOp::Wake { zero, restore }),
         1 => (0..STREAMS, any::<bool>()).prop_map(|(s, reuse)| AOp::CaptureBegin { s, reuse }),
         1 => Just(AOp::CaptureInvalidate),
         1 => Just(AOp::CaptureEnd),
@@ -925,12 +927,13 @@ fn run_arena_waiting(
                     Err(e) => prop_assert!(false, "{} sleep failed: {}", want, e),
                 }
             }
-            AOp::Wake { zero } => {
-                let desc = if zero {
+            AOp::Wake { zero, restore } => {
+                let mut desc = if zero {
                     WakeDesc::zeroed()
                 } else {
                     WakeDesc::default()
                 };
+                desc.restore_free = restore;
                 arena
                     .wake(&passed(&live, &used_on, &replayed_on), &desc)
                     .unwrap();
@@ -1461,7 +1464,10 @@ fn oracle_case_deferred_cover_1() {
             work: false,
         },
         Alloc { units: 2, s: 1 },
-        Wake { zero: false },
+        Wake {
+            zero: false,
+            restore: false,
+        },
         Alloc { units: 13, s: 0 },
         Free { which: 19 },
         Alloc { units: 1, s: 0 },

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use vmmbuf::{
-    Allocation, Arena, ArenaDesc, Backend, ChunkPool, CudaBackend, HostBackend, Location, PoolDesc,
-    SleepDesc, SleepMode, WakeDesc,
+    Allocation, Arena, ArenaDesc, Backend, Budget, ChunkPool, CudaBackend, HostBackend, Location,
+    PoolDesc, SleepDesc, SleepMode, WakeDesc,
 };
 
 use crate::common::{gpu, host, random_bytes};
@@ -29,6 +29,8 @@ crate::register! {
         every_failed_call_of_a_pageable_sleep_or_wake_loses_nothing,
         a_disk_sleep_cuts_chunks_into_files_of_at_most_the_bytes_set,
         a_kept_backup_stays_readable_at_one_address_until_released,
+        a_wake_restoring_free_memory_maps_back_what_the_sleep_gave,
+        a_restoring_wake_stops_at_the_budget_and_loses_nothing,
     ],
     gpu: [sleep_gives_the_device_memory_back_and_kernels_still_read],
 }
@@ -1166,4 +1168,142 @@ fn sleep_gives_the_device_memory_back_and_kernels_still_read() {
     drop(live);
     drop(arena);
     assert_eq!(b.live().chunks, 0, "every chunk back to the driver");
+}
+
+fn restoring() -> WakeDesc {
+    let mut desc = WakeDesc::default();
+    desc.restore_free = true;
+    desc
+}
+
+/// torch_memory_saver's resume: with `restore_free`, a wake in every mode
+/// maps back the whole free chunks the sleep gave back, so the footprint is
+/// the one before the sleep and the freed sizes are served again without
+/// a mapping; every byte of every live allocation stays (but a discarding
+/// sleep's), at its address. Without it only the live runs come back.
+fn a_wake_restoring_free_memory_maps_back_what_the_sleep_gave() {
+    let modes = [
+        SleepMode::Discard,
+        SleepMode::Stash,
+        SleepMode::Pageable,
+        SleepMode::Keep,
+    ];
+    for (k, mode) in modes.into_iter().enumerate() {
+        for restore in [true, false] {
+            let (fb, arena) = emulated();
+            let live = fill(&arena, 70 + 2 * k as u64 + restore as u64, 27);
+            let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+            let before = arena.stats();
+            let r = arena.sleep(&[Q(0), Q(1)], &SleepDesc::from(mode)).unwrap();
+            assert!(
+                r.free_bytes >= 2 << 20,
+                "{mode}: the freed 2 and 5 MiB allocations left whole free chunks ({})",
+                r.free_bytes
+            );
+            let desc = if restore {
+                restoring()
+            } else {
+                WakeDesc::default()
+            };
+            let w = arena.wake(&[Q(0), Q(1)], &desc).unwrap();
+            let s = arena.stats();
+            if mode != SleepMode::Discard {
+                assert_intact(&live, &addresses, &format!("{mode} wake"));
+            }
+            if !restore {
+                assert_eq!(w.free_bytes, 0);
+                assert_eq!(
+                    s.reserved_bytes.current + r.free_bytes,
+                    before.reserved_bytes.current,
+                    "{mode}: only the runs came back"
+                );
+                continue;
+            }
+            assert_eq!(
+                w.free_bytes, r.free_bytes,
+                "{mode}: every free chunk came back"
+            );
+            assert_eq!(
+                s.reserved_bytes.current, before.reserved_bytes.current,
+                "{mode}: the footprint before the sleep"
+            );
+            if matches!(mode, SleepMode::Discard | SleepMode::Pageable) {
+                // No host pieces stay in the pool after these wakes.
+                assert_eq!(fb.live().chunk_bytes, s.reserved_bytes.current, "{mode}");
+            }
+            if mode != SleepMode::Keep {
+                assert_eq!(w.device_bytes, w.bytes + w.free_bytes, "{mode}");
+            }
+            // The freed sizes are served from the restored memory.
+            let mut again = Vec::new();
+            for (i, n) in [2 << 20, 300 << 10, 100].into_iter().enumerate() {
+                let mut a = arena.alloc(n, &Q(0)).unwrap();
+                let data = random_bytes(900 + i as u64, n);
+                a.write(0, &data).unwrap();
+                again.push((a, data));
+            }
+            assert_eq!(
+                arena.stats().reserved_bytes.current,
+                before.reserved_bytes.current,
+                "{mode}: nothing new was mapped"
+            );
+            for (a, data) in &again {
+                for (b, d) in &live {
+                    assert!(disjoint((a.address(), data.len()), (b.address(), d.len())));
+                }
+            }
+            let again_at: Vec<u64> = again.iter().map(|(a, _)| a.address()).collect();
+            assert_intact(
+                &again,
+                &again_at,
+                &format!("{mode}: served from restored memory"),
+            );
+            if mode != SleepMode::Discard {
+                assert_intact(&live, &addresses, &format!("{mode}: beside the new ones"));
+            }
+        }
+    }
+}
+
+/// A restoring wake under a budget that another arena has partly taken
+/// while this one slept: the live runs come back with every byte, the free
+/// memory only as far as the budget allows (the wake stands), and the
+/// budget is never passed.
+fn a_restoring_wake_stops_at_the_budget_and_loses_nothing() {
+    let fb = FaultBackend::emulating_gpu(host());
+    let budget = Budget::new(160 << 20);
+    let desc = ArenaDesc::new(1 << 30)
+        .max_chunk_bytes(256 << 10)
+        .shared_budget(budget.clone());
+    let arena: EmuArena = Arena::new(fb.clone(), desc.clone()).unwrap();
+    let other: EmuArena = Arena::new(fb.clone(), desc).unwrap();
+    let live = fill(&arena, 501, 27);
+    let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+    let r = arena.sleep(&[Q(0), Q(1)], &SleepDesc::stash()).unwrap();
+    // Asleep, the other arena takes all but the runs and half the free
+    // memory of the budget.
+    let target = r.bytes + r.free_bytes / 2;
+    let mut held = Vec::new();
+    while budget.limit() - budget.used() > target {
+        let gap = budget.limit() - budget.used() - target;
+        let n = if gap >= 1 << 20 { 1 << 20 } else { 256 << 10 };
+        held.push(other.alloc(n, &Q(0)).unwrap());
+    }
+    assert!(!held.is_empty());
+    let w = arena.wake(&[Q(0), Q(1)], &restoring()).unwrap();
+    assert_eq!(arena.sleep_mode(), None);
+    assert_intact(&live, &addresses, "a wake the budget cut short");
+    assert!(
+        w.free_bytes < r.free_bytes,
+        "the budget left no room for all of it: {} of {}",
+        w.free_bytes,
+        r.free_bytes
+    );
+    assert!(budget.used() <= budget.limit());
+    let s = arena.stats();
+    assert_eq!(
+        s.reserved_bytes.current,
+        r.bytes + w.free_bytes,
+        "what was mapped is counted, nothing more"
+    );
 }

@@ -8,12 +8,13 @@ use super::*;
 
 impl<B: Backend> Shared<B> {
     /// Waits for `streams`' work, the uses recorded on live allocations and
-    /// the pending frees; then gives whole free chunks to the pool.
+    /// the pending frees; then gives whole free chunks to the pool and
+    /// returns their ranges, `(offset, bytes)`.
     pub(super) fn quiesce<S: ArenaStream<B>>(
         &self,
         st: &mut State<B>,
         streams: &[S],
-    ) -> Result<usize> {
+    ) -> Result<Vec<(usize, usize)>> {
         let backend = &*self.backend;
         // Each stream's fence, numbered: it also covers the frees owed on
         // the stream so far (no device synchronisation for those).
@@ -29,7 +30,7 @@ impl<B: Backend> Shared<B> {
         }
         self.wait_live_uses(st)?;
         self.wait_pending_frees(st)?;
-        self.release_free_chunks(st)
+        self.release_free_ranges(st)
     }
 
     /// The piece size `desc` asks for: rounded to the granularity, never
@@ -475,6 +476,52 @@ impl<B: Backend> Shared<B> {
             r.migration.copy_time += t.elapsed();
         }
         Ok(())
+    }
+
+    /// A wake's [`WakeDesc::restore_free`]: fresh memory mapped again over
+    /// the free chunks the sleep gave back, `freed`, where nothing has been
+    /// mapped since, free for the next allocations; returns the bytes
+    /// mapped. Best effort, as a cache is: the first range the budget or
+    /// the device cannot hold ends it (the wake stands, and a later
+    /// allocation maps what it needs, or fails then with the cause).
+    pub(super) fn refill(&self, st: &mut State<B>, freed: &[(usize, usize)]) -> usize {
+        let mut done = 0;
+        for &(o, b) in freed {
+            if st.region.table.overlapping(o..o + b).next().is_some() {
+                continue;
+            }
+            let Some(hold) = Budget::hold(self.shared_budget.as_deref(), b) else {
+                break;
+            };
+            if self
+                .budget
+                .is_some_and(|budget| st.region.table.mapped_bytes() + b > budget)
+            {
+                break;
+            }
+            let parts = pieces(o, b, usize::MAX, st.small_end);
+            let sizes: Vec<usize> = parts.iter().map(|p| p.1).collect();
+            if let Err(e) = self.map_fresh(st, o, &sizes) {
+                tracing::debug!(offset = o, bytes = b, error = %e, "vmmbuf: free memory not restored");
+                break;
+            }
+            hold.keep();
+            for (a, n) in parts {
+                let z = st.zone_of_offset(a);
+                let State { zones, region, .. } = &mut *st;
+                zones[z].insert_in(
+                    a,
+                    Free {
+                        size: n,
+                        stream: None,
+                        fences: FenceSet::default(),
+                    },
+                    &region.walls(),
+                );
+            }
+            done += b;
+        }
+        done
     }
 
     /// Undoes a failed wake: nothing used the fresh memory of `mapped`, so

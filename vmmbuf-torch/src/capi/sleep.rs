@@ -35,7 +35,10 @@ pub unsafe extern "C" fn vmmbuf_sleep(tag: *const c_char, mode: c_int) -> i64 {
 /// kept contents come back; discarded ranges get fresh memory, zeroed if
 /// `flags` bit 0 (`VMMBUF_ZERO`) is set; a stashing or pageable sleep's
 /// host copy stays readable after the wake if bit 1
-/// (`VMMBUF_KEEP_BACKUP`) is set. Returns the bytes woken, or -1 on an
+/// (`VMMBUF_KEEP_BACKUP`) is set; the free memory the sleep gave back is
+/// mapped again, free for the next allocations, if bit 2
+/// (`VMMBUF_RESTORE_FREE`) is set (best effort: see
+/// `vmmbuf::WakeDesc::restore_free`). Returns the bytes woken, or -1 on an
 /// error (logged).
 ///
 /// # Safety
@@ -71,7 +74,7 @@ fn move_tag(tag: *const c_char, sleep: bool, flags: c_int) -> i64 {
         };
         state::sleep_tags(t, mode)
     } else {
-        state::wake_tags(t, flags & 1 != 0, flags & 2 != 0)
+        state::wake_tags(t, flags & 1 != 0, flags & 2 != 0, flags & 4 != 0)
     };
     match r {
         Ok(m) => m.bytes as i64,

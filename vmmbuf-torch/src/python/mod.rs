@@ -256,18 +256,23 @@ fn sleep(py: Python<'_>, tag: Option<String>, mode: &str) -> PyResult<(u64, u64)
 /// Wakes `tag`'s allocations (None: every tag's) at the same addresses:
 /// kept data comes back; discarded ranges get fresh memory (zeroed with
 /// `zero`); a stashing or pageable sleep's host copy stays readable with
-/// `keep_backup`. `(bytes woken, device bytes mapped)`.
+/// `keep_backup`; with `restore_free` the free memory the sleep gave back
+/// is mapped again, free for the next allocations (torch_memory_saver's
+/// resume). `(bytes woken, device bytes mapped)`.
 #[pyfunction]
-#[pyo3(signature = (tag=None, zero=false, keep_backup=false))]
+#[pyo3(signature = (tag=None, zero=false, keep_backup=false, restore_free=false))]
 fn wake(
     py: Python<'_>,
     tag: Option<String>,
     zero: bool,
     keep_backup: bool,
+    restore_free: bool,
 ) -> PyResult<(u64, u64)> {
-    detached(py, || state::wake_tags(tag.as_deref(), zero, keep_backup))
-        .map(|m| (m.bytes, m.device_bytes))
-        .map_err(to_py)
+    detached(py, || {
+        state::wake_tags(tag.as_deref(), zero, keep_backup, restore_free)
+    })
+    .map(|m| (m.bytes, m.device_bytes))
+    .map_err(to_py)
 }
 
 /// Creates the pinned host pieces a sleep of `tag` (None: every tag) in
@@ -332,6 +337,13 @@ fn set_default_tag(tag: &str) {
     state::set_default_tag(tag)
 }
 
+/// Whether the C `tms_resume` maps back the free memory its pause gave
+/// back, as `wake(restore_free=True)` does.
+#[pyfunction]
+fn set_tms_restore_free(on: bool) {
+    state::set_tms_restore_free(on)
+}
+
 /// Device bytes every arena leaves free when it maps, all devices (0:
 /// none).
 #[pyfunction]
@@ -390,6 +402,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(nccl_covers, m)?)?;
     m.add_function(wrap_pyfunction!(set_default_tag, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_margin, m)?)?;
+    m.add_function(wrap_pyfunction!(set_tms_restore_free, m)?)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

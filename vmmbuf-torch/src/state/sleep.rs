@@ -53,12 +53,20 @@ pub(crate) fn sleep_tags(tag: Option<&str>, mode: SleepMode) -> Result<Moved> {
 /// Wakes `tag`'s arena (`None`: every tag's) on every device: kept data
 /// comes back, discarded ranges get fresh memory (zeroed if `zero`), at the
 /// same addresses; a stashing or pageable sleep's host copy stays readable
-/// if `keep_backup` (`WakeDesc::keep_backup`). On an error the arena that
+/// if `keep_backup` (`WakeDesc::keep_backup`); with `restore_free` the free
+/// memory the sleep gave back is mapped again (`WakeDesc::restore_free`).
+/// On an error the arena that
 /// failed stays asleep.
-pub(crate) fn wake_tags(tag: Option<&str>, zero: bool, keep_backup: bool) -> Result<Moved> {
+pub(crate) fn wake_tags(
+    tag: Option<&str>,
+    zero: bool,
+    keep_backup: bool,
+    restore_free: bool,
+) -> Result<Moved> {
     let mut desc = WakeDesc::default();
     desc.zero = zero;
     desc.keep_backup = keep_backup;
+    desc.restore_free = restore_free;
     let mut moved = Moved::default();
     for (_, d) in all_devices() {
         let d = d.lock();
@@ -196,6 +204,19 @@ pub(crate) const TMS_KINDS: [(&str, &str, SleepMode); 4] = [
     ("discard", "\u{1f}discard", SleepMode::Discard),
 ];
 
+/// Whether the C `tms_resume` maps back the free memory its pause gave
+/// back (`WakeDesc::restore_free`): set from Python where vmmbuf is the
+/// process's allocator, so that its free blocks are the cache PyTorch's
+/// allocator would keep (torch_memory_saver's resume maps that back).
+static TMS_RESTORE_FREE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets what the C `tms_resume` does with free memory ([`TMS_RESTORE_FREE`]):
+/// from Python only.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn set_tms_restore_free(on: bool) {
+    TMS_RESTORE_FREE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// torch_memory_saver's C `tms_pause` (`pause`) and `tms_resume`: every
 /// arena of the region tag `tag` (`None`: of every region; untagged memory
 /// is no region's) sleeps as its kind's pause does, or wakes. On an error
@@ -229,7 +250,9 @@ pub(crate) fn tms_move(tag: Option<&str>, pause: bool) -> Result<Moved> {
                 if arena.sleep_mode().is_none() {
                     continue;
                 }
-                arena.wake(&streams, &WakeDesc::default())?
+                let mut desc = WakeDesc::default();
+                desc.restore_free = TMS_RESTORE_FREE.load(std::sync::atomic::Ordering::Relaxed);
+                arena.wake(&streams, &desc)?
             };
             moved.add(&r);
         }
