@@ -17,6 +17,7 @@ Variants (one torchrun launch each):
                (registered bytes = mapped device bytes after each).
   tms          torch_memory_saver (hook mode "torch"): "train" in a region
                with a CPU backup, the KV cache in one without.
+  vtms         the same through vmmbuf's torch_memory_saver interface.
 
 Per rank and iteration: the loss (every variant's must equal "none"'s bit
 for bit), pause and resume seconds and GiB, the memory the pause freed
@@ -39,7 +40,7 @@ import time
 from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("none", "vmmbuf", "vmmbuf-nccl", "tms")
+VARIANTS = ("none", "vmmbuf", "vmmbuf-nccl", "vtms", "tms")
 GiB = float(1 << 30)
 
 
@@ -63,8 +64,8 @@ def worker(a: argparse.Namespace) -> None:
     sl: Any = None
     if a.variant.startswith("vmmbuf"):
         sl = Vmmbuf(reachable=True)
-    elif a.variant == "tms":
-        sl = Tms(retain=False, backup=True)
+    elif a.variant in ("tms", "vtms"):
+        sl = Tms(retain=False, backup=True, preload=False, ours=a.variant == "vtms")
     reg = None
     if a.variant == "vmmbuf-nccl":
         import vmmbuf.torch as vt
