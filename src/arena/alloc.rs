@@ -54,7 +54,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// pools free nothing.
     pub fn release_graph(&self, graph: GraphPoolId) -> Result<usize> {
         let mut st = self.shared.state.lock();
-        let Some(pool) = st.graphs.remove(&graph) else {
+        let Some(pool) = st.heap.graphs.remove(&graph) else {
             return Ok(0);
         };
         let mut freed = 0;
@@ -71,9 +71,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 .next()
                 .map(|f| f.key)
                 .filter(|&k| h.fences.only_on(k));
-            let z = st.zone_of_offset(o);
-            let State { zones, region, .. } = &mut *st;
-            zones[z].insert_in(
+            let State { heap, region, .. } = &mut *st;
+            heap.insert_free(
                 o,
                 Free {
                     size: h.size,
@@ -83,7 +82,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 &region.walls(),
             );
         }
-        for l in st.live.values_mut().filter(|l| l.graph == Some(graph)) {
+        for l in st.heap.live.values_mut().filter(|l| l.graph == Some(graph)) {
             l.graph = None;
         }
         self.shared.count(&mut st);
@@ -94,7 +93,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// allocations.
     pub fn graph_pools(&self) -> Vec<(GraphPoolId, usize, usize)> {
         let st = self.shared.state.lock();
-        st.graphs
+        st.heap
+            .graphs
             .iter()
             .map(|(&id, p)| (id, p.held_bytes(), p.live))
             .collect()
@@ -147,7 +147,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         if self.shared.defer_free_fences {
             self.shared.note_stream(key);
         }
-        if st.owed.needs_cover(key) {
+        if st.heap.owed.needs_cover(key) {
             self.shared.cover(st, stream);
         }
     }
@@ -167,7 +167,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         key: StreamKey,
         graph: Option<GraphPoolId>,
     ) -> Result<(usize, bool)> {
-        if let Some(o) = graph.and_then(|g| st.graphs.get_mut(&g)?.take(size, key)) {
+        if let Some(o) = graph.and_then(|g| st.heap.graphs.get_mut(&g)?.take(size, key)) {
             return Ok((o, true));
         }
         let find_key = if graph.is_some() { GRAPH_KEY } else { key };
@@ -211,28 +211,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         graph: Option<GraphPoolId>,
         from_held: bool,
     ) -> Arc<Uses<B::Fence>> {
-        let uses = st.spare_uses.pop().unwrap_or_default();
-        st.live.insert(
-            offset,
-            Live {
-                size,
-                requested: bytes,
-                stream: key,
-                uses: uses.clone(),
-                graph,
-            },
-        );
-        if let Some(g) = graph {
-            st.graphs.entry(g).or_default().live += 1;
-        }
+        let uses = st.heap.note_live(offset, size, bytes, key, graph);
         // A graph's held bytes count as allocated in the split already.
         if !from_held {
             let State { split, region, .. } = &mut *st;
             split.change(&region.table, offset, size, true);
         }
         st.stats.num_allocs += 1;
-        st.allocated += size;
-        st.requested += bytes;
         self.shared.count(st);
         uses
     }

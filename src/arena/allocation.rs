@@ -173,7 +173,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// ordinary allocation).
     pub fn graph(&self) -> Option<GraphPoolId> {
         let st = self.arena.state.lock();
-        st.live.get(&self.offset).and_then(|l| l.graph)
+        st.heap.live.get(&self.offset).and_then(|l| l.graph)
     }
 
     /// Frees it while its stream (and every stream it was recorded on) is
@@ -274,7 +274,7 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         let mut st = self.arena.state.lock();
         // The graph it came from, unless that graph was released since (it
         // is an ordinary allocation then, whatever pool has the id now).
-        let graph = st.live.remove(&self.offset).and_then(|l| l.graph);
+        let graph = st.heap.live.remove(&self.offset).and_then(|l| l.graph);
         let into = match self.how {
             Freeing::IntoGraph(g) => Some(g),
             _ => None,
@@ -284,7 +284,7 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         // The graph that keeps the block: the one it came from while that
         // graph lives (its replays use the bytes, whatever capture frees
         // them), else the one it is freed into.
-        match graph.filter(|g| st.graphs.contains_key(g)).or(into) {
+        match graph.filter(|g| st.heap.graphs.contains_key(g)).or(into) {
             Some(g) => self.keep_in_graph(&mut st, g, into.is_some() && no_other_stream, fences),
             None => self.give_back(&mut st, owed_on, fences),
         }
@@ -352,12 +352,12 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
             fences.add(owed_mark(key));
         }
         for key in owe_own.into_iter().chain(failed) {
-            st.owed.owe_wanted(key);
+            st.heap.owed.owe_wanted(key);
         }
         if let Some(key) = owed_on {
-            st.owed.owe(key);
+            st.heap.owed.owe(key);
         }
-        if self.how == Freeing::Fence && st.owed.needs_cover(own_key) {
+        if self.how == Freeing::Fence && st.heap.owed.needs_cover(own_key) {
             self.arena.cover(st, &self.stream);
         }
     }
@@ -367,21 +367,9 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// nothing else: the arena's entry just went, views borrow the
     /// allocation) kept for the next allocation.
     fn settle_accounts(&self, st: &mut State<B>, graph: Option<GraphPoolId>) {
-        if Arc::strong_count(&self.uses) == 1
-            && Arc::weak_count(&self.uses) == 0
-            && st.spare_uses.len() < super::SPARE_USES
-            && self.uses.is_empty()
-        {
-            st.spare_uses.push(self.uses.clone());
-        }
+        st.heap
+            .note_freed(self.size, self.requested, graph, &self.uses);
         st.stats.num_frees += 1;
-        st.allocated -= self.size;
-        st.requested -= self.requested;
-        if let Some(g) = graph {
-            if let Some(p) = st.graphs.get_mut(&g) {
-                p.live -= 1;
-            }
-        }
     }
 
     /// The block becomes graph `g`'s until its release, retaken in the
@@ -397,7 +385,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     ) {
         let reuse = (retakable && fences.is_empty()).then_some(self.stream.key());
         let zone = st.zone_range(self.offset);
-        st.graphs.entry(g).or_default().put(
+        st.heap.graphs.entry(g).or_default().put(
             self.offset,
             Held {
                 size: self.size,
@@ -428,9 +416,9 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         // Only the allocation's own stream may reuse the block before the
         // fences pass, and only if no other stream used it.
         let stream = fences.only_on(own_key).then_some(own_key);
-        let z = st.zone_of_offset(self.offset);
-        let super::State { zones, region, .. } = &mut *st;
-        zones[z].insert_in(
+        let z = st.heap.zone_of_offset(self.offset);
+        let super::State { heap, region, .. } = &mut *st;
+        heap.zones[z].insert_in(
             self.offset,
             Free {
                 size: self.size,
@@ -443,8 +431,8 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         // free would keep all of it from the other streams until its
         // stream's next call: covered now instead.
         if let Some(key) = owed_on {
-            let joined = st.zones[z].size_at(self.offset);
-            if joined >= super::owed::JOINED_BYTES && st.owed.needs_any_cover(key) {
+            let joined = st.heap.zones[z].size_at(self.offset);
+            if joined >= super::owed::JOINED_BYTES && st.heap.owed.needs_any_cover(key) {
                 self.arena.cover(st, &self.stream);
             }
         }

@@ -5,6 +5,7 @@
 //! back to the pool. Every function runs under the arena's lock.
 
 use super::blocks::StreamKey;
+use super::heap::Heap;
 use super::{ArenaStream, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -22,22 +23,22 @@ impl<B: Backend> Shared<B> {
     /// A free block of `size` for `key`: from the index, after settling
     /// passed frees, or from newly mapped memory.
     pub(super) fn find(&self, st: &mut State<B>, size: usize, key: StreamKey) -> Result<usize> {
-        let z = State::<B>::zone_of_size(size);
+        let z = Heap::<B::Fence>::zone_of_size(size);
         if let Some(o) = self.take(st, z, size, key) {
             return Ok(o);
         }
         // A miss: streams with frees owed record their covers at their next
         // call, so that their blocks may settle for the others.
         if self.defer_free_fences {
-            st.owed.want_all_but(key);
+            st.heap.owed.want_all_but(key);
         }
         self.settle_zone(st, z);
         if let Some(o) = self.take(st, z, size, key) {
             return Ok(o);
         }
         let coalesced = {
-            let State { zones, region, .. } = &mut *st;
-            zones[z].coalesce_in(key, &region.walls())
+            let State { heap, region, .. } = &mut *st;
+            heap.zones[z].coalesce_in(key, &region.walls())
         };
         if coalesced > 0 {
             if let Some(o) = self.take(st, z, size, key) {
@@ -51,7 +52,7 @@ impl<B: Backend> Shared<B> {
         }
         // Growth. Counted apart when another stream's pending block could
         // have served (the GPU's lag made this memory).
-        let past_pending = st.zones[z]
+        let past_pending = st.heap.zones[z]
             .iter()
             .any(|(_, f)| f.size >= size && !f.usable_by(key));
         let before = st.region.table.mapped_bytes();
@@ -63,7 +64,7 @@ impl<B: Backend> Shared<B> {
             self.map_whole(st, z, size, key)
         } else {
             self.map_for(st, z, size, key).and_then(|()| {
-                st.zones[z]
+                st.heap.zones[z]
                     .take(size, key)
                     .ok_or_else(|| Error::invalid("mapped memory did not make a block (a bug)"))
             })
@@ -95,7 +96,7 @@ impl<B: Backend> Shared<B> {
     ) -> Option<usize> {
         use super::owed::Mark;
         let backend = &*self.backend;
-        let State { zones, owed, .. } = &mut *st;
+        let Heap { zones, owed, .. } = &mut st.heap;
         let (_, f) = zones[z]
             .iter()
             .filter(|(_, f)| {
@@ -123,8 +124,8 @@ impl<B: Backend> Shared<B> {
     fn map_whole(&self, st: &mut State<B>, z: usize, size: usize, key: StreamKey) -> Result<usize> {
         let (at, need) = self.map_at(st, z, size, key, true)?;
         if need > size {
-            let State { zones, region, .. } = &mut *st;
-            zones[z].insert_fresh_in(at + size, need - size, key, &region.walls());
+            let State { heap, region, .. } = &mut *st;
+            heap.zones[z].insert_fresh_in(at + size, need - size, key, &region.walls());
         }
         Ok(at)
     }
@@ -138,11 +139,11 @@ impl<B: Backend> Shared<B> {
         // With a hook, growth never extends a free block (each request
         // that grows gets chunks of its own): nothing to spare.
         if self.release_before_map || st.region.has_hook() {
-            return st.zones[z].take(size, key);
+            return st.heap.zones[z].take(size, key);
         }
-        let State { zones, region, .. } = st;
+        let State { heap, region, .. } = st;
         let table = &region.table;
-        zones[z].take_sparing(size, key, |end| {
+        heap.zones[z].take_sparing(size, key, |end| {
             end < table.reserved() && table.chunk_at(end).is_none()
         })
     }
@@ -159,8 +160,8 @@ impl<B: Backend> Shared<B> {
         let (at, need) = self.map_at(st, z, size, key, false)?;
         // Fresh memory: any stream may use it; tagged with `key` so it merges
         // with `key`'s pending block before it.
-        let State { zones, region, .. } = &mut *st;
-        zones[z].insert_fresh_in(at, need, key, &region.walls());
+        let State { heap, region, .. } = &mut *st;
+        heap.zones[z].insert_fresh_in(at, need, key, &region.walls());
         Ok(())
     }
 
@@ -179,9 +180,9 @@ impl<B: Backend> Shared<B> {
         let g = self.granularity;
         let reserved = st.region.table.reserved();
         let zone = if z == 0 {
-            0..st.small_end
+            0..st.heap.small_end
         } else {
-            st.small_end..reserved
+            st.heap.small_end..reserved
         };
         let mut regions = st.region.table.gaps(zone);
         // Discarded ranges stay unmapped until the wake.
@@ -191,7 +192,7 @@ impl<B: Backend> Shared<B> {
         let (at, need) = regions
             .into_iter()
             .find_map(|h| {
-                let before = st.zones[z]
+                let before = st.heap.zones[z]
                     .ending_at(h.start)
                     .filter(|(_, f)| !whole && (f.settled() || f.stream == Some(key)))
                     .map_or(0, |(_, f)| f.size);
@@ -234,6 +235,7 @@ impl<B: Backend> Shared<B> {
                 let mapped = st.region.table.mapped_bytes();
                 let want = round_up(size, self.granularity).unwrap_or(usize::MAX);
                 let live = st
+                    .heap
                     .allocated
                     .saturating_add(size)
                     .max(st.stats.allocated_bytes.peak);
@@ -325,12 +327,12 @@ impl<B: Backend> Shared<B> {
     /// settle.
     pub(super) fn wait_pending_frees(&self, st: &mut State<B>) -> Result<()> {
         let backend = &*self.backend;
-        let State {
+        let Heap {
             zones,
             graphs,
             owed,
             ..
-        } = st;
+        } = &mut st.heap;
         for (_, f) in zones.iter().flat_map(|z| z.iter()) {
             owed.wait_set(backend, &f.fences)?;
         }
@@ -356,7 +358,7 @@ impl<B: Backend> Shared<B> {
     /// cover or a device synchronisation (logged).
     pub(super) fn cover<S: ArenaStream<B>>(&self, st: &mut State<B>, stream: &S) {
         match crate::order::record(stream.key(), || stream.fence(&*self.backend)) {
-            Ok(c) => st.owed.cover(c),
+            Ok(c) => st.heap.owed.cover(c),
             Err(e) => {
                 tracing::warn!(error = %e, "vmmbuf arena: recording a deferred free fence failed; those frees wait for a later one")
             }
@@ -367,12 +369,8 @@ impl<B: Backend> Shared<B> {
     /// passed. Returns how many settled.
     pub(super) fn settle_zone(&self, st: &mut State<B>, z: usize) -> usize {
         let backend = &*self.backend;
-        let State {
-            zones,
-            owed,
-            region,
-            ..
-        } = st;
+        let State { heap, region, .. } = st;
+        let Heap { zones, owed, .. } = heap;
         let mut not_yet = crate::order::NotYet::default();
         zones[z].settle_in(
             |x| owed.stamp_done(backend, x, &mut not_yet),
@@ -383,7 +381,7 @@ impl<B: Backend> Shared<B> {
     /// Waits for the uses recorded on live allocations (views,
     /// `record_use`): before their chunks move.
     pub(super) fn wait_live_uses(&self, st: &State<B>) -> Result<()> {
-        for l in st.live.values() {
+        for l in st.heap.live.values() {
             l.uses.each(|fence| self.backend.wait(fence))?;
         }
         Ok(())
@@ -398,7 +396,7 @@ impl<B: Backend> Shared<B> {
     /// [`release_free_chunks`](Self::release_free_chunks), returning the
     /// ranges given back, `(offset, bytes)`.
     pub(super) fn release_free_ranges(&self, st: &mut State<B>) -> Result<Vec<(usize, usize)>> {
-        for z in 0..st.zones.len() {
+        for z in 0..st.heap.zones.len() {
             self.settle_zone(st, z);
         }
         // Whole free chunks; with a map hook, whole reported ranges (a
@@ -416,8 +414,9 @@ impl<B: Backend> Shared<B> {
             .collect();
         whole.dedup();
         whole.retain(|&(o, b)| {
-            st.zone_pieces(o, b)
-                .all(|(z, at, n)| st.zones[z].covers(at, n, true))
+            st.heap
+                .zone_pieces(o, b)
+                .all(|(z, at, n)| st.heap.zones[z].covers(at, n, true))
         });
         let mut released = Vec::with_capacity(whole.len());
         for (o, b) in whole {
@@ -429,8 +428,8 @@ impl<B: Backend> Shared<B> {
                 sb.give(b);
             }
             // A range a hook was told of at once may cross the zones' border.
-            for (z, at, n) in st.zone_pieces(o, b).collect::<Vec<_>>() {
-                st.zones[z].carve(at, n);
+            for (z, at, n) in st.heap.zone_pieces(o, b).collect::<Vec<_>>() {
+                st.heap.zones[z].carve(at, n);
             }
             released.push((o, b));
             st.stats.num_device_free += 1;
@@ -448,10 +447,10 @@ impl<B: Backend> Shared<B> {
     ) -> Error {
         // What the request needs mapped at least, against what could ever be.
         let need = round_up(requested, self.granularity).unwrap_or(usize::MAX);
-        let zone = if State::<B>::zone_of_size(requested) == 0 {
-            st.small_end
+        let zone = if Heap::<B::Fence>::zone_of_size(requested) == 0 {
+            st.heap.small_end
         } else {
-            st.region.table.reserved() - st.small_end
+            st.region.table.reserved() - st.heap.small_end
         };
         let never_fits = need > zone
             || self.budget.is_some_and(|b| need > b)
@@ -478,10 +477,10 @@ impl<B: Backend> Shared<B> {
     /// values and peaks alike, so allocated <= active <= reserved holds for
     /// both.
     pub(super) fn count(&self, st: &mut State<B>) {
-        let (allocated, requested) = (st.allocated, st.requested);
+        let (allocated, requested) = (st.heap.allocated, st.heap.requested);
         let mapped = st.region.table.mapped_bytes();
-        let pending: usize = st.zones.iter().map(|z| z.pending_bytes()).sum();
-        let graph: usize = st.graphs.values().map(|g| g.held_bytes()).sum();
+        let pending: usize = st.heap.zones.iter().map(|z| z.pending_bytes()).sum();
+        let graph: usize = st.heap.graphs.values().map(|g| g.held_bytes()).sum();
         let split = st.split.inactive_split();
         let s = &mut st.stats;
         s.allocated_bytes.set(allocated);
@@ -504,8 +503,8 @@ impl<B: Backend> Shared<B> {
     /// Settles the frees whose fences have passed, then counts; and reads
     /// what only a read needs (pool, placement, device syncs).
     pub(super) fn refresh(&self, st: &mut State<B>) {
-        for z in 0..st.zones.len() {
-            if st.zones[z].any_pending() {
+        for z in 0..st.heap.zones.len() {
+            if st.heap.zones[z].any_pending() {
                 self.settle_zone(st, z);
             }
         }
@@ -527,7 +526,7 @@ impl<B: Backend> Drop for Shared<B> {
         let st = self.state.get_mut();
         let backend = &*self.backend;
         let mut waited = true;
-        let State { zones, owed, .. } = &mut *st;
+        let Heap { zones, owed, .. } = &mut st.heap;
         for (_, f) in zones.iter().flat_map(|z| z.iter()) {
             if let Err(e) = owed.wait_set(backend, &f.fences) {
                 tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");

@@ -8,6 +8,7 @@ mod blocks;
 mod cuda_view;
 mod desc;
 mod graph;
+mod heap;
 mod mapping;
 mod owed;
 mod sleep;
@@ -26,7 +27,6 @@ pub use cuda_view::{CudaAllocation, CudaArena};
 
 pub use trace::{parse_trace, replay_trace, ReplayReport, TraceEvent, TRACE_HEADER};
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -38,8 +38,9 @@ use crate::location::{Access, AccessDesc, Location};
 use crate::plan::round_up;
 use crate::pool::{Budget, ChunkPool, PoolDesc};
 use crate::region::Region;
-use blocks::{Blocks, Free, StreamKey};
-use owed::{Mark, Owed};
+use blocks::{Free, StreamKey};
+use heap::Heap;
+use owed::Mark;
 use sleep::Asleep;
 
 /// A queue of work an allocation belongs to: for CUDA an `Arc<CudaStream>`;
@@ -79,51 +80,14 @@ impl ArenaStream<crate::HostBackend> for HostStream {
 /// The key of no stream: a graph's allocation finds settled blocks only.
 const GRAPH_KEY: StreamKey = (u64::MAX, u64::MAX);
 
-/// Requests up to this size go to the small zone, so that small, long-lived
-/// blocks do not pin the chunks that large frees would give back (PyTorch
-/// keeps a small pool apart for the same reason).
-const SMALL: usize = 1 << 20;
-
 impl<B: Backend> State<B> {
-    fn zone_of_size(size: usize) -> usize {
-        usize::from(size > SMALL)
-    }
-
-    fn zone_of_offset(&self, offset: usize) -> usize {
-        usize::from(offset >= self.small_end)
-    }
-
     /// The offsets of the zone `offset` lies in.
     fn zone_range(&self, offset: usize) -> std::ops::Range<usize> {
-        if offset < self.small_end {
-            0..self.small_end
+        if offset < self.heap.small_end {
+            0..self.heap.small_end
         } else {
-            self.small_end..self.region.table.reserved()
+            self.heap.small_end..self.region.table.reserved()
         }
-    }
-
-    /// `[offset, offset + size)` split at the zones' border, as
-    /// `(zone, offset, bytes)` pieces (one unless it crosses the border).
-    fn zone_pieces(
-        &self,
-        offset: usize,
-        size: usize,
-    ) -> impl Iterator<Item = (usize, usize, usize)> {
-        let mid = self.small_end.clamp(offset, offset + size);
-        [(0, offset, mid - offset), (1, mid, offset + size - mid)]
-            .into_iter()
-            .filter(|p| p.2 > 0)
-    }
-
-    /// The ranges graphs hold free, `(offset, bytes)`: allocated, for
-    /// everything but the graph.
-    fn graph_held(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.graphs.values().flat_map(|g| g.ranges())
-    }
-
-    /// Every free block of both zones.
-    fn free_blocks(&self) -> impl Iterator<Item = (usize, &Free<Mark<B::Fence>>)> + '_ {
-        self.zones.iter().flat_map(|z| z.iter())
     }
 
     /// Bookkeeping of a free of `[offset, offset + size)`.
@@ -145,19 +109,10 @@ struct Live<F> {
 }
 
 struct State<B: Backend> {
-    /// Bytes of live allocations, and what was asked for them.
-    allocated: usize,
-    requested: usize,
+    /// What is free, live and held: bookkeeping only (see [`heap`]).
+    heap: Heap<B::Fence>,
     /// The reservation, its chunks, poison and quarantine.
     region: Region<B>,
-    /// Free blocks of the small zone (requests up to [`SMALL`]) and of the
-    /// large zone.
-    zones: [Blocks<Mark<B::Fence>>; 2],
-    /// Where the large zone starts: the small one is `[0, small_end)`.
-    small_end: usize,
-    /// Live allocations by offset: a hash map, consulted at every alloc
-    /// and free (with cold caches a tree costs several misses a call).
-    live: crate::hash::QuickMap<usize, Live<B::Fence>>,
     /// Allocated bytes per chunk: the inactive split, kept per operation.
     split: SplitCount,
     stats: ArenaStats,
@@ -177,17 +132,7 @@ struct State<B: Backend> {
     /// Whether the last wake kept the host copy (the stash or
     /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
     backup_kept: bool,
-    /// The blocks CUDA graphs hold (see [`Arena::alloc_in_graph`]).
-    graphs: BTreeMap<GraphPoolId, graph::GraphPool<Mark<B::Fence>>>,
-    /// Frees whose fence is deferred, per stream (see [`owed`]).
-    owed: Owed<B::Fence>,
-    /// Empty use lists of freed allocations, for the next ones: one heap
-    /// allocation (and with cold caches a few misses) fewer a call.
-    spare_uses: Vec<Arc<Uses<B::Fence>>>,
 }
-
-/// The most empty use lists an arena keeps for reuse.
-const SPARE_USES: usize = 64;
 
 struct Shared<B: Backend> {
     backend: Arc<B>,
@@ -365,17 +310,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 spill_dir: Mutex::new(None),
                 spill_file_bytes: std::sync::atomic::AtomicUsize::new(0),
                 state: Mutex::new(State {
-                    allocated: 0,
-                    requested: 0,
+                    heap: Heap::new(
+                        round_up(reserved / 8, g).unwrap_or(reserved).min(reserved),
+                        !desc.release_before_map,
+                    ),
                     region,
-                    zones: if desc.release_before_map {
-                        [Blocks::default(), Blocks::default()]
-                    } else {
-                        [Blocks::joining(), Blocks::joining()]
-                    },
-                    small_end: round_up(reserved / 8, g).unwrap_or(reserved).min(reserved),
-                    live: Default::default(),
-                    graphs: BTreeMap::new(),
                     split: SplitCount::default(),
                     stats: ArenaStats::default(),
                     placement,
@@ -383,8 +322,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     stash: None,
                     kept_pages: Vec::new(),
                     backup_kept: false,
-                    owed: Owed::default(),
-                    spare_uses: Vec::with_capacity(SPARE_USES),
                 }),
                 trace: Mutex::new(None),
             }),
@@ -417,7 +354,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         // split at them (or, pending, kept from every stream until settled).
         let st = &mut *st;
         let walls = st.region.walls();
-        for z in &mut st.zones {
+        for z in &mut st.heap.zones {
             z.rewall(&walls);
         }
         Ok(())
@@ -474,8 +411,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         // Frees whose fence is deferred and not yet recorded could never
         // settle here: the device is synchronised instead (as PyTorch's
         // empty_cache does).
-        if st.owed.any_uncovered() {
-            st.owed.synchronize(&*self.shared.backend)?;
+        if st.heap.owed.any_uncovered() {
+            st.heap.owed.synchronize(&*self.shared.backend)?;
         }
         self.shared.release_free_chunks(&mut st)?;
         self.shared.refresh(&mut st);
@@ -517,7 +454,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     fn taken(&self) -> (usize, usize) {
         let st = self.shared.state.lock();
         (
-            st.allocated,
+            st.heap.allocated,
             st.region.table.mapped_bytes() + self.shared.pool.stats().pooled_bytes,
         )
     }
@@ -550,6 +487,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         self.shared.refresh(&mut st);
         let segments = st.region.table.runs();
         let mut blocks: Vec<BlockInfo> = st
+            .heap
             .live
             .iter()
             .map(|(&o, l)| BlockInfo {
@@ -560,7 +498,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 stream: Some(l.stream),
                 graph: l.graph,
             })
-            .chain(st.free_blocks().map(|(o, f)| BlockInfo {
+            .chain(st.heap.free_blocks().map(|(o, f)| BlockInfo {
                 offset: o,
                 bytes: f.size,
                 allocated: false,
@@ -568,7 +506,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 stream: if f.settled() { None } else { f.stream },
                 graph: None,
             }))
-            .chain(st.graphs.iter().flat_map(|(&g, p)| {
+            .chain(st.heap.graphs.iter().flat_map(|(&g, p)| {
                 p.ranges().map(move |(o, b)| BlockInfo {
                     offset: o,
                     bytes: b,

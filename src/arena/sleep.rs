@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Arena, ArenaStream, Free, Mark, Shared, State};
+use super::{Arena, ArenaStream, Mark, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
@@ -371,7 +371,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     |_, e| e.placement == Location::Host,
                     sh.placement,
                     asleep.piece,
-                    st.small_end,
+                    st.heap.small_end,
                 );
                 r.chunks_before = count_in(&st.region.table, &groups);
                 sh.mover().run_groups(&mut st.region, &groups).map(|m| {
@@ -444,8 +444,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             // The sleep gives whole free chunks back before it moves (once
             // their frees have passed, adjacent free blocks have merged).
             let mut free: Vec<(usize, usize)> = Vec::new();
-            let mut blocks: Vec<(usize, usize)> =
-                st.free_blocks().map(|(o, f)| (o, o + f.size)).collect();
+            let mut blocks: Vec<(usize, usize)> = st
+                .heap
+                .free_blocks()
+                .map(|(o, f)| (o, o + f.size))
+                .collect();
             blocks.sort_unstable();
             for (a, b) in blocks {
                 match free.last_mut() {
@@ -470,7 +473,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 |o, e| e.placement != Location::Host && !is_free(o, e.bytes),
                 Location::Host,
                 piece,
-                st.small_end,
+                st.heap.small_end,
             )
             .iter()
             .filter(|g| !stashed(g))

@@ -26,7 +26,7 @@ impl<B: Backend> Shared<B> {
             backend.wait(&f.fence)?;
         }
         for f in fences {
-            st.owed.cover_passed(f);
+            st.heap.owed.cover_passed(f);
         }
         self.wait_live_uses(st)?;
         self.wait_pending_frees(st)?;
@@ -56,10 +56,10 @@ impl<B: Backend> Shared<B> {
 
     pub(super) fn rebuild_split(&self, st: &mut State<B>) {
         // What graphs hold free counts as allocated, as it does elsewhere.
-        let held: Vec<(usize, usize)> = st.graph_held().collect();
+        let held: Vec<(usize, usize)> = st.heap.graph_held().collect();
         st.split = SplitCount::rebuild(
             &st.region.table,
-            st.live.iter().map(|(&o, l)| (o, l.size)).chain(held),
+            st.heap.live.iter().map(|(&o, l)| (o, l.size)).chain(held),
         );
     }
 
@@ -75,7 +75,7 @@ impl<B: Backend> Shared<B> {
             |_, e| e.placement != Location::Host,
             Location::Host,
             piece,
-            st.small_end,
+            st.heap.small_end,
         );
         r.chunks_before = count_in(&st.region.table, &groups);
         r.migration = self.mover().run_groups(&mut st.region, &groups)?;
@@ -130,7 +130,7 @@ impl<B: Backend> Shared<B> {
         let runs = st.region.table.runs();
         let parts: Vec<(usize, usize)> = runs
             .iter()
-            .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.small_end))
+            .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.heap.small_end))
             .collect();
         if st.stash.is_none() {
             st.stash = Some(crate::region::Region::reserve(
@@ -357,7 +357,7 @@ impl<B: Backend> Shared<B> {
                 sb.give(b);
             }
             // A run may span both zones (adjacent chunks at their border).
-            for z in &mut st.zones {
+            for z in &mut st.heap.zones {
                 z.remove_within(o..o + b);
             }
             let at = asleep.runs.partition_point(|&(x, _)| x < o);
@@ -377,7 +377,7 @@ impl<B: Backend> Shared<B> {
         r: &mut SleepReport,
     ) -> Result<()> {
         for fences in &asleep.frees {
-            st.owed.wait_set(&*self.backend, fences)?;
+            st.heap.owed.wait_set(&*self.backend, fences)?;
         }
         let total: usize = asleep.runs.iter().map(|r| r.1).sum();
         let Some(hold) = Budget::hold(self.shared_budget.as_deref(), total) else {
@@ -421,7 +421,7 @@ impl<B: Backend> Shared<B> {
         let from_pages = asleep.mode.pages();
         let zero = zero && !from_stash && !from_pages;
         for &(o, b) in &asleep.runs {
-            let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.small_end)
+            let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.heap.small_end)
                 .iter()
                 .map(|p| p.1)
                 .collect();
@@ -499,26 +499,15 @@ impl<B: Backend> Shared<B> {
             {
                 break;
             }
-            let parts = pieces(o, b, usize::MAX, st.small_end);
+            let parts = pieces(o, b, usize::MAX, st.heap.small_end);
             let sizes: Vec<usize> = parts.iter().map(|p| p.1).collect();
             if let Err(e) = self.map_fresh(st, o, &sizes) {
                 tracing::debug!(offset = o, bytes = b, error = %e, "vmmbuf: free memory not restored");
                 break;
             }
             hold.keep();
-            for (a, n) in parts {
-                let z = st.zone_of_offset(a);
-                let State { zones, region, .. } = &mut *st;
-                zones[z].insert_in(
-                    a,
-                    Free {
-                        size: n,
-                        stream: None,
-                        fences: FenceSet::default(),
-                    },
-                    &region.walls(),
-                );
-            }
+            let State { heap, region, .. } = &mut *st;
+            heap.insert_fresh(o, b, &region.walls());
             done += b;
         }
         done
@@ -550,7 +539,7 @@ impl<B: Backend> Shared<B> {
     fn free_runs(&self, st: &mut State<B>, asleep: &Asleep<Mark<B::Fence>>) {
         // Live allocations in address order (the map is not ordered).
         let mut by_offset: Vec<(usize, usize)> =
-            st.live.iter().map(|(&x, l)| (x, l.size)).collect();
+            st.heap.live.iter().map(|(&x, l)| (x, l.size)).collect();
         by_offset.sort_unstable();
         for &(o, b) in &asleep.runs {
             let mut at = o;
@@ -575,23 +564,12 @@ impl<B: Backend> Shared<B> {
                 .collect();
             held.extend(asleep.lost.iter().copied().filter_map(cut));
             // Blocks graphs hold stay theirs.
-            held.extend(st.graph_held().filter_map(cut));
+            held.extend(st.heap.graph_held().filter_map(cut));
             held.sort_unstable();
             for (x, size) in held.into_iter().chain(std::iter::once((o + b, 0))) {
-                // Free bytes, split at the zones' border.
-                for (a, n) in pieces(at, x.saturating_sub(at), usize::MAX, st.small_end) {
-                    let z = st.zone_of_offset(a);
-                    let State { zones, region, .. } = &mut *st;
-                    zones[z].insert_in(
-                        a,
-                        Free {
-                            size: n,
-                            stream: None,
-                            fences: FenceSet::default(),
-                        },
-                        &region.walls(),
-                    );
-                }
+                // Free bytes (split at the zones' border).
+                let State { heap, region, .. } = &mut *st;
+                heap.insert_fresh(at, x.saturating_sub(at), &region.walls());
                 at = at.max(x + size);
             }
         }
