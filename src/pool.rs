@@ -17,6 +17,7 @@ mod budget;
 mod source;
 
 pub use budget::Budget;
+pub(crate) use budget::BudgetHold;
 pub(crate) use source::*;
 
 /// How a [`ChunkPool`] bounds what it keeps.

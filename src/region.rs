@@ -2,7 +2,9 @@
 //! every user of mapped memory shares: mapping a batch all or nothing,
 //! unmapping, poisoning when an undo fails (the first reason stays; chunks
 //! that may still be mapped are quarantined, never pooled), and one way to
-//! give everything back. Buffers, arenas and importers hold a `Region`; what
+//! give everything back, and the shared budget's count of what is mapped
+//! (taken before chunks are made, given back as they unmap). Buffers,
+//! arenas and importers hold a `Region`; what
 //! differs between them (growth, free blocks, generations) stays with them.
 #![deny(unsafe_code)]
 
@@ -13,6 +15,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::hook::{MapHook, MappedRange};
 use crate::location::{AccessDesc, Location};
+use crate::pool::{Budget, BudgetHold};
 use crate::table::{ChunkTable, Entry};
 
 /// A chunk about to be mapped: the chunk, its bytes and where it lives.
@@ -39,6 +42,10 @@ pub(crate) struct Region<B: Backend> {
     /// (offset -> bytes, placement): see [`crate::hook`].
     hook: Option<Arc<dyn MapHook>>,
     spans: BTreeMap<usize, (usize, Location)>,
+    /// The budget shared with other regions: a mapping takes from it
+    /// ([`hold`](Self::hold), before the chunks are made) and an unmapping
+    /// or the close gives back.
+    budget: Option<Arc<Budget>>,
 }
 
 impl<B: Backend> Region<B> {
@@ -59,7 +66,29 @@ impl<B: Backend> Region<B> {
             quarantine: Vec::new(),
             hook: None,
             spans: BTreeMap::new(),
+            budget: None,
         })
+    }
+
+    /// Counts this region's mappings in `budget` from now on (set before
+    /// anything is mapped).
+    pub(crate) fn set_budget(&mut self, budget: Option<Arc<Budget>>) {
+        debug_assert!(self.table.mapped_bytes() == 0, "a budget set after mapping");
+        self.budget = budget;
+    }
+
+    /// The shared budget this region's mappings count in.
+    pub(crate) fn budget(&self) -> Option<&Arc<Budget>> {
+        self.budget.as_ref()
+    }
+
+    /// Holds `bytes` of the budget for a mapping about to be made (before
+    /// its chunks are): `None` if they do not fit. Kept
+    /// ([`BudgetHold::keep`]) once the mapping succeeded, they are this
+    /// region's, given back as it unmaps them or closes; else the hold
+    /// gives them back as it drops. Without a budget, always a hold.
+    pub(crate) fn hold(&self, bytes: usize) -> Option<BudgetHold> {
+        Budget::hold(self.budget.as_ref(), bytes)
     }
 
     /// The reservation's first address.
@@ -431,6 +460,9 @@ impl<B: Backend> Region<B> {
     ) -> Result<Vec<(usize, Entry<B::Chunk>)>> {
         let backend = self.backend.clone();
         backend.unmap(self.res(), offset, bytes)?;
+        if let Some(b) = &self.budget {
+            b.give(bytes);
+        }
         let end = offset + bytes;
         let offsets: Vec<usize> = self
             .table
@@ -467,6 +499,10 @@ impl<B: Backend> Region<B> {
         let Some(mut res) = self.res.take() else {
             return;
         };
+        // The memory goes with the region, unmapped or released below.
+        if let Some(b) = self.budget.take() {
+            b.give(self.table.mapped_bytes());
+        }
         let _ = self.table.set_len(0);
         let mut ok = unmap && self.poisoned.is_none();
         if ok {

@@ -11,7 +11,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
 use crate::plan::round_up;
-use crate::pool::{Budget, ChunkSource};
+use crate::pool::ChunkSource;
 use crate::region::NewChunk;
 use crate::table::{cpu_at_once, driver_access_for};
 
@@ -203,7 +203,7 @@ impl<B: Backend> Shared<B> {
         self.check_room(st, size, need)?;
         // The budget shared with other arenas and buffers: taken before any
         // chunk is created, given back if the mapping fails.
-        let Some(hold) = Budget::hold(self.shared_budget.as_deref(), need) else {
+        let Some(hold) = st.region.hold(need) else {
             return Err(self.out_of_memory(st, size, None));
         };
         // Chunks of at most `chunk_bytes`, pooled ones first, placed where
@@ -424,9 +424,6 @@ impl<B: Backend> Shared<B> {
             for (_, e) in st.region.unmap(o, b)? {
                 let _ = self.pool.give(e.placement, e.bytes, e.chunk);
             }
-            if let Some(sb) = &self.shared_budget {
-                sb.give(b);
-            }
             // A range a hook was told of at once may cross the zones' border.
             for (z, at, n) in st.heap.zone_pieces(o, b).collect::<Vec<_>>() {
                 st.heap.zones[z].carve(at, n);
@@ -454,10 +451,7 @@ impl<B: Backend> Shared<B> {
         };
         let never_fits = need > zone
             || self.budget.is_some_and(|b| need > b)
-            || self
-                .shared_budget
-                .as_ref()
-                .is_some_and(|b| need > b.limit())
+            || st.region.budget().is_some_and(|b| need > b.limit())
             || device.is_some_and(|(_, total)| need > total);
         Error::ArenaOutOfMemory {
             requested_bytes: requested,
@@ -465,7 +459,7 @@ impl<B: Backend> Shared<B> {
             total_bytes: device.map(|d| d.1),
             reserved_bytes: st.region.table.mapped_bytes(),
             // The tighter of the arena's own budget and the shared one.
-            budget_bytes: match (self.budget, &self.shared_budget) {
+            budget_bytes: match (self.budget, st.region.budget()) {
                 (Some(a), Some(b)) => Some(a.min(b.limit())),
                 (a, b) => a.or(b.as_ref().map(|b| b.limit())),
             },
@@ -534,11 +528,8 @@ impl<B: Backend> Drop for Shared<B> {
             }
         }
         // Unmapped by hand and pooled only if every fence was waited for.
-        // The shared budget gets back what this arena mapped either way:
-        // the memory goes with the arena.
-        if let Some(b) = &self.shared_budget {
-            b.give(st.region.table.mapped_bytes());
-        }
+        // The shared budget gets back what this arena mapped either way
+        // (the region gives it back as it closes).
         let pool = &self.pool;
         st.region.close(waited, |chunk, bytes, placement| {
             let _ = pool.give(placement, bytes, chunk);

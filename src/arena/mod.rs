@@ -142,7 +142,6 @@ struct Shared<B: Backend> {
     chunk_bytes: usize,
     alignment: usize,
     budget: Option<usize>,
-    shared_budget: Option<Arc<Budget>>,
     release_before_map: bool,
     defer_free_fences: bool,
     wait_before_grow: bool,
@@ -286,7 +285,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 access.push(AccessDesc::new(Location::Device(d), Access::ReadWrite));
             }
         }
-        let region = Region::reserve(&backend, reserved, g, g)?;
+        let mut region = Region::reserve(&backend, reserved, g, g)?;
+        region.set_budget(desc.shared_budget.clone());
         let base = region.base();
         let syncs_at_start = backend.live().device_syncs;
         Ok(Self {
@@ -298,7 +298,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 chunk_bytes,
                 alignment: desc.alignment,
                 budget: desc.max_reserved_bytes,
-                shared_budget: desc.shared_budget.clone(),
                 release_before_map: desc.release_before_map,
                 defer_free_fences: desc.defer_free_fences,
                 wait_before_grow: desc.wait_before_grow,

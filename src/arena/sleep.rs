@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::location::Location;
 use crate::migration::{Group, MigrationReport, Mover};
 use crate::order::FenceSet;
-use crate::pool::{Budget, ChunkSource};
+use crate::pool::ChunkSource;
 use crate::region::NewChunk;
 use crate::table::{ChunkTable, Entry};
 

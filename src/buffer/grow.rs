@@ -7,7 +7,7 @@ use super::{GrowableBuffer, Inner};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::plan::{plan_growth, round_up, GrowthRequest};
-use crate::pool::{Budget, ChunkSource, Driver};
+use crate::pool::{ChunkSource, Driver};
 use crate::region::NewChunk;
 use crate::table::driver_access;
 
@@ -185,7 +185,7 @@ impl<B: Backend> GrowableBuffer<B> {
         })?;
         // The shared budget first: nothing is created past it.
         let total: usize = plan.iter().map(|c| c.bytes).sum();
-        let Some(hold) = Budget::hold(self.budget.as_deref(), total) else {
+        let Some(hold) = g.region.hold(total) else {
             return Err(Error::OutOfMemory {
                 call: "the shared budget",
                 requested_bytes: total,

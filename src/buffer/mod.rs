@@ -235,8 +235,6 @@ pub struct GrowableBuffer<B: Backend> {
     pool: Option<Arc<ChunkPool<B>>>,
     /// Chunks are created exportable.
     shareable: bool,
-    /// The budget shared with other buffers and arenas, if any.
-    budget: Option<Arc<crate::Budget>>,
     /// Set once a chunk was sent to another process: from then on chunks the
     /// buffer gives up are released, never pooled (a peer may still map them).
     published: std::sync::atomic::AtomicBool,
@@ -299,7 +297,7 @@ impl<B: Backend> GrowableBuffer<B> {
         if home != Location::Host {
             grants.push(AccessDesc::new(Location::Host, desc.access));
         }
-        let region =
+        let mut region =
             Region::reserve(&backend, reserved, granularity, granularity).map_err(|e| match e {
                 Error::ReservationExhausted { .. } => Error::ReservationExhausted {
                     requested_bytes: reserved,
@@ -307,6 +305,7 @@ impl<B: Backend> GrowableBuffer<B> {
                 },
                 e => e,
             })?;
+        region.set_budget(desc.budget.clone());
         let base = region.base();
         tracing::debug!(
             backend = backend.name(),
@@ -333,7 +332,6 @@ impl<B: Backend> GrowableBuffer<B> {
             grants,
             pool,
             shareable: desc.shareable,
-            budget: desc.budget.clone(),
             published: std::sync::atomic::AtomicBool::new(false),
             uses: Uses::default(),
             inner: Mutex::new(Inner {
@@ -524,9 +522,6 @@ impl<B: Backend> Drop for GrowableBuffer<B> {
         let waited = if busy { self.wait_all(&g) } else { Ok(()) };
         if let Err(e) = &waited {
             tracing::error!(error = %e, "vmmbuf: waiting for recorded uses before drop failed");
-        }
-        if let Some(b) = &self.budget {
-            b.give(g.region.table.mapped_bytes());
         }
         let driver = Driver(&*self.backend);
         let (source, published) = (self.source(&driver), self.is_published());

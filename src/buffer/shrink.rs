@@ -160,10 +160,8 @@ impl<B: Backend> GrowableBuffer<B> {
         if wait {
             self.wait_all(g)?;
         }
+        // The region gives the budget back as it unmaps.
         let gone = g.region.unmap(from, bytes)?;
-        if let Some(b) = &self.budget {
-            b.give(bytes);
-        }
         let released = gone.len();
         g.debug_check();
         g.stats.trims += 1;

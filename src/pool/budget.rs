@@ -36,10 +36,13 @@ impl Budget {
     /// Holds `bytes` of `budget` (if there is one) for a mapping under
     /// way: `None` if they do not fit. The hold gives them back when it
     /// drops, unless [`kept`](BudgetHold::keep) once the mapping succeeded.
-    pub(crate) fn hold(budget: Option<&Budget>, bytes: usize) -> Option<BudgetHold<'_>> {
+    pub(crate) fn hold(budget: Option<&Arc<Budget>>, bytes: usize) -> Option<BudgetHold> {
         match budget {
             Some(b) if !b.try_take(bytes) => None,
-            budget => Some(BudgetHold { budget, bytes }),
+            budget => Some(BudgetHold {
+                budget: budget.cloned(),
+                bytes,
+            }),
         }
     }
 
@@ -72,23 +75,31 @@ impl PartialEq for Budget {
 impl Eq for Budget {}
 
 /// Bytes of a [`Budget`] held for a mapping under way: given back as it
-/// drops, unless kept.
+/// drops, unless kept. Once mapped, the bytes are the region's
+/// ([`Region`](crate::region::Region) gives them back as it unmaps).
 #[must_use = "a hold gives its bytes back as it drops"]
-pub(crate) struct BudgetHold<'a> {
-    budget: Option<&'a Budget>,
+pub(crate) struct BudgetHold {
+    budget: Option<Arc<Budget>>,
     bytes: usize,
 }
 
-impl BudgetHold<'_> {
+impl BudgetHold {
     /// The mapping succeeded: the bytes stay taken.
     pub(crate) fn keep(mut self) {
         self.budget = None;
     }
+
+    /// `bytes` of the hold were mapped: they stay taken, and the rest is
+    /// still held (given back as the hold drops).
+    pub(crate) fn keep_part(&mut self, bytes: usize) {
+        debug_assert!(bytes <= self.bytes, "kept more than was held");
+        self.bytes -= bytes.min(self.bytes);
+    }
 }
 
-impl Drop for BudgetHold<'_> {
+impl Drop for BudgetHold {
     fn drop(&mut self) {
-        if let Some(b) = self.budget {
+        if let Some(b) = &self.budget {
             b.give(self.bytes);
         }
     }

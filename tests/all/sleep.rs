@@ -459,7 +459,17 @@ fn a_zeroed_wake_zeroes_reused_memory() {
 /// asleep with its ranges unmapped and nothing leaked, and the same wake
 /// then succeeds.
 fn every_failed_call_of_a_discarding_wake_leaves_it_asleep() {
-    let (fb, arena) = emulated();
+    // Under a shared budget, which counts what is mapped through every
+    // failure: a wake that fails part way gives back what it mapped once.
+    let fb = FaultBackend::emulating_gpu(host());
+    let budget = Budget::new(1 << 30);
+    let arena: EmuArena = Arena::new(
+        fb.clone(),
+        ArenaDesc::new(1 << 30)
+            .max_chunk_bytes(256 << 10)
+            .shared_budget(budget.clone()),
+    )
+    .unwrap();
     let live = fill(&arena, 41, 12);
     arena.sleep(&[Q(0)], &SleepDesc::discard()).unwrap();
     let discarded = arena.stats().discarded_bytes;
@@ -480,9 +490,20 @@ fn every_failed_call_of_a_discarding_wake_leaves_it_asleep() {
                 );
                 assert_eq!(s.discarded_bytes, discarded);
                 assert_eq!(fb.live().mapped_bytes, 0, "call {k}");
+                assert_eq!(
+                    budget.used(),
+                    0,
+                    "call {k}: the budget counts nothing mapped"
+                );
                 let _ = live;
             }
             Ok(_) => {
+                let mapped = arena.stats().reserved_bytes.current;
+                assert_eq!(
+                    budget.used(),
+                    mapped,
+                    "call {k}: the budget counts the wake"
+                );
                 arena.sleep(&[Q(0)], &SleepDesc::discard()).unwrap();
             }
         },
@@ -495,8 +516,10 @@ fn every_failed_call_of_a_discarding_wake_leaves_it_asleep() {
         a.read(0, &mut got).unwrap();
         assert!(got.iter().all(|&b| b == 0), "zeroed");
     }
+    assert_eq!(budget.used(), state.0.stats().reserved_bytes.current);
     drop(state);
     assert_eq!(fb.live().chunks, 0, "and nothing leaked");
+    assert_eq!(budget.used(), 0, "the arena's drop gave its budget back");
 }
 
 /// `prepare_sleep` creates the host pieces a sleep will take (on another

@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::*;
+use crate::pool::BudgetHold;
 
 impl<B: Backend> Shared<B> {
     /// Waits for `streams`' work, the uses recorded on live allocations and
@@ -353,9 +354,6 @@ impl<B: Backend> Shared<B> {
                 }
                 let _ = self.pool.give(e.placement, e.bytes, e.chunk);
             }
-            if let Some(sb) = &self.shared_budget {
-                sb.give(b);
-            }
             // A run may span both zones (adjacent chunks at their border).
             for z in &mut st.heap.zones {
                 z.remove_within(o..o + b);
@@ -380,7 +378,7 @@ impl<B: Backend> Shared<B> {
             st.heap.owed.wait_set(&*self.backend, fences)?;
         }
         let total: usize = asleep.runs.iter().map(|r| r.1).sum();
-        let Some(hold) = Budget::hold(self.shared_budget.as_deref(), total) else {
+        let Some(mut hold) = st.region.hold(total) else {
             return Err(self.out_of_memory(st, total, None));
         };
         if self
@@ -390,7 +388,9 @@ impl<B: Backend> Shared<B> {
             return Err(self.out_of_memory(st, total, None));
         }
         let mut mapped: Vec<(usize, usize)> = Vec::new();
-        if let Err(e) = self.map_runs(st, asleep, zero, r, &mut mapped) {
+        if let Err(e) = self.map_runs(st, asleep, zero, r, &mut mapped, &mut hold) {
+            // The runs mapped so far are the region's: its unmapping gives
+            // their budget back, and the hold the rest.
             self.unmap_runs(st, mapped);
             return Err(e);
         }
@@ -415,6 +415,7 @@ impl<B: Backend> Shared<B> {
         zero: bool,
         r: &mut SleepReport,
         mapped: &mut Vec<(usize, usize)>,
+        hold: &mut BudgetHold,
     ) -> Result<()> {
         let backend = &*self.backend;
         let from_stash = asleep.mode == SleepMode::Stash;
@@ -430,6 +431,7 @@ impl<B: Backend> Shared<B> {
             r.migration.acquire_time += acquired;
             r.migration.swap_time += t.elapsed() - acquired;
             let n = sizes.len();
+            hold.keep_part(b);
             mapped.push((o, b));
             r.chunks_after += n;
             if zero {
@@ -490,7 +492,7 @@ impl<B: Backend> Shared<B> {
             if st.region.table.overlapping(o..o + b).next().is_some() {
                 continue;
             }
-            let Some(hold) = Budget::hold(self.shared_budget.as_deref(), b) else {
+            let Some(hold) = st.region.hold(b) else {
                 break;
             };
             if self
