@@ -13,8 +13,11 @@ under one allocator per launch, compared on the same machine (issue 24):
                it took expandable segments' 20 MiB (VMMBUF_TORCH_MAX_CHUNK_BYTES;
                only when named in --allocs)
   vmmbuf-defer process-wide, VMMBUF_TORCH_DEFER_FENCES=1 (a free on its own
-               stream records no event; one later event covers many; only
-               when named in --allocs)
+               stream records no event; one later event covers many; the
+               plug-in's default since issue 40, so the same as vmmbuf;
+               only when named in --allocs)
+  vmmbuf-nodefer process-wide, VMMBUF_TORCH_DEFER_FENCES=0 (an event at
+               every free, the default before issue 40; only when named)
   vmmbuf-nographs  process-wide, VMMBUF_TORCH_GRAPHS=0 (no capture query or
                capture-mode switch per call; only when named in --allocs)
   vmmbuf-asked process-wide, VMMBUF_TORCH_ANNOUNCE_CAPTURES=0 (every
@@ -69,9 +72,9 @@ import time
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
-EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-wait",
+EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-wait",
          "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl")
-PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nographs", "vmmbuf-asked",
+PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked",
                 "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
@@ -86,6 +89,8 @@ def worker(a):
         os.environ["VMMBUF_TORCH_MAX_CHUNK_BYTES"] = str(2 << 20)
     if a.alloc == "vmmbuf-defer":
         os.environ["VMMBUF_TORCH_DEFER_FENCES"] = "1"
+    if a.alloc == "vmmbuf-nodefer":
+        os.environ["VMMBUF_TORCH_DEFER_FENCES"] = "0"
     if a.alloc == "vmmbuf-nographs":
         os.environ["VMMBUF_TORCH_GRAPHS"] = "0"
     if a.alloc == "vmmbuf-asked":

@@ -138,7 +138,9 @@ def sleep(tags: Tags = None, *, mode: Optional[str] = None, discard: bool = Fals
     ``discard=True`` and ``reachable=False`` are the older spellings of
     ``"discard"`` and ``"stash"``; with ``mode`` given they must agree with
     it. Touching an unmapped tensor before ``wake`` faults. Waits only for
-    the streams that used the memory. The pinned host memory is taken from
+    the streams that used the memory (once for the whole device where a
+    free's deferred fence lies on a stream no live tensor uses any more).
+    The pinned host memory is taken from
     what the last sleep left (see ``prepare_sleep`` and
     ``release_host_cache``). Returns the bytes put to sleep."""
     m = _mode(mode, _check.flag("discard", discard), _check.flag("reachable", reachable))

@@ -247,7 +247,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// every stream that may still use the arena's allocations), for the
     /// uses recorded on live allocations (views on any stream,
     /// [`Allocation::record_use`](crate::Allocation::record_use)) and for the
-    /// frees the arena holds fences for; never for the whole device. Whole
+    /// frees the arena holds fences for; never for the whole device, but
+    /// once where [deferred](crate::ArenaDesc::defer_free_fences) frees
+    /// were made on a stream not in `streams` and no later call there
+    /// covered them. Whole
     /// free chunks, and the device chunks the arena's pool holds, go back to
     /// the driver. Host pieces come from the pool first (a wake leaves them
     /// there): a steady-state sleep pins nothing.

@@ -18,7 +18,9 @@ use super::*;
 /// files of the spill directory (`vmmbuf.set_spill_dir`), removed at the
 /// wake; another number is an error. Waits for the work queued so far on
 /// the streams of the tag's live allocations, for the fences of its frees
-/// and for the uses recorded on its allocations; never for the whole device. Until
+/// and for the uses recorded on its allocations; never for the whole device
+/// (but once where frees, whose fences are deferred by default, were made
+/// on a stream no live allocation of the tag uses any more). Until
 /// `vmmbuf_wake`, new allocations under a tag kept asleep are made in host
 /// memory (discarded: in fresh device memory elsewhere). Returns the bytes
 /// put to sleep, or -1 on an error (logged; the arena that failed stays as
