@@ -113,7 +113,7 @@ mod tests {
     use std::ffi::{c_void, CStr};
     use std::sync::Arc;
 
-    use cudarc::driver::CudaStream;
+    use cudarc::driver::{CudaContext, CudaStream};
     use parking_lot::Mutex;
     use vmmbuf::CudaBackend;
 
@@ -156,24 +156,42 @@ mod tests {
     fn gpu_sleep_skips_destroyed_streams_and_stats_json_is_per_thread() {
         let _turn = SERIAL.lock();
         let Some(ctx) = gpu() else { return };
-        let raw = |s: &Arc<CudaStream>| s.cu_stream() as *mut c_void;
-        // One budget for the device, shared by every tag (was one per tag).
-        assert_eq!(vmmbuf_set_budget(0, 64 << 20), 0);
         let st = ctx.new_stream().unwrap();
-        let p = unsafe_tagged("a", || vmmbuf_malloc(40 << 20, 0, raw(&st)));
+        tags_share_the_device_budget(&st);
+        tags_are_per_thread_and_sleep_in_each_mode(&ctx, &st);
+        let (keep, q) = sleep_skips_a_destroyed_stream(&ctx);
+        stats_json_is_per_thread();
+        vmmbuf_free(q, 4 << 20, 0, raw(&keep));
+        keep.synchronize().unwrap();
+    }
+
+    /// A stream's handle as the C entry points take it.
+    fn raw(s: &Arc<CudaStream>) -> *mut c_void {
+        s.cu_stream() as *mut c_void
+    }
+
+    /// One budget for the device, shared by every tag (was one per tag).
+    fn tags_share_the_device_budget(st: &Arc<CudaStream>) {
+        assert_eq!(vmmbuf_set_budget(0, 64 << 20), 0);
+        let p = unsafe_tagged("a", || vmmbuf_malloc(40 << 20, 0, raw(st)));
         assert!(!p.is_null());
-        let q = unsafe_tagged("b", || vmmbuf_malloc(40 << 20, 0, raw(&st)));
+        let q = unsafe_tagged("b", || vmmbuf_malloc(40 << 20, 0, raw(st)));
         assert!(q.is_null(), "two tags share the 64 MiB budget");
-        vmmbuf_free(p, 40 << 20, 0, raw(&st));
+        vmmbuf_free(p, 40 << 20, 0, raw(st));
         st.synchronize().unwrap();
-        let q = unsafe_tagged("b", || vmmbuf_malloc(40 << 20, 0, raw(&st)));
+        let q = unsafe_tagged("b", || vmmbuf_malloc(40 << 20, 0, raw(st)));
         assert!(!q.is_null(), "what tag a gave back, tag b may take");
-        vmmbuf_free(q, 40 << 20, 0, raw(&st));
+        vmmbuf_free(q, 40 << 20, 0, raw(st));
         st.synchronize().unwrap();
         // SAFETY: null names every tag.
         assert!(unsafe { vmmbuf_wake(std::ptr::null(), 0) } >= 0);
-        // Tags are per thread: another thread's tag does not move this one's
-        // allocations, and sleeping that tag moves only its own.
+    }
+
+    /// Tags are per thread: another thread's tag does not move this one's
+    /// allocations, and sleeping that tag moves only its own, kept,
+    /// discarded (woken zeroed, the same bytes at the same address) and
+    /// stashed (the zeros come back).
+    fn tags_are_per_thread_and_sleep_in_each_mode(ctx: &Arc<CudaContext>, st: &Arc<CudaStream>) {
         let st2 = st.clone();
         let other = std::thread::spawn(move || {
             unsafe_tagged("t1", || {
@@ -182,7 +200,7 @@ mod tests {
         })
         .join()
         .unwrap() as *mut c_void;
-        let mine = vmmbuf_malloc(2 << 20, 0, raw(&st));
+        let mine = vmmbuf_malloc(2 << 20, 0, raw(st));
         assert!(!other.is_null() && !mine.is_null());
         st.synchronize().unwrap();
         // SAFETY: a NUL-terminated literal.
@@ -190,7 +208,6 @@ mod tests {
         assert_eq!(moved, 2 << 20, "only the other thread's tag slept");
         // SAFETY: as above.
         assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr(), 0) }, 2 << 20);
-        // Discarded, and woken zeroed: the same bytes at the same address.
         // SAFETY: as above.
         assert_eq!(unsafe { vmmbuf_sleep(c"t1".as_ptr(), 1) }, 2 << 20);
         let v: serde_json::Value = serde_json::from_str(
@@ -204,7 +221,6 @@ mod tests {
         assert_eq!(v["sleep_modes"]["t1"], "discard", "{v}");
         // SAFETY: as above.
         assert_eq!(unsafe { vmmbuf_wake(c"t1".as_ptr(), 1) }, 2 << 20);
-        // Stashed and woken: the zeros come back.
         // SAFETY: as above.
         assert_eq!(unsafe { vmmbuf_sleep(c"t1".as_ptr(), 2) }, 2 << 20);
         // SAFETY: as above.
@@ -217,16 +233,22 @@ mod tests {
         };
         assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
         assert_eq!(word, [0u8; 8], "woken zeroed");
-        vmmbuf_free(other, 2 << 20, 0, raw(&st));
-        vmmbuf_free(mine, 2 << 20, 0, raw(&st));
+        vmmbuf_free(other, 2 << 20, 0, raw(st));
+        vmmbuf_free(mine, 2 << 20, 0, raw(st));
         st.synchronize().unwrap();
+    }
+
+    /// A stream PyTorch destroyed after a free on it (as an
+    /// ExternalStream's may be) is not waited on by a sleep; returns the
+    /// stream that stays and its 4 MiB allocation, still live.
+    fn sleep_skips_a_destroyed_stream(ctx: &Arc<CudaContext>) -> (Arc<CudaStream>, *mut c_void) {
         let keep = ctx.new_stream().unwrap();
         let gone = ctx.new_stream().unwrap();
         let p = vmmbuf_malloc(1 << 20, 0, raw(&gone));
         assert!(!p.is_null());
         vmmbuf_free(p, 1 << 20, 0, raw(&gone));
         gone.synchronize().unwrap();
-        drop(gone); // destroyed, as an ExternalStream's may be
+        drop(gone);
         let q = vmmbuf_malloc(4 << 20, 0, raw(&keep));
         assert!(!q.is_null());
         // SAFETY: null names every tag.
@@ -237,6 +259,12 @@ mod tests {
             )
         };
         assert!(slept >= 0 && woke >= 0, "sleep {slept}, wake {woke}");
+        (keep, q)
+    }
+
+    /// Two threads read the stats JSON 100,000 times each: one thread's
+    /// text is never freed by the other's next call.
+    fn stats_json_is_per_thread() {
         let threads: Vec<_> = (0..2)
             .map(|_| {
                 std::thread::spawn(|| {
@@ -254,8 +282,6 @@ mod tests {
         for t in threads {
             t.join().unwrap();
         }
-        vmmbuf_free(q, 4 << 20, 0, raw(&keep));
-        keep.synchronize().unwrap();
     }
 
     #[test]
