@@ -5,6 +5,9 @@
 # before/after runs of scripts/nccl_straddle.py.
 #   bash scripts/issue40_gpu.sh straddle   # the two layouts, before and after, on every GPU
 #   bash scripts/issue40_gpu.sh stress N   # scripts/nccl_stress.py on N GPUs
+#   bash scripts/issue40_gpu.sh tables N   # FSDP and DDP, ROUNDS (4) interleaved rounds on N GPUs,
+#                                          # then the RL step across N ranks against torch_memory_saver
+#                                          # (its 0.0.10 wheel in .peer/tms/wheels/)
 # Logs go to $OUT (or /tmp/issue40).
 set -uo pipefail
 OUT=${OUT:-/tmp/issue40}; mkdir -p "$OUT"
@@ -35,5 +38,18 @@ case "${1:-}" in
     source scripts/gpu_env.sh >/dev/null
     timeout -s TERM 560 python scripts/nccl_stress.py --nproc "${2:-2}" --steps "${STEPS:-220}" \
       --stall 90 2>&1 | tee "$OUT/stress-${2:-2}gpu.log" | grep -vE "^\s*$" | tail -40 ;;
-  *) echo "usage: $0 straddle | stress N" >&2; exit 2 ;;
+  tables)
+    source scripts/gpu_env.sh >/dev/null
+    python -c "import vmmbuf" || { echo "issue40_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
+    n=${2:-2}
+    timeout -s TERM "${DIST_SECS:-540}" python3 -u scripts/dist_train.py --all --nproc "$n" \
+      --modes "${MODES:-fsdp,ddp}" --allocs "${ALLOCS:-native,expandable,vmmbuf,vmmbuf-nodefer,vmmbuf-nccl}" \
+      --rounds "${ROUNDS:-4}" --steps "${DIST_STEPS:-40}" --out "$OUT/dist-${n}gpu.json" > "$OUT/dist-${n}gpu.txt" 2>&1
+    echo "dist_train exit $?"; grep -v '^{' "$OUT/dist-${n}gpu.txt" | tail -n 30
+    REAL=/tmp/tms-real; rm -rf "$REAL"
+    pip install -q --no-index --no-deps --target "$REAL" .peer/tms/wheels/*.whl || exit 3
+    PYTHONPATH="$PYTHONPATH:$REAL" timeout -s TERM "${RL_SECS:-300}" python3 -u scripts/rl_ranks.py --all \
+      --nproc "$n" --iters "${ITERS:-6}" --timeout 140 > "$OUT/rl_ranks-${n}gpu.txt" 2>&1
+    echo "rl_ranks exit $?"; grep -v '^{' "$OUT/rl_ranks-${n}gpu.txt" | grep -v '^\[rank' | tail -n 16 ;;
+  *) echo "usage: $0 straddle | stress N | tables N" >&2; exit 2 ;;
 esac
