@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 import types
-from typing import Any, List
+from typing import Any, List, Tuple
 from pathlib import Path
 
 import pytest
@@ -212,11 +212,10 @@ def test_device_defaults_to_the_current_cuda_device(monkeypatch: pytest.MonkeyPa
     assert vmmbuf._device(None) == 0
 
 
-def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.MonkeyPatch,
-                                                            tmp_path: Any) -> None:
-    """vmmbuf.torch and vmmbuf.torch_memory_saver refuse bad devices, budgets,
-    tags and flags in words, before any CUDA call: checked against a stand-in
-    for torch with two devices, so it runs without a GPU."""
+def _on_a_stand_in_torch(monkeypatch: pytest.MonkeyPatch) -> Tuple[Any, Any, Any]:
+    """vmmbuf.torch, vmmbuf.torch_memory_saver and vmmbuf.vllm imported
+    afresh over a stand-in for torch with two devices (no GPU needed); the
+    modules as they were come back after the test."""
     import importlib
 
     class Device:
@@ -238,9 +237,17 @@ def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.
     monkeypatch.delattr(vmmbuf, "torch", raising=False)
     monkeypatch.delattr(vmmbuf, "torch_memory_saver", raising=False)
     monkeypatch.delattr(vmmbuf, "vllm", raising=False)
-    vt = importlib.import_module("vmmbuf.torch")
-    tms = importlib.import_module("vmmbuf.torch_memory_saver")
-    vllm = importlib.import_module("vmmbuf.vllm")
+    return (importlib.import_module("vmmbuf.torch"),
+            importlib.import_module("vmmbuf.torch_memory_saver"),
+            importlib.import_module("vmmbuf.vllm"))
+
+
+def test_torch_and_torch_memory_saver_arguments_are_checked(monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Any) -> None:
+    """vmmbuf.torch and vmmbuf.torch_memory_saver refuse bad devices, budgets,
+    tags and flags in words, before any CUDA call: checked against a stand-in
+    for torch with two devices, so it runs without a GPU."""
+    vt, tms, vllm = _on_a_stand_in_torch(monkeypatch)
     assert vt._dev(None) == 0 and vt._dev(1) == 1 and vt._dev("cuda:1") == 1 and vt._dev("cuda") == 0
     for bad, kind, words in [
         (5, vmmbuf.InvalidArgumentError, "device 5: this machine has 2 CUDA devices"),
@@ -484,3 +491,72 @@ def test_the_preload_library_answers_through_vmmbuf_and_passes_on_otherwise(
         assert lib.cudaFree(ctypes.c_void_p(0x1234)) == 3, "not vmmbuf's: passed on"
     finally:
         vmmbuf._native.set_preload(False)
+
+
+def test_a_pinned_backup_is_prepared_in_the_background_as_its_region_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_memory_saver's interface pins a region's CPU backup on a
+    thread of its own as the region ends (the first pause then copies
+    without pinning): the region's thread does not wait for it, a pause
+    waits for it first, regions without a pinned backup prepare nothing,
+    ``prepare_backup = False`` turns it off, and a preparation that fails
+    is told as a warning while the pause goes on. With stand-ins for the
+    native calls, so it runs without a GPU."""
+    import contextlib
+    import time
+
+    _, tms, _ = _on_a_stand_in_torch(monkeypatch)
+    monkeypatch.setattr(tms, "_allocating_as",
+                        lambda *a, **k: contextlib.nullcontext())
+    calls: List[Any] = []
+    release = threading.Event()
+
+    def prepare(tag: str, wait: bool, mode: str) -> int:
+        release.wait(5)
+        if tag.startswith("bad"):
+            raise RuntimeError("no pinned memory left")
+        calls.append(("prepare", tag, wait, mode))
+        return 1 << 20
+
+    def sleep(tag: str, mode: str) -> Tuple[int, int]:
+        calls.append(("sleep", tag, mode))
+        return (1 << 20, 1 << 20)
+
+    monkeypatch.setattr(tms._native, "prepare_sleep", prepare)
+    monkeypatch.setattr(tms._native, "sleep", sleep)
+    saver = tms.TorchMemorySaver()
+    assert saver.prepare_backup
+    start = time.monotonic()
+    with saver.region("w", enable_cpu_backup=True):
+        pass
+    with saver.region("kv"):
+        pass
+    with saver.region("m", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+        pass
+    assert time.monotonic() - start < 1.0 and calls == [], "the region's thread did not wait"
+    release.set()
+    saver.pause("w")
+    assert calls == [("prepare", "w", True, "stash"), ("sleep", "w", "stash")], calls
+    calls.clear()
+    kept = tms.TorchMemorySaver(reachable=True)
+    with kept.region("r", enable_cpu_backup=True):
+        pass
+    kept.pause("r")
+    assert calls == [("prepare", "r", True, "keep"), ("sleep", "r", "keep")], calls
+    calls.clear()
+    saver.prepare_backup = False
+    with saver.region("w2", enable_cpu_backup=True):
+        pass
+    saver.pause("w2")
+    assert calls == [("sleep", "w2", "stash")], calls
+    with pytest.raises(TypeError, match="prepare_backup must be True or False"):
+        saver.prepare_backup = 1
+    calls.clear()
+    saver.prepare_backup = True
+    with saver.region("bad", enable_cpu_backup=True):
+        pass
+    with pytest.warns(RuntimeWarning, match="no pinned memory left"):
+        saver.pause("bad")
+    assert calls == [("sleep", "bad", "stash")], calls
+    monkeypatch.setenv("VMMBUF_TMS_PREPARE", "0")
+    assert not tms.TorchMemorySaver().prepare_backup

@@ -21,7 +21,10 @@ torch_memory_saver; ``TorchMemorySaver(reachable=True)`` instead moves the
 contents to pinned host memory at the same addresses, where kernels and the
 CPU can still read them (a little slower). The pinned host memory goes back
 after each resume unless ``retain_cpu_backup = True`` (as in
-torch_memory_saver; keeping it saves re-pinning at every pause).
+torch_memory_saver; keeping it saves re-pinning at every pause). A
+region with a pinned backup has that host memory pinned on a thread of its
+own as it ends (``prepare_backup``), so the first pause copies without
+pinning first.
 ``disable()`` inside a region makes tensors that are not pausable; regions
 nest; a tag may have regions with and without a backup; ``cuda_graph()``
 (after ``vmmbuf.torch.use()``) makes a graph whose memory pauses. With
@@ -101,6 +104,12 @@ class TorchMemorySaver:
         self._pools: Dict[Tuple[str, int], Any] = {}
         # resume maps back the free memory pause gave back (restore_free).
         self._restore_free = True
+        # A pinned backup made in the background as its region ends
+        # (prepare_backup): the thread doing it, and what it failed with.
+        self._prepare = os.environ.get("VMMBUF_TMS_PREPARE", "1") != "0"
+        self._prep_lock = threading.Lock()
+        self._prep_thread: Optional[threading.Thread] = None
+        self._prep_error: Optional[BaseException] = None
 
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -140,13 +149,16 @@ class TorchMemorySaver:
             self._disk_dir_for_pause()
             kind = "disk"
         self._local.depth = self._depth() + 1
+        vtag = self._note(tag, kind)
         try:
-            with _allocating_as(self._note(tag, kind), self._preload(), self._pools):
+            with _allocating_as(vtag, self._preload(), self._pools):
                 yield
         finally:
             self._local.depth -= 1
             if self._local.depth == 0:
                 self._spent().clear()
+        if kind == "pinned" and self._prepare:
+            self._prepare_later(vtag, "keep" if self._reachable else "stash")
 
     @contextlib.contextmanager
     def cuda_graph(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
@@ -237,11 +249,63 @@ class TorchMemorySaver:
         names = sorted(self._used) if tag is None else [_check.tag("tag", tag)]
         return [(name + _KINDS[k], k) for name in names for k in self._used.get(name, [])]
 
+    def _prepare_later(self, vtag: str, mode: str) -> None:
+        """Pins, on a thread of its own, the host memory a pause of the
+        vmmbuf tag ``vtag`` in ``mode`` will take (``prepare_backup``); after
+        any preparation still under way, so the region's thread never
+        waits."""
+        with self._prep_lock:
+            before = self._prep_thread
+
+            def work() -> None:
+                if before is not None:
+                    before.join()
+                try:
+                    _native.prepare_sleep(vtag, True, mode)
+                except Exception as e:  # told at the next pause
+                    self._prep_error = e
+
+            t = threading.Thread(target=work, name="vmmbuf-tms-prepare", daemon=True)
+            self._prep_thread = t
+            t.start()
+
+    def _prepared(self) -> None:
+        """Waits for the background preparation (``prepare_backup``); one
+        that failed is told as a warning (the pause pins what it needs)."""
+        with self._prep_lock:
+            t, self._prep_thread = self._prep_thread, None
+        if t is not None:
+            t.join()
+        e, self._prep_error = self._prep_error, None
+        if e is not None:
+            warnings.warn(f"vmmbuf: preparing a pinned backup in the background failed ({e}); "
+                          "the pause pins it now", RuntimeWarning, stacklevel=3)
+
+    @property
+    def prepare_backup(self) -> bool:
+        """Whether a region with a pinned CPU backup gets that backup's host
+        memory pinned in the background as the region ends (True by
+        default; ``VMMBUF_TMS_PREPARE=0`` in the environment, or False here,
+        turns it off), so that the first pause copies at the link's speed
+        instead of pinning first (about 0.25 s per GiB). It costs the
+        backup's host memory from the region's end rather than from the
+        first pause (counted in ``vmmbuf.stats()["pooled_host_bytes"]``,
+        bounded by ``vmmbuf.set_host_cache_limit``) and one background
+        thread's CPU while it pins; a pause waits for a preparation under
+        way. Unless ``retain_cpu_backup``, the memory goes back after each
+        resume as before, so only the first pause gains."""
+        return self._prepare
+
+    @prepare_backup.setter
+    def prepare_backup(self, value: bool) -> None:
+        self._prepare = _check.flag("prepare_backup", value)
+
     def pause(self, tag: Optional[str] = None) -> int:
         """Gives back the device memory of ``tag`` (None: every region's
         tag), keeping the contents in pinned host memory where the region
         asked for a CPU backup and discarding them otherwise; returns the
         bytes paused. A tag with no region is nothing to pause."""
+        self._prepared()
         total = 0
         for t, kind in self._tags(tag):
             mode = "keep" if kind == "pinned" and self._reachable else _PAUSE_MODES[kind]
