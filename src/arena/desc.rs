@@ -47,9 +47,16 @@ pub struct ArenaDesc {
     /// for frees that have no cover yet (out of memory, a sleep, its
     /// drop), it synchronises the device ([`Backend::synchronize`]), which
     /// covers streams destroyed since. PyTorch's cache records no event for
-    /// such frees either; the PyTorch plug-in turns this on with
-    /// `VMMBUF_TORCH_DEFER_FENCES=1`.
+    /// such frees either; the PyTorch plug-in turns this on by default
+    /// (`VMMBUF_TORCH_DEFER_FENCES=0` turns it off there).
     pub defer_free_fences: bool,
+    /// With free chunks kept mapped (`release_before_map` false): give the
+    /// whole free chunks back before a mapping that would take the arena
+    /// past this percentage of its peak allocated (`Some(102)`: 1.02x).
+    /// `None` (the default) keeps them until `release_cached`,
+    /// `empty_cache`, a budget or out of memory; an arena with a map hook
+    /// uses 110 then. Chunks given back this way go on to the driver.
+    pub release_over_percent: Option<u32>,
     /// Wait rather than grow (false by default): when a request finds no
     /// block it may take and would map new memory, but a free block of
     /// another stream that fits is still pending (its fences recorded and
@@ -90,6 +97,7 @@ impl ArenaDesc {
             shared_budget: None,
             release_before_map: true,
             defer_free_fences: false,
+            release_over_percent: None,
             wait_before_grow: false,
             peer_access: false,
         }
@@ -113,6 +121,13 @@ impl ArenaDesc {
     /// [`defer_free_fences`](Self::defer_free_fences)).
     pub fn defer_free_fences(mut self, defer: bool) -> Self {
         self.defer_free_fences = defer;
+        self
+    }
+
+    /// Gives whole free chunks back before mapping past `percent` of the
+    /// peak allocated (see [`release_over_percent`](Self::release_over_percent)).
+    pub fn release_over_percent(mut self, percent: u32) -> Self {
+        self.release_over_percent = Some(percent);
         self
     }
 

@@ -230,8 +230,14 @@ impl<B: Backend> Shared<B> {
     /// chunk's free bytes then serve only requests that fit in that chunk).
     fn release_before_mapping(&self, st: &mut State<B>, size: usize, whole: bool) -> Result<()> {
         let hooked = st.region.has_hook();
+        // Past what share of the peak allocated whole free chunks go back.
+        let over = match (self.release_over_percent, hooked && whole) {
+            (Some(p), _) => Some(f64::from(p) / 100.0),
+            (None, true) => Some(HOOKED_SLACK),
+            (None, false) => None,
+        };
         let release = self.release_before_map
-            || (whole && hooked && {
+            || over.is_some_and(|over| {
                 let mapped = st.region.table.mapped_bytes();
                 let want = round_up(size, self.granularity).unwrap_or(usize::MAX);
                 let live = st
@@ -239,15 +245,16 @@ impl<B: Backend> Shared<B> {
                     .allocated
                     .saturating_add(size)
                     .max(st.stats.allocated_bytes.peak);
-                (mapped.saturating_add(want) as f64) > HOOKED_SLACK * live as f64
+                (mapped.saturating_add(want) as f64) > over * live as f64
             });
         if !release {
             return Ok(());
         }
         self.release_free_chunks(st)?;
-        if hooked {
-            // A hooked arena's chunks are of any size (a growing request
-            // maps one of its own), so the pool seldom has one that fits:
+        if hooked || over.is_some() && !self.release_before_map {
+            // Chunks of any size (with a hook a growing request maps one of
+            // its own; without, the last chunk of a mapping is as long as
+            // the request needs), so the pool seldom has one that fits:
             // kept there they piled up (registered FSDP on 2x H200 took
             // 2.6-3.9x its peak allocated while mapping 1.07x). They go on
             // to the driver; the pool logs a failure and keeps what it

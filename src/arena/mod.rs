@@ -143,6 +143,8 @@ struct Shared<B: Backend> {
     alignment: usize,
     budget: Option<usize>,
     release_before_map: bool,
+    /// [`ArenaDesc::release_over_percent`].
+    release_over_percent: Option<u32>,
     defer_free_fences: bool,
     wait_before_grow: bool,
     /// Device bytes to leave free when mapping (0: none; see
@@ -299,6 +301,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 alignment: desc.alignment,
                 budget: desc.max_reserved_bytes,
                 release_before_map: desc.release_before_map,
+                release_over_percent: desc.release_over_percent,
                 defer_free_fences: desc.defer_free_fences,
                 wait_before_grow: desc.wait_before_grow,
                 margin: std::sync::atomic::AtomicUsize::new(0),

@@ -20,6 +20,7 @@ crate::register! {
         two_streams_with_a_lagging_gpu_cost_little,
         waiting_before_growth_leaves_no_growth_past_a_pending_block,
         a_hooked_arena_on_fsdps_trace,
+        giving_free_chunks_back_past_a_share_of_the_peak,
     ],
 }
 
@@ -394,6 +395,54 @@ fn a_hooked_arena_on_fsdps_trace() {
                 r.allocated >> 20,
                 r.calls
             );
+        }
+    }
+}
+
+/// The plug-in's settings (20 MiB chunks, deferred fences, waiting before
+/// growth) with free chunks kept mapped, against giving whole free chunks
+/// back before mapping past 1.01x, 1.02x or 1.05x the peak allocated
+/// ([`ArenaDesc::release_over_percent`]), on the three traces, the GPU in
+/// step or 600 events behind. What it prints is the table in RELIABILITY.md
+/// (issue 42); what it asserts: the chunks given back reach the driver
+/// (taken = mapped), and a share of the peak never takes more than keeping
+/// every chunk mapped.
+fn giving_free_chunks_back_past_a_share_of_the_peak() {
+    for name in [
+        "torch-conv-h100.csv.gz",
+        "torch-transformer-h100.csv.gz",
+        "torch-fsdp-h100.csv.gz",
+    ] {
+        let events = trace(name);
+        for lag in [0u64, 600] {
+            let mut kept = None;
+            for over in [None, Some(105), Some(102), Some(101)] {
+                let mut desc = ArenaDesc::new(256 << 30)
+                    .max_chunk_bytes(20 << 20)
+                    .defer_free_fences(true)
+                    .wait_before_grow(true);
+                desc.release_before_map = false;
+                desc.release_over_percent = over;
+                let r = replay_hooked(&events, |_| lag, desc, false);
+                let mapped = r.mapped as f64 / r.allocated as f64;
+                let taken = r.taken as f64 / r.allocated as f64;
+                println!(
+                    "{name}, fences {lag} events late, give back past {over:?}%: peak mapped {mapped:.4}x, taken {taken:.4}x the peak allocated ({} MiB), {} driver calls",
+                    r.allocated >> 20,
+                    r.calls
+                );
+                assert!(
+                    taken <= mapped * 1.01,
+                    "{name}, {over:?}: taken {taken:.4}x, mapped {mapped:.4}x"
+                );
+                match kept {
+                    None => kept = Some(taken),
+                    Some(k) => assert!(
+                        taken <= k + 0.005,
+                        "{name}, {over:?}: {taken:.4}x against {k:.4}x kept"
+                    ),
+                }
+            }
         }
     }
 }
