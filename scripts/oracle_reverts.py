@@ -37,7 +37,7 @@ ADD_IF_ABSENT_NEW = '''    /// (revert) Adds `f` only if its stream has no fence
 if name == "rt3":
     # coalesce keeps the left (pending) block's fence per stream, as the
     # position-based merge did (the left block's fences are made to win).
-    edit("src/arena/blocks.rs", "            self.link(left, merge(l, r, self.join_settled()));",
+    edit("src/arena/blocks/store.rs", "            self.link(left, merge(l, r, self.join_settled()));",
          """            let mut l = l;
             if !l.settled() {
                 for f in l.fences.iter_mut() {
@@ -76,7 +76,7 @@ elif name == "g1":
 elif name == "g2":
     # A graph's allocation, freed after the capture, goes back to the free
     # index instead of staying the graph's until its release.
-    edit("src/arena/allocation.rs", "match graph.filter(|g| st.graphs.contains_key(g)).or(into) {",
+    edit("src/arena/allocation.rs", "match graph.filter(|g| st.heap.graphs.contains_key(g)).or(into) {",
          "match into {")
 elif name == "h1":
     # With a map hook, the arena releases single free chunks instead of
@@ -92,15 +92,15 @@ elif name == "d1":
          "let Some(i) = d.covers.iter().position(|_| true) else {")
 elif name == "w1":
     # A wake counts only the graph-held ranges that start in a run.
-    edit("src/arena/sleep/modes.rs", "held.extend(st.graph_held().filter_map(cut));",
-         "held.extend(st.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
+    edit("src/arena/sleep/modes.rs", "held.extend(st.heap.graph_held().filter_map(cut));",
+         "held.extend(st.heap.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
 elif name == "b1":
     # Waiting before growth takes another stream's pending block as settled
     # without waiting for its fences.
     edit("src/arena/mapping.rs", "        if let Err(e) = owed.wait_set(backend, &f.fences) {",
          "        let _ = (&f, &owed);\n        if let Err(e) = Ok::<(), crate::Error>(()) {")
     edit("src/arena/mapping.rs", "        self.settle_zone(st, z);\n        let o = self.take(st, z, size, key)?;",
-         "        {\n            let State { zones, region, .. } = &mut *st;\n            zones[z].settle_in(|_| true, &region.walls());\n        }\n        let o = self.take(st, z, size, key)?;")
+         "        {\n            let State { heap, region, .. } = &mut *st;\n            heap.zones[z].settle_in(|_| true, &region.walls());\n        }\n        let o = self.take(st, z, size, key)?;")
 elif name == "g3":
     # RT4-1 (issue 38): a block allocated before a capture and freed into
     # it owes no fence on its stream: the capture retakes it, and after
