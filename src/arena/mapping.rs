@@ -251,7 +251,7 @@ impl<B: Backend> Shared<B> {
             return Ok(());
         }
         self.release_free_chunks(st)?;
-        if hooked || over.is_some() && !self.release_before_map {
+        if hooked || (over.is_some() && !self.release_before_map) {
             // Chunks of any size (with a hook a growing request maps one of
             // its own; without, the last chunk of a mapping is as long as
             // the request needs), so the pool seldom has one that fits:
@@ -266,7 +266,7 @@ impl<B: Backend> Shared<B> {
 
     /// Whether `need` more bytes may be mapped for a request of `size`:
     /// within the arena's budget, and leaving the device margin free.
-    fn check_room(&self, st: &State<B>, size: usize, need: usize) -> Result<()> {
+    pub(super) fn check_room(&self, st: &State<B>, size: usize, need: usize) -> Result<()> {
         if self
             .budget
             .is_some_and(|budget| st.region.table.mapped_bytes() + need > budget)

@@ -483,8 +483,8 @@ impl<B: Backend> Shared<B> {
     /// A wake's [`WakeDesc::restore_free`]: fresh memory mapped again over
     /// the free chunks the sleep gave back, `freed`, where nothing has been
     /// mapped since, free for the next allocations; returns the bytes
-    /// mapped. Best effort, as a cache is: the first range the budget or
-    /// the device cannot hold ends it (the wake stands, and a later
+    /// mapped. Best effort, as a cache is: the first range the budgets, the
+    /// device margin or the device cannot hold ends it (the wake stands, and a later
     /// allocation maps what it needs, or fails then with the cause).
     pub(super) fn refill(&self, st: &mut State<B>, freed: &[(usize, usize)]) -> usize {
         let mut done = 0;
@@ -492,15 +492,14 @@ impl<B: Backend> Shared<B> {
             if st.region.table.overlapping(o..o + b).next().is_some() {
                 continue;
             }
+            // Room as any mapping needs it: the arena's budget, the device
+            // margin, then the shared budget.
+            if self.check_room(st, b, b).is_err() {
+                break;
+            }
             let Some(hold) = st.region.hold(b) else {
                 break;
             };
-            if self
-                .budget
-                .is_some_and(|budget| st.region.table.mapped_bytes() + b > budget)
-            {
-                break;
-            }
             let parts = pieces(o, b, usize::MAX, st.heap.small_end);
             let sizes: Vec<usize> = parts.iter().map(|p| p.1).collect();
             if let Err(e) = self.map_fresh(st, o, &sizes) {
