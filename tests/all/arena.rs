@@ -14,7 +14,7 @@ use crate::common::gpu;
 use crate::cuda_only::{counted, pattern, Kernels};
 
 crate::register! {
-    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena, a_device_margin_refuses_growth_that_leaves_less_free],
+    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena, a_device_margin_refuses_growth_that_leaves_less_free, a_deferred_free_goes_back_to_another_arena_of_the_budget],
     gpu: [owned_typed_tensors_behave_as_cudarc_slices, gpu_statistics_keep_pytorchs_invariants_at_every_step, cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
 }
 
@@ -446,4 +446,53 @@ fn a_device_margin_refuses_growth_that_leaves_less_free() {
     let c = arena.alloc(2 * g, &DoneStream(0)).unwrap();
     assert!(arena.stats().reserved_bytes.current > mapped);
     drop((a, b, c));
+}
+
+/// Two arenas under one budget with deferred free fences (the PyTorch
+/// plug-in's tags): what one frees on a stream it sees no call on again owes
+/// its fence for ever, so `release_cached` cannot prove it passed and keeps
+/// it; `release_all_cached` synchronises, gives it back to the driver's
+/// side of the budget, and the other arena's allocation fits. Found on 4x
+/// H200 when deferred fences became the plug-in's default.
+fn a_deferred_free_goes_back_to_another_arena_of_the_budget() {
+    use crate::fault::{DoneStream, FaultBackend};
+    let fb = FaultBackend::emulating_gpu(crate::common::host());
+    let g = fb.granularity(vmmbuf::Location::Device(0)).unwrap();
+    let budget = vmmbuf::Budget::new(4 * g);
+    let desc = || {
+        ArenaDesc::new(1 << 30)
+            .max_chunk_bytes(g)
+            .defer_free_fences(true)
+            .shared_budget(budget.clone())
+    };
+    type Fa = Arena<FaultBackend<vmmbuf::HostBackend>, DoneStream>;
+    let (a, b): (Fa, Fa) = (
+        Arena::new(fb.clone(), desc()).unwrap(),
+        Arena::new(fb.clone(), desc()).unwrap(),
+    );
+    let x = a.alloc(3 * g, &DoneStream(1)).unwrap();
+    drop(x);
+    let e = b.alloc(3 * g, &DoneStream(2)).unwrap_err();
+    assert!(e.is_transient(), "{e}");
+    assert_eq!(
+        a.release_cached().unwrap(),
+        0,
+        "an owed free is not proven passed"
+    );
+    assert!(b.alloc(3 * g, &DoneStream(2)).is_err(), "still held by a");
+    let syncs = fb.live().device_syncs;
+    assert_eq!(a.release_all_cached().unwrap(), 3 * g);
+    assert_eq!(fb.live().device_syncs, syncs + 1, "one synchronisation");
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+    assert_eq!(budget.used(), 0, "the budget got it back");
+    // Nothing owed now: no second synchronisation.
+    assert_eq!(a.release_all_cached().unwrap(), 0);
+    assert_eq!(fb.live().device_syncs, syncs + 1);
+    let y = b.alloc(3 * g, &DoneStream(2)).unwrap();
+    assert_eq!(budget.used(), 3 * g);
+    drop(y);
+    b.empty_cache().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(fb.live().mapped_bytes, 0, "everything back to the driver");
+    assert_eq!(budget.used(), 0);
 }

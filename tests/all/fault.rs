@@ -56,6 +56,9 @@ pub struct FaultBackend<B> {
     calls: AtomicUsize,
     /// Fence queries (`fence_done`) so far: not counted in `calls`.
     queries: AtomicUsize,
+    /// Device synchronisations so far (the host backend counts none):
+    /// reported as `live().device_syncs`.
+    syncs: AtomicUsize,
     fail_at: AtomicUsize,
     failed: AtomicUsize,
     /// Every call of this name, from this call number on, fails until
@@ -87,6 +90,7 @@ impl<B: Backend> FaultBackend<B> {
             inner,
             calls: AtomicUsize::new(0),
             queries: AtomicUsize::new(0),
+            syncs: AtomicUsize::new(0),
             fail_at: AtomicUsize::new(0),
             failed: AtomicUsize::new(0),
             sticky: parking_lot::Mutex::new(None),
@@ -325,7 +329,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
     }
     fn synchronize(&self) -> Result<()> {
         self.step("synchronize", 0)?;
-        self.inner.synchronize()
+        self.inner.synchronize()?;
+        self.syncs.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
     fn copy(
         &self,
@@ -386,7 +392,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.inner.write(res, offset, src)
     }
     fn live(&self) -> LiveCounts {
-        self.inner.live()
+        let mut l = self.inner.live();
+        l.device_syncs += self.syncs.load(Ordering::SeqCst) as u64;
+        l
     }
 }
 

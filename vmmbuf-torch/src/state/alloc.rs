@@ -30,10 +30,13 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     let a = match alloc(d.arena(&tag)?) {
         // At the device's budget, shared by every tag: the other tags'
         // cached memory goes back too, then one more try (an arena gives
-        // back only its own before failing).
+        // back only its own before failing). Their frees that owe a fence
+        // (deferred, the default) are waited for with a device
+        // synchronisation, as PyTorch's out-of-memory path synchronises:
+        // a tag no call uses again would otherwise keep them for ever.
         Err(e) if e.is_transient() && d.arenas.len() > 1 => {
             for a in d.arenas.values() {
-                if let Err(e) = a.release_cached() {
+                if let Err(e) = a.release_all_cached() {
                     tracing::warn!(error = %e, "vmmbuf-torch: releasing cached memory failed");
                 }
             }
