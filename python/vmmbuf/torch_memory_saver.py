@@ -19,12 +19,13 @@ torch_memory_saver discards them, and ``resume`` maps fresh memory
 (contents undefined). Touching a paused tensor faults, as it does under
 torch_memory_saver; ``TorchMemorySaver(reachable=True)`` instead moves the
 contents to pinned host memory at the same addresses, where kernels and the
-CPU can still read them (a little slower). The pinned host memory goes back
-after each resume unless ``retain_cpu_backup = True`` (as in
-torch_memory_saver; keeping it saves re-pinning at every pause). A
-region with a pinned backup has that host memory pinned on a thread of its
-own as it ends (``prepare_backup``), so the first pause copies without
-pinning first.
+CPU can still read them (a little slower). A region with a pinned backup
+has that host memory pinned on a thread of its own as it ends
+(``prepare_backup``), so the first pause copies without pinning first, and
+a resume keeps the pinned memory (not the contents) for the next pause; with
+``prepare_backup = False`` it goes back after each resume, unless
+``retain_cpu_backup = True`` (as in torch_memory_saver, where keeping the
+backup saves re-pinning at every pause).
 ``disable()`` inside a region makes tensors that are not pausable; regions
 nest; a tag may have regions with and without a backup; ``cuda_graph()``
 (after ``vmmbuf.torch.use()``) makes a graph whose memory pauses. With
@@ -292,8 +293,12 @@ class TorchMemorySaver:
         first pause (counted in ``vmmbuf.stats()["pooled_host_bytes"]``,
         bounded by ``vmmbuf.set_host_cache_limit``) and one background
         thread's CPU while it pins; a pause waits for a preparation under
-        way. Unless ``retain_cpu_backup``, the memory goes back after each
-        resume as before, so only the first pause gains."""
+        way. A resume then keeps the pinned memory (not the backup's
+        contents: ``get_cpu_backup`` answers None unless
+        ``retain_cpu_backup``) for the next pause, which copies at the
+        link's speed too; with False, unless ``retain_cpu_backup``, it goes
+        back to the system at each resume (``vmmbuf.release_host_cache()``
+        gives it back at any time)."""
         return self._prepare
 
     @prepare_backup.setter
@@ -314,14 +319,16 @@ class TorchMemorySaver:
 
     def resume(self, tag: Optional[str] = None) -> int:
         """Maps ``tag``'s memory (None: every region's) back at the same
-        addresses; returns the bytes resumed. Unless ``retain_cpu_backup``,
-        the host memory the backups used goes back to the system; with it,
+        addresses; returns the bytes resumed. With ``retain_cpu_backup``
         the backups stay readable (``get_cpu_backup``, at the same host
-        address) until the next pause, which copies into them again."""
+        address) until the next pause, which copies into them again.
+        Without it their contents go; their pinned host memory stays for
+        the next pause while ``prepare_backup`` is on (the default), and
+        goes back to the system otherwise."""
         keep = self._retain
         restore = self._restores()
         total = sum(_native.wake(t, False, keep, restore)[0] for t, _ in self._tags(tag))
-        if not self._retain:
+        if not self._retain and not self._prepare:
             _native.release_host_cache()
         return total
 
