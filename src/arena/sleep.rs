@@ -325,13 +325,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
         r.migration.dispose_time += t.elapsed();
         r.total_time = start.elapsed();
-        tracing::debug!(
-            mode = %r.mode,
-            bytes = r.bytes,
-            chunks = r.chunks_before,
-            pieces = r.chunks_after,
-            "vmmbuf: arena asleep"
-        );
+        trace_report(&r, false);
         Ok(r)
     }
 
@@ -409,22 +403,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 r.device_bytes += r.free_bytes;
             }
         }
-        let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
-        st.backup_kept = keep;
-        if keep && asleep.mode.pages() {
-            st.kept_pages = asleep.paged;
-        }
-        // A stash above the pool's host bound goes to the pool, which
-        // sheds what is over (unless the wake keeps it as the backup).
-        let stash_bytes = st.stash.as_ref().map_or(0, |s| s.table.mapped_bytes());
-        if stash_bytes > sh.pool.desc().max_host_bytes && !keep {
-            let _ = sh.drop_stash(st);
-        }
+        sh.keep_or_shed_backup(st, desc, asleep);
         sh.rebuild_split(st);
         sh.count(st);
         drop(guard);
         r.total_time = start.elapsed();
-        tracing::debug!(mode = %r.mode, bytes = r.bytes, "vmmbuf: arena awake");
+        trace_report(&r, true);
         Ok(r)
     }
 
@@ -550,5 +534,30 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// addresses ([`offload`](Self::offload)).
     pub fn is_offloaded(&self) -> bool {
         self.sleep_mode() == Some(SleepMode::Keep)
+    }
+}
+
+/// A sleep's or a wake's report at debug level (`VMMBUF_LOG=debug`), with
+/// where its time went: a pause that pins host memory anew shows it in
+/// `acquire_us`, one that waits for the GPU in `wait_us`.
+fn trace_report(r: &SleepReport, awake: bool) {
+    let us = |d: std::time::Duration| d.as_micros() as u64;
+    let m = &r.migration;
+    let (total, wait, acquire) = (us(r.total_time), us(r.wait_time), us(m.acquire_time));
+    let (stage, copy, swap, dispose) = (
+        us(m.stage_time),
+        us(m.copy_time),
+        us(m.swap_time),
+        us(m.dispose_time),
+    );
+    let (mode, bytes, free) = (r.mode, r.bytes, r.free_bytes);
+    let (chunks, pieces) = (r.chunks_before, r.chunks_after);
+    if awake {
+        tracing::debug!(%mode, bytes, free_bytes = free, total_us = total, acquire_us = acquire,
+            stage_us = stage, copy_us = copy, swap_us = swap, "vmmbuf: arena awake");
+    } else {
+        tracing::debug!(%mode, bytes, chunks, pieces, total_us = total, wait_us = wait,
+            acquire_us = acquire, stage_us = stage, copy_us = copy, swap_us = swap,
+            dispose_us = dispose, "vmmbuf: arena asleep");
     }
 }

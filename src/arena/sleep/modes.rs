@@ -320,6 +320,26 @@ impl<B: Backend> Shared<B> {
         unmapped
     }
 
+    /// After a wake: whether the backup stays readable (`keep_backup`, for
+    /// a stash or a paged sleep), and a stash above the pool's host bound
+    /// handed to the pool, which sheds what is over (unless kept).
+    pub(super) fn keep_or_shed_backup(
+        &self,
+        st: &mut State<B>,
+        desc: &WakeDesc,
+        asleep: Asleep<Mark<B::Fence>>,
+    ) {
+        let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
+        st.backup_kept = keep;
+        if keep && asleep.mode.pages() {
+            st.kept_pages = asleep.paged;
+        }
+        let stash_bytes = st.stash.as_ref().map_or(0, |s| s.table.mapped_bytes());
+        if stash_bytes > self.pool.desc().max_host_bytes && !keep {
+            let _ = self.drop_stash(st);
+        }
+    }
+
     /// Gives the stash's pieces to the pool (the caller has made sure the
     /// arena does not sleep stashed).
     pub(super) fn drop_stash(&self, st: &mut State<B>) -> Result<usize> {
