@@ -353,6 +353,7 @@ def run_all(a):
             same_s = str(same) if same is not None else "-"
             print(f"{mode:<5} {alloc:<12} {step:8.2f} {vs_s} {peak / 2**20:15.0f} "
                   f"{taken / 2**20:15.0f} {util:11.3f} {same_s:>16}")
+    paired_table = paired(runs, modes, allocs)
     print("\nvmmbuf's CPU cost per step (rank 0, median over rounds): malloc ms, free ms, "
           "allocs, frees, fence queries, chunks mapped")
     for mode in modes:
@@ -378,7 +379,41 @@ def run_all(a):
     if a.out:
         with open(a.out, "w") as f:
             json.dump({f"{m} {k}": v for (m, k), v in runs.items()}, f)
-    print(json.dumps({"rounds": a.rounds, "steps": a.steps, "table": table}))
+    print(json.dumps({"rounds": a.rounds, "steps": a.steps, "table": table, "paired": paired_table}))
+
+
+def paired(runs, modes, allocs, ref="expandable", skip=5):
+    """Each allocator against `ref` round by round (both launched in the
+    same round, minutes apart), where a median of per-round medians moves
+    by up to 10% from machine drift: the per-round ratios of rank 0's
+    median step, how many rounds read below 1, and the median of every
+    step after the first `skip` of every round pooled; with vmmbuf's malloc
+    time on its median step (steps that map chunks, a few per launch, left
+    to the mean above)."""
+    out = []
+    print(f"\nagainst {ref}, round by round (rank 0): per-round step ratios, rounds below 1, "
+          f"pooled median step ms (steps after the first {skip}), malloc ms on the median step")
+    for mode in modes:
+        base = runs.get((mode, ref))
+        if not base:
+            continue
+        pooled_ref = statistics.median(t for r in base for t in r[0]["step_ms"][skip:])
+        for alloc in allocs:
+            rs = runs[(mode, alloc)]
+            ratios = [r[0]["median_step_ms"] / b[0]["median_step_ms"] for r, b in zip(rs, base)]
+            pooled = statistics.median(t for r in rs for t in r[0]["step_ms"][skip:])
+            steady = [statistics.median(r[0]["step_alloc_us"]) / 1e3 for r in rs
+                      if r[0].get("step_alloc_us")]
+            row = {"mode": mode, "alloc": alloc, "ratios": ratios,
+                   "rounds_below_1": sum(x < 1 for x in ratios), "pooled_median_ms": pooled,
+                   "pooled_vs_ref": pooled / pooled_ref,
+                   "steady_malloc_ms": statistics.median(steady) if steady else None}
+            out.append(row)
+            rat = ", ".join(f"{x:.3f}" for x in ratios)
+            st = f"{row['steady_malloc_ms']:.2f}" if steady else "-"
+            print(f"{mode:<5} {alloc:<12} [{rat}] {row['rounds_below_1']}/{len(ratios)} "
+                  f"{pooled:8.2f} ({pooled / pooled_ref:.3f}x) {st:>6}")
+    return out
 
 
 def main():
