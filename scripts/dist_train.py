@@ -34,6 +34,12 @@ under one allocator per launch, compared on the same machine (issue 24):
                and every device range vmmbuf maps kept registered with the
                default group's NCCL communicator from before the model is
                built (vmmbuf.torch.register_nccl; only when named in --allocs)
+  vmmbuf-ready process-wide, NCCL-ready chunks (VMMBUF_TORCH_NCCL_READY=1)
+               and no registration: what the chunk kind alone costs (a
+               diagnosis of vmmbuf-nccl's step; only when named in --allocs)
+  vmmbuf-hooked  vmmbuf-nccl with NCCL_LOCAL_REGISTER=0: the hook, the
+               arena's layout under it and the chunk kind, with NCCL's
+               registration a no-op (a diagnosis; only when named)
   vmmbuf-warm  process-wide, one allocation of DIST_WARM_GIB (default 10)
                made and freed before training, so the arena has mapped
                what the steps need and never grows during them (a
@@ -73,9 +79,11 @@ ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
 EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-wait",
-         "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl")
+         "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked")
 PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked",
-                "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl")
+                "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked")
+# Register every mapped range with NCCL (vmmbuf.torch.register_nccl).
+REGISTERED = ("vmmbuf-nccl", "vmmbuf-hooked")
 MODES = ("ddp", "fsdp")
 WARMUP = 5
 
@@ -99,8 +107,10 @@ def worker(a):
         os.environ["VMMBUF_TORCH_WAIT_BEFORE_GROW"] = "1"
     if a.alloc == "vmmbuf-grow":
         os.environ["VMMBUF_TORCH_WAIT_BEFORE_GROW"] = "0"
-    if a.alloc == "vmmbuf-nccl":
+    if a.alloc in REGISTERED or a.alloc == "vmmbuf-ready":
         os.environ["VMMBUF_TORCH_NCCL_READY"] = "1"
+    if a.alloc == "vmmbuf-hooked":
+        os.environ["NCCL_LOCAL_REGISTER"] = "0"
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch
@@ -120,7 +130,7 @@ def worker(a):
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.backends.cuda.enable_cudnn_sdp(False)
     dist.barrier()
-    reg = vmmbuf.torch.register_nccl() if a.alloc == "vmmbuf-nccl" else None
+    reg = vmmbuf.torch.register_nccl() if a.alloc in REGISTERED else None
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]
     pool = None
