@@ -444,7 +444,11 @@ enum AOp {
         n: u64,
     },
     CompleteAll,
-    Release,
+    /// `release_cached`, or with `all` `release_all_cached` (frees that
+    /// owe their fence waited for with a device synchronisation).
+    Release {
+        all: bool,
+    },
     EmptyCache,
     Offload,
     Restore,
@@ -515,7 +519,7 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => (0..64usize, any::<bool>()).prop_map(|(which, work)| AOp::FreeRacing { which, work }),
         4 => (0..STREAMS, 1..4u64).prop_map(|(s, n)| AOp::Complete { s, n }),
         1 => Just(AOp::CompleteAll),
-        1 => Just(AOp::Release),
+        1 => any::<bool>().prop_map(|all| AOp::Release { all }),
         1 => Just(AOp::EmptyCache),
         1 => Just(AOp::Offload),
         1 => Just(AOp::Restore),
@@ -896,8 +900,11 @@ fn run_arena_waiting(
             // given, and would fail): the caller ends the capture first.
             AOp::Offload | AOp::Restore | AOp::SleepUnmapping { .. } | AOp::Wake { .. }
                 if capturing.as_ref().is_some_and(|c| c.invalid) => {}
-            AOp::Release => {
+            AOp::Release { all: false } => {
                 arena.release_cached().unwrap();
+            }
+            AOp::Release { all: true } => {
+                arena.release_all_cached().unwrap();
             }
             AOp::EmptyCache => arena.empty_cache().unwrap(),
             AOp::Offload => match arena.offload(&passed(&live, &used_on, &replayed_on)) {
@@ -1282,7 +1289,7 @@ fn oracle_case_1() {
             which: 32,
             work: false,
         },
-        AOp::Release,
+        AOp::Release { all: false },
         AOp::FreeRacing {
             which: 10,
             work: false,
@@ -1308,7 +1315,7 @@ fn oracle_case_1() {
         AOp::Alloc { units: 31, s: 0 },
         AOp::Alloc { units: 12, s: 0 },
         AOp::Alloc { units: 30, s: 0 },
-        AOp::Release,
+        AOp::Release { all: false },
         AOp::Alloc { units: 19, s: 1 },
         AOp::Alloc { units: 19, s: 1 },
         AOp::Alloc { units: 30, s: 1 },
