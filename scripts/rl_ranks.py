@@ -15,6 +15,9 @@ Variants (one torchrun launch each):
   vmmbuf-nccl  the same with NCCL-ready chunks and register_nccl(): the
                registrations must follow the pause and the resume
                (registered bytes = mapped device bytes after each).
+  vmmbuf-nopeer  vmmbuf with VMMBUF_TORCH_PEER_ACCESS=0: chunks mapped for
+               their own GPU only, not for every peer (a diagnosis of the
+               pause on four ranks; only when named in --variants)
   tms          torch_memory_saver (hook mode "torch"): "train" in a region
                with a CPU backup, the KV cache in one without.
   vtms         the same through vmmbuf's torch_memory_saver interface.
@@ -41,12 +44,15 @@ from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ("none", "vmmbuf", "vmmbuf-nccl", "vtms", "tms")
+EXTRA = ("vmmbuf-nopeer",)
 GiB = float(1 << 30)
 
 
 def worker(a: argparse.Namespace) -> None:
     if a.variant == "vmmbuf-nccl":
         os.environ["VMMBUF_TORCH_NCCL_READY"] = "1"
+    if a.variant == "vmmbuf-nopeer":
+        os.environ["VMMBUF_TORCH_PEER_ACCESS"] = "0"
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -209,8 +215,8 @@ def run_all(a: argparse.Namespace) -> int:
     ref = {x["rank"]: [r["loss"] for r in x["rows"]] for x in results.get("none", {}).get("ranks", [])}
     ok = True
     print("| variant | rank | state GiB | pause first ms/GiB | pause ms/GiB | resume ms/GiB | "
-          "freed GiB | losses = none | data intact | registrations follow |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "steady pause / resume ms | freed GiB | losses = none | data intact | registrations follow |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for v, r in results.items():
         good = r["rc"] == 0 and len(r["ranks"]) == a.nproc
         for x in sorted(r["ranks"], key=lambda x: x["rank"]):
@@ -222,6 +228,7 @@ def run_all(a: argparse.Namespace) -> int:
             print(f"| {v} | {x['rank']} | {gib:.2f} | "
                   f"{ms_per_gib(rows[:1], 'pause_s', gib):.1f} | {ms_per_gib(rows[1:], 'pause_s', gib):.1f} | "
                   f"{ms_per_gib(rows[1:], 'resume_s', gib):.1f} | "
+                  f"{ms_per_gib(rows[1:], 'pause_s', 1.0):.0f} / {ms_per_gib(rows[1:], 'resume_s', 1.0):.0f} | "
                   f"{statistics.median([row.get('freed_gib', 0.0) for row in rows]):.2f} | {same} | "
                   f"{intact} | {follows} |")
             good = good and same and intact and follows is not False
@@ -234,7 +241,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--all", action="store_true")
-    ap.add_argument("--variant", choices=VARIANTS, default="vmmbuf")
+    ap.add_argument("--variant", choices=VARIANTS + EXTRA, default="vmmbuf")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--iters", type=int, default=6)
