@@ -8,6 +8,9 @@
 #   bash scripts/issue40_gpu.sh tables N   # FSDP and DDP, ROUNDS (4) interleaved rounds on N GPUs,
 #                                          # then the RL step across N ranks against torch_memory_saver
 #                                          # (its 0.0.10 wheel in .peer/tms/wheels/)
+#   bash scripts/issue40_gpu.sh diagnose N # what registered FSDP's 14% and the slower pause on 4 ranks are:
+#                                          # FSDP with vmmbuf-ready and vmmbuf-hooked beside vmmbuf-nccl (ROUNDS, 2),
+#                                          # then the RL step with vmmbuf-nopeer and the sleeps' debug lines
 # Logs go to $OUT (or /tmp/issue40).
 set -uo pipefail
 OUT=${OUT:-/tmp/issue40}; mkdir -p "$OUT"
@@ -51,5 +54,16 @@ case "${1:-}" in
     PYTHONPATH="$PYTHONPATH:$REAL" timeout -s TERM "${RL_SECS:-300}" python3 -u scripts/rl_ranks.py --all \
       --nproc "$n" --iters "${ITERS:-6}" --timeout 140 > "$OUT/rl_ranks-${n}gpu.txt" 2>&1
     echo "rl_ranks exit $?"; grep -v '^{' "$OUT/rl_ranks-${n}gpu.txt" | grep -v '^\[rank' | tail -n 16 ;;
-  *) echo "usage: $0 straddle | stress N | tables N" >&2; exit 2 ;;
+  diagnose)
+    source scripts/gpu_env.sh >/dev/null
+    n=${2:-4}
+    timeout -s TERM "${DIST_SECS:-330}" python3 -u scripts/dist_train.py --all --nproc "$n" --modes fsdp \
+      --allocs native,expandable,vmmbuf,vmmbuf-nccl,vmmbuf-ready,vmmbuf-hooked --rounds "${ROUNDS:-2}" \
+      --steps "${DIST_STEPS:-40}" --out "$OUT/diag-fsdp-${n}gpu.json" > "$OUT/diag-fsdp-${n}gpu.txt" 2>&1
+    echo "dist_train exit $?"; grep -v '^{' "$OUT/diag-fsdp-${n}gpu.txt" | tail -n 24
+    VMMBUF_LOG=debug timeout -s TERM "${RL_SECS:-200}" python3 -u scripts/rl_ranks.py --all --nproc "$n" \
+      --variants none,vmmbuf,vmmbuf-nopeer --iters "${ITERS:-4}" --timeout 90 > "$OUT/diag-rl-${n}gpu.txt" 2>&1
+    echo "rl_ranks exit $?"; grep -v '^{' "$OUT/diag-rl-${n}gpu.txt" | grep '^|' | tail -n 14
+    grep -hoE "arena (asleep|awake).*" "$OUT/diag-rl-${n}gpu.txt" | head -n 12 ;;
+  *) echo "usage: $0 straddle | stress N | tables N | diagnose N" >&2; exit 2 ;;
 esac
