@@ -61,9 +61,10 @@ case "${1:-}" in
       --allocs native,expandable,vmmbuf,vmmbuf-nccl,vmmbuf-ready,vmmbuf-hooked --rounds "${ROUNDS:-2}" \
       --steps "${DIST_STEPS:-40}" --out "$OUT/diag-fsdp-${n}gpu.json" > "$OUT/diag-fsdp-${n}gpu.txt" 2>&1
     echo "dist_train exit $?"; grep -v '^{' "$OUT/diag-fsdp-${n}gpu.txt" | tail -n 24
-    VMMBUF_LOG=debug timeout -s TERM "${RL_SECS:-200}" python3 -u scripts/rl_ranks.py --all --nproc "$n" \
+    RL_LOG_DIR="$OUT/diag-rl-logs" VMMBUF_LOG=debug timeout -s TERM "${RL_SECS:-200}" python3 -u scripts/rl_ranks.py --all --nproc "$n" \
       --variants none,vmmbuf,vmmbuf-nopeer --iters "${ITERS:-4}" --timeout 90 > "$OUT/diag-rl-${n}gpu.txt" 2>&1
     echo "rl_ranks exit $?"; grep -v '^{' "$OUT/diag-rl-${n}gpu.txt" | grep '^|' | tail -n 14
-    grep -hoE "arena (asleep|awake).*" "$OUT/diag-rl-${n}gpu.txt" | head -n 12 ;;
+    for v in vmmbuf vmmbuf-nopeer; do echo "== $v"; grep -hE "arena (asleep|awake)" "$OUT/diag-rl-logs/$v.log" \
+      | grep -oE "(mode|bytes|total_us|wait_us|acquire_us|copy_us|swap_us|dispose_us)=[^ ]+" | paste -sd' ' | cut -c1-900; done ;;
   *) echo "usage: $0 straddle | stress N | tables N | diagnose N" >&2; exit 2 ;;
 esac

@@ -27,7 +27,8 @@ for bit), pause and resume seconds and GiB, the memory the pause freed
 (cuMemGetInfo), and after the resume every byte of the rank's shards of
 the weights and AdamW state compared with a copy taken before the pause.
 The launcher prints ms/GiB per rank (first and steady) and the checks; the
-last line is the whole result as JSON.
+last line is the whole result as JSON. RL_LOG_DIR=dir keeps each launch's
+whole output there (`<variant>.log`).
 """
 from __future__ import annotations
 
@@ -194,6 +195,11 @@ def launch(a: argparse.Namespace, variant: str) -> Dict[str, Any]:
         rc, text = p.returncode, p.stdout + p.stderr
     except subprocess.TimeoutExpired as e:
         rc, text = 124, str(e.stderr)[-4000:]
+    logs = os.environ.get("RL_LOG_DIR")
+    if logs:  # every launch's whole output (VMMBUF_LOG=debug lines, for one)
+        os.makedirs(logs, exist_ok=True)
+        with open(os.path.join(logs, f"{variant}.log"), "w") as f:
+            f.write(text)
     ranks = []
     for r in range(a.nproc):
         path = os.path.join(out, f"rank{r}.json")
