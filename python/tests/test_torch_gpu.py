@@ -383,8 +383,10 @@ def test_torch_memory_saver_disable_nesting_mixed_regions_and_retain(torch_gpu):
     ``disable()`` inside a region makes a tensor that no pause touches;
     regions nest (the inner tag applies, then the outer again); one tag with
     a region with and one without a CPU backup keeps the first and drops
-    the second; ``retain_cpu_backup`` False gives the pinned memory back at
-    resume, True keeps it. In a fresh interpreter (MemPool mode)."""
+    the second; ``retain_cpu_backup`` False drops the backups' contents at
+    resume (their pinned memory stays for the next pause while
+    ``prepare_backup``, and goes back without it), True keeps them. In a
+    fresh interpreter (MemPool mode)."""
     out = run_script("""
         import torch, vmmbuf
         from vmmbuf.torch_memory_saver import TorchMemorySaver
@@ -418,7 +420,14 @@ def test_torch_memory_saver_disable_nesting_mixed_regions_and_retain(torch_gpu):
         dropped.fill_(1.0)
         assert float(dropped.sum()) == dropped.numel()
         st = vmmbuf.stats()
-        assert st["pooled_host_bytes"] == 0 and st["stash_bytes"] == 0, "retain_cpu_backup False: given back"
+        assert st["stash_bytes"] == 0, "retain_cpu_backup False: the backups' contents go"
+        assert st["pooled_host_bytes"] >= (16 + 2) * 4 * MiB, "prepare_backup: the pinned memory stays"
+        tms.prepare_backup = False
+        tms.pause("a")
+        tms.resume("a")
+        st = vmmbuf.stats()
+        assert st["pooled_host_bytes"] == 0 and st["stash_bytes"] == 0, "prepare_backup False: given back"
+        tms.prepare_backup = True
         tms.retain_cpu_backup = True
         tms.pause("a")
         tms.resume("a")
