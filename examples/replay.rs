@@ -34,6 +34,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // VMMBUF_RELEASE_BEFORE_MAP=0 keeps free chunks mapped (the PyTorch
     // plug-in's setting).
     desc.release_before_map = std::env::var("VMMBUF_RELEASE_BEFORE_MAP").as_deref() != Ok("0");
+    // VMMBUF_RELEASE_OVER=P: whole free chunks go back before a mapping
+    // past P% of the peak allocated (ArenaDesc::release_over_percent).
+    if let Some(p) = std::env::var("VMMBUF_RELEASE_OVER")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        desc = desc.release_over_percent(p);
+    }
     let started = std::time::Instant::now();
     let (where_, report, stats) = match CudaBackend::new(0) {
         Ok(gpu) => {

@@ -80,6 +80,18 @@ fn arena_desc() -> ArenaDesc {
     // or a kernel on the other GPU) failed without it (issue 38).
     // VMMBUF_TORCH_PEER_ACCESS=0 maps for this GPU only.
     desc = desc.peer_access(std::env::var("VMMBUF_TORCH_PEER_ACCESS").as_deref() != Ok("0"));
+    // VMMBUF_TORCH_RELEASE_OVER_PERCENT=P (P >= 100; off by default):
+    // whole free chunks go back to the driver before a mapping past P% of
+    // the peak allocated (`ArenaDesc::release_over_percent`), for a
+    // footprint nearer the peak at more driver calls (issue 42).
+    if let Ok(v) = std::env::var("VMMBUF_TORCH_RELEASE_OVER_PERCENT") {
+        match v.parse::<u32>() {
+            Ok(p) if p >= 100 => desc = desc.release_over_percent(p),
+            _ => {
+                tracing::warn!(value = %v, "vmmbuf-torch: VMMBUF_TORCH_RELEASE_OVER_PERCENT is not a percent of at least 100; ignored")
+            }
+        }
+    }
     if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
         match v.parse::<usize>() {
             Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),
