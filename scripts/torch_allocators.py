@@ -13,7 +13,15 @@ Workloads, written with PyTorch's own modules, same seed everywhere:
   conv         a VGG-style net of Conv2d/BatchNorm2d/ReLU blocks on 128x128
                images, random batch sizes 16-128;
   transformer-xl  the transformer at d=1024, 12 layers (only named, e.g.
-               --sleep --workloads transformer-xl).
+               --sleep --workloads transformer-xl);
+  vision-res   the conv net on images whose resolution changes every step
+               (64-256 pixels a side, batch sizes 8-64), as detection and
+               multi-scale training feed it (only when named);
+  kv-decode    inference: a 6-layer decoder (d=512) generates 64-448 tokens
+               for a batch of 4-16 prompts, its KV cache grown by torch.cat
+               at every token (as Hugging Face's DynamicCache grows it); no
+               training, the "loss" is the sum of the last logits (only
+               when named).
 
 Per run: the loss at every step, peak allocated (PyTorch's counter, or the
 arena's), peak device memory taken (cuMemGetInfo against the free memory
@@ -45,7 +53,7 @@ CONF = {
 DEFAULT_ALLOCS = ("native", "expandable", "async", "vmmbuf")
 LEAN_ENV = {"VMMBUF_TORCH_MAX_CHUNK_BYTES": str(2 << 20), "VMMBUF_TORCH_RELEASE_OVER_PERCENT": "101"}
 WORKLOADS = ("transformer", "conv")
-EXTRA_WORKLOADS = ("transformer-xl",)
+EXTRA_WORKLOADS = ("transformer-xl", "vision-res", "kv-decode")
 HERE = os.path.dirname(os.path.abspath(__file__))
 OOM_EXIT = 3
 
@@ -66,6 +74,8 @@ def build(workload, torch, dev):
 
         def loss_of(out, y):
             return nn.functional.cross_entropy(out.reshape(-1, 1000), y.reshape(-1))
+    elif workload == "kv-decode":
+        return kv_decoder(torch, dev)
     else:
         def block(cin, cout, stride):
             return nn.Sequential(
@@ -76,13 +86,73 @@ def build(workload, torch, dev):
                               nn.Linear(512, 100)).to(dev)
 
         def batch(rng):
-            b = rng.choice([16, 32, 48, 64, 96, 128])
-            return (torch.randn(b, 3, 128, 128, device=dev),
+            if workload == "vision-res":
+                side, b = rng.choice([64, 96, 128, 160, 192, 224, 256]), rng.choice([8, 16, 32, 48, 64])
+            else:
+                side, b = 128, rng.choice([16, 32, 48, 64, 96, 128])
+            return (torch.randn(b, 3, side, side, device=dev),
                     torch.randint(0, 100, (b,), device=dev))
 
         def loss_of(out, y):
             return nn.functional.cross_entropy(out, y)
-    return model, batch, loss_of
+    return model, batch, loss_of, True
+
+
+def kv_decoder(torch, dev):
+    """The kv-decode workload: (model, batch, loss_of, False). The model's
+    forward generates greedily from a prompt, each layer's keys and values
+    grown by one token per step with torch.cat, and returns the last
+    logits; attention written out (matmul, softmax), so that every
+    allocator computes the same bits."""
+    nn = torch.nn
+    d, heads, depth, vocab = 512, 8, 6, 8000
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+        def forward(self, x, cache):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
+            w = (q @ k.transpose(-1, -2)) / (d // heads) ** 0.5
+            if t > 1:  # the prompt: causal
+                w = w.masked_fill(torch.ones(t, t, device=dev, dtype=torch.bool).triu(1), float("-inf"))
+            y = (w.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+            x = x + self.out(y)
+            return x + self.ff(self.n2(x))
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+            self.layers = nn.ModuleList(Layer() for _ in range(depth))
+
+        def forward(self, job):
+            prompt, new = job
+            caches = [[] for _ in self.layers]
+            x, logits = self.emb(prompt), None
+            for i in range(new):
+                for layer, c in zip(self.layers, caches):
+                    x = layer(x, c)
+                logits = self.head(x[:, -1])
+                x = self.emb(logits.argmax(-1, keepdim=True))
+            return logits
+
+    model = Decoder().to(dev).eval()
+
+    def batch(rng):
+        b, p, new = rng.choice([4, 8, 12, 16]), rng.randint(16, 128), rng.randint(64, 448)
+        return (torch.randint(0, vocab, (b, p), device=dev), new), None
+
+    def loss_of(logits, _):
+        return logits.float().sum()
+    return model, batch, loss_of, False
 
 
 def run_one(a):
@@ -111,7 +181,7 @@ def run_one(a):
     # and a tag makes a second arena).
     tag = (lambda: vt.tag("weights")) if vt and a.sleep_at is not None else _nullcontext
     with tag():
-        model, batch, loss_of = build(a.workload, torch, dev)
+        model, batch, loss_of, train = build(a.workload, torch, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses, times, min_free, sleep = [], [], free0, None
     try:
@@ -121,11 +191,15 @@ def run_one(a):
             x, y = batch(rng)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            loss = loss_of(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            with tag():  # the optimizer's state is made at its first step
-                opt.step()
+            if train:
+                loss = loss_of(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                with tag():  # the optimizer's state is made at its first step
+                    opt.step()
+            else:
+                with torch.no_grad():
+                    loss = loss_of(model(x), y)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
             losses.append(loss.item())
