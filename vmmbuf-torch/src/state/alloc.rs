@@ -12,8 +12,8 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     // A capture in CUDA's global mode (PyTorch's default) forbids every
     // thread's unsafe calls: vmmbuf makes each of its own (an event query,
     // a mapping) in relaxed mode, so the common path switches no mode.
-    let d = device(dev)?;
-    let mut d = d.lock();
+    let dref = device(dev)?;
+    let mut d = dref.lock();
     d.release_graphs();
     let tag = tag();
     let s = d.stream(stream);
@@ -30,15 +30,21 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     let a = match alloc(d.arena(&tag)?) {
         // At the device's budget, shared by every tag: the other tags'
         // cached memory goes back too, then one more try (an arena gives
-        // back only its own before failing). Their frees that owe a fence
-        // (deferred, the default) are waited for with a device
-        // synchronisation, as PyTorch's out-of-memory path synchronises:
-        // a tag no call uses again would otherwise keep them for ever.
+        // back only its own before failing).
         Err(e) if e.is_transient() && d.arenas.len() > 1 => {
-            for a in d.arenas.values() {
-                if let Err(e) = a.release_all_cached() {
-                    tracing::warn!(error = %e, "vmmbuf-torch: releasing cached memory failed");
-                }
+            let arenas: Vec<TorchArena> = d.arenas.values().cloned().collect();
+            if graph.is_none() {
+                // Their frees that owe a fence (deferred, the default) are
+                // waited for with a device synchronisation, as PyTorch's
+                // out-of-memory path synchronises (a tag no call uses
+                // again would otherwise keep them for ever), without the
+                // device's lock, which other threads' calls need meanwhile.
+                drop(d);
+                release_cached_of(&arenas, true);
+                d = dref.lock();
+            } else {
+                // Under a capture nothing synchronises: what has passed.
+                release_cached_of(&arenas, false);
             }
             alloc(d.arena(&tag)?)?
         }
@@ -47,6 +53,21 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     let p = a.address();
     d.live.insert(p as usize, a);
     Ok(p)
+}
+
+/// Gives the cached memory of `arenas` back (`all`: frees that owe their
+/// fence too, after a device synchronisation); a failure is logged.
+fn release_cached_of(arenas: &[TorchArena], all: bool) {
+    for a in arenas {
+        let r = if all {
+            a.release_all_cached()
+        } else {
+            a.release_cached()
+        };
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "vmmbuf-torch: releasing cached memory failed");
+        }
+    }
 }
 
 /// `VMMBUF_TORCH_GRAPHS=0`: the process never captures CUDA graphs, so
