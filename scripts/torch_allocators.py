@@ -351,9 +351,28 @@ def table(a):
             rows.append({"workload": w, "alloc": alloc, "runs": rs})
         if native:
             print("losses (native):", " ".join(f"{x:.4f}" for x in native[:8]), "...")
+        against_expandable(runs)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f)
+
+
+def against_expandable(runs):
+    """Each allocator against expandable segments repeat by repeat (both
+    run in the same repeat, minutes apart): the ratios of peak taken and of
+    the median step (issue 42 asks for 2% less memory within 1% of the
+    step). Repeats where either failed are left out."""
+    ref = runs.get("expandable")
+    if not ref:
+        return
+    print("against expandable segments, repeat by repeat: peak taken ratio; median step ratio")
+    for alloc, rs in runs.items():
+        if alloc == "expandable" or not rs or len(rs) != len(ref):
+            continue
+        taken = [r["peak_taken"] / e["peak_taken"] for r, e in zip(rs, ref)]
+        step = [r["median_step_ms"] / e["median_step_ms"] for r, e in zip(rs, ref)]
+        print(f"  {alloc:<12} taken [{', '.join(f'{x:.3f}' for x in taken)}]"
+              f"  step [{', '.join(f'{x:.3f}' for x in step)}]")
 
 
 def budgets(a):
