@@ -400,18 +400,19 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         Ok(n)
     }
 
-    /// [`release_cached`](Self::release_cached), and with [deferred free
-    /// fences](ArenaDesc::defer_free_fences) the frees with no fence
-    /// recorded yet too: the device is synchronised first where any is
-    /// owed, as an out-of-memory path does (PyTorch's cache synchronises
-    /// before it frees its cached blocks). Without it, memory freed on a
-    /// stream the arena sees no call on again (another tag's, another
-    /// thread's) could never go back. Returns the bytes handed over.
+    /// [`release_cached`](Self::release_cached) after a device
+    /// synchronisation, as an out-of-memory path does (PyTorch's cache
+    /// synchronises before it frees its cached blocks): every free made so
+    /// far has passed, so every whole free chunk goes back, those whose
+    /// fence was still pending and, with [deferred free
+    /// fences](ArenaDesc::defer_free_fences), those whose fence was not
+    /// recorded yet. Without it, memory freed on a stream the arena sees no
+    /// call on again (another tag's, another thread's) could never go back.
+    /// It waits for all the device's work: not for a hot path, nor while a
+    /// stream of the device is captured. Returns the bytes handed over.
     pub fn release_all_cached(&self) -> Result<usize> {
         let mut st = self.shared.state.lock();
-        if st.heap.owed.any_uncovered() {
-            st.heap.owed.synchronize(&*self.shared.backend)?;
-        }
+        st.heap.owed.synchronize(&*self.shared.backend)?;
         let n = self.shared.release_free_chunks(&mut st)?;
         self.shared.refresh(&mut st);
         Ok(n)
@@ -426,10 +427,16 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// [deferred free fences](ArenaDesc::defer_free_fences), frees with no
     /// fence recorded yet are waited for with a device synchronisation.
     pub fn empty_cache(&self) -> Result<()> {
+        let mut st = self.shared.state.lock();
         // Frees whose fence is deferred and not yet recorded could never
-        // settle otherwise: the device is synchronised (as PyTorch's
+        // settle here: the device is synchronised instead (as PyTorch's
         // empty_cache does).
-        self.release_all_cached()?;
+        if st.heap.owed.any_uncovered() {
+            st.heap.owed.synchronize(&*self.shared.backend)?;
+        }
+        self.shared.release_free_chunks(&mut st)?;
+        self.shared.refresh(&mut st);
+        drop(st);
         if self.shared.placement == Location::Host {
             self.shared.pool.trim()
         } else {

@@ -33,12 +33,14 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
         // back only its own before failing).
         Err(e) if e.is_transient() && d.arenas.len() > 1 => {
             let arenas: Vec<TorchArena> = d.arenas.values().cloned().collect();
-            if graph.is_none() {
-                // Their frees that owe a fence (deferred, the default) are
-                // waited for with a device synchronisation, as PyTorch's
-                // out-of-memory path synchronises (a tag no call uses
-                // again would otherwise keep them for ever), without the
-                // device's lock, which other threads' calls need meanwhile.
+            let (announced, underway) = CAPTURES.state();
+            if graph.is_none() && !(announced && underway > 0) {
+                // After a device synchronisation, as PyTorch's
+                // out-of-memory path synchronises: frees still pending go
+                // too, and those that owe their fence (deferred, the
+                // default), which a tag no call uses again would otherwise
+                // keep for ever. Without the device's lock, which other
+                // threads' calls need meanwhile.
                 drop(d);
                 release_cached_of(&arenas, true);
                 d = dref.lock();
