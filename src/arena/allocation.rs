@@ -416,9 +416,8 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         // Only the allocation's own stream may reuse the block before the
         // fences pass, and only if no other stream used it.
         let stream = fences.only_on(own_key).then_some(own_key);
-        let z = st.heap.zone_of_offset(self.offset);
         let super::State { heap, region, .. } = &mut *st;
-        heap.zones[z].insert_in(
+        heap.insert_free(
             self.offset,
             Free {
                 size: self.size,
@@ -431,6 +430,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         // free would keep all of it from the other streams until its
         // stream's next call: covered now instead.
         if let Some(key) = owed_on {
+            let z = st.heap.zone_of_offset(self.offset);
             let joined = st.heap.zones[z].size_at(self.offset);
             if joined >= super::owed::JOINED_BYTES && st.heap.owed.needs_any_cover(key) {
                 self.arena.cover(st, &self.stream);
