@@ -293,9 +293,10 @@ class TorchMemorySaver:
         first pause (counted in ``vmmbuf.stats()["pooled_host_bytes"]``,
         bounded by ``vmmbuf.set_host_cache_limit``) and one background
         thread's CPU while it pins; a pause waits for a preparation under
-        way. A resume then keeps the pinned memory (not the backup's
-        contents: ``get_cpu_backup`` answers None unless
-        ``retain_cpu_backup``) for the next pause, which copies at the
+        way. A resume then keeps the pinned memory (as the tag's stash,
+        counted in ``stash_bytes``; not the backup's contents:
+        ``get_cpu_backup`` answers None unless ``retain_cpu_backup``) for
+        the next pause, which copies at the
         link's speed too; with False, unless ``retain_cpu_backup``, it goes
         back to the system at each resume (``vmmbuf.release_host_cache()``
         gives it back at any time)."""
