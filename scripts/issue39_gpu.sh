@@ -5,7 +5,7 @@
 # wheel fetched into the git-ignored .peer/tms/ (test/, wheels/).
 #   bash scripts/issue39_gpu.sh suite   # its own suite: the real package, then vmmbuf (peer_suites.sh)
 #   bash scripts/issue39_gpu.sh own     # vmmbuf's torch_memory_saver and vLLM tests (2 GPUs)
-#   bash scripts/issue39_gpu.sh rl      # rl_loop.py: both packages, both hook modes, pinned (GPU 0)
+#   bash scripts/issue39_gpu.sh rl      # rl_loop.py: both packages, both hook modes, pinned (GPU $GPU, 0)
 # Logs go to $OUT (or /tmp/issue39). Each part checks that vmmbuf imports
 # first: a run without the wheel says so instead of failing test by test.
 set -uo pipefail
@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/issue39}; mkdir -p "$OUT"
 source scripts/gpu_env.sh >/dev/null
 python -c "import vmmbuf" || { echo "issue39_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
 export PYTHONFAULTHANDLER=1
-REAL=/tmp/tms-real; rm -rf "$REAL"
+REAL=/tmp/tms-real-$$; rm -rf "$REAL"
 pip install -q --no-index --no-deps --target "$REAL" .peer/tms/wheels/*.whl || exit 3
 case "${1:-}" in
   suite)
@@ -24,7 +24,7 @@ case "${1:-}" in
       --timeout 150 > "$OUT/own.log" 2>&1
     echo "own: exit $? $(tail -n 1 "$OUT/own.log")" ;;
   rl)
-    CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PYTHONPATH:$REAL" timeout -s TERM "${SECS:-500}" \
+    CUDA_VISIBLE_DEVICES=${GPU:-0} PYTHONPATH="$PYTHONPATH:$REAL" timeout -s TERM "${SECS:-500}" \
       python3 scripts/rl_loop.py --all --iters "${ITERS:-5}" \
       --variants "${VARIANTS:-vmmbuf,vtms,vtms-preload,tms,tms-preload,pinned}" \
       --json "$OUT/rl_loop.json" > "$OUT/rl_loop.txt" 2>&1
