@@ -25,7 +25,7 @@ case "${1:-}" in
     echo "own: exit $? $(tail -n 1 "$OUT/own.log")" ;;
   rl)
     CUDA_VISIBLE_DEVICES=${GPU:-0} PYTHONPATH="$PYTHONPATH:$REAL" timeout -s TERM "${SECS:-500}" \
-      python3 scripts/rl_loop.py --all --iters "${ITERS:-5}" \
+      python3 -u scripts/rl_loop.py --all --iters "${ITERS:-5}" \
       --variants "${VARIANTS:-vmmbuf,vtms,vtms-preload,tms,tms-preload,pinned}" \
       --json "$OUT/rl_loop.json" > "$OUT/rl_loop.txt" 2>&1
     echo "rl: exit $?"; tail -n 24 "$OUT/rl_loop.txt" ;;

@@ -442,6 +442,15 @@ def table(a: argparse.Namespace) -> None:
             runs[v].append(r)
             if "error" in r:
                 print(f"{v}: failed:\n{r['error']}", flush=True)
+            else:
+                # As each run ends, so that a run cut short still says
+                # what it measured (first pause, steady pause and resume,
+                # ms/GiB, and the link's rates in that process).
+                gib, rows = r["state_gib"], r["rows"]
+                print(f"{v}: first pause {rows[0]['sleep_train_s'] * 1e3 / gib:.1f}, pause "
+                      f"{med(rows[1:], 'sleep_train_s') * 1e3 / gib:.1f}, resume "
+                      f"{med(rows[1:], 'wake_train_s') * 1e3 / gib:.1f} ms/GiB; link "
+                      f"{r['link_d2h_ms_per_gib']:.1f} / {r['link_h2d_ms_per_gib']:.1f}", flush=True)
     ok = {v: [r for r in rs if "error" not in r] for v, rs in runs.items()}
     any_run = next((rs[0] for rs in ok.values() if rs), None)
     if any_run is None:

@@ -187,7 +187,10 @@ def worker(a: argparse.Namespace) -> None:
 def launch(a: argparse.Namespace, variant: str) -> Dict[str, Any]:
     out = tempfile.mkdtemp(prefix="rl-ranks-")
     env = {**os.environ, "RL_RESULT_DIR": out, "NCCL_NVLS_ENABLE": "0", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(a.nproc),
+    # --standalone: a free port of its own, so that launches on other GPUs
+    # of the machine can run beside it.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(a.nproc),
            os.path.abspath(__file__), "--worker", "--variant", variant, "--iters", str(a.iters)]
     cmd += ["--small"] if a.small else []
     try:

@@ -219,6 +219,11 @@ def run_one(a):
         sys.exit(OOM_EXIT)
     peak_alloc = (vt.stats()["allocated_bytes.all.peak"] if vt
                   else torch.cuda.max_memory_allocated())
+    # What the allocator itself held at most (issue 42: at most 1.01x the
+    # peak allocated); taken less this is what CUDA's libraries and
+    # kernels took, the same under every allocator.
+    peak_reserved = (vt.stats()["reserved_bytes.all.peak"] if vt
+                     else torch.cuda.max_memory_reserved())
     taken = free0 - min_free
     res = {
         "alloc": alloc,
@@ -226,6 +231,7 @@ def run_one(a):
         "losses": losses,
         "peak_allocated": peak_alloc,
         "peak_taken": taken,
+        "peak_reserved": peak_reserved,
         "utilization": peak_alloc / taken if taken else 0.0,
         "median_step_ms": 1000 * statistics.median(times),
     }
@@ -337,7 +343,8 @@ def table(a):
         native = runs["native"][0]["losses"] if runs.get("native") else None
         print(f"\n{w}, {a.steps} steps, {a.repeats} runs each (figures: median over runs)")
         print(f"{'allocator':<12} {'peak alloc MiB':>15} {'peak taken MiB':>15} {'utilization':>12}"
-              f" {'median step ms':>15} {'step vs native':>15} {'max |loss - native|':>20}")
+              f" {'median step ms':>15} {'step vs native':>15} {'max |loss - native|':>20}"
+              f" {'reserved/alloc':>15}")
         base = None
         for alloc, rs in runs.items():
             if not rs:
@@ -347,11 +354,15 @@ def table(a):
             base = base or step
             diff = max(abs(p - q) for r in rs for p, q in zip(r["losses"], native)) if native else float("nan")
             print(f"{alloc:<12} {med('peak_allocated') / 2**20:15.1f} {med('peak_taken') / 2**20:15.1f}"
-                  f" {med('utilization'):12.3f} {step:15.2f} {step / base:15.3f} {diff:20.2e}")
+                  f" {med('utilization'):12.3f} {step:15.2f} {step / base:15.3f} {diff:20.2e}"
+                  f" {statistics.median(r.get('peak_reserved', 0) / r['peak_allocated'] for r in rs):15.3f}")
             rows.append({"workload": w, "alloc": alloc, "runs": rs})
         if native:
             print("losses (native):", " ".join(f"{x:.4f}" for x in native[:8]), "...")
         against_expandable(runs)
+        if a.json:  # after each workload, so a run cut short keeps what ended
+            with open(a.json, "w") as f:
+                json.dump(rows, f)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f)

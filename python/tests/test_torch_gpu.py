@@ -614,7 +614,10 @@ def test_torch_memory_saver_retained_backup_is_one_zero_copy_view(torch_gpu, bac
     backup still reads the paused bytes; the next pause takes the new
     bytes; a resume without retain ends it (None). The zero-copy view is
     the backup itself, at one host address from pause to pause while
-    retained (torch_memory_saver's ``test_cpu_backup`` checks the same)."""
+    retained (torch_memory_saver's ``test_cpu_backup`` checks the same).
+    After that resume a pinned backup's host memory stays for the next
+    pause (``prepare_backup``, the default) and goes back to the system at
+    a resume once it is off."""
     out = run_script(f"""
         import torch, vmmbuf
         from vmmbuf.torch_memory_saver import TorchMemorySaver
@@ -645,6 +648,19 @@ def test_torch_memory_saver_retained_backup_is_one_zero_copy_view(torch_gpu, bac
         tms.resume("w")
         assert tms.get_cpu_backup(w) is None and tms.get_cpu_backup(w, zero_copy=True) is None
         assert torch.equal(w.cpu(), ref2)
+        st = vmmbuf.stats(0)
+        # A pinned backup's host memory stays for the next pause while
+        # prepare_backup is on (the default), its contents gone; a
+        # pageable one goes back at the resume.
+        kept = st["stash_bytes"]
+        assert st["pageable_bytes"] == 0, st
+        assert (kept >= ref2.numel() * 4) if {backend!r} == "pinned" else (kept == 0), st
+        tms.prepare_backup = False
+        w.add_(1.0)
+        ref3 = w.cpu()
+        tms.pause("w")
+        tms.resume("w")
+        assert torch.equal(w.cpu(), ref3)
         st = vmmbuf.stats(0)
         assert st["pageable_bytes"] == 0 and st["stash_bytes"] == 0, st
         print("OK")
