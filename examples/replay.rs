@@ -5,6 +5,13 @@
 //!
 //!     cargo run --release --example replay -- traces/torch-transformer-h100.csv.gz
 //!
+//! On the host, `VMMBUF_REPLAY_LAG=N` makes fences pass N events after they
+//! are made, as a GPU lagging behind the CPU would (the host's own fences
+//! pass at once, which a device's do not); the fence queries are counted.
+//! A trace recorded through the PyTorch plug-in replays as the plug-in runs
+//! with `VMMBUF_CHUNK_MIB=20 VMMBUF_RELEASE_BEFORE_MAP=0 VMMBUF_DEFER_FENCES=1
+//! VMMBUF_WAIT_BEFORE_GROW=1`.
+//!
 //! The trace in the repository was recorded from a PyTorch training run on
 //! an H100 (scripts/torch_trace.py).
 
@@ -12,8 +19,8 @@ use std::io::BufReader;
 use std::sync::Arc;
 
 use vmmbuf::{
-    host::HostStream, trace::parse_trace, trace::replay_trace, Arena, ArenaDesc, CudaBackend,
-    HostBackend,
+    host::HostStream, trace::parse_trace, trace::replay_trace, trace::replay_trace_with, Arena,
+    ArenaDesc, CudaBackend, HostBackend,
 };
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -42,6 +49,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     {
         desc = desc.release_over_percent(p);
     }
+    // VMMBUF_DEFER_FENCES=1 and VMMBUF_WAIT_BEFORE_GROW=1: the PyTorch
+    // plug-in's settings (with VMMBUF_CHUNK_MIB=20 and
+    // VMMBUF_RELEASE_BEFORE_MAP=0), which matter once fences lag.
+    let on = |k: &str| std::env::var(k).as_deref() == Ok("1");
+    desc = desc
+        .defer_free_fences(on("VMMBUF_DEFER_FENCES"))
+        .wait_before_grow(on("VMMBUF_WAIT_BEFORE_GROW"));
     let started = std::time::Instant::now();
     let (where_, report, stats) = match CudaBackend::new(0) {
         Ok(gpu) => {
@@ -53,11 +67,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         Err(e) => {
             raise_fd_limit();
-            let host = HostBackend::with_granularity(2 << 20)?;
-            let arena: Arena<HostBackend, HostStream> = Arena::new(host, desc)?;
-            let report = replay_trace(&arena, &events, HostStream)?;
+            let lag: u64 = std::env::var("VMMBUF_REPLAY_LAG")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            let host = HostBackend::with_fence_lag(2 << 20, lag)?;
+            let arena: Arena<HostBackend, HostStream> = Arena::new(host.clone(), desc)?;
+            let report = replay_trace_with(&arena, &events, HostStream, || host.tick())?;
+            let live = vmmbuf::Backend::live(&*host);
             (
-                format!("the host backend (no GPU: {e})"),
+                format!(
+                    "the host backend, fences passing {lag} events after they are made \
+                     ({} fence queries; no GPU: {e})",
+                    live.fence_queries
+                ),
                 report,
                 arena.stats(),
             )

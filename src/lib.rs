@@ -189,7 +189,9 @@ pub mod host {
 /// Traces of an arena's allocs and frees: record with
 /// [`Arena::record_trace`](crate::Arena::record_trace), parse, replay.
 pub mod trace {
-    pub use crate::arena::{parse_trace, replay_trace, ReplayReport, TraceEvent, TRACE_HEADER};
+    pub use crate::arena::{
+        parse_trace, replay_trace, replay_trace_with, ReplayReport, TraceEvent, TRACE_HEADER,
+    };
 }
 
 /// Counters and reports: a buffer's, an arena's, a pool's, and the

@@ -25,7 +25,9 @@ pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
 
 pub use cuda_view::{CudaAllocation, CudaArena};
 
-pub use trace::{parse_trace, replay_trace, ReplayReport, TraceEvent, TRACE_HEADER};
+pub use trace::{
+    parse_trace, replay_trace, replay_trace_with, ReplayReport, TraceEvent, TRACE_HEADER,
+};
 
 use std::fmt;
 use std::sync::Arc;
@@ -61,9 +63,10 @@ impl ArenaStream<crate::CudaBackend> for Arc<cudarc::driver::CudaStream> {
     }
 }
 
-/// A stream of the host backend: the host has no queued work, so its fences
-/// have always passed; the number tells streams apart (trace replay keeps
-/// their reuse rules).
+/// A stream of the host backend: the number tells streams apart (trace
+/// replay keeps their reuse rules). Its fences have passed when made, as the
+/// host has no queued work, unless the backend lags
+/// ([`HostBackend::with_fence_lag`](crate::HostBackend::with_fence_lag)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct HostStream(pub u64);
 
@@ -72,8 +75,8 @@ impl ArenaStream<crate::HostBackend> for HostStream {
     fn key(&self) -> crate::StreamKey {
         (0, self.0)
     }
-    fn fence(&self, _backend: &crate::HostBackend) -> Result<crate::host::HostFence> {
-        Ok(crate::host::HostFence)
+    fn fence(&self, backend: &crate::HostBackend) -> Result<crate::host::HostFence> {
+        Ok(backend.fence_on(self.key()))
     }
 }
 

@@ -94,10 +94,24 @@ pub fn replay_trace<B: Backend, S: ArenaStream<B>>(
     events: &[TraceEvent],
     stream: impl Fn(u64) -> S,
 ) -> Result<ReplayReport> {
+    replay_trace_with(arena, events, stream, || {})
+}
+
+/// [`replay_trace`], calling `before_event` before each event: a lagging
+/// host backend's [`tick`](crate::HostBackend::tick), so that fences pass
+/// some events after they were made, as a GPU's do
+/// ([`HostBackend::with_fence_lag`](crate::HostBackend::with_fence_lag)).
+pub fn replay_trace_with<B: Backend, S: ArenaStream<B>>(
+    arena: &Arena<B, S>,
+    events: &[TraceEvent],
+    stream: impl Fn(u64) -> S,
+    mut before_event: impl FnMut(),
+) -> Result<ReplayReport> {
     let mut live: HashMap<u64, Allocation<B, S>> = HashMap::new();
     let mut streams: HashMap<u64, S> = HashMap::new();
     let mut report = ReplayReport::default();
     for ev in events {
+        before_event();
         match *ev {
             TraceEvent::Alloc {
                 id,

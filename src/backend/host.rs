@@ -15,6 +15,8 @@ use std::sync::Arc;
 
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
+use super::host_lag::Clock;
+pub use super::host_lag::HostFence;
 use super::{Backend, Counters, LiveCounts};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
@@ -28,6 +30,9 @@ pub struct HostBackend {
     counters: Arc<Counters>,
     /// Where its default pool lives (see [`Backend::pool_slot`]).
     pool_slot: super::PoolSlot,
+    /// When its fences pass (at once unless made with
+    /// [`with_fence_lag`](Self::with_fence_lag)).
+    clock: Clock,
 }
 
 impl HostBackend {
@@ -37,6 +42,7 @@ impl HostBackend {
             granularity: rustix::param::page_size(),
             counters: Arc::default(),
             pool_slot: Default::default(),
+            clock: Clock::default(),
         })
     }
 
@@ -53,7 +59,35 @@ impl HostBackend {
             granularity,
             counters: Arc::default(),
             pool_slot: Default::default(),
+            clock: Clock::default(),
         }))
+    }
+
+    /// A backend of `granularity` (as [`with_granularity`](Self::with_granularity))
+    /// whose fences pass `lag` ticks of [`tick`](Self::tick) after they are
+    /// made, as a GPU's work finishes some time after the CPU queued it: a
+    /// replay that ticks once per event then sees frees whose fences have
+    /// not passed, and waits and synchronisations, where a device would.
+    /// A wait on a fence moves the clock on to it; a synchronisation, to
+    /// the latest fence made. Fence queries are counted
+    /// ([`LiveCounts::fence_queries`]).
+    pub fn with_fence_lag(granularity: usize, lag: u64) -> Result<Arc<Self>> {
+        let b = Self::with_granularity(granularity)?;
+        let mut b = Arc::try_unwrap(b).map_err(|_| Error::invalid("a new backend is shared"))?;
+        b.clock = Clock::new(lag);
+        Ok(Arc::new(b))
+    }
+
+    /// Advances the fences' clock by one tick (see
+    /// [`with_fence_lag`](Self::with_fence_lag); without a lag, fences have
+    /// passed already and this changes nothing they answer).
+    pub fn tick(&self) {
+        self.clock.tick();
+    }
+
+    /// A fence made now on the stream of `key`.
+    pub(crate) fn fence_on(&self, key: crate::StreamKey) -> HostFence {
+        self.clock.fence(key)
     }
 
     /// A memfd chunk of `bytes`; `sealed`: sealed against resizing, so that
@@ -194,10 +228,6 @@ impl Drop for HostReservation {
         });
     }
 }
-
-/// The host backend's fence: the host has no queued work, so it is always done.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct HostFence;
 
 /// Whether a chunk is mapped now, shared by the chunk and the table of the
 /// reservation that maps it, so a chunk maps at one place at a time.
@@ -455,15 +485,17 @@ impl Backend for HostBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.clock.synchronize();
         Ok(())
     }
 
-    fn wait(&self, _fence: &HostFence) -> Result<()> {
+    fn wait(&self, fence: &HostFence) -> Result<()> {
+        self.clock.wait(fence);
         Ok(())
     }
 
-    fn fence_key(&self, _fence: &HostFence) -> crate::StreamKey {
-        (0, 0)
+    fn fence_key(&self, fence: &HostFence) -> crate::StreamKey {
+        Clock::key(fence)
     }
 
     fn wait_copies(&self) -> Result<()> {
@@ -471,7 +503,7 @@ impl Backend for HostBackend {
     }
 
     fn copies_fence(&self) -> Result<HostFence> {
-        Ok(HostFence) // done already
+        Ok(HostFence::default()) // done already
     }
 
     fn copy(
@@ -506,8 +538,9 @@ impl Backend for HostBackend {
         })
     }
 
-    fn fence_done(&self, _fence: &HostFence) -> Result<bool> {
-        Ok(true)
+    fn fence_done(&self, fence: &HostFence) -> Result<bool> {
+        self.counters.update(|c| c.fence_queries += 1);
+        Ok(self.clock.done(fence))
     }
 
     fn read(&self, res: &HostReservation, offset: usize, dst: &mut [u8]) -> Result<()> {

@@ -21,6 +21,8 @@ pub(crate) mod cuda;
 pub(crate) mod handle;
 #[cfg(target_os = "linux")]
 pub(crate) mod host;
+#[cfg(target_os = "linux")]
+pub(crate) mod host_lag;
 pub(crate) mod pages;
 
 /// Counts of what a backend has live now, for leak checks.

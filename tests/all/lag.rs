@@ -21,6 +21,8 @@ crate::register! {
         waiting_before_growth_leaves_no_growth_past_a_pending_block,
         a_hooked_arena_on_fsdps_trace,
         giving_free_chunks_back_past_a_share_of_the_peak,
+        a_lagging_host_backend_holds_frees_until_their_fences_pass,
+        the_replay_ticks_a_lagging_host_backend_once_per_event,
     ],
 }
 
@@ -445,4 +447,84 @@ fn giving_free_chunks_back_past_a_share_of_the_peak() {
             }
         }
     }
+}
+
+/// `HostBackend::with_fence_lag`: a free's block is its own stream's at
+/// once and another stream's only once the free's fence has passed (ticks,
+/// a wait or a synchronisation); cached memory goes back only then.
+fn a_lagging_host_backend_holds_frees_until_their_fences_pass() {
+    use vmmbuf::host::HostStream;
+    use vmmbuf::Backend;
+    let g = 2 << 20;
+    let host = HostBackend::with_fence_lag(g, 3).unwrap();
+    let mut desc = ArenaDesc::new(64 * g).max_chunk_bytes(g);
+    desc.release_before_map = false;
+    let arena: Arena<HostBackend, HostStream> = Arena::new(host.clone(), desc).unwrap();
+    let (one, two) = (HostStream(1), HostStream(2));
+    let a = arena.alloc(g, &one).unwrap();
+    let at = a.address();
+    drop(a);
+    assert_eq!(
+        arena.release_cached().unwrap(),
+        0,
+        "its fence has not passed"
+    );
+    let b = arena.alloc(g, &two).unwrap();
+    assert_ne!(b.address(), at, "another stream waits for the fence");
+    let c = arena.alloc(g, &one).unwrap();
+    assert_eq!(c.address(), at, "its own stream takes it at once");
+    drop((b, c));
+    let queries = host.live().fence_queries;
+    for _ in 0..3 {
+        assert_eq!(arena.release_cached().unwrap(), 0);
+        host.tick();
+    }
+    assert!(host.live().fence_queries > queries, "queries are counted");
+    // Three ticks on, every fence made before them has passed.
+    assert_eq!(arena.release_cached().unwrap(), 2 * g);
+    let d = arena.alloc(g, &one).unwrap();
+    drop(d);
+    assert_eq!(arena.release_cached().unwrap(), 0);
+    host.synchronize().unwrap();
+    assert_eq!(
+        arena.release_cached().unwrap(),
+        g,
+        "a synchronisation passes them all"
+    );
+    assert_eq!(host.live().mapped_bytes, 0);
+}
+
+/// `replay_trace_with` calls its hook once before each event: the clock a
+/// lagging host backend replays on.
+fn the_replay_ticks_a_lagging_host_backend_once_per_event() {
+    use vmmbuf::host::HostStream;
+    use vmmbuf::trace::{replay_trace, replay_trace_with};
+    let events = trace("torch-transformer-h100.csv.gz");
+    let desc = || {
+        let mut d = ArenaDesc::new(256 << 30).max_chunk_bytes(20 << 20);
+        d.release_before_map = false;
+        d
+    };
+    let host = HostBackend::with_fence_lag(2 << 20, 1 << 40).unwrap();
+    let arena: Arena<HostBackend, HostStream> = Arena::new(host.clone(), desc()).unwrap();
+    let mut ticks = 0usize;
+    let lagging = replay_trace_with(&arena, &events, HostStream, || {
+        ticks += 1;
+        host.tick();
+    })
+    .unwrap();
+    assert_eq!(ticks, events.len());
+    assert_eq!(lagging.events, events.len());
+    // Fences that never pass: every stream but a free's own keeps off its
+    // block, so the arena takes at least what it takes with none pending.
+    let prompt = HostBackend::with_granularity(2 << 20).unwrap();
+    let arena2: Arena<HostBackend, HostStream> = Arena::new(prompt, desc()).unwrap();
+    let at_once = replay_trace(&arena2, &events, HostStream).unwrap();
+    assert_eq!(lagging.peak_allocated_bytes, at_once.peak_allocated_bytes);
+    assert!(
+        lagging.peak_reserved_bytes >= at_once.peak_reserved_bytes,
+        "{} against {}",
+        lagging.peak_reserved_bytes,
+        at_once.peak_reserved_bytes
+    );
 }
