@@ -12,6 +12,10 @@
 //! `--cold MIB` writes MIB MiB of other memory before every fourth call,
 //! which alone is timed (one timed pass): the caches a training step's
 //! Python and launches evict between two allocator calls.
+//!
+//! `VMMBUF_TRACE_RESERVE_GIB=16 valgrind --tool=cachegrind --cache-sim=yes
+//! --D1=2048,2,64 --LL=16384,4,64 <bench binary>` counts, per function, the
+//! cache lines the calls miss when little stays cached between them.
 
 use std::collections::HashMap;
 use std::io::BufReader;
@@ -65,7 +69,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     raise_fd_limit();
     let host = HostBackend::with_granularity(2 << 20)?;
-    let mut desc = ArenaDesc::new(256 << 30);
+    // VMMBUF_TRACE_RESERVE_GIB=16: a smaller reservation, under which the
+    // bench runs in valgrind (its mmap refuses 256 GiB), e.g. cachegrind
+    // with a small D1 to count the lines a call touches.
+    let gib = std::env::var("VMMBUF_TRACE_RESERVE_GIB")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(256);
+    let mut desc = ArenaDesc::new(gib << 30);
     desc.release_before_map = false;
     let arena: Arena<HostBackend, HostStream> = Arena::new(host, desc)?;
     let mut streams: HashMap<u64, HostStream> = HashMap::new();
