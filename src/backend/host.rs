@@ -49,6 +49,11 @@ impl HostBackend {
     /// A backend with a coarser granularity, e.g. 2 MiB to behave like CUDA.
     /// It must be a power of two and a multiple of the page size.
     pub fn with_granularity(granularity: usize) -> Result<Arc<Self>> {
+        Self::build(granularity, Clock::default())
+    }
+
+    /// A backend of `granularity`, checked, with fences on `clock`.
+    fn build(granularity: usize, clock: Clock) -> Result<Arc<Self>> {
         let page = rustix::param::page_size();
         if !granularity.is_power_of_two() || !granularity.is_multiple_of(page) {
             return Err(Error::invalid(format!(
@@ -59,7 +64,7 @@ impl HostBackend {
             granularity,
             counters: Arc::default(),
             pool_slot: Default::default(),
-            clock: Clock::default(),
+            clock,
         }))
     }
 
@@ -72,10 +77,7 @@ impl HostBackend {
     /// the latest fence made. Fence queries are counted
     /// ([`LiveCounts::fence_queries`]).
     pub fn with_fence_lag(granularity: usize, lag: u64) -> Result<Arc<Self>> {
-        let b = Self::with_granularity(granularity)?;
-        let mut b = Arc::try_unwrap(b).map_err(|_| Error::invalid("a new backend is shared"))?;
-        b.clock = Clock::new(lag);
-        Ok(Arc::new(b))
+        Self::build(granularity, Clock::new(lag))
     }
 
     /// Advances the fences' clock by one tick (see
