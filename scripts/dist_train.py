@@ -40,6 +40,12 @@ under one allocator per launch, compared on the same machine (issue 24):
   vmmbuf-hooked  vmmbuf-nccl with NCCL_LOCAL_REGISTER=0: the hook, the
                arena's layout under it and the chunk kind, with NCCL's
                registration a no-op (a diagnosis; only when named)
+  vmmbuf-nopeer  process-wide, VMMBUF_TORCH_PEER_ACCESS=0 (chunks mapped
+               for this GPU only, as expandable segments map theirs until a
+               peer copy asks; a diagnosis; only when named in --allocs)
+  vmmbuf-alt   process-wide, from the package in DIST_ALT_PATH (put first
+               on sys.path): another build against this one in the same
+               interleaved rounds (a before/after; only when named)
   vmmbuf-warm  process-wide, one allocation of DIST_WARM_GIB (default 10)
                made and freed before training, so the arena has mapped
                what the steps need and never grows during them (a
@@ -81,7 +87,8 @@ ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-wait",
          "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked")
 PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked",
-                "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked")
+                "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked",
+                "vmmbuf-nopeer", "vmmbuf-alt")
 # Register every mapped range with NCCL (vmmbuf.torch.register_nccl).
 REGISTERED = ("vmmbuf-nccl", "vmmbuf-hooked")
 MODES = ("ddp", "fsdp")
@@ -111,9 +118,18 @@ def worker(a):
         os.environ["VMMBUF_TORCH_NCCL_READY"] = "1"
     if a.alloc == "vmmbuf-hooked":
         os.environ["NCCL_LOCAL_REGISTER"] = "0"
+    if a.alloc == "vmmbuf-nopeer":
+        os.environ["VMMBUF_TORCH_PEER_ACCESS"] = "0"
+    if a.alloc == "vmmbuf-alt":
+        alt = os.environ.get("DIST_ALT_PATH")
+        if not alt or not os.path.isdir(alt):
+            raise SystemExit(f"vmmbuf-alt needs DIST_ALT_PATH, a directory holding a vmmbuf package (got {alt!r})")
+        sys.path.insert(0, alt)
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch
+        if a.alloc == "vmmbuf-alt" and not vt.__file__.startswith(os.environ["DIST_ALT_PATH"]):
+            raise SystemExit(f"vmmbuf-alt imported {vt.__file__}, not DIST_ALT_PATH's")
         if a.alloc in PROCESS_WIDE:
             vmmbuf.torch.use()
     import random
