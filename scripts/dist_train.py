@@ -85,7 +85,7 @@ ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
 EXTRA = ("vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked", "vmmbuf-wait",
-         "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked")
+         "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked", "vmmbuf-nopeer", "vmmbuf-alt")
 PROCESS_WIDE = ("vmmbuf", "vmmbuf-2m", "vmmbuf-defer", "vmmbuf-nodefer", "vmmbuf-nographs", "vmmbuf-asked",
                 "vmmbuf-wait", "vmmbuf-grow", "vmmbuf-warm", "vmmbuf-nccl", "vmmbuf-ready", "vmmbuf-hooked",
                 "vmmbuf-nopeer", "vmmbuf-alt")
