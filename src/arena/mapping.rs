@@ -474,22 +474,35 @@ impl<B: Backend> Shared<B> {
         }
     }
 
-    /// Updates the counters at every operation (constant time): current
-    /// values and peaks alike, so allocated <= active <= reserved holds for
-    /// both.
+    /// Updates the counters that keep a peak, at every operation (constant
+    /// time), so allocated <= active <= reserved holds for current values
+    /// and peaks alike. What has no peak is counted when read
+    /// ([`refresh`](Self::refresh)): an allocator call under a training
+    /// step's cold caches then touches fewer lines.
     pub(super) fn count(&self, st: &mut State<B>) {
         let (allocated, requested) = (st.heap.allocated, st.heap.requested);
         let mapped = st.region.table.mapped_bytes();
         let pending: usize = st.heap.zones.iter().map(|z| z.pending_bytes()).sum();
-        let graph: usize = st.heap.graphs.values().map(|g| g.held_bytes()).sum();
+        let graph: usize = if st.heap.graphs.is_empty() {
+            0
+        } else {
+            st.heap.graphs.values().map(|g| g.held_bytes()).sum()
+        };
         let split = st.split.inactive_split();
         let s = &mut st.stats;
         s.allocated_bytes.set(allocated);
         s.requested_bytes.set(requested);
         s.reserved_bytes.set(mapped);
         s.active_bytes.set(allocated + pending + graph);
-        s.graph_bytes = graph;
         s.inactive_split_bytes.set(split);
+    }
+
+    /// The counters without a peak: current values only, set when read.
+    fn count_current(&self, st: &mut State<B>) {
+        let mapped = st.region.table.mapped_bytes();
+        let split = st.split.inactive_split();
+        let s = &mut st.stats;
+        s.graph_bytes = st.heap.graphs.values().map(|g| g.held_bytes()).sum();
         s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
         s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
         s.pageable_bytes = st.asleep.as_ref().map_or(0, |a| a.pageable_bytes())
@@ -510,6 +523,7 @@ impl<B: Backend> Shared<B> {
             }
         }
         self.count(st);
+        self.count_current(st);
         let mapped = st.region.table.mapped_bytes();
         let s = &mut st.stats;
         s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
