@@ -417,7 +417,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut st = self.shared.state.lock();
         st.heap.owed.synchronize(&*self.shared.backend)?;
         let n = self.shared.release_free_chunks(&mut st)?;
-        self.shared.refresh(&mut st);
+        self.shared.count(&mut st);
         Ok(n)
     }
 
