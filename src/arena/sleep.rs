@@ -270,6 +270,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         if desc.mode == SleepMode::Keep {
             crate::migration::check_placement(&*sh.backend, sh.granularity, Location::Host)?;
         }
+        // What the pool held for the sleep, for its debug line: a pause
+        // whose pieces were prepared takes them all from the pool.
+        let pool_before = sh.pool.stats();
         let mut guard = sh.state.lock();
         let st = &mut *guard;
         st.region.check_poison()?;
@@ -326,6 +329,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         r.migration.dispose_time += t.elapsed();
         r.total_time = start.elapsed();
         trace_report(&r, false);
+        tracing::debug!(
+            pooled_host_bytes_before = pool_before.pooled_host_bytes,
+            pool_hits = sh.pool.stats().hits.saturating_sub(pool_before.hits),
+            pieces = r.chunks_after,
+            "vmmbuf: arena asleep, host pieces from the pool"
+        );
         Ok(r)
     }
 
@@ -467,7 +476,15 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             .map(|g| g.bytes)
             .collect()
         };
-        sh.pool.stock(Location::Host, &sizes)
+        let made = sh.pool.stock(Location::Host, &sizes)?;
+        tracing::debug!(
+            pieces = sizes.len(),
+            bytes = sizes.iter().sum::<usize>(),
+            created_bytes = made,
+            mode = %desc.mode,
+            "vmmbuf: sleep prepared"
+        );
+        Ok(made)
     }
 
     /// Gives the pinned host memory of the arena's stash (kept from one
