@@ -456,25 +456,44 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 let i = free.partition_point(|&(a, _)| a <= o);
                 i > 0 && free[i - 1].1 >= o + n
             };
-            // A stash keeps its pieces: those it holds need none.
-            let stashed = |g: &Group| {
-                desc.mode == SleepMode::Stash
-                    && st
-                        .stash
+            if desc.mode == SleepMode::Stash {
+                // A stash cuts the runs left mapped (whole free chunks
+                // gone) into pieces at multiples of the piece size, across
+                // chunks (`sleep_stash`), and keeps the pieces it holds:
+                // those need none.
+                let mut runs: Vec<(usize, usize)> = Vec::new();
+                for (o, e) in st.region.table.iter() {
+                    if is_free(o, e.bytes) {
+                        continue;
+                    }
+                    match runs.last_mut() {
+                        Some(r) if r.0 + r.1 == o => r.1 += e.bytes,
+                        _ => runs.push((o, e.bytes)),
+                    }
+                }
+                let held = |&(o, n): &(usize, usize)| {
+                    st.stash
                         .as_ref()
-                        .is_some_and(|x| x.table.get(g.offset).is_some_and(|e| e.bytes == g.bytes))
-            };
-            plan_groups(
-                &st.region.table,
-                |o, e| e.placement != Location::Host && !is_free(o, e.bytes),
-                Location::Host,
-                piece,
-                st.heap.small_end,
-            )
-            .iter()
-            .filter(|g| !stashed(g))
-            .map(|g| g.bytes)
-            .collect()
+                        .is_some_and(|x| x.table.get(o).is_some_and(|e| e.bytes == n))
+                };
+                runs.iter()
+                    .flat_map(|&(o, b)| pieces(o, b, piece, st.heap.small_end))
+                    .filter(|p| !held(p))
+                    .map(|p| p.1)
+                    .collect()
+            } else {
+                // A kept sleep joins whole device chunks (`sleep_keep`).
+                plan_groups(
+                    &st.region.table,
+                    |o, e| e.placement != Location::Host && !is_free(o, e.bytes),
+                    Location::Host,
+                    piece,
+                    st.heap.small_end,
+                )
+                .iter()
+                .map(|g| g.bytes)
+                .collect()
+            }
         };
         let made = sh.pool.stock(Location::Host, &sizes)?;
         tracing::debug!(

@@ -523,30 +523,57 @@ fn every_failed_call_of_a_discarding_wake_leaves_it_asleep() {
 }
 
 /// `prepare_sleep` creates the host pieces a sleep will take (on another
-/// thread, while the arena keeps working): the sleep then creates nothing.
+/// thread, while the arena keeps working), for a kept sleep and for a
+/// stashing one (which cuts its runs into pieces its own way): the sleep
+/// then takes every piece from the pool and creates nothing.
 fn prepare_sleep_pins_ahead_so_the_sleep_creates_nothing() {
-    let (fb, arena) = emulated();
-    let live = fill(&arena, 71, 27);
-    let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
-    let a2 = arena.clone();
-    let made = std::thread::spawn(move || a2.prepare_sleep(&SleepDesc::keep()).unwrap())
-        .join()
-        .unwrap();
-    let p = arena.pool().stats();
-    assert!(made > 0 && p.pooled_host_bytes == made, "{made} B, {p}");
-    // Preparing again creates nothing: the pool holds the pieces.
-    assert_eq!(arena.prepare_sleep(&SleepDesc::keep()).unwrap(), 0);
-    assert_eq!(arena.prepare_sleep(&SleepDesc::discard()).unwrap(), 0);
-    let hits = p.hits;
-    let chunks_before = fb.live().chunks;
-    let r = arena.sleep(&[Q(0)], &SleepDesc::keep()).unwrap();
-    assert_eq!(r.bytes, made, "the sleep moved what was prepared for");
-    assert_eq!(arena.pool().stats().hits - hits, r.chunks_after as u64);
-    assert_eq!(arena.pool().stats().pooled_host_bytes, 0);
-    assert!(fb.live().chunks < chunks_before, "nothing was created");
-    assert_intact(&live, &addresses, "asleep");
-    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
-    assert_intact(&live, &addresses, "awake");
+    // Pieces of 2.75 chunks: a stash cuts its runs at piece multiples,
+    // across chunks, where a kept sleep joins whole chunks.
+    let stash = SleepDesc::stash().max_piece_bytes(704 << 10);
+    for (seed, desc) in [
+        (71, SleepDesc::keep()),
+        (72, SleepDesc::stash()),
+        (73, stash),
+    ] {
+        let (fb, arena) = emulated();
+        let live = fill(&arena, seed, 27);
+        let addresses: Vec<u64> = live.iter().map(|(a, _)| a.address()).collect();
+        let a2 = arena.clone();
+        let made = std::thread::spawn(move || a2.prepare_sleep(&desc).unwrap())
+            .join()
+            .unwrap();
+        let p = arena.pool().stats();
+        assert!(
+            made > 0 && p.pooled_host_bytes == made,
+            "{:?}: {made} B, {p}",
+            desc.mode
+        );
+        // Preparing again creates nothing: the pool holds the pieces.
+        assert_eq!(arena.prepare_sleep(&desc).unwrap(), 0);
+        assert_eq!(arena.prepare_sleep(&SleepDesc::discard()).unwrap(), 0);
+        let hits = p.hits;
+        let chunks_before = fb.live().chunks;
+        let r = arena.sleep(&[Q(0)], &desc).unwrap();
+        assert_eq!(
+            r.bytes, made,
+            "{:?}: the sleep moved what was prepared for",
+            desc.mode
+        );
+        assert_eq!(
+            arena.pool().stats().hits - hits,
+            r.chunks_after as u64,
+            "{:?}: every piece came from the pool",
+            desc.mode
+        );
+        assert_eq!(arena.pool().stats().pooled_host_bytes, 0, "{:?}", desc.mode);
+        assert!(fb.live().chunks < chunks_before, "nothing was created");
+        if desc.mode == SleepMode::Keep {
+            // A stash unmaps the addresses until the wake.
+            assert_intact(&live, &addresses, "asleep");
+        }
+        arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+        assert_intact(&live, &addresses, "awake");
+    }
 }
 
 /// A stashing sleep copies every run to the stash and unmaps it (nothing
