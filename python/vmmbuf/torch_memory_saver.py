@@ -290,8 +290,11 @@ class TorchMemorySaver:
         turns it off), so that the first pause copies at the link's speed
         instead of pinning first (about 0.25 s per GiB). It costs the
         backup's host memory from the region's end rather than from the
-        first pause (counted in ``vmmbuf.stats()["pooled_host_bytes"]``,
-        bounded by ``vmmbuf.set_host_cache_limit``) and one background
+        first pause (counted in ``vmmbuf.stats()["stash_bytes"]``, mapped
+        into the tag's stash so that the first pause maps nothing either, or
+        in ``pooled_host_bytes`` for a backup that stays reachable; not
+        shed by ``vmmbuf.set_host_cache_limit``, given back by
+        ``vmmbuf.release_host_cache()``) and one background
         thread's CPU while it pins; a pause waits for a preparation under
         way. A resume then keeps the pinned memory (as the tag's stash,
         counted in ``stash_bytes``; not the backup's contents:

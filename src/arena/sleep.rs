@@ -194,6 +194,60 @@ fn plan_groups<C>(
     groups
 }
 
+/// The arena's free bytes as merged ranges `(start, end)`, in address
+/// order: a sleep gives the whole chunks they cover back before it moves
+/// (once their frees have passed, adjacent free blocks have merged).
+fn free_ranges<B: Backend>(st: &State<B>) -> Vec<(usize, usize)> {
+    let mut blocks: Vec<(usize, usize)> = st
+        .heap
+        .free_blocks()
+        .map(|(o, f)| (o, o + f.size))
+        .collect();
+    blocks.sort_unstable();
+    let mut free: Vec<(usize, usize)> = Vec::new();
+    for (a, b) in blocks {
+        match free.last_mut() {
+            Some(last) if last.1 == a => last.1 = b,
+            _ => free.push((a, b)),
+        }
+    }
+    free
+}
+
+/// Whether the merged `free` ranges cover `[o, o + n)`.
+fn covers(free: &[(usize, usize)], o: usize, n: usize) -> bool {
+    let i = free.partition_point(|&(a, _)| a <= o);
+    i > 0 && free[i - 1].1 >= o + n
+}
+
+/// The pieces `(offset, bytes)` a stashing sleep would copy now: the runs
+/// left mapped once whole free chunks are gone, cut at multiples of
+/// `piece` across chunks, never across the zones' border (as
+/// `sleep_stash` cuts them).
+fn stash_parts<B: Backend>(st: &State<B>, piece: usize) -> Vec<(usize, usize)> {
+    let free = free_ranges(st);
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (o, e) in st.region.table.iter() {
+        if covers(&free, o, e.bytes) {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(r) if r.0 + r.1 == o => r.1 += e.bytes,
+            _ => runs.push((o, e.bytes)),
+        }
+    }
+    runs.iter()
+        .flat_map(|&(o, b)| pieces(o, b, piece, st.heap.small_end))
+        .collect()
+}
+
+/// Whether the stash holds a piece of exactly `n` bytes at `o`.
+fn stash_holds<B: Backend>(st: &State<B>, o: usize, n: usize) -> bool {
+    st.stash
+        .as_ref()
+        .is_some_and(|x| x.table.get(o).is_some_and(|e| e.bytes == n))
+}
+
 /// Splits the run `[offset, offset + bytes)` into pieces of at most
 /// `max_piece` (multiples of `g`), never across `split_at`.
 fn pieces(offset: usize, bytes: usize, max_piece: usize, split_at: usize) -> Vec<(usize, usize)> {
@@ -422,12 +476,17 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     }
 
     /// Creates, ahead of a [`sleep`](Self::sleep) with `desc`, the host
-    /// pieces it would take, and keeps them in the arena's pool: that sleep
-    /// then pins nothing and runs at copy speed. Pinning host memory costs
-    /// ~260-400 ms per GiB (H100), which this pays now, on the calling
-    /// thread: call it on a thread of its own while the GPU works (the
-    /// arena's lock is held only to plan). Pieces the pool holds already
-    /// count. A discarding or pageable `desc` needs none. Returns the bytes created.
+    /// pieces it would take, cut as that sleep cuts them, and keeps them:
+    /// for a kept sleep in the arena's pool, for a stashing one mapped into
+    /// the arena's stash (counted in `stash_bytes`; the sleep then maps
+    /// nothing either). That sleep then pins nothing and runs at copy
+    /// speed. Pinning host memory costs ~260-400 ms per GiB (H100), which
+    /// this pays now, on the calling thread: call it on a thread of its own
+    /// while the GPU works (the arena's lock is held to plan, and for a
+    /// stash to map the pieces, ~30 ms per GiB on an H200). Pieces the pool
+    /// or the stash holds already count; what changes in the arena before
+    /// the sleep, the sleep fits. A discarding or pageable `desc` needs
+    /// none. Returns the bytes created.
     pub fn prepare_sleep(&self, desc: &SleepDesc) -> Result<usize> {
         if desc.mode == SleepMode::Discard || desc.mode.pages() {
             return Ok(0);
@@ -437,55 +496,19 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let sizes: Vec<usize> = {
             let st = sh.state.lock();
             st.region.check_poison()?;
-            // The sleep gives whole free chunks back before it moves (once
-            // their frees have passed, adjacent free blocks have merged).
-            let mut free: Vec<(usize, usize)> = Vec::new();
-            let mut blocks: Vec<(usize, usize)> = st
-                .heap
-                .free_blocks()
-                .map(|(o, f)| (o, o + f.size))
-                .collect();
-            blocks.sort_unstable();
-            for (a, b) in blocks {
-                match free.last_mut() {
-                    Some(last) if last.1 == a => last.1 = b,
-                    _ => free.push((a, b)),
-                }
-            }
-            let is_free = |o: usize, n: usize| {
-                let i = free.partition_point(|&(a, _)| a <= o);
-                i > 0 && free[i - 1].1 >= o + n
-            };
             if desc.mode == SleepMode::Stash {
-                // A stash cuts the runs left mapped (whole free chunks
-                // gone) into pieces at multiples of the piece size, across
-                // chunks (`sleep_stash`), and keeps the pieces it holds:
-                // those need none.
-                let mut runs: Vec<(usize, usize)> = Vec::new();
-                for (o, e) in st.region.table.iter() {
-                    if is_free(o, e.bytes) {
-                        continue;
-                    }
-                    match runs.last_mut() {
-                        Some(r) if r.0 + r.1 == o => r.1 += e.bytes,
-                        _ => runs.push((o, e.bytes)),
-                    }
-                }
-                let held = |&(o, n): &(usize, usize)| {
-                    st.stash
-                        .as_ref()
-                        .is_some_and(|x| x.table.get(o).is_some_and(|e| e.bytes == n))
-                };
-                runs.iter()
-                    .flat_map(|&(o, b)| pieces(o, b, piece, st.heap.small_end))
-                    .filter(|p| !held(p))
+                // The stash keeps the pieces it holds: those need none.
+                stash_parts(&st, piece)
+                    .into_iter()
+                    .filter(|&(o, n)| !stash_holds(&st, o, n))
                     .map(|p| p.1)
                     .collect()
             } else {
                 // A kept sleep joins whole device chunks (`sleep_keep`).
+                let free = free_ranges(&st);
                 plan_groups(
                     &st.region.table,
-                    |o, e| e.placement != Location::Host && !is_free(o, e.bytes),
+                    |o, e| e.placement != Location::Host && !covers(&free, o, e.bytes),
                     Location::Host,
                     piece,
                     st.heap.small_end,
@@ -496,10 +519,27 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             }
         };
         let made = sh.pool.stock(Location::Host, &sizes)?;
+        // A stash's pieces are mapped into it now (the first stashing
+        // sleep then maps nothing: on an H200, mapping and granting 0.95
+        // GiB of pieces took 30 ms of a 60 ms first pause). Planned again
+        // under the lock: what changed since is fitted by the sleep.
+        let mut staged = 0;
+        if desc.mode == SleepMode::Stash {
+            let mut st = sh.state.lock();
+            st.region.check_poison()?;
+            if st.asleep.is_none() {
+                let parts = stash_parts(&st, piece);
+                staged = parts.len();
+                let mut r = SleepReport::default();
+                sh.stage_stash(&mut st, &parts, &mut r)?;
+                sh.count(&mut st);
+            }
+        }
         tracing::debug!(
             pieces = sizes.len(),
             bytes = sizes.iter().sum::<usize>(),
             created_bytes = made,
+            staged,
             mode = %desc.mode,
             "vmmbuf: sleep prepared"
         );

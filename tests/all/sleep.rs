@@ -524,8 +524,9 @@ fn every_failed_call_of_a_discarding_wake_leaves_it_asleep() {
 
 /// `prepare_sleep` creates the host pieces a sleep will take (on another
 /// thread, while the arena keeps working), for a kept sleep and for a
-/// stashing one (which cuts its runs into pieces its own way): the sleep
-/// then takes every piece from the pool and creates nothing.
+/// stashing one (which cuts its runs into pieces its own way, and whose
+/// pieces it maps into the stash too): the sleep then creates nothing, and
+/// a stashing one maps nothing either.
 fn prepare_sleep_pins_ahead_so_the_sleep_creates_nothing() {
     // Pieces of 2.75 chunks: a stash cuts its runs at piece multiples,
     // across chunks, where a kept sleep joins whole chunks.
@@ -543,31 +544,42 @@ fn prepare_sleep_pins_ahead_so_the_sleep_creates_nothing() {
             .join()
             .unwrap();
         let p = arena.pool().stats();
-        assert!(
-            made > 0 && p.pooled_host_bytes == made,
-            "{:?}: {made} B, {p}",
-            desc.mode
-        );
-        // Preparing again creates nothing: the pool holds the pieces.
+        let stashed = desc.mode == SleepMode::Stash;
+        assert!(made > 0, "{:?}", desc.mode);
+        if stashed {
+            // Mapped into the stash, counted there.
+            assert_eq!(p.pooled_host_bytes, 0, "{p}");
+            assert_eq!(arena.stats().stash_bytes, made);
+        } else {
+            assert_eq!(p.pooled_host_bytes, made, "{p}");
+        }
+        // Preparing again creates nothing: the pool or the stash holds
+        // the pieces.
         assert_eq!(arena.prepare_sleep(&desc).unwrap(), 0);
         assert_eq!(arena.prepare_sleep(&SleepDesc::discard()).unwrap(), 0);
         let hits = p.hits;
         let chunks_before = fb.live().chunks;
-        let r = arena.sleep(&[Q(0)], &desc).unwrap();
+        // A stash maps a piece it lacks (created or pooled); a kept sleep
+        // maps its pieces at the addresses, but creates none.
+        fb.fail_every(Some(if stashed { "map" } else { "create" }));
+        let r = arena.sleep(&[Q(0)], &desc);
+        fb.fail_every(None);
+        let r = r.unwrap();
         assert_eq!(
             r.bytes, made,
             "{:?}: the sleep moved what was prepared for",
             desc.mode
         );
+        let took = if stashed { 0 } else { r.chunks_after as u64 };
         assert_eq!(
             arena.pool().stats().hits - hits,
-            r.chunks_after as u64,
-            "{:?}: every piece came from the pool",
+            took,
+            "{:?}: the pieces came from the pool (a stash's were in place)",
             desc.mode
         );
         assert_eq!(arena.pool().stats().pooled_host_bytes, 0, "{:?}", desc.mode);
         assert!(fb.live().chunks < chunks_before, "nothing was created");
-        if desc.mode == SleepMode::Keep {
+        if !stashed {
             // A stash unmaps the addresses until the wake.
             assert_intact(&live, &addresses, "asleep");
         }

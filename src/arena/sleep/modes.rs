@@ -133,16 +133,8 @@ impl<B: Backend> Shared<B> {
             .iter()
             .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.heap.small_end))
             .collect();
-        if st.stash.is_none() {
-            st.stash = Some(crate::region::Region::reserve(
-                &self.backend,
-                st.region.table.reserved(),
-                self.granularity,
-                self.granularity,
-            )?);
-        }
-        let stash = st.stash.as_mut().expect("made above");
-        self.fit_stash(stash, &parts, r)?;
+        self.stage_stash(st, &parts, r)?;
+        let stash = st.stash.as_mut().expect("staged above");
         // One copy per run (all device memory on one side, all host memory
         // on the other), then one wait.
         let t = Instant::now();
@@ -158,6 +150,27 @@ impl<B: Backend> Shared<B> {
             return Err(e);
         }
         self.unmap_copied(st, asleep, r, &runs, parts.len())
+    }
+
+    /// Makes the stash's pieces tile `parts` (see `fit_stash`), its
+    /// reservation made on first use: what a stashing sleep does before it
+    /// copies, and what `prepare_sleep` does ahead of it.
+    pub(in crate::arena) fn stage_stash(
+        &self,
+        st: &mut State<B>,
+        parts: &[(usize, usize)],
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        if st.stash.is_none() {
+            st.stash = Some(crate::region::Region::reserve(
+                &self.backend,
+                st.region.table.reserved(),
+                self.granularity,
+                self.granularity,
+            )?);
+        }
+        let stash = st.stash.as_mut().expect("made above");
+        self.fit_stash(stash, parts, r)
     }
 
     /// After a copying sleep copied `runs` (in `pieces` pieces): counts
