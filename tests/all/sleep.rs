@@ -585,6 +585,10 @@ fn prepare_sleep_pins_ahead_so_the_sleep_creates_nothing() {
         }
         arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
         assert_intact(&live, &addresses, "awake");
+        // The sleep's runs stayed whole (a stash unmaps chunk by chunk as
+        // its copies pass): the wake maps one device chunk per piece,
+        // beside the host pieces kept for the next sleep.
+        assert_eq!(fb.live().chunks, 2 * r.chunks_after, "{:?}", desc.mode);
     }
 }
 

@@ -135,21 +135,93 @@ impl<B: Backend> Shared<B> {
             .collect();
         self.stage_stash(st, &parts, r)?;
         let stash = st.stash.as_mut().expect("staged above");
-        // One copy per run (all device memory on one side, all host memory
-        // on the other), then one wait.
+        // One copy per piece (all device memory on one side, all host
+        // memory on the other), each followed by a fence.
         let t = Instant::now();
-        let copied = (|| {
-            for &(o, b) in &runs {
+        let mut fences = Vec::with_capacity(parts.len());
+        let issued = (|| {
+            for &(o, b) in &parts {
                 backend.copy(stash.res(), o, st.region.res_ref(), o, b)?;
+                fences.push(backend.copies_fence()?);
             }
-            backend.wait_copies()
+            Ok(())
         })();
         r.migration.copy_time += t.elapsed();
-        if let Err(e) = copied {
+        if let Err(e) = issued {
             let _ = backend.wait_copies();
             return Err(e);
         }
-        self.unmap_copied(st, asleep, r, &runs, parts.len())
+        let moved = self.unmap_as_copied(st, asleep, r, &parts, &fences);
+        if moved.is_err() {
+            // No copy still writes into the stash the next sleep refits.
+            let _ = backend.wait_copies();
+        }
+        moved
+    }
+
+    /// A stashing sleep's second half, while its copies run: as each
+    /// piece's fence passes, the chunks copied whole by then are unmapped
+    /// (their runs join the sleep) and their device memory goes back to
+    /// the driver, so that unmapping and releasing overlap the copies
+    /// still running (after all of them, on an H200 they took 4.5 ms of a
+    /// 23 ms pause of 0.95 GiB). On an error the chunks unmapped so far
+    /// sleep (the stash holds their data) and the others stay awake.
+    fn unmap_as_copied(
+        &self,
+        st: &mut State<B>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
+        r: &mut SleepReport,
+        parts: &[(usize, usize)],
+        fences: &[B::Fence],
+    ) -> Result<usize> {
+        let chunks: Vec<(usize, usize)> =
+            st.region.table.iter().map(|(o, e)| (o, e.bytes)).collect();
+        r.migration.bytes_moved = parts.iter().map(|x| x.1).sum();
+        r.migration.chunks_moved = parts.len();
+        r.chunks_after = parts.len();
+        let mut unmapped = 0;
+        let mut next = 0;
+        // The entry of `asleep.runs` this sleep extended last.
+        let mut last: Option<usize> = None;
+        for (&(o, b), fence) in parts.iter().zip(fences) {
+            let t = Instant::now();
+            self.backend.wait(fence)?;
+            r.migration.copy_time += t.elapsed();
+            let t = Instant::now();
+            // Parts tile the runs in address order, and chunks lie within
+            // runs: a chunk ending by this part's end is copied whole.
+            while let Some(&(co, cb)) = chunks.get(next).filter(|c| c.0 + c.1 <= o + b) {
+                // The uses have passed (waited for): nothing reads it.
+                for (_, e) in st.region.unmap(co, cb)? {
+                    if e.placement != Location::Host {
+                        unmapped += e.bytes;
+                    }
+                    let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+                }
+                // A run may span both zones (adjacent chunks at their border).
+                for z in &mut st.heap.zones {
+                    z.remove_within(co..co + cb);
+                }
+                match last.filter(|&i| asleep.runs[i].0 + asleep.runs[i].1 == co) {
+                    Some(i) => asleep.runs[i].1 += cb,
+                    None => {
+                        let at = asleep.runs.partition_point(|&(x, _)| x < co);
+                        asleep.runs.insert(at, (co, cb));
+                        last = Some(at);
+                    }
+                }
+                next += 1;
+            }
+            r.migration.swap_time += t.elapsed();
+            // Their device memory goes back now, while later pieces copy.
+            let t = Instant::now();
+            if self.placement != Location::Host {
+                let _ = self.pool.trim_at(self.placement);
+            }
+            r.migration.dispose_time += t.elapsed();
+        }
+        debug_assert_eq!(next, chunks.len(), "the parts tile every chunk");
+        Ok(unmapped)
     }
 
     /// Makes the stash's pieces tile `parts` (see `fit_stash`), its
