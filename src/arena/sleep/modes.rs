@@ -527,6 +527,26 @@ impl<B: Backend> Shared<B> {
         let from_pages = asleep.mode.pages();
         let zero = zero && !from_stash && !from_pages;
         for &(o, b) in &asleep.runs {
+            if from_stash {
+                // Piece by piece: each piece's copy back runs while the
+                // next one is created and mapped.
+                for (po, pb) in pieces(o, b, asleep.piece, st.heap.small_end) {
+                    let t = Instant::now();
+                    let acquired = self.map_fresh(st, po, &[pb])?;
+                    r.migration.acquire_time += acquired;
+                    r.migration.swap_time += t.elapsed() - acquired;
+                    hold.keep_part(pb);
+                    mapped.push((po, pb));
+                    r.chunks_after += 1;
+                    let stash = st.stash.as_ref().ok_or_else(|| {
+                        Error::invalid("a stashed arena without its stash (a bug)")
+                    })?;
+                    let t = Instant::now();
+                    backend.copy(st.region.res(), po, stash.res_ref(), po, pb)?;
+                    r.migration.copy_time += t.elapsed();
+                }
+                continue;
+            }
             let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.heap.small_end)
                 .iter()
                 .map(|p| p.1)
@@ -541,13 +561,6 @@ impl<B: Backend> Shared<B> {
             r.chunks_after += n;
             if zero {
                 backend.zero(st.region.res(), o, b)?;
-            }
-            if from_stash {
-                let stash = st
-                    .stash
-                    .as_ref()
-                    .ok_or_else(|| Error::invalid("a stashed arena without its stash (a bug)"))?;
-                backend.copy(st.region.res(), o, stash.res_ref(), o, b)?;
             }
             if from_pages {
                 // The copies tile the run.
