@@ -217,6 +217,35 @@ fn a_map_hook_follows_an_arena_through_growth_release_sleep_and_drop() {
     assert!(live_bytes(&hook) > 0);
     check_order(&fb, &hook);
 
+    // A stashing sleep tells each range once that it is going and reports
+    // nothing anew while it unmaps (a range cut chunk by chunk would be
+    // reported again and again); its wake reports each run once.
+    // (The discarding sleep lost the data: new data first.)
+    for (i, (a, data)) in live.iter_mut().enumerate() {
+        *data = random_bytes(200 + i as u64, data.len());
+        a.write(0, data).unwrap();
+    }
+    let ranges = hook.rec.live().len();
+    let since = |n: usize| hook.rec.calls()[n..].to_vec();
+    let n = hook.rec.calls().len();
+    arena.sleep(&[Q(0), Q(1)], &SleepDesc::stash()).unwrap();
+    let told = since(n);
+    assert!(hook.rec.live().is_empty(), "{:?}", hook.rec.live());
+    assert!(
+        told.iter().all(|c| matches!(c, HookCall::Unmapping(_))) && told.len() == ranges,
+        "{ranges} ranges: {told:?}"
+    );
+    let n = hook.rec.calls().len();
+    arena.wake(&[Q(0), Q(1)], &WakeDesc::default()).unwrap();
+    let told = since(n);
+    assert!(
+        told.iter().all(|c| matches!(c, HookCall::Mapped(_))) && told.len() <= ranges,
+        "{ranges} ranges before the sleep: {told:?}"
+    );
+    assert_eq!(live_bytes(&hook), arena.stats().reserved_bytes.current);
+    intact(&live, "after a stashing sleep");
+    check_order(&fb, &hook);
+
     // Grows after the wake are reported too; then everything goes.
     let more = arena.alloc(6 << 20, &Q(0)).unwrap();
     assert_eq!(live_bytes(&hook), arena.stats().reserved_bytes.current);

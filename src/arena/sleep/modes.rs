@@ -529,7 +529,8 @@ impl<B: Backend> Shared<B> {
         for &(o, b) in &asleep.runs {
             if from_stash {
                 // Piece by piece: each piece's copy back runs while the
-                // next one is created and mapped.
+                // next one is created and mapped (a map hook is told of
+                // each chunk as it is mapped, as at any mapping).
                 for (po, pb) in pieces(o, b, asleep.piece, st.heap.small_end) {
                     let t = Instant::now();
                     let acquired = self.map_fresh(st, po, &[pb])?;
