@@ -194,6 +194,12 @@ fn plan_groups<C>(
     groups
 }
 
+/// The most bytes of a stash's pieces `prepare_sleep` maps under one
+/// hold of the arena's lock (mapping and granting cost ~30 ms per GiB on an
+/// H200).
+/// (Unit tests take 1 MiB, so that their arenas stage in several holds.)
+pub(super) const STAGE_BATCH_BYTES: usize = if cfg!(test) { 1 << 20 } else { 1 << 30 };
+
 /// The arena's free bytes as merged ranges `(start, end)`, in address
 /// order: a sleep gives the whole chunks they cover back before it moves
 /// (once their frees have passed, adjacent free blocks have merged).
@@ -521,18 +527,39 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let made = sh.pool.stock(Location::Host, &sizes)?;
         // A stash's pieces are mapped into it now (the first stashing
         // sleep then maps nothing: on an H200, mapping and granting 0.95
-        // GiB of pieces took 30 ms of a 60 ms first pause). Planned again
-        // under the lock: what changed since is fitted by the sleep.
+        // GiB of pieces took 30 ms of a 60 ms first pause): a GiB at a
+        // time, planned again under the lock each time, so that the lock
+        // is not held for long (the arena's own allocations wait on it).
+        // What changes after, the sleep fits.
         let mut staged = 0;
         if desc.mode == SleepMode::Stash {
-            let mut st = sh.state.lock();
-            st.region.check_poison()?;
-            if st.asleep.is_none() {
-                let parts = stash_parts(&st, piece);
-                staged = parts.len();
+            loop {
+                let mut st = sh.state.lock();
+                st.region.check_poison()?;
+                if st.asleep.is_some() {
+                    break;
+                }
+                let mut bytes = 0;
+                let batch: Vec<(usize, usize)> = stash_parts(&st, piece)
+                    .into_iter()
+                    .filter(|&(o, n)| !stash_holds(&st, o, n))
+                    .take_while(|p| {
+                        let first = bytes == 0;
+                        bytes += p.1;
+                        first || bytes <= STAGE_BATCH_BYTES
+                    })
+                    .collect();
+                if batch.is_empty() {
+                    break;
+                }
+                staged += batch.len();
                 let mut r = SleepReport::default();
-                sh.stage_stash(&mut st, &parts, &mut r)?;
+                sh.stage_stash(&mut st, &batch, &mut r)?;
                 sh.count(&mut st);
+                if batch.iter().any(|&(o, n)| !stash_holds(&st, o, n)) {
+                    // No progress to be made (never seen): the sleep fits.
+                    break;
+                }
             }
         }
         tracing::debug!(

@@ -480,3 +480,67 @@ fn a_graph_outlived_by_its_output_and_a_sleep_between() {
     a.empty_cache().unwrap();
     assert_eq!(a.stats().reserved_bytes.current, 0);
 }
+
+/// `prepare_sleep` maps a stash's pieces a batch at a time (1 MiB under
+/// unit tests): an arena of several MiB stages in several holds of its
+/// lock, the stash then holds every piece, and the stashing sleep maps no
+/// piece and creates none (the stash and the host pool are as prepared).
+#[test]
+fn a_prepared_stash_is_staged_in_batches_and_the_sleep_maps_nothing() {
+    let b = HostBackend::with_granularity(G).unwrap();
+    let a: HostArena = Arena::new(b, ArenaDesc::new(64 << 20).max_chunk_bytes(4 * G)).unwrap();
+    let s = HostStream(0);
+    let mut live = Vec::new();
+    for i in 0..24 {
+        let n = (i % 5 + 1) * G + 123 * i;
+        let mut x = a.alloc(n, &s).unwrap();
+        let data = pattern(i, n);
+        x.write(0, &data).unwrap();
+        live.push((x, data));
+    }
+    // Holes: whole free chunks the sleep gives back.
+    for i in [3, 9, 10, 17] {
+        live.remove(i);
+    }
+    let desc = SleepDesc::stash().max_piece_bytes(5 * G);
+    let made = a.prepare_sleep(&desc).unwrap();
+    assert!(
+        made > 2 * sleep::STAGE_BATCH_BYTES,
+        "several batches: {made}"
+    );
+    assert_eq!(a.stats().stash_bytes, made);
+    assert_eq!(a.pool().stats().pooled_host_bytes, 0);
+    let pieces = a
+        .shared
+        .state
+        .lock()
+        .stash
+        .as_ref()
+        .unwrap()
+        .table
+        .chunk_count();
+    let hits = a.pool().stats().hits;
+    let r = a.sleep(&[s], &desc).unwrap();
+    assert_eq!(r.bytes, made, "the sleep copied what was staged");
+    assert_eq!(r.chunks_after, pieces, "one staged piece each");
+    assert_eq!(a.stats().stash_bytes, made, "no piece added");
+    assert_eq!(
+        a.shared
+            .state
+            .lock()
+            .stash
+            .as_ref()
+            .unwrap()
+            .table
+            .chunk_count(),
+        pieces,
+        "none mapped anew"
+    );
+    assert_eq!(a.pool().stats().hits, hits, "none taken from the pool");
+    a.wake(&[s], &WakeDesc::default()).unwrap();
+    for (k, (x, data)) in live.iter().enumerate() {
+        let mut got = vec![0u8; data.len()];
+        x.read(0, &mut got).unwrap();
+        assert!(got == *data, "allocation {k} came back whole");
+    }
+}
