@@ -510,32 +510,17 @@ fn a_prepared_stash_is_staged_in_batches_and_the_sleep_maps_nothing() {
     );
     assert_eq!(a.stats().stash_bytes, made);
     assert_eq!(a.pool().stats().pooled_host_bytes, 0);
-    let pieces = a
-        .shared
-        .state
-        .lock()
-        .stash
-        .as_ref()
-        .unwrap()
-        .table
-        .chunk_count();
+    let stash_pieces = || {
+        let st = a.shared.state.lock();
+        st.stash.as_ref().map_or(0, |x| x.table.chunk_count())
+    };
+    let pieces = stash_pieces();
     let hits = a.pool().stats().hits;
     let r = a.sleep(&[s], &desc).unwrap();
     assert_eq!(r.bytes, made, "the sleep copied what was staged");
     assert_eq!(r.chunks_after, pieces, "one staged piece each");
     assert_eq!(a.stats().stash_bytes, made, "no piece added");
-    assert_eq!(
-        a.shared
-            .state
-            .lock()
-            .stash
-            .as_ref()
-            .unwrap()
-            .table
-            .chunk_count(),
-        pieces,
-        "none mapped anew"
-    );
+    assert_eq!(stash_pieces(), pieces, "none mapped anew");
     assert_eq!(a.pool().stats().hits, hits, "none taken from the pool");
     a.wake(&[s], &WakeDesc::default()).unwrap();
     for (k, (x, data)) in live.iter().enumerate() {
