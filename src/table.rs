@@ -513,8 +513,17 @@ impl<C> ChunkTable<C> {
     /// The mapped runs `(offset, bytes)`: adjacent chunks joined, in address
     /// order (a buffer's chunks make one run).
     pub(crate) fn runs(&self) -> Vec<(usize, usize)> {
+        self.runs_without(|_, _| false)
+    }
+
+    /// The mapped runs, as [`runs`](Self::runs), of the chunks `skip` does
+    /// not name (a skipped chunk ends a run).
+    pub(crate) fn runs_without(
+        &self,
+        skip: impl Fn(usize, &Entry<C>) -> bool,
+    ) -> Vec<(usize, usize)> {
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        for (o, e) in self.iter() {
+        for (o, e) in self.iter().filter(|&(o, e)| !skip(o, e)) {
             match runs.last_mut() {
                 Some(r) if r.0 + r.1 == o => r.1 += e.bytes,
                 _ => runs.push((o, e.bytes)),

@@ -232,16 +232,10 @@ fn covers(free: &[(usize, usize)], o: usize, n: usize) -> bool {
 /// `sleep_stash` cuts them).
 fn stash_parts<B: Backend>(st: &State<B>, piece: usize) -> Vec<(usize, usize)> {
     let free = free_ranges(st);
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for (o, e) in st.region.table.iter() {
-        if covers(&free, o, e.bytes) {
-            continue;
-        }
-        match runs.last_mut() {
-            Some(r) if r.0 + r.1 == o => r.1 += e.bytes,
-            _ => runs.push((o, e.bytes)),
-        }
-    }
+    let runs = st
+        .region
+        .table
+        .runs_without(|o, e| covers(&free, o, e.bytes));
     runs.iter()
         .flat_map(|&(o, b)| pieces(o, b, piece, st.heap.small_end))
         .collect()
@@ -555,7 +549,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 staged += batch.len();
                 let mut r = SleepReport::default();
                 sh.stage_stash(&mut st, &batch, &mut r)?;
-                sh.count(&mut st);
                 if batch.iter().any(|&(o, n)| !stash_holds(&st, o, n)) {
                     // No progress to be made (never seen): the sleep fits.
                     break;

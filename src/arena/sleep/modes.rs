@@ -192,16 +192,7 @@ impl<B: Backend> Shared<B> {
             // runs: a chunk ending by this part's end is copied whole.
             while let Some(&(co, cb)) = chunks.get(next).filter(|c| c.0 + c.1 <= o + b) {
                 // The uses have passed (waited for): nothing reads it.
-                for (_, e) in st.region.unmap(co, cb)? {
-                    if e.placement != Location::Host {
-                        unmapped += e.bytes;
-                    }
-                    let _ = self.pool.give(e.placement, e.bytes, e.chunk);
-                }
-                // A run may span both zones (adjacent chunks at their border).
-                for z in &mut st.heap.zones {
-                    z.remove_within(co..co + cb);
-                }
+                unmapped += self.unmap_for_sleep(st, co, cb)?;
                 match last.filter(|&i| asleep.runs[i].0 + asleep.runs[i].1 == co) {
                     Some(i) => asleep.runs[i].1 += cb,
                     None => {
@@ -452,19 +443,27 @@ impl<B: Backend> Shared<B> {
         let mut unmapped = 0;
         for (o, b) in runs {
             // The uses have passed (waited for): nothing reads these bytes.
-            let gone = st.region.unmap(o, b)?;
-            for (_, e) in gone {
-                if e.placement != Location::Host {
-                    unmapped += e.bytes;
-                }
-                let _ = self.pool.give(e.placement, e.bytes, e.chunk);
-            }
-            // A run may span both zones (adjacent chunks at their border).
-            for z in &mut st.heap.zones {
-                z.remove_within(o..o + b);
-            }
+            unmapped += self.unmap_for_sleep(st, o, b)?;
             let at = asleep.runs.partition_point(|&(x, _)| x < o);
             asleep.runs.insert(at, (o, b));
+        }
+        Ok(unmapped)
+    }
+
+    /// Unmaps `[o, o + b)` for a sleep (every use of it has passed): its
+    /// chunks go to the pool and its free bytes out of the zones (a run may
+    /// span both, adjacent chunks at their border). Returns the device
+    /// bytes unmapped.
+    fn unmap_for_sleep(&self, st: &mut State<B>, o: usize, b: usize) -> Result<usize> {
+        let mut unmapped = 0;
+        for (_, e) in st.region.unmap(o, b)? {
+            if e.placement != Location::Host {
+                unmapped += e.bytes;
+            }
+            let _ = self.pool.give(e.placement, e.bytes, e.chunk);
+        }
+        for z in &mut st.heap.zones {
+            z.remove_within(o..o + b);
         }
         Ok(unmapped)
     }
