@@ -46,6 +46,12 @@ pub(crate) struct Region<B: Backend> {
     /// ([`hold`](Self::hold), before the chunks are made) and an unmapping
     /// or the close gives back.
     budget: Option<Arc<Budget>>,
+    /// Ranges still mapped at the backend whose chunk was moved to another
+    /// offset ([`move_chunk`](Self::move_chunk)) while work may still use
+    /// the old address: offset -> bytes. Not in the table (their memory is
+    /// counted once, where it moved); no mapping goes there until
+    /// [`unmap_ghost`](Self::unmap_ghost).
+    ghosts: BTreeMap<usize, usize>,
 }
 
 impl<B: Backend> Region<B> {
@@ -67,6 +73,7 @@ impl<B: Backend> Region<B> {
             hook: None,
             spans: BTreeMap::new(),
             budget: None,
+            ghosts: BTreeMap::new(),
         })
     }
 
@@ -442,6 +449,92 @@ impl<B: Backend> Region<B> {
         Ok(removed)
     }
 
+    /// Maps the chunk at `from` a second time at `to` (a hole of the table
+    /// as large as the chunk), with the access it has, and moves its entry
+    /// there. The old address stays mapped, a ghost, until
+    /// [`unmap_ghost`](Self::unmap_ghost): work queued before may still use
+    /// it. Only for a backend that [maps a chunk
+    /// twice](Backend::maps_a_chunk_twice) and a region without a hook (a
+    /// hook's ranges follow the table). No memory is taken, so no budget.
+    /// On error nothing changed.
+    pub(crate) fn move_chunk(&mut self, from: usize, to: usize) -> Result<()> {
+        self.check_poison()?;
+        debug_assert!(self.hook.is_none() && self.backend.maps_a_chunk_twice());
+        let backend = self.backend.clone();
+        let res = self
+            .res
+            .as_mut()
+            .expect("a region's reservation lives until it closes");
+        let entry = self
+            .table
+            .get(from)
+            .ok_or_else(|| Error::invalid(format!("no chunk at offset {from} to move")))?;
+        let bytes = entry.bytes;
+        backend.map(res, to, &entry.chunk)?;
+        if let Err(e) = backend.set_access(res, to, bytes, &entry.driver_access()) {
+            // Nothing could use it: no access was granted.
+            if let Err(u) = backend.unmap(res, to, bytes) {
+                self.poison(
+                    format!("undoing a failed move: unmap failed: {u}"),
+                    std::iter::empty(),
+                );
+            }
+            return Err(e);
+        }
+        let entry = self.table.remove(from).expect("found above");
+        self.table
+            .insert(to, entry)
+            .expect("moved to a hole of the table");
+        self.ghosts.insert(from, bytes);
+        Ok(())
+    }
+
+    /// Unmaps the ghost left at `offset` by [`move_chunk`](Self::move_chunk)
+    /// (the caller has waited for its uses). Its memory stays, mapped where
+    /// it moved. On error nothing changed.
+    pub(crate) fn unmap_ghost(&mut self, offset: usize) -> Result<()> {
+        let bytes = *self
+            .ghosts
+            .get(&offset)
+            .ok_or_else(|| Error::invalid(format!("no ghost at offset {offset}")))?;
+        let backend = self.backend.clone();
+        backend.unmap(self.res(), offset, bytes)?;
+        self.ghosts.remove(&offset);
+        Ok(())
+    }
+
+    /// The ghosts, `(offset, bytes)` (see [`move_chunk`](Self::move_chunk)).
+    pub(crate) fn ghosts(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.ghosts.iter().map(|(&o, &b)| (o, b))
+    }
+
+    /// `gaps` less the ghosts: where new chunks may be mapped.
+    pub(crate) fn without_ghosts(
+        &self,
+        gaps: Vec<std::ops::Range<usize>>,
+    ) -> Vec<std::ops::Range<usize>> {
+        if self.ghosts.is_empty() {
+            return gaps;
+        }
+        let mut out = Vec::with_capacity(gaps.len() + self.ghosts.len());
+        for g in gaps {
+            let mut at = g.start;
+            for (&o, &b) in self.ghosts.range(..g.end) {
+                if o + b <= at {
+                    continue;
+                }
+                if o > at {
+                    out.push(at..o);
+                }
+                at = at.max(o + b);
+            }
+            if at < g.end {
+                out.push(at..g.end);
+            }
+        }
+        out
+    }
+
     /// Unmaps `[offset, offset + bytes)`, which must be whole chunks, in one
     /// driver call, and takes them out of the table. The caller has waited
     /// for every use. On error nothing changed.
@@ -505,6 +598,15 @@ impl<B: Backend> Region<B> {
         }
         let _ = self.table.set_len(0);
         let mut ok = unmap && self.poisoned.is_none();
+        if ok {
+            for (o, b) in std::mem::take(&mut self.ghosts) {
+                if let Err(e) = backend.unmap(&mut res, o, b) {
+                    tracing::error!(error = %e, "vmmbuf: unmapping a moved chunk's old address while closing failed");
+                    ok = false;
+                    break;
+                }
+            }
+        }
         if ok {
             // One call per run of adjacent chunks (the cost is per call and
             // mapping, and one call unmaps several whole mappings): a

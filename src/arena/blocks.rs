@@ -419,6 +419,32 @@ impl<F> Blocks<F> {
         self.reform();
     }
 
+    /// Whether one block covers `[offset, offset + size)` that `key` may
+    /// take now and whose every use was on `key`'s stream (see
+    /// [`carve_for`](Self::carve_for)).
+    #[inline]
+    pub(crate) fn covers_for(&self, offset: usize, size: usize, key: StreamKey) -> bool {
+        on_form!(self, b => b.covers_for(offset, size, key))
+    }
+
+    /// Removes `[offset, offset + size)` from the free space, inside one
+    /// block `key` may take now whose every use was on `key`'s stream; the
+    /// pieces left of a pending one stay `key`'s with `fences()` (marks on
+    /// `key` numbered after the block's). Returns whether that block was
+    /// settled, or `None`, changing nothing, where none covers the range.
+    #[inline]
+    pub(crate) fn carve_for(
+        &mut self,
+        offset: usize,
+        size: usize,
+        key: StreamKey,
+        fences: impl FnMut() -> FenceSet<F>,
+    ) -> Option<bool> {
+        let done = on_form!(mut self, b => b.carve_for(offset, size, key, fences));
+        self.reform();
+        done
+    }
+
     /// Removes `[offset, offset + size)` from the free space: it must lie
     /// within one settled block (the caller unmaps it). Returns false, and
     /// changes nothing, otherwise.

@@ -83,6 +83,21 @@ pub struct ArenaDesc {
     /// (`cudaErrorInvalidValue`): CuPy's copies between devices did both
     /// (issue 38). Each mapping then costs one page-table update per GPU.
     pub peer_access: bool,
+    /// Move free memory to where the arena grows (false by default): when
+    /// a request must map memory, whole free chunks the requesting stream
+    /// may take now (settled, or freed on that stream alone) are mapped a
+    /// second time at the new addresses instead of new chunks, so the
+    /// memory taken stays near the memory allocated while free space is
+    /// fragmented. The stream's work queued before is ordered before the
+    /// new use; the old addresses stay mapped until a fence recorded on
+    /// the stream after the move has passed, then go (checked at the next
+    /// growth, a release, a sleep, out of memory, the drop). Other streams
+    /// take the moved memory once that fence has passed. Needs a backend
+    /// that [maps a chunk twice](crate::Backend::maps_a_chunk_twice), and
+    /// no map hook (an NCCL registration follows the addresses): otherwise
+    /// it does nothing. Each moved chunk costs a mapping and an access call
+    /// now and an unmapping later, as a pooled chunk costs the first two.
+    pub move_free_chunks: bool,
 }
 
 impl ArenaDesc {
@@ -100,7 +115,15 @@ impl ArenaDesc {
             release_over_percent: None,
             wait_before_grow: false,
             peer_access: false,
+            move_free_chunks: false,
         }
+    }
+
+    /// Moves whole free chunks to where the arena grows instead of mapping
+    /// new memory (see [`move_free_chunks`](Self::move_free_chunks)).
+    pub fn move_free_chunks(mut self, on: bool) -> Self {
+        self.move_free_chunks = on;
+        self
     }
 
     /// Maps chunks for the peer devices too (see

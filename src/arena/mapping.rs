@@ -4,8 +4,9 @@
 //! lowest hole that fits (pooled ones first); and how whole free chunks go
 //! back to the pool. Every function runs under the arena's lock.
 
-use super::blocks::StreamKey;
+use super::blocks::{Free, StreamKey};
 use super::heap::Heap;
+use super::owed::Mark;
 use super::{ArenaStream, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -122,7 +123,7 @@ impl<B: Backend> Shared<B> {
     /// they fit whole, and returns their start, taken for the request; the
     /// rest of the last chunk goes to the free index.
     fn map_whole(&self, st: &mut State<B>, z: usize, size: usize, key: StreamKey) -> Result<usize> {
-        let (at, need) = self.map_at(st, z, size, key, true)?;
+        let (at, need, _) = self.map_at(st, z, size, key, true)?;
         if need > size {
             let State { heap, region, .. } = &mut *st;
             heap.zones[z].insert_fresh_in(at + size, need - size, key, &region.walls());
@@ -157,17 +158,23 @@ impl<B: Backend> Shared<B> {
         size: usize,
         key: StreamKey,
     ) -> Result<()> {
-        let (at, need) = self.map_at(st, z, size, key, false)?;
+        let (at, need, moved) = self.map_at(st, z, size, key, false)?;
         // Fresh memory: any stream may use it; tagged with `key` so it merges
-        // with `key`'s pending block before it.
-        let State { heap, region, .. } = &mut *st;
-        heap.zones[z].insert_fresh_in(at, need, key, &region.walls());
+        // with `key`'s pending block before it. Moved memory is in the index
+        // already (`move_free_for`).
+        if need > moved {
+            let State { heap, region, .. } = &mut *st;
+            heap.zones[z].insert_fresh_in(at + moved, need - moved, key, &region.walls());
+        }
         Ok(())
     }
 
     /// Maps the chunks [`map_for`](Self::map_for) needs (with `whole`, all
     /// of `size`, not counting a free block that ends at the hole) and
-    /// returns where and how many bytes; the caller puts them in the index.
+    /// returns where, how many bytes, and how many of those at the start
+    /// were moved there and put in the index already
+    /// ([`ArenaDesc::move_free_chunks`](super::ArenaDesc::move_free_chunks));
+    /// the caller puts the rest in the index.
     fn map_at(
         &self,
         st: &mut State<B>,
@@ -175,7 +182,7 @@ impl<B: Backend> Shared<B> {
         size: usize,
         key: StreamKey,
         whole: bool,
-    ) -> Result<(usize, usize)> {
+    ) -> Result<(usize, usize, usize)> {
         self.release_before_mapping(st, size, whole)?;
         let g = self.granularity;
         let reserved = st.region.table.reserved();
@@ -184,12 +191,13 @@ impl<B: Backend> Shared<B> {
         } else {
             st.heap.small_end..reserved
         };
-        let mut regions = st.region.table.gaps(zone);
+        self.reap_ghosts(st, false)?;
+        let mut regions = st.region.without_ghosts(st.region.table.gaps(zone));
         // Discarded ranges stay unmapped until the wake.
         if let Some(a) = &st.asleep {
             regions = a.exclude(regions);
         }
-        let (at, need) = regions
+        let (at, need, before) = regions
             .into_iter()
             .find_map(|h| {
                 let before = st.heap.zones[z]
@@ -197,13 +205,23 @@ impl<B: Backend> Shared<B> {
                     .filter(|(_, f)| !whole && (f.settled() || f.stream == Some(key)))
                     .map_or(0, |(_, f)| f.size);
                 let need = round_up(size.saturating_sub(before), g)?;
-                (need <= h.end - h.start).then_some((h.start, need))
+                (need <= h.end - h.start).then_some((h.start, need, before))
             })
             .ok_or_else(|| self.out_of_memory(st, size, None))?;
-        self.check_room(st, size, need)?;
+        let moved = if self.move_free_chunks && !whole {
+            let most = self.move_at_most(st, size, need);
+            self.move_free_for(st, z, at - before..at, at, most, key)?
+        } else {
+            0
+        };
+        if moved == need {
+            return Ok((at, need, moved));
+        }
+        let (at_fresh, need_fresh) = (at + moved, need - moved);
+        self.check_room(st, size, need_fresh)?;
         // The budget shared with other arenas and buffers: taken before any
         // chunk is created, given back if the mapping fails.
-        let Some(hold) = st.region.hold(need) else {
+        let Some(hold) = st.region.hold(need_fresh) else {
             return Err(self.out_of_memory(st, size, None));
         };
         // Chunks of at most `chunk_bytes`, pooled ones first, placed where
@@ -212,15 +230,223 @@ impl<B: Backend> Shared<B> {
         // registers chunk by chunk, and a block never straddles two
         // (`Region::walls`), so one larger than a chunk needs one of its own.
         let sizes: Vec<usize> = if whole {
-            vec![need]
+            vec![need_fresh]
         } else {
-            (0..need.div_ceil(self.chunk_bytes))
-                .map(|i| (need - i * self.chunk_bytes).min(self.chunk_bytes))
+            (0..need_fresh.div_ceil(self.chunk_bytes))
+                .map(|i| (need_fresh - i * self.chunk_bytes).min(self.chunk_bytes))
                 .collect()
         };
-        self.map_fresh(st, at, &sizes)?;
+        self.map_fresh(st, at_fresh, &sizes)?;
         hold.keep();
-        Ok((at, need))
+        Ok((at, need, moved))
+    }
+
+    /// How many of `need` bytes to map for a request of `size` should be
+    /// moved free memory: all of them, or with
+    /// [`ArenaDesc::release_over_percent`](super::ArenaDesc::release_over_percent)
+    /// only what mapping them would take past that share of the peak
+    /// allocated (each move costs a mapping now and an unmapping later).
+    fn move_at_most(&self, st: &State<B>, size: usize, need: usize) -> usize {
+        let Some(p) = self.release_over_percent else {
+            return need;
+        };
+        let live = st
+            .heap
+            .allocated
+            .saturating_add(size)
+            .max(st.stats.allocated_bytes.peak);
+        let limit = (f64::from(p) / 100.0 * live as f64) as usize;
+        let over = st
+            .region
+            .table
+            .mapped_bytes()
+            .saturating_add(need)
+            .saturating_sub(limit);
+        round_up(over, self.granularity).map_or(need, |o| o.min(need))
+    }
+
+    /// Moves whole free chunks that `key` may take now (settled, or freed
+    /// on `key` alone) to `[at, at + need)`, from its start, as far as they
+    /// fit (none inside `keep`, the free block the request extends), and
+    /// puts them in zone `z`'s index there: a settled chunk's old
+    /// address is unmapped at once, a pending one's stays mapped (a ghost)
+    /// until a fence recorded on `key` after now has passed, and the moved
+    /// memory is `key`'s alone until then (a mark owed on `key`, which
+    /// `key`'s next call covers). Returns the bytes moved. On an error the
+    /// chunk being moved stays where it was, free, and what moved before
+    /// stays moved.
+    fn move_free_for(
+        &self,
+        st: &mut State<B>,
+        z: usize,
+        keep: std::ops::Range<usize>,
+        at: usize,
+        need: usize,
+        key: StreamKey,
+    ) -> Result<usize> {
+        if need == 0 || st.asleep.is_some() || st.region.has_hook() {
+            return Ok(0);
+        }
+        let placement = st.placement;
+        // Pending memory moved after the free block the request extends
+        // joins it only as `key`'s pending block too: that block is marked
+        // as the moved memory is, which it must allow.
+        let pending_ok = keep.is_empty()
+            || st.heap.zones[st.heap.zone_of_offset(keep.start)].covers_for(
+                keep.start,
+                keep.len(),
+                key,
+            );
+        // The chunks inside free blocks `key` may take, by offset.
+        let mut donors: Vec<(usize, usize)> = Vec::new();
+        for zz in 0..st.heap.zones.len() {
+            for (o, f) in st.heap.zones[zz].iter() {
+                if !(f.settled() || (pending_ok && f.stream == Some(key) && f.fences.only_on(key)))
+                {
+                    continue;
+                }
+                donors.extend(
+                    st.region
+                        .table
+                        .overlapping(o..o + f.size)
+                        .filter(|(co, e)| {
+                            *co >= o
+                                && co + e.bytes <= o + f.size
+                                && e.placement == placement
+                                && (co + e.bytes <= keep.start || *co >= keep.end)
+                        })
+                        .map(|(co, e)| (co, e.bytes)),
+                );
+            }
+        }
+        if donors.is_empty() {
+            return Ok(0);
+        }
+        // One number for the whole move: every use of a pending donor was
+        // queued on `key` before it.
+        let seq = crate::order::stamp(key);
+        let marks = || {
+            let mut set = crate::order::FenceSet::default();
+            set.add(crate::order::Stamped {
+                key,
+                seq,
+                fence: Mark::Owed,
+            });
+            set
+        };
+        let mut moved = 0;
+        let mut owed = false;
+        for (o, b) in donors {
+            if moved + b > need {
+                continue;
+            }
+            let zz = st.heap.zone_of_offset(o);
+            if st.heap.zone_of_offset(o + b - 1) != zz {
+                continue;
+            }
+            let Some(settled) = st.heap.zones[zz].carve_for(o, b, key, marks) else {
+                continue;
+            };
+            let to = at + moved;
+            if let Err(e) = st.region.move_chunk(o, to) {
+                // Back where it was, free as it was (or later).
+                let State { heap, region, .. } = &mut *st;
+                if settled {
+                    heap.zones[zz].insert_fresh_in(o, b, key, &region.walls());
+                } else {
+                    let f = Free {
+                        size: b,
+                        stream: Some(key),
+                        fences: marks(),
+                    };
+                    heap.insert_free(o, f, &region.walls());
+                    heap.owed.owe_wanted(key);
+                }
+                return Err(e);
+            }
+            let State {
+                heap,
+                region,
+                ghost_marks,
+                ..
+            } = &mut *st;
+            if settled {
+                // Nothing may still use the old address.
+                if region.unmap_ghost(o).is_err() {
+                    // Left as a ghost with no mark: the next reap tries again.
+                    tracing::warn!(offset = o, "vmmbuf arena: unmapping a moved chunk's old address failed; tried again later");
+                }
+                heap.zones[z].insert_fresh_in(to, b, key, &region.walls());
+            } else {
+                ghost_marks.insert(o, (key, seq));
+                let f = Free {
+                    size: b,
+                    stream: Some(key),
+                    fences: marks(),
+                };
+                heap.insert_free(to, f, &region.walls());
+                owed = true;
+            }
+            st.stats.num_chunks_moved += 1;
+            moved += b;
+            if moved == need {
+                break;
+            }
+        }
+        if owed {
+            st.heap.owed.owe_wanted(key);
+            if !keep.is_empty() {
+                // The block the request extends, `key`'s pending block now,
+                // so that it joins the moved memory.
+                let zk = st.heap.zone_of_offset(keep.start);
+                if st.heap.zones[zk]
+                    .carve_for(keep.start, keep.len(), key, marks)
+                    .is_some()
+                {
+                    let State { heap, region, .. } = &mut *st;
+                    let f = Free {
+                        size: keep.len(),
+                        stream: Some(key),
+                        fences: marks(),
+                    };
+                    heap.insert_free(keep.start, f, &region.walls());
+                }
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Unmaps the old addresses of moved chunks
+    /// ([`move_free_for`](Self::move_free_for)) whose mark has passed; with
+    /// `wait`, of all of them, waiting for their marks (a device
+    /// synchronisation where a mark has no fence yet).
+    pub(super) fn reap_ghosts(&self, st: &mut State<B>, wait: bool) -> Result<()> {
+        if st.region.ghosts().next().is_none() {
+            return Ok(());
+        }
+        let backend = &*self.backend;
+        let ghosts: Vec<usize> = st.region.ghosts().map(|(o, _)| o).collect();
+        let mut not_yet = crate::order::NotYet::default();
+        for o in ghosts {
+            if let Some(&(key, seq)) = st.ghost_marks.get(&o) {
+                let x = crate::order::Stamped {
+                    key,
+                    seq,
+                    fence: Mark::Owed,
+                };
+                if !st.heap.owed.stamp_done(backend, &x, &mut not_yet) {
+                    if !wait {
+                        continue;
+                    }
+                    let mut set = crate::order::FenceSet::default();
+                    set.add(x);
+                    st.heap.owed.wait_set(backend, &set)?;
+                }
+            }
+            st.region.unmap_ghost(o)?;
+            st.ghost_marks.remove(&o);
+        }
+        Ok(())
     }
 
     /// Whole free chunks go to the pool before a mapping, which takes from
@@ -346,7 +572,7 @@ impl<B: Backend> Shared<B> {
         for h in graphs.values().flat_map(|g| g.held.values()) {
             owed.wait_set(backend, &h.fences)?;
         }
-        Ok(())
+        self.reap_ghosts(st, true)
     }
 
     /// Notes `key` as the stream of the latest call; returns whether it
@@ -403,6 +629,7 @@ impl<B: Backend> Shared<B> {
     /// [`release_free_chunks`](Self::release_free_chunks), returning the
     /// ranges given back, `(offset, bytes)`.
     pub(super) fn release_free_ranges(&self, st: &mut State<B>) -> Result<Vec<(usize, usize)>> {
+        self.reap_ghosts(st, false)?;
         for z in 0..st.heap.zones.len() {
             self.settle_zone(st, z);
         }
@@ -545,6 +772,19 @@ impl<B: Backend> Drop for Shared<B> {
         for (_, f) in zones.iter().flat_map(|z| z.iter()) {
             if let Err(e) = owed.wait_set(backend, &f.fences) {
                 tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");
+                waited = false;
+            }
+        }
+        // The old addresses of moved chunks (the region unmaps them).
+        for (&_, &(key, seq)) in &st.ghost_marks {
+            let mut set = crate::order::FenceSet::default();
+            set.add(crate::order::Stamped {
+                key,
+                seq,
+                fence: Mark::Owed,
+            });
+            if let Err(e) = owed.wait_set(backend, &set) {
+                tracing::error!(error = %e, "vmmbuf arena: waiting for a moved chunk's old uses in drop failed; nothing is unmapped");
                 waited = false;
             }
         }

@@ -29,6 +29,7 @@ pub use trace::{
     parse_trace, replay_trace, replay_trace_with, ReplayReport, TraceEvent, TRACE_HEADER,
 };
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -135,6 +136,10 @@ struct State<B: Backend> {
     /// Whether the last wake kept the host copy (the stash or
     /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
     backup_kept: bool,
+    /// The old addresses of chunks moved while work on a stream may still
+    /// use them ([`ArenaDesc::move_free_chunks`]): offset -> the stream
+    /// and the number, in its order, after which they may go.
+    ghost_marks: BTreeMap<usize, (StreamKey, u64)>,
 }
 
 struct Shared<B: Backend> {
@@ -150,6 +155,8 @@ struct Shared<B: Backend> {
     release_over_percent: Option<u32>,
     defer_free_fences: bool,
     wait_before_grow: bool,
+    /// [`ArenaDesc::move_free_chunks`], where the backend can.
+    move_free_chunks: bool,
     /// Device bytes to leave free when mapping (0: none; see
     /// [`Arena::set_device_margin`]).
     margin: std::sync::atomic::AtomicUsize,
@@ -294,6 +301,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         region.set_budget(desc.shared_budget.clone());
         let base = region.base();
         let syncs_at_start = backend.live().device_syncs;
+        let move_free_chunks = desc.move_free_chunks && backend.maps_a_chunk_twice();
         Ok(Self {
             shared: Arc::new(Shared {
                 backend,
@@ -307,6 +315,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 release_over_percent: desc.release_over_percent,
                 defer_free_fences: desc.defer_free_fences,
                 wait_before_grow: desc.wait_before_grow,
+                move_free_chunks,
                 margin: std::sync::atomic::AtomicUsize::new(0),
                 last_stream: Default::default(),
                 placement,
@@ -327,6 +336,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     stash: None,
                     kept_pages: Vec::new(),
                     backup_kept: false,
+                    ghost_marks: BTreeMap::new(),
                 }),
                 trace: Mutex::new(None),
             }),

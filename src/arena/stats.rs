@@ -166,6 +166,10 @@ pub struct ArenaStats {
     /// Requests that waited for another stream's pending free block
     /// instead of growing ([`ArenaDesc::wait_before_grow`](crate::ArenaDesc::wait_before_grow)).
     pub num_waits_before_grow: u64,
+    /// Free chunks moved to where the arena grew instead of mapping new
+    /// memory ([`ArenaDesc::move_free_chunks`](crate::ArenaDesc::move_free_chunks)):
+    /// each a mapping, and later an unmapping of its old address.
+    pub num_chunks_moved: u64,
     /// Inactive split bytes over reserved bytes (0 when nothing is
     /// reserved): the share of mapped memory that is free but pinned by
     /// allocations in the same chunks. 0 when nothing is allocated.
@@ -213,11 +217,12 @@ impl fmt::Display for ArenaStats {
         row(f, "inactive_split_bytes", self.inactive_split_bytes)?;
         writeln!(
             f,
-            "  allocs {}, frees {}, chunks mapped {}, ranges unmapped {}, alloc retries {}, OOMs {}, device syncs {}, fragmentation {:.3}, pooled {}, on GPUs {}, in host memory {}",
+            "  allocs {}, frees {}, chunks mapped {}, ranges unmapped {}, chunks moved {}, alloc retries {}, OOMs {}, device syncs {}, fragmentation {:.3}, pooled {}, on GPUs {}, in host memory {}",
             self.num_allocs,
             self.num_frees,
             self.num_device_alloc,
             self.num_device_free,
+            self.num_chunks_moved,
             self.num_alloc_retries,
             self.num_ooms,
             self.num_device_syncs,

@@ -10,7 +10,7 @@
 
 use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
@@ -33,6 +33,9 @@ pub struct HostBackend {
     /// When its fences pass (at once unless made with
     /// [`with_fence_lag`](Self::with_fence_lag)).
     clock: Clock,
+    /// Whether a chunk may be mapped at several addresses at once
+    /// ([`mapping_chunks_twice`](Self::mapping_chunks_twice)).
+    double_maps: bool,
 }
 
 impl HostBackend {
@@ -43,6 +46,7 @@ impl HostBackend {
             counters: Arc::default(),
             pool_slot: Default::default(),
             clock: Clock::default(),
+            double_maps: false,
         })
     }
 
@@ -65,7 +69,23 @@ impl HostBackend {
             counters: Arc::default(),
             pool_slot: Default::default(),
             clock,
+            double_maps: false,
         }))
+    }
+
+    /// A backend of `granularity` with fences passing `lag` ticks late (as
+    /// [`with_fence_lag`](Self::with_fence_lag); 0: at once) that maps a
+    /// chunk at several addresses at once, as CUDA does
+    /// ([`Backend::maps_a_chunk_twice`]): every mapping shows the chunk's
+    /// pages, and [`LiveCounts::mapped_bytes`] counts each. For an arena
+    /// that moves free chunks ([`ArenaDesc::move_free_chunks`](crate::ArenaDesc::move_free_chunks))
+    /// on the host, in tests and trace replays. Other host backends map a
+    /// chunk once and refuse a second mapping.
+    pub fn mapping_chunks_twice(granularity: usize, lag: u64) -> Result<Arc<Self>> {
+        let mut b = Arc::into_inner(Self::build(granularity, Clock::new(lag))?)
+            .expect("just made: no other reference");
+        b.double_maps = true;
+        Ok(Arc::new(b))
     }
 
     /// A backend of `granularity` (as [`with_granularity`](Self::with_granularity))
@@ -219,7 +239,7 @@ impl Drop for HostReservation {
             tracing::error!(error = %e, "vmmbuf host: munmap of a reservation failed in drop");
         }
         for (_, e) in self.table.iter() {
-            e.chunk.store(false, Ordering::SeqCst);
+            e.chunk.fetch_sub(1, Ordering::SeqCst);
         }
         let mapped = self.table.mapped_bytes();
         let bytes = self.table.reserved();
@@ -231,9 +251,11 @@ impl Drop for HostReservation {
     }
 }
 
-/// Whether a chunk is mapped now, shared by the chunk and the table of the
-/// reservation that maps it, so a chunk maps at one place at a time.
-type MappedFlag = Arc<AtomicBool>;
+/// How many mappings a chunk has now, shared by the chunk and the tables of
+/// the reservations that map it: one at most, unless the backend maps
+/// chunks twice ([`HostBackend::mapping_chunks_twice`]; the pages are the
+/// memfd's, shared by every mapping).
+type MappedFlag = Arc<AtomicUsize>;
 
 /// A physical chunk of host memory: a memfd of the chunk's size.
 #[derive(Debug)]
@@ -403,17 +425,16 @@ impl Backend for HostBackend {
 
     fn map(&self, res: &mut HostReservation, offset: usize, chunk: &HostChunk) -> Result<()> {
         res.table.check_insert(offset, chunk.bytes)?;
-        if chunk
-            .mapped
-            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-            .is_err()
-        {
+        if chunk.mapped.fetch_add(1, Ordering::SeqCst) > 0 && !self.double_maps {
+            chunk.mapped.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::invalid("the chunk is already mapped"));
         }
         // SAFETY: the range lies inside this token's reservation (checked
         // above) and holds no mapping (checked above), so MAP_FIXED replaces
         // only our own PROT_NONE placeholder. PROT_NONE: nobody can touch it
-        // until set_access, as with cuMemMap.
+        // until set_access, as with cuMemMap. Another mapping of the same
+        // chunk shares its pages (MAP_SHARED), as a second cuMemMap of one
+        // handle does; the bytes are only ever touched through raw copies.
         unsafe {
             rustix::mm::mmap(
                 res.addr(offset),
@@ -425,7 +446,7 @@ impl Backend for HostBackend {
             )
         }
         .map_err(|e| {
-            chunk.mapped.store(false, Ordering::SeqCst);
+            chunk.mapped.fetch_sub(1, Ordering::SeqCst);
             os("mmap", e, chunk.bytes)
         })?;
         res.table.insert(
@@ -453,7 +474,7 @@ impl Backend for HostBackend {
         .map_err(|e| os("mmap", e, bytes))?;
         for k in keys {
             if let Some(e) = res.table.remove(k) {
-                e.chunk.store(false, Ordering::SeqCst);
+                e.chunk.fetch_sub(1, Ordering::SeqCst);
             }
         }
         self.counters.update(|c| c.mapped_bytes -= bytes);
@@ -506,6 +527,10 @@ impl Backend for HostBackend {
 
     fn copies_fence(&self) -> Result<HostFence> {
         Ok(HostFence::default()) // done already
+    }
+
+    fn maps_a_chunk_twice(&self) -> bool {
+        self.double_maps // mappings of one memfd share its pages
     }
 
     fn copy(

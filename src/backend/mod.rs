@@ -131,8 +131,11 @@ pub trait Backend: Send + Sync + 'static {
     fn copies_fence(&self) -> Result<Self::Fence>;
 
     /// Whether one chunk may be mapped at two addresses at once (CUDA: yes;
-    /// the host backend maps a chunk once). Migration then stages the old
-    /// chunk instead of the new one where that is cheaper.
+    /// the host backend only if made with
+    /// [`HostBackend::mapping_chunks_twice`](crate::HostBackend::mapping_chunks_twice)). Migration then stages the old chunk instead
+    /// of the new one where that is cheaper, and an arena may move a free
+    /// chunk's memory to where it grows while work may still use the old
+    /// address ([`ArenaDesc::move_free_chunks`](crate::ArenaDesc::move_free_chunks)).
     fn maps_a_chunk_twice(&self) -> bool {
         false
     }

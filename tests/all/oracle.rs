@@ -87,6 +87,7 @@ crate::register! {
         oracle_arena_map_hook,
         oracle_arena_deferred_fences,
         oracle_arena_wait_before_grow,
+        oracle_arena_move_free_chunks,
         oracle_buffers_map_hook,
         oracle_catches_a_release_under_running_work,
         oracle_case_1,
@@ -94,6 +95,7 @@ crate::register! {
         oracle_case_rt4_1,
         oracle_case_hook_sleep_1,
         oracle_case_deferred_cover_1,
+        oracle_case_move_1,
         oracle_case_buffer_tail_1,
         oracle_case_split_sleep_1,
         a_growth_past_another_streams_pending_free_is_counted,
@@ -174,6 +176,27 @@ impl Model {
 
     /// Every unfinished use of `[start, start + len)`, except on stream
     /// `except` (the one being handed the bytes), is a violation of `event`.
+    /// The backend mapped the memory at `[from, from + len)` a second time
+    /// at `to` (an arena moving a free chunk): every unfinished use of the
+    /// old addresses uses the same bytes at the new ones.
+    fn alias(&mut self, from: u64, to: u64, len: usize) {
+        self.uses.retain(|u| !u.q.passed(u.pos));
+        let end = from + len as u64;
+        let moved: Vec<Use> = self
+            .uses
+            .iter()
+            .filter(|u| u.start < end && from < u.end)
+            .map(|u| Use {
+                start: u.start.max(from) - from + to,
+                end: u.end.min(end) - from + to,
+                q: u.q.clone(),
+                pos: u.pos,
+                what: format!("{} (its memory moved to {to:#x})", u.what),
+            })
+            .collect();
+        self.uses.extend(moved);
+    }
+
     fn check(&mut self, start: u64, len: usize, except: Option<u64>, event: &str) {
         self.checks += 1;
         self.uses.retain(|u| !u.q.passed(u.pos));
@@ -205,15 +228,29 @@ pub struct OracleBackend {
     pub model: Arc<Mutex<Model>>,
     sizes: Mutex<BTreeMap<u64, usize>>,
     copies: Arc<Queue>,
+    /// What is mapped where: address -> (chunk id, bytes), so that a chunk
+    /// mapped a second time carries its uses to the new address.
+    mapped: Mutex<BTreeMap<u64, (u64, usize)>>,
 }
 
 impl OracleBackend {
     pub fn new() -> Arc<Self> {
+        Self::over(HostBackend::with_granularity(G).unwrap())
+    }
+
+    /// Over a host backend that maps a chunk twice, as CUDA does (for an
+    /// arena that moves free chunks).
+    pub fn mapping_chunks_twice() -> Arc<Self> {
+        Self::over(HostBackend::mapping_chunks_twice(G, 0).unwrap())
+    }
+
+    fn over(host: Arc<HostBackend>) -> Arc<Self> {
         Arc::new(Self {
-            inner: FaultBackend::emulating_gpu(HostBackend::with_granularity(G).unwrap()),
+            inner: FaultBackend::emulating_gpu(host),
             model: Arc::new(Mutex::new(Model::default())),
             sizes: Mutex::new(BTreeMap::new()),
             copies: Queue::new(u64::MAX),
+            mapped: Mutex::new(BTreeMap::new()),
         })
     }
 }
@@ -255,12 +292,32 @@ impl Backend for OracleBackend {
         self.inner.release(chunk)
     }
     fn map(&self, res: &mut Self::Reservation, offset: usize, chunk: &Self::Chunk) -> Result<()> {
-        self.inner.map(res, offset, chunk)
+        let at = self.inner.base(res) + offset as u64;
+        let id = self.inner.chunk_id(chunk);
+        // The chunk's size: what the mapping adds to the mapped bytes.
+        let before = self.inner.live().mapped_bytes;
+        self.inner.map(res, offset, chunk)?;
+        let bytes = self.inner.live().mapped_bytes - before;
+        let mut mapped = self.mapped.lock();
+        if let Some((&from, _)) = mapped.iter().find(|(_, (c, _))| *c == id) {
+            self.model.lock().alias(from, at, bytes);
+        }
+        mapped.insert(at, (id, bytes));
+        Ok(())
     }
     fn unmap(&self, res: &mut Self::Reservation, offset: usize, bytes: usize) -> Result<()> {
         let at = self.inner.base(res) + offset as u64;
         self.model.lock().check(at, bytes, None, "unmap");
-        self.inner.unmap(res, offset, bytes)
+        self.inner.unmap(res, offset, bytes)?;
+        let mut mapped = self.mapped.lock();
+        let gone: Vec<u64> = mapped
+            .range(at..at + bytes as u64)
+            .map(|(&a, _)| a)
+            .collect();
+        for a in gone {
+            mapped.remove(&a);
+        }
+        Ok(())
     }
     fn set_access(
         &self,
@@ -597,13 +654,31 @@ fn run_arena_waiting(
     deferred: bool,
     wait: bool,
 ) -> std::result::Result<u64, TestCaseError> {
-    let backend = OracleBackend::new();
+    run_arena_moving(ops, keep_mapped, hooked, deferred, wait, false)
+}
+
+/// [`run_arena_waiting`], with `moving`: the arena moves free chunks to
+/// where it grows (`ArenaDesc::move_free_chunks`).
+fn run_arena_moving(
+    ops: Vec<AOp>,
+    keep_mapped: bool,
+    hooked: bool,
+    deferred: bool,
+    wait: bool,
+    moving: bool,
+) -> std::result::Result<u64, TestCaseError> {
+    let backend = if moving {
+        OracleBackend::mapping_chunks_twice()
+    } else {
+        OracleBackend::new()
+    };
     let baseline = backend.live();
     let model = backend.model.clone();
     let mut desc = ArenaDesc::new(1024 * G).max_chunk_bytes(2 * G);
     desc.release_before_map = !keep_mapped;
     desc.defer_free_fences = deferred;
     desc.wait_before_grow = wait;
+    desc.move_free_chunks = moving;
     let arena: OArena = Arena::new(backend.clone(), desc).unwrap();
     let hook = hooked.then(|| ModelHook::new(&model));
     let streams: Vec<QStream> = (1..=STREAMS as u64).map(QStream::new).collect();
@@ -1070,6 +1145,27 @@ fn oracle_arena_wait_before_grow() {
     );
 }
 
+/// Moving free chunks to where the arena grows
+/// (`ArenaDesc::move_free_chunks`), in both mapping modes, with deferred
+/// fences or without, waiting before growth or not: a moved chunk's old
+/// address goes only once every use of it has finished, and its memory
+/// reaches another stream only then (the model carries each use of the old
+/// address to the new one).
+fn oracle_arena_move_free_chunks() {
+    run_property(
+        "arena moving free chunks",
+        (
+            prop::collection::vec(aop(), 1..120),
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+        ),
+        |(ops, keep_mapped, deferred, wait)| {
+            run_arena_moving(ops, keep_mapped, false, deferred, wait, true)
+        },
+    );
+}
+
 // --------------------------------------------------------------- buffers
 
 #[derive(Clone, Debug)]
@@ -1492,6 +1588,39 @@ fn oracle_case_deferred_cover_1() {
         Alloc { units: 1, s: 0 },
     ];
     run_arena(ops, true, false, true).unwrap();
+}
+
+/// A moved chunk's memory, left over after the growing request, reaches
+/// another stream only once the work on its old address has finished.
+/// Mappings are 64 KiB granules here: 64 KiB, a 128 KiB chunk used on
+/// stream 0 and freed under that unfinished work, 64 KiB live, and 64 KiB
+/// freed where mapped memory ends. A 160 KiB request on stream 0 extends
+/// that last block by the moved 128 KiB chunk, 32 KiB of which are left
+/// over; stream 1 then asks for 32 KiB. Caught with the moved memory put
+/// in the index as settled (any stream's at once).
+fn oracle_case_move_1() {
+    use AOp::*;
+    let ops = vec![
+        Alloc { units: 16, s: 0 },
+        Alloc { units: 32, s: 0 },
+        Alloc { units: 16, s: 0 },
+        Alloc { units: 16, s: 0 },
+        Free { which: 3 },
+        Use {
+            which: 1,
+            s: 0,
+            record_use: false,
+        },
+        Free { which: 1 },
+        Alloc { units: 40, s: 0 },
+        Alloc { units: 8, s: 1 },
+        Alloc { units: 8, s: 1 },
+    ];
+    for keep_mapped in [false, true] {
+        for deferred in [false, true] {
+            run_arena_moving(ops.clone(), keep_mapped, false, deferred, false, true).unwrap();
+        }
+    }
 }
 
 /// The buffer model itself: tail work handed to `shrink_to_fit_after`

@@ -186,6 +186,62 @@ pub(super) trait Store<F> {
         ready.len()
     }
 
+    /// Whether one block covers `[offset, offset + size)` that `key` may
+    /// take now and whose every use was on `key`'s stream: settled, or
+    /// pending with fences on `key` alone.
+    fn covers_for(&self, offset: usize, size: usize, key: StreamKey) -> bool {
+        self.at_or_before(offset).is_some_and(|(o, f)| {
+            o + f.size >= offset + size
+                && (f.settled() || (f.stream == Some(key) && f.fences.only_on(key)))
+        })
+    }
+
+    /// Removes `[offset, offset + size)` from the free space, inside one
+    /// block [`covers_for`](Self::covers_for) accepts. The pieces left of a
+    /// pending block stay `key`'s, each with `fences()`: marks on `key`
+    /// numbered after the block's (a block's fences cannot be split).
+    /// Returns whether the block was settled, or `None`, changing nothing,
+    /// where no such block covers the range.
+    fn carve_for(
+        &mut self,
+        offset: usize,
+        size: usize,
+        key: StreamKey,
+        mut fences: impl FnMut() -> FenceSet<F>,
+    ) -> Option<bool> {
+        if !self.covers_for(offset, size, key) {
+            return None;
+        }
+        let (o, _) = self.at_or_before(offset).expect("covered");
+        let f = self.unlink(o).expect("found");
+        let settled = f.settled();
+        let piece = |size: usize, fences: &mut dyn FnMut() -> FenceSet<F>| {
+            if settled {
+                Free {
+                    size,
+                    stream: f.stream,
+                    fences: FenceSet::default(),
+                }
+            } else {
+                Free {
+                    size,
+                    stream: Some(key),
+                    fences: fences(),
+                }
+            }
+        };
+        if offset > o {
+            let p = piece(offset - o, &mut fences);
+            self.link(o, p);
+        }
+        let end = offset + size;
+        if o + f.size > end {
+            let p = piece(o + f.size - end, &mut fences);
+            self.link(end, p);
+        }
+        Some(settled)
+    }
+
     /// Removes `[offset, offset + size)` from the free space: it must lie
     /// within one settled block (the caller unmaps it). Returns false, and
     /// changes nothing, otherwise.
