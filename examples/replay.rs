@@ -55,7 +55,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let on = |k: &str| std::env::var(k).as_deref() == Ok("1");
     desc = desc
         .defer_free_fences(on("VMMBUF_DEFER_FENCES"))
-        .wait_before_grow(on("VMMBUF_WAIT_BEFORE_GROW"));
+        .wait_before_grow(on("VMMBUF_WAIT_BEFORE_GROW"))
+        // VMMBUF_MOVE_FREE=1: whole free chunks move to where the arena
+        // grows instead of new memory (ArenaDesc::move_free_chunks).
+        .move_free_chunks(on("VMMBUF_MOVE_FREE"));
     let started = std::time::Instant::now();
     let (where_, report, stats) = match CudaBackend::new(0) {
         Ok(gpu) => {
@@ -71,7 +74,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
-            let host = HostBackend::with_fence_lag(2 << 20, lag)?;
+            // A chunk maps at two addresses at once here, as on CUDA, so
+            // that moving free chunks (VMMBUF_MOVE_FREE=1) replays too.
+            let host = HostBackend::mapping_chunks_twice(2 << 20, lag)?;
             let arena: Arena<HostBackend, HostStream> = Arena::new(host.clone(), desc)?;
             let report = replay_trace_with(&arena, &events, HostStream, || host.tick())?;
             let live = vmmbuf::Backend::live(&*host);

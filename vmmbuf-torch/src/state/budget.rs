@@ -80,6 +80,7 @@ fn torchs_keys(m: &mut Json, s: &vmmbuf::stats::ArenaStats) {
         ("num_grows_past_pending", s.num_grows_past_pending),
         ("grown_past_pending_bytes", s.grown_past_pending_bytes),
         ("num_waits_before_grow", s.num_waits_before_grow),
+        ("num_chunks_moved", s.num_chunks_moved),
     ] {
         m.insert(name.into(), v.into());
     }
