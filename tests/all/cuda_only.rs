@@ -10,7 +10,7 @@ use vmmbuf::{Backend, BufferDesc, CudaBackend, GrowableBuffer, GrowthPolicy};
 use crate::common::gpu;
 
 crate::register! {
-    gpu: [a_thousand_grows_keep_the_base_and_every_device_written_byte, shrink_trim_and_drop_give_memory_back_to_the_driver, exact_and_fixed_policies_on_the_device, release_waits_for_kernels_still_reading_the_tail, kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times, sixteen_threads_grow_and_write_their_own_ranges_with_kernels, probe_and_device_count_leave_the_threads_current_context],
+    gpu: [a_thousand_grows_keep_the_base_and_every_device_written_byte, shrink_trim_and_drop_give_memory_back_to_the_driver, exact_and_fixed_policies_on_the_device, release_waits_for_kernels_still_reading_the_tail, kernels_reading_the_tail_survive_shrink_trim_migrate_and_drop_100_times, sixteen_threads_grow_and_write_their_own_ranges_with_kernels, probe_and_device_count_leave_the_threads_current_context, a_moved_chunk_keeps_its_old_address_for_a_kernel_still_reading_it],
 }
 
 /// `fill(ptr, first, n, seed)` writes `pattern(first + i, seed)` to the u32 at
@@ -614,4 +614,84 @@ fn probe_and_device_count_leave_the_threads_current_context() {
         );
     }
     g.context().bind_to_thread().unwrap();
+}
+
+/// `ArenaDesc::move_free_chunks` on CUDA: a chunk freed under a kernel that
+/// still reads it for ~300 ms moves, with two more freed chunks, to a
+/// growth on the same stream. The kernel reads its data to the end through
+/// the old address (unmapped early, it would fault), the moved memory takes
+/// new data after it, the live allocations keep theirs, no new memory is
+/// mapped, and everything goes back at the drop.
+fn a_moved_chunk_keeps_its_old_address_for_a_kernel_still_reading_it() {
+    let backend = gpu();
+    let k = Kernels::load(&backend);
+    let s = k.stream.clone();
+    let g = 2usize << 20;
+    let mut desc = vmmbuf::ArenaDesc::new(1 << 30)
+        .max_chunk_bytes(g)
+        .move_free_chunks(true);
+    desc.release_before_map = false;
+    let arena: vmmbuf::Arena<CudaBackend, Arc<CudaStream>> =
+        vmmbuf::Arena::new(backend.clone(), desc).unwrap();
+    let words = (g / 4) as u64;
+    let (mut live, mut freed) = (Vec::new(), Vec::new());
+    for i in 0..8u32 {
+        let a = arena.alloc(g, &s).unwrap();
+        k.fill_on(&s, a.address(), 0, words, i);
+        if i % 2 == 0 {
+            freed.push((a, i));
+        } else {
+            live.push((a, i));
+        }
+    }
+    let bad = k.spin_then_check(&s, freed[0].0.address(), 0, words, freed[0].1, 300_000_000);
+    drop(freed);
+    let before = arena.stats().reserved_bytes.current;
+    let big = arena.alloc(3 * g, &s).unwrap();
+    let st = arena.stats();
+    assert_eq!(
+        st.num_chunks_moved, 3,
+        "three of the four freed chunks moved"
+    );
+    assert_eq!(st.reserved_bytes.current, before, "no new memory");
+    k.fill_on(&s, big.address(), 0, 3 * words, 77);
+    // Their mark has no cover yet: the old addresses stay.
+    arena.release_cached().unwrap();
+    assert_eq!(
+        s.clone_dtoh(&bad).unwrap()[0],
+        0,
+        "the kernel read its data through the old address"
+    );
+    assert_eq!(
+        k.mismatches(big.address(), 0, 3 * words, 77),
+        0,
+        "the moved memory"
+    );
+    for (a, seed) in &live {
+        assert_eq!(
+            k.mismatches(a.address(), 0, words, *seed),
+            0,
+            "a live allocation"
+        );
+    }
+    assert_eq!(
+        backend.live().mapped_bytes,
+        arena.stats().reserved_bytes.current + 3 * g,
+        "the old addresses are mapped until their mark passes"
+    );
+    // A call on the stream records the cover (this one takes the fourth
+    // freed chunk: no growth, no move); once it has passed, a release
+    // unmaps the old addresses (no device synchronisation).
+    drop(arena.alloc(g, &s).unwrap());
+    assert_eq!(arena.stats().num_chunks_moved, 3);
+    s.synchronize().unwrap();
+    arena.release_cached().unwrap();
+    assert_eq!(
+        backend.live().mapped_bytes,
+        arena.stats().reserved_bytes.current,
+        "the old addresses went"
+    );
+    drop((big, live));
+    drop(arena);
+    crate::common::assert_holds_nothing(backend.live());
 }
