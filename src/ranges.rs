@@ -26,6 +26,34 @@ pub(crate) fn within(range: &impl RangeBounds<usize>, len: usize) -> Option<Rang
     }
 }
 
+/// `gaps` with the ranges `cuts` (`(offset, bytes)`, in offset order) taken
+/// out: what is left of each gap, in order.
+pub(crate) fn subtract(
+    gaps: Vec<Range<usize>>,
+    cuts: impl Iterator<Item = (usize, usize)> + Clone,
+) -> Vec<Range<usize>> {
+    let mut out = Vec::with_capacity(gaps.len());
+    for g in gaps {
+        let mut at = g.start;
+        for (o, b) in cuts.clone() {
+            if o >= g.end {
+                break;
+            }
+            if o + b <= at {
+                continue;
+            }
+            if o > at {
+                out.push(at..o);
+            }
+            at = at.max(o + b);
+        }
+        if at < g.end {
+            out.push(at..g.end);
+        }
+    }
+    out
+}
+
 /// `range` as a person writes it: "0..8192", "16..=31", "4096..", "..".
 pub(crate) fn words(range: &impl RangeBounds<usize>) -> String {
     let start = match range.start_bound() {
@@ -106,6 +134,20 @@ impl PlacementRanges {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn subtracting_ranges_leaves_what_lies_between() {
+        let cuts = [(10, 5), (20, 10), (40, 5)];
+        let left = super::subtract(vec![0..12, 15..35, 38..50, 60..70], cuts.iter().copied());
+        assert_eq!(left, vec![0..10, 15..20, 30..35, 38..40, 45..50, 60..70]);
+        // Cuts over a whole gap, and none at all.
+        let whole: Vec<std::ops::Range<usize>> = std::iter::once(20..30).collect();
+        assert!(super::subtract(whole, cuts.iter().copied()).is_empty());
+        assert_eq!(
+            super::subtract(vec![0..5, 7..9], std::iter::empty()),
+            vec![0..5, 7..9]
+        );
+    }
 
     #[test]
     fn ranges_read_as_written() {

@@ -516,23 +516,7 @@ impl<B: Backend> Region<B> {
         if self.ghosts.is_empty() {
             return gaps;
         }
-        let mut out = Vec::with_capacity(gaps.len() + self.ghosts.len());
-        for g in gaps {
-            let mut at = g.start;
-            for (&o, &b) in self.ghosts.range(..g.end) {
-                if o + b <= at {
-                    continue;
-                }
-                if o > at {
-                    out.push(at..o);
-                }
-                at = at.max(o + b);
-            }
-            if at < g.end {
-                out.push(at..g.end);
-            }
-        }
-        out
+        crate::ranges::subtract(gaps, self.ghosts.iter().map(|(&o, &b)| (o, b)))
     }
 
     /// Unmaps `[offset, offset + bytes)`, which must be whole chunks, in one

@@ -131,23 +131,7 @@ impl<F> Asleep<F> {
 
     /// `gaps` without the discarded runs.
     pub(super) fn exclude(&self, gaps: Vec<std::ops::Range<usize>>) -> Vec<std::ops::Range<usize>> {
-        let mut out = Vec::with_capacity(gaps.len());
-        for g in gaps {
-            let mut at = g.start;
-            for &(o, b) in &self.runs {
-                if o + b <= at || o >= g.end {
-                    continue;
-                }
-                if o > at {
-                    out.push(at..o);
-                }
-                at = at.max(o + b);
-            }
-            if at < g.end {
-                out.push(at..g.end);
-            }
-        }
-        out
+        crate::ranges::subtract(gaps, self.runs.iter().copied())
     }
 }
 
