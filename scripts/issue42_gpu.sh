@@ -6,8 +6,9 @@
 #                                           # both packages and hook modes, pinned; first and steady
 #                                           # pause/resume against the link (GPU 0)
 #   bash scripts/issue42_gpu.sh footprint   # torch_allocators.py: native, expandable segments,
-#                                           # cudaMallocAsync, vmmbuf and vmmbuf-lean, interleaved,
-#                                           # on the Transformer, the conv net, vision-res, kv-decode
+#                                           # cudaMallocAsync, vmmbuf and vmmbuf-move (2 MiB chunks,
+#                                           # free chunks moved to where it grows), interleaved, on
+#                                           # the Transformer, the conv net, vision-res, kv-decode
 # Logs go to $OUT (or /tmp/issue42).
 set -uo pipefail
 OUT=${OUT:-/tmp/issue42}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ case "${1:-}" in
     python -c "import vmmbuf" || { echo "issue42_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
     CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s TERM "${SECS:-560}" python3 -u scripts/torch_allocators.py --all \
       --workloads "${WORKLOADS:-transformer,conv,vision-res,kv-decode}" \
-      --allocs "${ALLOCS:-native,expandable,async,vmmbuf,vmmbuf-lean}" --repeats "${REPEATS:-2}" \
+      --allocs "${ALLOCS:-native,expandable,async,vmmbuf,vmmbuf-move}" --repeats "${REPEATS:-2}" \
       --steps "${STEPS:-40}" --json "$OUT/allocators.json" > "$OUT/allocators.txt" 2>&1
     echo "footprint: exit $?"; grep -v '^{' "$OUT/allocators.txt" | tail -n 40 ;;
   *) echo "usage: $0 rl | footprint" >&2; exit 2 ;;
