@@ -48,10 +48,11 @@ pub(crate) struct Region<B: Backend> {
     budget: Option<Arc<Budget>>,
     /// Ranges still mapped at the backend whose chunk was moved to another
     /// offset ([`move_chunk`](Self::move_chunk)) while work may still use
-    /// the old address: offset -> bytes. Not in the table (their memory is
-    /// counted once, where it moved); no mapping goes there until
-    /// [`unmap_ghost`](Self::unmap_ghost).
-    ghosts: BTreeMap<usize, usize>,
+    /// the old address: offset -> (bytes, the mark after which they may
+    /// go: a stream and a number in its order, `None` once nothing may use
+    /// them). Not in the table (their memory is counted once, where it
+    /// moved); no mapping goes there until [`unmap_ghost`](Self::unmap_ghost).
+    ghosts: BTreeMap<usize, (usize, Option<(crate::StreamKey, u64)>)>,
 }
 
 impl<B: Backend> Region<B> {
@@ -451,13 +452,18 @@ impl<B: Backend> Region<B> {
 
     /// Maps the chunk at `from` a second time at `to` (a hole of the table
     /// as large as the chunk), with the access it has, and moves its entry
-    /// there. The old address stays mapped, a ghost, until
-    /// [`unmap_ghost`](Self::unmap_ghost): work queued before may still use
-    /// it. Only for a backend that [maps a chunk
-    /// twice](Backend::maps_a_chunk_twice) and a region without a hook (a
-    /// hook's ranges follow the table). No memory is taken, so no budget.
-    /// On error nothing changed.
-    pub(crate) fn move_chunk(&mut self, from: usize, to: usize) -> Result<()> {
+    /// there. The old address stays mapped, a ghost kept with `mark` (what
+    /// must pass before it goes), until [`unmap_ghost`](Self::unmap_ghost):
+    /// work queued before may still use it. Only for a backend that [maps a
+    /// chunk twice](Backend::maps_a_chunk_twice) and a region without a
+    /// hook (a hook's ranges follow the table). No memory is taken, so no
+    /// budget. On error nothing changed.
+    pub(crate) fn move_chunk(
+        &mut self,
+        from: usize,
+        to: usize,
+        mark: Option<(crate::StreamKey, u64)>,
+    ) -> Result<()> {
         self.check_poison()?;
         debug_assert!(self.hook.is_none() && self.backend.maps_a_chunk_twice());
         let backend = self.backend.clone();
@@ -485,7 +491,7 @@ impl<B: Backend> Region<B> {
         self.table
             .insert(to, entry)
             .expect("moved to a hole of the table");
-        self.ghosts.insert(from, bytes);
+        self.ghosts.insert(from, (bytes, mark));
         Ok(())
     }
 
@@ -493,7 +499,7 @@ impl<B: Backend> Region<B> {
     /// (the caller has waited for its uses). Its memory stays, mapped where
     /// it moved. On error nothing changed.
     pub(crate) fn unmap_ghost(&mut self, offset: usize) -> Result<()> {
-        let bytes = *self
+        let (bytes, _) = *self
             .ghosts
             .get(&offset)
             .ok_or_else(|| Error::invalid(format!("no ghost at offset {offset}")))?;
@@ -504,8 +510,15 @@ impl<B: Backend> Region<B> {
     }
 
     /// The ghosts, `(offset, bytes)` (see [`move_chunk`](Self::move_chunk)).
-    pub(crate) fn ghosts(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.ghosts.iter().map(|(&o, &b)| (o, b))
+    pub(crate) fn ghosts(&self) -> impl Iterator<Item = (usize, usize)> + Clone + '_ {
+        self.ghosts.iter().map(|(&o, &(b, _))| (o, b))
+    }
+
+    /// The ghosts' marks, `(offset, mark)`: what must pass before each goes.
+    pub(crate) fn ghost_marks(
+        &self,
+    ) -> impl Iterator<Item = (usize, Option<(crate::StreamKey, u64)>)> + '_ {
+        self.ghosts.iter().map(|(&o, &(_, m))| (o, m))
     }
 
     /// `gaps` less the ghosts: where new chunks may be mapped.
@@ -516,7 +529,7 @@ impl<B: Backend> Region<B> {
         if self.ghosts.is_empty() {
             return gaps;
         }
-        crate::ranges::subtract(gaps, self.ghosts.iter().map(|(&o, &b)| (o, b)))
+        crate::ranges::subtract(gaps, self.ghosts())
     }
 
     /// Unmaps `[offset, offset + bytes)`, which must be whole chunks, in one
@@ -583,7 +596,7 @@ impl<B: Backend> Region<B> {
         let _ = self.table.set_len(0);
         let mut ok = unmap && self.poisoned.is_none();
         if ok {
-            for (o, b) in std::mem::take(&mut self.ghosts) {
+            for (o, (b, _)) in std::mem::take(&mut self.ghosts) {
                 if let Err(e) = backend.unmap(&mut res, o, b) {
                     tracing::error!(error = %e, "vmmbuf: unmapping a moved chunk's old address while closing failed");
                     ok = false;

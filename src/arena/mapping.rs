@@ -348,7 +348,8 @@ impl<B: Backend> Shared<B> {
                 continue;
             };
             let to = at + moved;
-            if let Err(e) = st.region.move_chunk(o, to) {
+            let mark = (!settled).then_some((key, seq));
+            if let Err(e) = st.region.move_chunk(o, to, mark) {
                 // Back where it was, free as it was (or later).
                 let State { heap, region, .. } = &mut *st;
                 if settled {
@@ -364,12 +365,7 @@ impl<B: Backend> Shared<B> {
                 }
                 return Err(e);
             }
-            let State {
-                heap,
-                region,
-                ghost_marks,
-                ..
-            } = &mut *st;
+            let State { heap, region, .. } = &mut *st;
             if settled {
                 // Nothing may still use the old address.
                 if region.unmap_ghost(o).is_err() {
@@ -378,7 +374,6 @@ impl<B: Backend> Shared<B> {
                 }
                 heap.zones[z].insert_fresh_in(to, b, key, &region.walls());
             } else {
-                ghost_marks.insert(o, (key, seq));
                 let f = Free {
                     size: b,
                     stream: Some(key),
@@ -425,26 +420,18 @@ impl<B: Backend> Shared<B> {
             return Ok(());
         }
         let backend = &*self.backend;
-        let ghosts: Vec<usize> = st.region.ghosts().map(|(o, _)| o).collect();
+        let ghosts: Vec<_> = st.region.ghost_marks().collect();
         let mut not_yet = crate::order::NotYet::default();
-        for o in ghosts {
-            if let Some(&(key, seq)) = st.ghost_marks.get(&o) {
-                let x = crate::order::Stamped {
-                    key,
-                    seq,
-                    fence: Mark::Owed,
-                };
-                if !st.heap.owed.stamp_done(backend, &x, &mut not_yet) {
+        for (o, mark) in ghosts {
+            if let Some((key, seq)) = mark {
+                if !st.heap.owed.done_in(backend, key, seq, &mut not_yet) {
                     if !wait {
                         continue;
                     }
-                    let mut set = crate::order::FenceSet::default();
-                    set.add(x);
-                    st.heap.owed.wait_set(backend, &set)?;
+                    st.heap.owed.wait(backend, key, seq)?;
                 }
             }
             st.region.unmap_ghost(o)?;
-            st.ghost_marks.remove(&o);
         }
         Ok(())
     }
@@ -776,14 +763,8 @@ impl<B: Backend> Drop for Shared<B> {
             }
         }
         // The old addresses of moved chunks (the region unmaps them).
-        for (&_, &(key, seq)) in &st.ghost_marks {
-            let mut set = crate::order::FenceSet::default();
-            set.add(crate::order::Stamped {
-                key,
-                seq,
-                fence: Mark::Owed,
-            });
-            if let Err(e) = owed.wait_set(backend, &set) {
+        for (key, seq) in st.region.ghost_marks().filter_map(|(_, m)| m) {
+            if let Err(e) = owed.wait(backend, key, seq) {
                 tracing::error!(error = %e, "vmmbuf arena: waiting for a moved chunk's old uses in drop failed; nothing is unmapped");
                 waited = false;
             }

@@ -29,7 +29,6 @@ pub use trace::{
     parse_trace, replay_trace, replay_trace_with, ReplayReport, TraceEvent, TRACE_HEADER,
 };
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
@@ -136,10 +135,6 @@ struct State<B: Backend> {
     /// Whether the last wake kept the host copy (the stash or
     /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
     backup_kept: bool,
-    /// The old addresses of chunks moved while work on a stream may still
-    /// use them ([`ArenaDesc::move_free_chunks`]): offset -> the stream
-    /// and the number, in its order, after which they may go.
-    ghost_marks: BTreeMap<usize, (StreamKey, u64)>,
 }
 
 struct Shared<B: Backend> {
@@ -336,7 +331,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     stash: None,
                     kept_pages: Vec::new(),
                     backup_kept: false,
-                    ghost_marks: BTreeMap::new(),
                 }),
                 trace: Mutex::new(None),
             }),

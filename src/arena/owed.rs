@@ -168,7 +168,7 @@ impl<F> Owed<F> {
     /// (an older one stands for nothing here; a younger one passes after
     /// it), and not if `not_yet` knows it has not passed. Once it has, so
     /// have the covers before it (one stream, in order): they go.
-    fn done_in<B: Backend<Fence = F>>(
+    pub(super) fn done_in<B: Backend<Fence = F>>(
         &mut self,
         backend: &B,
         key: StreamKey,
