@@ -212,33 +212,20 @@ pub(super) trait Store<F> {
         if !self.covers_for(offset, size, key) {
             return None;
         }
-        let (o, _) = self.at_or_before(offset).expect("covered");
-        let f = self.unlink(o).expect("found");
-        let settled = f.settled();
-        let piece = |size: usize, fences: &mut dyn FnMut() -> FenceSet<F>| {
-            if settled {
-                Free {
-                    size,
-                    stream: f.stream,
-                    fences: FenceSet::default(),
-                }
-            } else {
-                Free {
-                    size,
-                    stream: Some(key),
-                    fences: fences(),
-                }
-            }
-        };
-        if offset > o {
-            let p = piece(offset - o, &mut fences);
-            self.link(o, p);
-        }
-        let end = offset + size;
-        if o + f.size > end {
-            let p = piece(o + f.size - end, &mut fences);
-            self.link(end, p);
-        }
+        let (o, f) = self.at_or_before(offset).expect("covered");
+        let (settled, tag) = (f.settled(), f.stream);
+        self.cut_out(o, offset, size, |size| match settled {
+            true => Free {
+                size,
+                stream: tag,
+                fences: FenceSet::default(),
+            },
+            false => Free {
+                size,
+                stream: Some(key),
+                fences: fences(),
+            },
+        });
         Some(settled)
     }
 
@@ -252,28 +239,31 @@ pub(super) trait Store<F> {
         if !f.settled() || o + f.size < offset + size {
             return false;
         }
+        self.cut_out(o, offset, size, |size| Free {
+            size,
+            stream: None,
+            fences: FenceSet::default(),
+        });
+        true
+    }
+
+    /// Takes the block at `o`, which holds `[offset, offset + size)`, out of
+    /// the index, and lists what it keeps on either side of that range as
+    /// `piece(bytes)`.
+    fn cut_out(
+        &mut self,
+        o: usize,
+        offset: usize,
+        size: usize,
+        mut piece: impl FnMut(usize) -> Free<F>,
+    ) {
         let f = self.unlink(o).expect("found");
         if offset > o {
-            self.link(
-                o,
-                Free {
-                    size: offset - o,
-                    stream: None,
-                    fences: FenceSet::default(),
-                },
-            );
+            self.link(o, piece(offset - o));
         }
         let end = offset + size;
         if o + f.size > end {
-            self.link(
-                end,
-                Free {
-                    size: o + f.size - end,
-                    stream: None,
-                    fences: FenceSet::default(),
-                },
-            );
+            self.link(end, piece(o + f.size - end));
         }
-        true
     }
 }
