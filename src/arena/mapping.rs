@@ -250,19 +250,24 @@ impl<B: Backend> Shared<B> {
         let Some(p) = self.release_over_percent else {
             return need;
         };
+        let over = self.past_share(st, size, need, f64::from(p) / 100.0);
+        round_up(over, self.granularity).map_or(need, |o| o.min(need))
+    }
+
+    /// The bytes by which mapping `want` more for a request of `size` would
+    /// take the arena past `share` times its peak allocated (the request
+    /// counted): 0 if it stays within.
+    fn past_share(&self, st: &State<B>, size: usize, want: usize, share: f64) -> usize {
         let live = st
             .heap
             .allocated
             .saturating_add(size)
             .max(st.stats.allocated_bytes.peak);
-        let limit = (f64::from(p) / 100.0 * live as f64) as usize;
-        let over = st
-            .region
+        st.region
             .table
             .mapped_bytes()
-            .saturating_add(need)
-            .saturating_sub(limit);
-        round_up(over, self.granularity).map_or(need, |o| o.min(need))
+            .saturating_add(want)
+            .saturating_sub((share * live as f64) as usize)
     }
 
     /// Moves whole free chunks that `key` may take now (settled, or freed
@@ -451,14 +456,8 @@ impl<B: Backend> Shared<B> {
         };
         let release = self.release_before_map
             || over.is_some_and(|over| {
-                let mapped = st.region.table.mapped_bytes();
                 let want = round_up(size, self.granularity).unwrap_or(usize::MAX);
-                let live = st
-                    .heap
-                    .allocated
-                    .saturating_add(size)
-                    .max(st.stats.allocated_bytes.peak);
-                (mapped.saturating_add(want) as f64) > over * live as f64
+                self.past_share(st, size, want, over) > 0
             });
         if !release {
             return Ok(());
