@@ -241,11 +241,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
 /// A free's mark on `key` with no fence: numbered now in the stream's order;
 /// a fence recorded there later (a cover) stands for it.
 fn owed_mark<F>(key: crate::StreamKey) -> crate::order::Stamped<Mark<F>> {
-    crate::order::Stamped {
-        key,
-        seq: crate::order::stamp(key),
-        fence: Mark::Owed,
-    }
+    super::owed::owed_at(key, crate::order::stamp(key))
 }
 
 impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {

@@ -6,7 +6,6 @@
 
 use super::blocks::{Free, StreamKey};
 use super::heap::Heap;
-use super::owed::Mark;
 use super::{ArenaStream, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -332,12 +331,14 @@ impl<B: Backend> Shared<B> {
         let seq = crate::order::stamp(key);
         let marks = || {
             let mut set = crate::order::FenceSet::default();
-            set.add(crate::order::Stamped {
-                key,
-                seq,
-                fence: Mark::Owed,
-            });
+            set.add(super::owed::owed_at(key, seq));
             set
+        };
+        // Free memory that is `key`'s alone until that number has passed.
+        let pending = |size| Free {
+            size,
+            stream: Some(key),
+            fences: marks(),
         };
         let mut moved = 0;
         let mut owed = false;
@@ -360,12 +361,7 @@ impl<B: Backend> Shared<B> {
                 if settled {
                     heap.zones[zz].insert_fresh_in(o, b, key, &region.walls());
                 } else {
-                    let f = Free {
-                        size: b,
-                        stream: Some(key),
-                        fences: marks(),
-                    };
-                    heap.insert_free(o, f, &region.walls());
+                    heap.insert_free(o, pending(b), &region.walls());
                     heap.owed.owe_wanted(key);
                 }
                 return Err(e);
@@ -379,12 +375,7 @@ impl<B: Backend> Shared<B> {
                 }
                 heap.zones[z].insert_fresh_in(to, b, key, &region.walls());
             } else {
-                let f = Free {
-                    size: b,
-                    stream: Some(key),
-                    fences: marks(),
-                };
-                heap.insert_free(to, f, &region.walls());
+                heap.insert_free(to, pending(b), &region.walls());
                 owed = true;
             }
             st.stats.num_chunks_moved += 1;
@@ -404,12 +395,7 @@ impl<B: Backend> Shared<B> {
                     .is_some()
                 {
                     let State { heap, region, .. } = &mut *st;
-                    let f = Free {
-                        size: keep.len(),
-                        stream: Some(key),
-                        fences: marks(),
-                    };
-                    heap.insert_free(keep.start, f, &region.walls());
+                    heap.insert_free(keep.start, pending(keep.len()), &region.walls());
                 }
             }
         }

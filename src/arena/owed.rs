@@ -54,6 +54,16 @@ pub(crate) enum Mark<F> {
     Owed,
 }
 
+/// A mark owed on `key`, numbered `seq` in its order: a cover recorded on
+/// `key` with a larger number stands for it.
+pub(crate) fn owed_at<F>(key: StreamKey, seq: u64) -> Stamped<Mark<F>> {
+    Stamped {
+        key,
+        seq,
+        fence: Mark::Owed,
+    }
+}
+
 /// Every stream's debts.
 #[derive(Debug)]
 pub(super) struct Owed<F> {
