@@ -232,6 +232,15 @@ fn stash_holds<B: Backend>(st: &State<B>, o: usize, n: usize) -> bool {
         .is_some_and(|x| x.table.get(o).is_some_and(|e| e.bytes == n))
 }
 
+/// The pieces of [`stash_parts`] the stash does not hold yet: what a
+/// stashing sleep would still have to take and map.
+fn stash_missing<B: Backend>(st: &State<B>, piece: usize) -> Vec<(usize, usize)> {
+    stash_parts(st, piece)
+        .into_iter()
+        .filter(|&(o, n)| !stash_holds(st, o, n))
+        .collect()
+}
+
 /// Splits the run `[offset, offset + bytes)` into pieces of at most
 /// `max_piece` (multiples of `g`), never across `split_at`.
 fn pieces(offset: usize, bytes: usize, max_piece: usize, split_at: usize) -> Vec<(usize, usize)> {
@@ -482,11 +491,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             st.region.check_poison()?;
             if desc.mode == SleepMode::Stash {
                 // The stash keeps the pieces it holds: those need none.
-                stash_parts(&st, piece)
-                    .into_iter()
-                    .filter(|&(o, n)| !stash_holds(&st, o, n))
-                    .map(|p| p.1)
-                    .collect()
+                stash_missing(&st, piece).iter().map(|p| p.1).collect()
             } else {
                 // A kept sleep joins whole device chunks (`sleep_keep`).
                 let free = free_ranges(&st);
@@ -518,9 +523,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     break;
                 }
                 let mut bytes = 0;
-                let batch: Vec<(usize, usize)> = stash_parts(&st, piece)
+                let batch: Vec<(usize, usize)> = stash_missing(&st, piece)
                     .into_iter()
-                    .filter(|&(o, n)| !stash_holds(&st, o, n))
                     .take_while(|p| {
                         let first = bytes == 0;
                         bytes += p.1;
