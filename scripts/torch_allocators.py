@@ -56,8 +56,11 @@ CONF = {
     "vmmbuf-move": None,
 }
 DEFAULT_ALLOCS = ("native", "expandable", "async", "vmmbuf")
-LEAN_ENV = {"VMMBUF_TORCH_MAX_CHUNK_BYTES": str(2 << 20), "VMMBUF_TORCH_RELEASE_OVER_PERCENT": "101"}
-MOVE_ENV = {"VMMBUF_TORCH_MAX_CHUNK_BYTES": str(2 << 20), "VMMBUF_TORCH_MOVE_FREE": "1"}
+# The plug-in's settings of the vmmbuf variants named only when asked for.
+VARIANT_ENV = {
+    "vmmbuf-lean": {"VMMBUF_TORCH_MAX_CHUNK_BYTES": str(2 << 20), "VMMBUF_TORCH_RELEASE_OVER_PERCENT": "101"},
+    "vmmbuf-move": {"VMMBUF_TORCH_MAX_CHUNK_BYTES": str(2 << 20), "VMMBUF_TORCH_MOVE_FREE": "1"},
+}
 WORKLOADS = ("transformer", "conv")
 EXTRA_WORKLOADS = ("transformer-xl", "vision-res", "kv-decode")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -166,10 +169,7 @@ def run_one(a):
     if CONF[alloc]:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CONF[alloc]
     vt = None
-    if alloc == "vmmbuf-lean":
-        os.environ.update(LEAN_ENV)
-    if alloc == "vmmbuf-move":
-        os.environ.update(MOVE_ENV)
+    os.environ.update(VARIANT_ENV.get(alloc, {}))
     if alloc.startswith("vmmbuf"):
         # The installed package (pip install ., or the wheel on PYTHONPATH).
         import vmmbuf as vt
