@@ -170,6 +170,9 @@ pub struct ArenaStats {
     /// memory ([`ArenaDesc::move_free_chunks`](crate::ArenaDesc::move_free_chunks)):
     /// each a mapping, and later an unmapping of its old address.
     pub num_chunks_moved: u64,
+    /// Nanoseconds those moves spent in the backend: mapping each chunk
+    /// at its new address and unmapping its old one, timed as they ran.
+    pub move_ns: u64,
     /// Inactive split bytes over reserved bytes (0 when nothing is
     /// reserved): the share of mapped memory that is free but pinned by
     /// allocations in the same chunks. 0 when nothing is allocated.

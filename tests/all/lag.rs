@@ -25,6 +25,7 @@ crate::register! {
         the_replay_ticks_a_lagging_host_backend_once_per_event,
         a_growth_moves_free_chunks_and_keeps_every_byte,
         moving_free_chunks_brings_the_traces_near_their_peak,
+        a_moving_growth_extends_the_free_block_that_leaves_least_to_map,
     ],
 }
 
@@ -663,4 +664,71 @@ fn moving_free_chunks_brings_the_traces_near_their_peak() {
         assert!(moves > 0);
         assert_eq!(syncs, 0, "{name}: no device synchronisation");
     }
+}
+
+/// With `ArenaDesc::move_free_chunks`, a growth goes to the hole whose free
+/// block before it leaves the least to map, not to the first hole that
+/// fits: of two holes two chunks wide, the first after a free chunk and the
+/// second after two, a request of three chunks extends the second and
+/// moves one chunk, where the first would have needed two.
+fn a_moving_growth_extends_the_free_block_that_leaves_least_to_map() {
+    use vmmbuf::host::HostStream;
+    use vmmbuf::Backend;
+    let g = 2 << 20;
+    // Fences pass at once: every freed chunk is settled, and a moved one's
+    // old address goes at once, leaving a hole.
+    let host = HostBackend::mapping_chunks_twice(g, 0).unwrap();
+    let baseline = host.live();
+    let mut desc = ArenaDesc::new(256 * g)
+        .max_chunk_bytes(g)
+        .move_free_chunks(true);
+    desc.release_before_map = false;
+    let arena: Arena<HostBackend, HostStream> = Arena::new(host.clone(), desc).unwrap();
+    let s = HostStream(1);
+    let mut c: Vec<Option<Allocation<HostBackend, HostStream>>> =
+        (0..12).map(|_| Some(arena.alloc(g, &s).unwrap())).collect();
+    let base = c[0].as_ref().unwrap().address();
+    for (i, a) in c.iter().enumerate() {
+        assert_eq!(
+            a.as_ref().unwrap().address(),
+            base + (i * g) as u64,
+            "chunk {i} in order"
+        );
+    }
+    let at = |a: &Allocation<HostBackend, HostStream>| ((a.address() - base) as usize) / g;
+    let moved = || arena.stats().num_chunks_moved;
+    // Chunks 1-2 freed, then three chunks asked: they move to the end (one
+    // more mapped), leaving a hole at 1-2.
+    c[1] = None;
+    c[2] = None;
+    let x1 = arena.alloc(3 * g, &s).unwrap();
+    assert_eq!((at(&x1), moved()), (12, 2));
+    // The same with chunks 6-7: a hole at 6-7.
+    c[6] = None;
+    c[7] = None;
+    let x2 = arena.alloc(3 * g, &s).unwrap();
+    assert_eq!((at(&x2), moved()), (15, 4));
+    let mapped = arena.stats().reserved_bytes.current;
+    assert_eq!(
+        mapped,
+        18 * g - 4 * g,
+        "14 chunks mapped: 18 places less the two holes"
+    );
+    // One free chunk before the first hole, two before the second.
+    c[0] = None;
+    c[4] = None;
+    c[5] = None;
+    let y = arena.alloc(3 * g, &s).unwrap();
+    assert_eq!(at(&y), 4, "the block before the second hole, extended");
+    assert_eq!(moved(), 5, "one chunk moved (chunk 0 into the hole at 6)");
+    assert_eq!(
+        arena.stats().reserved_bytes.current,
+        mapped,
+        "no new memory"
+    );
+    drop((c, x1, x2, y));
+    drop(arena);
+    let now = host.live();
+    assert_eq!(now.mapped_bytes, baseline.mapped_bytes, "all unmapped");
+    assert_eq!(now.chunk_bytes, baseline.chunk_bytes, "all released");
 }
