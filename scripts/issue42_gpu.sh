@@ -8,7 +8,7 @@
 #   bash scripts/issue42_gpu.sh footprint   # torch_allocators.py: native, expandable segments,
 #                                           # cudaMallocAsync, vmmbuf and vmmbuf-move (2 MiB chunks,
 #                                           # free chunks moved to where it grows), interleaved, on
-#                                           # the Transformer, the conv net, vision-res, kv-decode
+#                                           # the Transformer, causal-lm, the conv net, vision-res, kv-decode
 # Logs go to $OUT (or /tmp/issue42).
 set -uo pipefail
 OUT=${OUT:-/tmp/issue42}; mkdir -p "$OUT"
@@ -19,7 +19,7 @@ case "${1:-}" in
     source scripts/gpu_env.sh >/dev/null
     python -c "import vmmbuf" || { echo "issue42_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
     CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s TERM "${SECS:-560}" python3 -u scripts/torch_allocators.py --all \
-      --workloads "${WORKLOADS:-transformer,conv,vision-res,kv-decode}" \
+      --workloads "${WORKLOADS:-transformer,causal-lm,conv,vision-res,kv-decode}" \
       --allocs "${ALLOCS:-native,expandable,async,vmmbuf,vmmbuf-move}" --repeats "${REPEATS:-2}" \
       --steps "${STEPS:-40}" --json "$OUT/allocators.json" > "$OUT/allocators.txt" 2>&1
     echo "footprint: exit $?"; grep -v '^{' "$OUT/allocators.txt" | tail -n 40 ;;

@@ -17,6 +17,10 @@ Workloads, written with PyTorch's own modules, same seed everywhere:
   vision-res   the conv net on images whose resolution changes every step
                (64-256 pixels a side, batch sizes 8-64), as detection and
                multi-scale training feed it (only when named);
+  causal-lm    training a decoder-only language model (6 layers, d=512,
+               vocabulary 32000, causal attention) on random tokens, sequence
+               lengths 64-512 and batch sizes 8-32: the logits and their
+               gradient dominate its memory (only when named);
   kv-decode    inference: a 6-layer decoder (d=512) generates 64-448 tokens
                for a batch of 4-16 prompts, its KV cache grown by torch.cat
                at every token (as Hugging Face's DynamicCache grows it); no
@@ -62,8 +66,10 @@ VARIANT_ENV = {
     "vmmbuf-move": {"VMMBUF_TORCH_MAX_CHUNK_BYTES": str(2 << 20), "VMMBUF_TORCH_MOVE_FREE": "1"},
 }
 WORKLOADS = ("transformer", "conv")
-EXTRA_WORKLOADS = ("transformer-xl", "vision-res", "kv-decode")
+EXTRA_WORKLOADS = ("transformer-xl", "vision-res", "causal-lm", "kv-decode")
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Steps left out of the steady mean (see run_one).
+WARMUP = 5
 OOM_EXIT = 3
 
 
@@ -85,6 +91,8 @@ def build(workload, torch, dev):
             return nn.functional.cross_entropy(out.reshape(-1, 1000), y.reshape(-1))
     elif workload == "kv-decode":
         return kv_decoder(torch, dev)
+    elif workload == "causal-lm":
+        return causal_lm(torch, dev)
     else:
         def block(cin, cout, stride):
             return nn.Sequential(
@@ -104,6 +112,37 @@ def build(workload, torch, dev):
 
         def loss_of(out, y):
             return nn.functional.cross_entropy(out, y)
+    return model, batch, loss_of, True
+
+
+def causal_lm(torch, dev):
+    """The causal-lm workload: (model, batch, loss_of, True). Next-token
+    prediction with PyTorch's encoder layers under a causal mask; the
+    batch is the tokens, the target the same tokens shifted by one."""
+    nn = torch.nn
+    d, heads, depth, vocab = 512, 8, 6, 32000
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+            layer = nn.TransformerEncoderLayer(d, heads, 4 * d, batch_first=True, norm_first=True)
+            self.body = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+
+        def forward(self, tokens):
+            t = tokens.shape[1]
+            mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
+            return self.head(self.body(self.emb(tokens), mask=mask, is_causal=True))
+
+    model = LM().to(dev)
+
+    def batch(rng):
+        seq, b = rng.randint(64, 512), rng.choice([8, 16, 24, 32])
+        tokens = torch.randint(0, vocab, (b, seq + 1), device=dev)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss_of(logits, y):
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
     return model, batch, loss_of, True
 
 
@@ -242,7 +281,21 @@ def run_one(a):
         "peak_reserved": peak_reserved,
         "utilization": peak_alloc / taken if taken else 0.0,
         "median_step_ms": 1000 * statistics.median(times),
+        "mean_step_ms": 1000 * statistics.fmean(times),
+        # The mean after the first WARMUP steps: what a step costs once the
+        # allocator has its memory (the first steps also load CUDA's
+        # libraries and map most of it), with every periodic cost counted,
+        # which the median leaves out.
+        "steady_mean_ms": 1000 * statistics.fmean(times[WARMUP:] or times),
+        "step_ms": [1000 * t for t in times],
     }
+    if vt:
+        # How often the plug-in went to the driver: chunks mapped anew,
+        # unmapped, and moved to where the arena grew (vmmbuf-move).
+        st = vt.stats()
+        res.update({k: st[k] for k in ("num_device_alloc", "num_device_free", "num_chunks_moved",
+                                        "move_ns", "num_moves_declined", "host_ns_in_malloc",
+                                        "host_ns_in_free") if k in st})
     if sleep or a.floor:
         # What the process keeps with no tensor at all (CUDA libraries'
         # state and loaded kernels): what no allocator can give back.
@@ -384,14 +437,18 @@ def against_expandable(runs):
     ref = runs.get("expandable")
     if not ref:
         return
-    print("against expandable segments, repeat by repeat: peak taken ratio; median step ratio")
+    print("against expandable segments, repeat by repeat: peak taken ratio; median step ratio;"
+          f" mean step ratio after {WARMUP} steps")
     for alloc, rs in runs.items():
         if alloc == "expandable" or not rs or len(rs) != len(ref):
             continue
         taken = [r["peak_taken"] / e["peak_taken"] for r, e in zip(rs, ref)]
         step = [r["median_step_ms"] / e["median_step_ms"] for r, e in zip(rs, ref)]
+        steady = [r["steady_mean_ms"] / e["steady_mean_ms"] for r, e in zip(rs, ref)
+                  if "steady_mean_ms" in r and "steady_mean_ms" in e]
         print(f"  {alloc:<12} taken [{', '.join(f'{x:.3f}' for x in taken)}]"
-              f"  step [{', '.join(f'{x:.3f}' for x in step)}]")
+              f"  step [{', '.join(f'{x:.3f}' for x in step)}]"
+              f"  steady [{', '.join(f'{x:.3f}' for x in steady)}]")
 
 
 def budgets(a):
