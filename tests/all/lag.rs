@@ -532,6 +532,26 @@ fn the_replay_ticks_a_lagging_host_backend_once_per_event() {
     );
 }
 
+/// A host backend that maps a chunk twice, with chunks of `g` and fences
+/// passing `lag` ticks late, and an arena over it of 256 chunks that keeps
+/// free chunks mapped and moves them where it grows
+/// (`ArenaDesc::move_free_chunks`).
+fn moving_arena(
+    g: usize,
+    lag: u64,
+) -> (
+    Arc<HostBackend>,
+    Arena<HostBackend, vmmbuf::host::HostStream>,
+) {
+    let host = HostBackend::mapping_chunks_twice(g, lag).unwrap();
+    let mut desc = ArenaDesc::new(256 * g)
+        .max_chunk_bytes(g)
+        .move_free_chunks(true);
+    desc.release_before_map = false;
+    let arena = Arena::new(host.clone(), desc).unwrap();
+    (host, arena)
+}
+
 /// `ArenaDesc::move_free_chunks` on a host backend that maps a chunk twice,
 /// fences passing 3 ticks late: a growth that finds whole free chunks of
 /// its own stream maps them where it grows instead of new memory, the
@@ -542,13 +562,8 @@ fn a_growth_moves_free_chunks_and_keeps_every_byte() {
     use vmmbuf::host::HostStream;
     use vmmbuf::Backend;
     let g = 2 << 20;
-    let host = HostBackend::mapping_chunks_twice(g, 3).unwrap();
+    let (host, arena) = moving_arena(g, 3);
     let baseline = host.live();
-    let mut desc = ArenaDesc::new(256 * g)
-        .max_chunk_bytes(g)
-        .move_free_chunks(true);
-    desc.release_before_map = false;
-    let arena: Arena<HostBackend, HostStream> = Arena::new(host.clone(), desc).unwrap();
     let (one, two) = (HostStream(1), HostStream(2));
     let fill = |a: &mut Allocation<HostBackend, HostStream>, seed: u8| {
         let bytes: Vec<u8> = (0..a.len())
@@ -677,13 +692,8 @@ fn a_moving_growth_extends_the_free_block_that_leaves_least_to_map() {
     let g = 2 << 20;
     // Fences pass at once: every freed chunk is settled, and a moved one's
     // old address goes at once, leaving a hole.
-    let host = HostBackend::mapping_chunks_twice(g, 0).unwrap();
+    let (host, arena) = moving_arena(g, 0);
     let baseline = host.live();
-    let mut desc = ArenaDesc::new(256 * g)
-        .max_chunk_bytes(g)
-        .move_free_chunks(true);
-    desc.release_before_map = false;
-    let arena: Arena<HostBackend, HostStream> = Arena::new(host.clone(), desc).unwrap();
     let s = HostStream(1);
     let mut c: Vec<Option<Allocation<HostBackend, HostStream>>> =
         (0..12).map(|_| Some(arena.alloc(g, &s).unwrap())).collect();
