@@ -405,7 +405,7 @@ def table(a):
         print(f"\n{w}, {a.steps} steps, {a.repeats} runs each (figures: median over runs)")
         print(f"{'allocator':<12} {'peak alloc MiB':>15} {'peak taken MiB':>15} {'utilization':>12}"
               f" {'median step ms':>15} {'step vs native':>15} {'max |loss - native|':>20}"
-              f" {'reserved/alloc':>15}")
+              f" {'reserved/alloc':>15} {'mean ms after ' + str(WARMUP):>16}")
         base = None
         for alloc, rs in runs.items():
             if not rs:
@@ -416,7 +416,8 @@ def table(a):
             diff = max(abs(p - q) for r in rs for p, q in zip(r["losses"], native)) if native else float("nan")
             print(f"{alloc:<12} {med('peak_allocated') / 2**20:15.1f} {med('peak_taken') / 2**20:15.1f}"
                   f" {med('utilization'):12.3f} {step:15.2f} {step / base:15.3f} {diff:20.2e}"
-                  f" {statistics.median(r.get('peak_reserved', 0) / r['peak_allocated'] for r in rs):15.3f}")
+                  f" {statistics.median(r.get('peak_reserved', 0) / r['peak_allocated'] for r in rs):15.3f}"
+                  f" {statistics.median(r.get('steady_mean_ms', float('nan')) for r in rs):16.2f}")
             rows.append({"workload": w, "alloc": alloc, "runs": rs})
         if native:
             print("losses (native):", " ".join(f"{x:.4f}" for x in native[:8]), "...")
