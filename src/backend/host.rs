@@ -53,11 +53,12 @@ impl HostBackend {
     /// A backend with a coarser granularity, e.g. 2 MiB to behave like CUDA.
     /// It must be a power of two and a multiple of the page size.
     pub fn with_granularity(granularity: usize) -> Result<Arc<Self>> {
-        Self::build(granularity, Clock::default())
+        Self::build(granularity, Clock::default(), false)
     }
 
-    /// A backend of `granularity`, checked, with fences on `clock`.
-    fn build(granularity: usize, clock: Clock) -> Result<Arc<Self>> {
+    /// A backend of `granularity`, checked, with fences on `clock`, mapping
+    /// a chunk at several addresses where `double_maps`.
+    fn build(granularity: usize, clock: Clock, double_maps: bool) -> Result<Arc<Self>> {
         let page = rustix::param::page_size();
         if !granularity.is_power_of_two() || !granularity.is_multiple_of(page) {
             return Err(Error::invalid(format!(
@@ -69,7 +70,7 @@ impl HostBackend {
             counters: Arc::default(),
             pool_slot: Default::default(),
             clock,
-            double_maps: false,
+            double_maps,
         }))
     }
 
@@ -82,10 +83,7 @@ impl HostBackend {
     /// on the host, in tests and trace replays. Other host backends map a
     /// chunk once and refuse a second mapping.
     pub fn mapping_chunks_twice(granularity: usize, lag: u64) -> Result<Arc<Self>> {
-        let mut b = Arc::into_inner(Self::build(granularity, Clock::new(lag))?)
-            .expect("just made: no other reference");
-        b.double_maps = true;
-        Ok(Arc::new(b))
+        Self::build(granularity, Clock::new(lag), true)
     }
 
     /// A backend of `granularity` (as [`with_granularity`](Self::with_granularity))
@@ -97,7 +95,7 @@ impl HostBackend {
     /// the latest fence made. Fence queries are counted
     /// ([`LiveCounts::fence_queries`]).
     pub fn with_fence_lag(granularity: usize, lag: u64) -> Result<Arc<Self>> {
-        Self::build(granularity, Clock::new(lag))
+        Self::build(granularity, Clock::new(lag), false)
     }
 
     /// Advances the fences' clock by one tick (see
