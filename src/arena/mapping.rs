@@ -363,10 +363,7 @@ impl<B: Backend> Shared<B> {
             };
             let to = at + moved;
             let mark = (!settled).then_some((key, seq));
-            let started = std::time::Instant::now();
-            let r = st.region.move_chunk(o, to, mark);
-            st.stats.move_ns += elapsed_ns(started);
-            if let Err(e) = r {
+            if let Err(e) = timed(&mut st.stats.move_ns, || st.region.move_chunk(o, to, mark)) {
                 // Back where it was, free as it was (or later).
                 let State { heap, region, .. } = &mut *st;
                 if settled {
@@ -385,10 +382,7 @@ impl<B: Backend> Shared<B> {
             } = &mut *st;
             if settled {
                 // Nothing may still use the old address.
-                let started = std::time::Instant::now();
-                let r = region.unmap_ghost(o);
-                stats.move_ns += elapsed_ns(started);
-                if r.is_err() {
+                if timed(&mut stats.move_ns, || region.unmap_ghost(o)).is_err() {
                     // Left as a ghost with no mark: the next reap tries again.
                     tracing::warn!(offset = o, "vmmbuf arena: unmapping a moved chunk's old address failed; tried again later");
                 }
@@ -441,10 +435,7 @@ impl<B: Backend> Shared<B> {
                     st.heap.owed.wait(backend, key, seq)?;
                 }
             }
-            let started = std::time::Instant::now();
-            let r = st.region.unmap_ghost(o);
-            st.stats.move_ns += elapsed_ns(started);
-            r?;
+            timed(&mut st.stats.move_ns, || st.region.unmap_ghost(o))?;
         }
         Ok(())
     }
@@ -792,7 +783,11 @@ impl<B: Backend> Drop for Shared<B> {
     }
 }
 
-/// Nanoseconds since `t`, saturating.
-fn elapsed_ns(t: std::time::Instant) -> u64 {
-    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
+/// `f`'s result, its nanoseconds added to `ns` (saturating).
+fn timed<T>(ns: &mut u64, f: impl FnOnce() -> T) -> T {
+    let started = std::time::Instant::now();
+    let r = f();
+    let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    *ns = ns.saturating_add(took);
+    r
 }
