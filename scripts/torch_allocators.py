@@ -265,12 +265,14 @@ def run_one(a):
         print(json.dumps({"alloc": alloc, "oom": True, "step": len(losses),
                           "error": str(e)[:200]}), flush=True)
         sys.exit(OOM_EXIT)
-    peak_alloc = (vt.stats()["allocated_bytes.all.peak"] if vt
+    # The plug-in's figures at the end, read once.
+    st = vt.stats() if vt else None
+    peak_alloc = (st["allocated_bytes.all.peak"] if vt
                   else torch.cuda.max_memory_allocated())
     # What the allocator itself held at most (issue 42: at most 1.01x the
     # peak allocated); taken less this is what CUDA's libraries and
     # kernels took, the same under every allocator.
-    peak_reserved = (vt.stats()["reserved_bytes.all.peak"] if vt
+    peak_reserved = (st["reserved_bytes.all.peak"] if vt
                      else torch.cuda.max_memory_reserved())
     taken = free0 - min_free
     res = {
@@ -293,10 +295,9 @@ def run_one(a):
     if vt:
         # How often the plug-in went to the driver: chunks mapped anew,
         # unmapped, and moved to where the arena grew (vmmbuf-move).
-        st = vt.stats()
         res.update({k: st[k] for k in ("num_device_alloc", "num_device_free", "num_chunks_moved",
-                                        "move_ns", "num_moves_declined", "host_ns_in_malloc",
-                                        "host_ns_in_free") if k in st})
+                                        "move_ns", "host_ns_in_malloc", "host_ns_in_free")
+                    if k in st})
     if sleep or a.floor:
         # What the process keeps with no tensor at all (CUDA libraries'
         # state and loaded kernels): what no allocator can give back.
