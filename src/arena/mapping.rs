@@ -348,10 +348,11 @@ impl<B: Backend> Shared<B> {
             stream: Some(key),
             fences: marks(),
         };
-        let mut moved = 0;
-        let mut owed = false;
+        // The donors taken, in order: (offset, bytes, zone, settled).
+        let mut plan: Vec<(usize, usize, usize, bool)> = Vec::new();
+        let mut planned = 0;
         for (o, b) in donors {
-            if moved + b > need {
+            if planned + b > need {
                 continue;
             }
             let zz = st.heap.zone_of_offset(o);
@@ -361,41 +362,58 @@ impl<B: Backend> Shared<B> {
             let Some(settled) = st.heap.zones[zz].carve_for(o, b, key, marks) else {
                 continue;
             };
-            let to = at + moved;
-            let mark = (!settled).then_some((key, seq));
-            if let Err(e) = timed(&mut st.stats.move_ns, || st.region.move_chunk(o, to, mark)) {
-                // Back where it was, free as it was (or later).
-                let State { heap, region, .. } = &mut *st;
-                if settled {
-                    heap.zones[zz].insert_fresh_in(o, b, key, &region.walls());
-                } else {
-                    heap.insert_free(o, pending(b), &region.walls());
-                    heap.owed.owe_wanted(key);
-                }
-                return Err(e);
+            plan.push((o, b, zz, settled));
+            planned += b;
+            if planned == need {
+                break;
             }
-            let State {
-                heap,
-                region,
-                stats,
-                ..
-            } = &mut *st;
+        }
+        // One batch: adjacent destinations share their access call, and
+        // adjacent settled donors their unmap.
+        let mut to = at;
+        let moves: Vec<_> = plan
+            .iter()
+            .map(|&(o, b, _, settled)| {
+                let m = (o, to, (!settled).then_some((key, seq)));
+                to += b;
+                m
+            })
+            .collect();
+        let (n, err) = timed(&mut st.stats.move_ns, || st.region.move_chunks(&moves));
+        let State {
+            heap,
+            region,
+            stats,
+            ..
+        } = &mut *st;
+        // Those not moved: back where they were, free as they were (or later).
+        let mut owed = false;
+        for &(o, b, zz, settled) in &plan[n..] {
             if settled {
-                // Nothing may still use the old address.
-                if timed(&mut stats.move_ns, || region.unmap_ghost(o)).is_err() {
-                    // Left as a ghost with no mark: the next reap tries again.
-                    tracing::warn!(offset = o, "vmmbuf arena: unmapping a moved chunk's old address failed; tried again later");
-                }
+                heap.zones[zz].insert_fresh_in(o, b, key, &region.walls());
+            } else {
+                heap.insert_free(o, pending(b), &region.walls());
+                owed = true;
+            }
+        }
+        // Nothing may still use a settled donor's old address.
+        let gone: Vec<usize> = plan[..n].iter().filter(|p| p.3).map(|p| p.0).collect();
+        if timed(&mut stats.move_ns, || region.unmap_ghosts(&gone)).is_err() {
+            // Left as ghosts with no mark: the next reap tries again.
+            tracing::warn!(
+                "vmmbuf arena: unmapping moved chunks' old addresses failed; tried again later"
+            );
+        }
+        let mut moved = 0;
+        for (&(_, b, _, settled), &(_, to, _)) in plan[..n].iter().zip(&moves) {
+            if settled {
                 heap.zones[z].insert_fresh_in(to, b, key, &region.walls());
             } else {
                 heap.insert_free(to, pending(b), &region.walls());
                 owed = true;
             }
-            st.stats.num_chunks_moved += 1;
+            stats.num_chunks_moved += 1;
             moved += b;
-            if moved == need {
-                break;
-            }
         }
         if owed {
             st.heap.owed.owe_wanted(key);
@@ -412,7 +430,10 @@ impl<B: Backend> Shared<B> {
                 }
             }
         }
-        Ok(moved)
+        match err {
+            Some(e) => Err(e),
+            None => Ok(moved),
+        }
     }
 
     /// Unmaps the old addresses of moved chunks
@@ -426,6 +447,7 @@ impl<B: Backend> Shared<B> {
         let backend = &*self.backend;
         let ghosts: Vec<_> = st.region.ghost_marks().collect();
         let mut not_yet = crate::order::NotYet::default();
+        let mut passed = Vec::with_capacity(ghosts.len());
         for (o, mark) in ghosts {
             if let Some((key, seq)) = mark {
                 if !st.heap.owed.done_in(backend, key, seq, &mut not_yet) {
@@ -435,9 +457,10 @@ impl<B: Backend> Shared<B> {
                     st.heap.owed.wait(backend, key, seq)?;
                 }
             }
-            timed(&mut st.stats.move_ns, || st.region.unmap_ghost(o))?;
+            passed.push(o);
         }
-        Ok(())
+        // One unmap for each run of adjacent ones.
+        timed(&mut st.stats.move_ns, || st.region.unmap_ghosts(&passed))
     }
 
     /// Whole free chunks go to the pool before a mapping, which takes from

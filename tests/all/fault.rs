@@ -66,8 +66,9 @@ pub struct FaultBackend<B> {
     sticky: parking_lot::Mutex<Option<(&'static str, usize)>>,
     /// Pretend to be GPU 0 with host placement beside it (see `emulating_gpu`).
     emulate_gpu: bool,
-    /// The maps `(address, 0)` and unmaps `(address, bytes)` that succeeded,
-    /// in order, named; tests add their own events (a map hook's calls).
+    /// The maps `(address, chunk bytes)`, access calls and unmaps
+    /// `(address, bytes)` that succeeded, in order, named; tests add their
+    /// own events (a map hook's calls).
     pub log: parking_lot::Mutex<Vec<(&'static str, u64, usize)>>,
     /// Each chunk's bytes by its id (for the log's maps).
     sizes: parking_lot::Mutex<std::collections::HashMap<u64, usize>>,
@@ -323,9 +324,13 @@ impl<B: Backend> Backend for FaultBackend<B> {
                 .find(|d| d.location == Location::Device(0))
                 .map_or(vmmbuf::Access::None, |d| d.access);
             let host = [AccessDesc::new(Location::Host, gpu)];
-            return self.inner.set_access(res, offset, bytes, &host);
+            self.inner.set_access(res, offset, bytes, &host)?;
+        } else {
+            self.inner.set_access(res, offset, bytes, access)?;
         }
-        self.inner.set_access(res, offset, bytes, access)
+        let at = self.inner.base(res) + offset as u64;
+        self.log.lock().push(("access", at, bytes));
+        Ok(())
     }
     fn synchronize(&self) -> Result<()> {
         self.step("synchronize", 0)?;
