@@ -3,12 +3,16 @@
 //! 85-211 us a 2 MiB chunk under training on H100s, against ~33 us idle;
 //! a move done by a background thread would take that wait off the
 //! launching thread, but helps only if the page-table updates do not stall
-//! the kernels themselves. Three measurements, 2 MiB chunks:
+//! the kernels themselves. Four measurements, 2 MiB chunks:
 //!
 //! 1. map + access, then unmap, each timed, with the GPU idle;
 //! 2. the same on the launching thread while a batch of memory-bound
 //!    kernels runs on a stream (the plug-in's case);
-//! 3. the batch's wall time alone, and with a second thread mapping and
+//! 3. map, access and unmap apart, per chunk, idle and busy, one chunk a
+//!    call against 16 adjacent chunks a call (one `cuMemSetAccess` and one
+//!    `cuMemUnmap` over the 16): whether batching a move's calls, or
+//!    leaving its unmap for later, would pay;
+//! 4. the batch's wall time alone, and with a second thread mapping and
 //!    unmapping chunks throughout (a background mover's case): a ratio
 //!    above 1 means the updates stall the kernels.
 //!
@@ -107,6 +111,43 @@ fn medians(raw: &Raw, va: u64, handles: &[sys::CUmemGenericAllocationHandle]) ->
     (median(m), median(u))
 }
 
+/// The handles mapped `group` at a time at adjacent addresses from `va`:
+/// each chunk's `cuMemMap`, then one `cuMemSetAccess` and one `cuMemUnmap`
+/// over the group. Median microseconds per chunk of the three phases.
+fn phases(va: u64, handles: &[sys::CUmemGenericAllocationHandle], group: usize) -> (f64, f64, f64) {
+    // SAFETY: plain C data, then filled in.
+    let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+    desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    let (mut m, mut a, mut u) = (Vec::new(), Vec::new(), Vec::new());
+    let per = |t: Instant| t.elapsed().as_secs_f64() * 1e6 / group as f64;
+    for (g, hs) in handles.chunks(group).enumerate() {
+        let base = va + (g * group * CHUNK) as u64;
+        let bytes = hs.len() * CHUNK;
+        let t = Instant::now();
+        for (i, &h) in hs.iter().enumerate() {
+            // SAFETY: the address lies in our reservation and is unmapped;
+            // h is a live handle of CHUNK bytes.
+            ok("cuMemMap", unsafe {
+                sys::cuMemMap(base + (i * CHUNK) as u64, CHUNK, 0, h, 0)
+            });
+        }
+        m.push(per(t));
+        let t = Instant::now();
+        // SAFETY: the range is exactly the group's mappings; one descriptor.
+        ok("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(base, bytes, &desc, 1)
+        });
+        a.push(per(t));
+        let t = Instant::now();
+        // SAFETY: the range is exactly the group's adjacent whole mappings,
+        // which no kernel uses (the kernels touch another buffer).
+        ok("cuMemUnmap", unsafe { sys::cuMemUnmap(base, bytes) });
+        u.push(per(t));
+    }
+    (median(m), median(a), median(u))
+}
+
 fn main() {
     let Some(backend) = gpu_or_skip("busy_vmm") else {
         return;
@@ -151,6 +192,21 @@ fn main() {
         "busy_vmm kernels in flight, same thread map+access {m:8.1}  unmap {u:8.1}  (batch still ran {:.1} ms after)",
         left.elapsed().as_secs_f64() * 1e3
     );
+
+    for group in [1, 16] {
+        let (m, a, u) = phases(va, &handles, group);
+        println!(
+            "busy_vmm idle, {group:2} chunk(s) a call     per chunk: map {m:6.1}  access {a:6.1}  unmap {u:6.1}"
+        );
+        batch();
+        let (m, a, u) = phases(va, &handles, group);
+        let left = Instant::now();
+        stream.synchronize().unwrap();
+        println!(
+            "busy_vmm busy, {group:2} chunk(s) a call     per chunk: map {m:6.1}  access {a:6.1}  unmap {u:6.1}  (batch still ran {:.1} ms after)",
+            left.elapsed().as_secs_f64() * 1e3
+        );
+    }
 
     // The batch alone, then beside a thread mapping and unmapping chunks
     // throughout, three times each, alternating.
