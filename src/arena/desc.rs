@@ -95,13 +95,15 @@ pub struct ArenaDesc {
     /// take the moved memory once that fence has passed. Needs a backend
     /// that [maps a chunk twice](crate::Backend::maps_a_chunk_twice), and
     /// no map hook (an NCCL registration follows the addresses): otherwise
-    /// it does nothing. Each moved chunk costs a mapping and an access call
-    /// now and an unmapping later, as a pooled chunk costs the first two;
-    /// made while the GPU works, these cost many times their idle price
-    /// (85-211 us a 2 MiB chunk on H100s under training). Where shapes
-    /// change at every step, the free space is rearranged at every step:
-    /// less memory, a slower step (BENCHMARKS.md, "Moving free chunks on
-    /// the GPU").
+    /// it does nothing. Each moved chunk costs a mapping, a share of an
+    /// access call (one for each run of adjacent destinations) and of an
+    /// unmapping (one for each run of adjacent old addresses), as a pooled
+    /// chunk costs the first two; made while the GPU works, these cost
+    /// more than idle (85-211 us a 2 MiB chunk on H100s under training one
+    /// chunk a call, 67-84 us batched on H200s). Where shapes change at
+    /// every step, the free space is rearranged at every step: less
+    /// memory, a slower step (BENCHMARKS.md, "Moving free chunks on the
+    /// GPU" and "Batched moves").
     pub move_free_chunks: bool,
 }
 

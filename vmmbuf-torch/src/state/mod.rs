@@ -100,7 +100,8 @@ fn arena_desc() -> ArenaDesc {
     // 1.002-1.017x the peak allocated, against 1.029-1.076x with the
     // defaults, at 1,000-10,000 moves a trace (issue 42). On 4x H100 it
     // took 2.7-5.6% less memory than expandable segments on four
-    // workloads, but a move cost 85-211 us there, and where batch shapes
+    // workloads, but a move cost 85-211 us there (67-84 us on 2x H200
+    // with the calls batched), and where batch shapes
     // change at every step the moves go on at every step: mean step after
     // warm-up 1.45-1.66x on the conv net, 1.35-1.79x on vision-res.
     // Its chunks are 2 MiB unless VMMBUF_TORCH_MAX_CHUNK_BYTES says
