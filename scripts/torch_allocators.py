@@ -296,7 +296,8 @@ def run_one(a):
         # How often the plug-in went to the driver: chunks mapped anew,
         # unmapped, and moved to where the arena grew (vmmbuf-move).
         res.update({k: st[k] for k in ("num_device_alloc", "num_device_free", "num_chunks_moved",
-                                        "move_ns", "host_ns_in_malloc", "host_ns_in_free")
+                                        "num_moving_growths", "move_ns", "host_ns_in_malloc",
+                                        "host_ns_in_free")
                     if k in st})
     if sleep or a.floor:
         # What the process keeps with no tensor at all (CUDA libraries'

@@ -415,6 +415,9 @@ impl<B: Backend> Shared<B> {
             stats.num_chunks_moved += 1;
             moved += b;
         }
+        if n > 0 {
+            stats.num_moving_growths += 1;
+        }
         if owed {
             st.heap.owed.owe_wanted(key);
             if !keep.is_empty() {

@@ -170,6 +170,9 @@ pub struct ArenaStats {
     /// memory ([`ArenaDesc::move_free_chunks`](crate::ArenaDesc::move_free_chunks)):
     /// each a mapping, and later an unmapping of its old address.
     pub num_chunks_moved: u64,
+    /// Growths that moved free chunks: `num_chunks_moved` over this is how
+    /// many a growth moved (each growth's moves share access calls).
+    pub num_moving_growths: u64,
     /// Nanoseconds those moves spent in the backend: mapping each chunk
     /// at its new address and unmapping its old one, timed as they ran.
     pub move_ns: u64,
@@ -220,12 +223,13 @@ impl fmt::Display for ArenaStats {
         row(f, "inactive_split_bytes", self.inactive_split_bytes)?;
         writeln!(
             f,
-            "  allocs {}, frees {}, chunks mapped {}, ranges unmapped {}, chunks moved {}, alloc retries {}, OOMs {}, device syncs {}, fragmentation {:.3}, pooled {}, on GPUs {}, in host memory {}",
+            "  allocs {}, frees {}, chunks mapped {}, ranges unmapped {}, chunks moved {} in {} growths, alloc retries {}, OOMs {}, device syncs {}, fragmentation {:.3}, pooled {}, on GPUs {}, in host memory {}",
             self.num_allocs,
             self.num_frees,
             self.num_device_alloc,
             self.num_device_free,
             self.num_chunks_moved,
+            self.num_moving_growths,
             self.num_alloc_retries,
             self.num_ooms,
             self.num_device_syncs,

@@ -799,6 +799,7 @@ fn a_moving_growth_batches_its_access_and_unmap_calls() {
     let log = fb.log.lock().clone();
     let count = |what: &str| log.iter().filter(|e| e.0 == what).count();
     assert_eq!(arena.stats().num_chunks_moved, 4);
+    assert_eq!(arena.stats().num_moving_growths, 1);
     assert_eq!(arena.stats().reserved_bytes.current, 9 * g, "one new chunk");
     assert_eq!(count("map"), 5, "{log:x?}");
     assert_eq!(

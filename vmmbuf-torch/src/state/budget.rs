@@ -81,6 +81,7 @@ fn torchs_keys(m: &mut Json, s: &vmmbuf::stats::ArenaStats) {
         ("grown_past_pending_bytes", s.grown_past_pending_bytes),
         ("num_waits_before_grow", s.num_waits_before_grow),
         ("num_chunks_moved", s.num_chunks_moved),
+        ("num_moving_growths", s.num_moving_growths),
         ("move_ns", s.move_ns),
     ] {
         m.insert(name.into(), v.into());

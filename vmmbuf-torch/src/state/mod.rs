@@ -391,6 +391,7 @@ impl Device {
             sum.num_device_free += s.num_device_free;
             sum.num_grows_past_pending += s.num_grows_past_pending;
             sum.num_chunks_moved += s.num_chunks_moved;
+            sum.num_moving_growths += s.num_moving_growths;
             sum.move_ns += s.move_ns;
             sum.grown_past_pending_bytes += s.grown_past_pending_bytes;
             sum.num_waits_before_grow += s.num_waits_before_grow;
