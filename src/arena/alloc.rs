@@ -224,6 +224,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
 
     /// The allocation's id in the trace being recorded (0 with none).
     fn trace_alloc(&self, bytes: usize, key: StreamKey) -> u64 {
+        if !self
+            .shared
+            .tracing
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return 0;
+        }
         match self.shared.trace.lock().as_mut() {
             Some(sink) => {
                 sink.next_id += 1;

@@ -168,6 +168,9 @@ struct Shared<B: Backend> {
     spill_file_bytes: std::sync::atomic::AtomicUsize,
     state: Mutex<State<B>>,
     trace: Mutex<Option<trace::TraceSink>>,
+    /// Whether `trace` holds a sink: read at every alloc without taking
+    /// the trace's lock (one atomic line fewer per call when off).
+    tracing: std::sync::atomic::AtomicBool,
 }
 
 /// A stream-ordered allocator over one reserved range, for tensors: many
@@ -333,6 +336,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     backup_kept: false,
                 }),
                 trace: Mutex::new(None),
+                tracing: std::sync::atomic::AtomicBool::new(false),
             }),
             _stream: std::marker::PhantomData,
         })
@@ -458,17 +462,28 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             call: "write",
             source: e,
         })?;
-        *self.shared.trace.lock() = Some(trace::TraceSink {
+        let mut t = self.shared.trace.lock();
+        *t = Some(trace::TraceSink {
             out,
             start: std::time::Instant::now(),
             next_id: 0,
         });
+        self.shared
+            .tracing
+            .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 
     /// Stops recording, flushing the trace.
     pub fn stop_trace(&self) -> Result<()> {
-        if let Some(mut sink) = self.shared.trace.lock().take() {
+        let taken = {
+            let mut t = self.shared.trace.lock();
+            self.shared
+                .tracing
+                .store(false, std::sync::atomic::Ordering::Release);
+            t.take()
+        };
+        if let Some(mut sink) = taken {
             sink.out.flush().map_err(|e| Error::Os {
                 call: "flush",
                 source: e,

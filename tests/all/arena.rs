@@ -14,7 +14,7 @@ use crate::common::gpu;
 use crate::cuda_only::{counted, pattern, Kernels};
 
 crate::register! {
-    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, allocations_are_send_and_sync_and_hold_the_arena, a_device_margin_refuses_growth_that_leaves_less_free, a_deferred_free_goes_back_to_another_arena_of_the_budget],
+    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, a_recorded_trace_holds_exactly_the_calls_made_while_recording, allocations_are_send_and_sync_and_hold_the_arena, a_device_margin_refuses_growth_that_leaves_less_free, a_deferred_free_goes_back_to_another_arena_of_the_budget],
     gpu: [owned_typed_tensors_behave_as_cudarc_slices, gpu_statistics_keep_pytorchs_invariants_at_every_step, cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
 }
 
@@ -495,4 +495,56 @@ fn a_deferred_free_goes_back_to_another_arena_of_the_budget() {
     a.empty_cache().unwrap();
     assert_eq!(fb.live().mapped_bytes, 0, "everything back to the driver");
     assert_eq!(budget.used(), 0);
+}
+
+/// `Arena::record_trace` writes every alloc and free made while it records,
+/// and nothing before or after: an allocation made before recording began
+/// leaves no free line, one made while recording keeps its free line after
+/// the recording stopped only if freed before, and the trace parses back
+/// to the same sizes, streams and pairs.
+fn a_recorded_trace_holds_exactly_the_calls_made_while_recording() {
+    use std::io::Write;
+    use vmmbuf::trace::parse_trace;
+    /// A writer into a buffer the test keeps.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<parking_lot::Mutex<Vec<u8>>>);
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let host = HostBackend::with_granularity(2 << 20).unwrap();
+    let arena: Arena<HostBackend, HostStream> = Arena::new(host, ArenaDesc::new(64 << 20)).unwrap();
+    let (one, two) = (HostStream(1), HostStream(2));
+    let before = arena.alloc(4096, &one).unwrap();
+    let buf = Shared::default();
+    arena.record_trace(Box::new(buf.clone())).unwrap();
+    let a = arena.alloc(1000, &one).unwrap();
+    let b = arena.alloc(3 << 20, &two).unwrap();
+    let c = arena.alloc(77, &one).unwrap();
+    drop(before); // allocated before recording: no line
+    drop(b);
+    drop(a);
+    arena.stop_trace().unwrap();
+    drop(c); // freed after the recording stopped: no line
+    drop(arena.alloc(5000, &one).unwrap()); // after: no lines
+    let text = buf.0.lock().clone();
+    let events = parse_trace(std::io::BufReader::new(&text[..])).unwrap();
+    let want = |id, bytes, stream| TraceEvent::Alloc { id, bytes, stream };
+    assert_eq!(
+        events,
+        vec![
+            want(1, 1000, 1),
+            want(2, 3 << 20, 2),
+            want(3, 77, 1),
+            TraceEvent::Free { id: 2 },
+            TraceEvent::Free { id: 1 },
+        ],
+        "{}",
+        String::from_utf8_lossy(&text)
+    );
 }
