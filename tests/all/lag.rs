@@ -782,6 +782,28 @@ fn four_free_in_eight(
     (fb, arena, s, live)
 }
 
+/// Fills `big` with bytes drawn from `seed`, then checks that every live
+/// allocation still holds its bytes and `big` reads back what was written.
+fn write_and_check(
+    big: &mut Allocation<Fb, crate::fault::DoneStream>,
+    seed: u8,
+    live: &[(Allocation<Fb, crate::fault::DoneStream>, Vec<u8>)],
+    what: &str,
+) {
+    let want: Vec<u8> = (0..big.len())
+        .map(|j| (j as u8).wrapping_mul(13) ^ seed)
+        .collect();
+    big.write(0, &want).unwrap();
+    for (a, bytes) in live {
+        let mut got = vec![0u8; a.len()];
+        a.read(0, &mut got).unwrap();
+        assert!(&got == bytes, "{what}: a live allocation's bytes changed");
+    }
+    let mut got = vec![0u8; big.len()];
+    big.read(0, &mut got).unwrap();
+    assert!(got == want, "{what}: the request's bytes");
+}
+
 /// With `ArenaDesc::move_free_chunks`, a growth's moved chunks get one
 /// access call for each run of adjacent destinations, and settled donors
 /// next to each other one unmap: a five-chunk request over four adjacent
@@ -793,7 +815,6 @@ fn four_free_in_eight(
 fn a_moving_growth_batches_its_access_and_unmap_calls() {
     let g = 2 << 20;
     let (fb, arena, s, live) = four_free_in_eight(g);
-    let baseline = (0, 0);
     fb.log.lock().clear();
     let mut big = arena.alloc(5 * g, &s).unwrap();
     let log = fb.log.lock().clone();
@@ -810,22 +831,11 @@ fn a_moving_growth_batches_its_access_and_unmap_calls() {
     let unmaps: Vec<_> = log.iter().filter(|e| e.0 == "unmap").collect();
     assert_eq!(unmaps.len(), 1, "{log:x?}");
     assert_eq!(unmaps[0].2, 4 * g, "the four old addresses at once");
-    let want: Vec<u8> = (0..5 * g)
-        .map(|j| (j as u8).wrapping_mul(7) ^ 0x5a)
-        .collect();
-    big.write(0, &want).unwrap();
-    for (a, bytes) in &live {
-        let mut got = vec![0u8; g];
-        a.read(0, &mut got).unwrap();
-        assert!(&got == bytes, "a live allocation's bytes changed");
-    }
-    let mut got = vec![0u8; 5 * g];
-    big.read(0, &mut got).unwrap();
-    assert!(got == want, "the moved allocation's bytes");
+    write_and_check(&mut big, 0x5a, &live, "the moved allocation");
     drop((big, live));
     drop(arena);
     let l = fb.inner.live();
-    assert_eq!((l.chunks, l.mapped_bytes), baseline, "all given back");
+    assert_eq!((l.chunks, l.mapped_bytes), (0, 0), "all given back");
 }
 
 /// Each driver call of a moving growth failed in turn (maps, the access
@@ -838,7 +848,6 @@ fn every_failed_call_of_a_moving_growth_is_undone() {
     let g = 2 << 20;
     for k in 1.. {
         let (fb, arena, s, live) = four_free_in_eight(g);
-        let baseline = (0, 0);
         let injected = fb.injected();
         fb.fail_nth(k);
         let r = arena.alloc(5 * g, &s);
@@ -851,18 +860,7 @@ fn every_failed_call_of_a_moving_growth_is_undone() {
             Ok(a) => a,
             Err(_) => arena.alloc(5 * g, &s).unwrap(),
         };
-        let want: Vec<u8> = (0..5 * g)
-            .map(|j| (j as u8).wrapping_mul(13) ^ k as u8)
-            .collect();
-        big.write(0, &want).unwrap();
-        for (a, bytes) in &live {
-            let mut got = vec![0u8; g];
-            a.read(0, &mut got).unwrap();
-            assert!(&got == bytes, "k={k}: a live allocation's bytes changed");
-        }
-        let mut got = vec![0u8; 5 * g];
-        big.read(0, &mut got).unwrap();
-        assert!(got == want, "k={k}: the request's bytes");
+        write_and_check(&mut big, k as u8, &live, &format!("k={k}"));
         assert!(
             arena.stats().reserved_bytes.current <= 10 * g,
             "k={k}: at most one chunk more than the request needs"
@@ -870,11 +868,7 @@ fn every_failed_call_of_a_moving_growth_is_undone() {
         drop((big, live));
         drop(arena);
         let l = fb.inner.live();
-        assert_eq!(
-            (l.chunks, l.mapped_bytes),
-            baseline,
-            "k={k}: all given back"
-        );
+        assert_eq!((l.chunks, l.mapped_bytes), (0, 0), "k={k}: all given back");
         if !faulted {
             // Four maps, two access calls, one unmap, one creation.
             assert!(
