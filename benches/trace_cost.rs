@@ -5,7 +5,8 @@
 //!     cargo bench --bench trace_cost [-- traces/torch-fsdp-h100.csv.gz]
 //!
 //! The trace is replayed once to grow the arena (the plug-in's setting:
-//! free chunks stay mapped), then `PASSES` times more, each event timed.
+//! free chunks stay mapped; `VMMBUF_DEFER_FENCES=1` and
+//! `VMMBUF_WAIT_BEFORE_GROW=1` add its other two), then `PASSES` times more, each event timed.
 //! The default trace is FSDP on one H100 (`scripts/dist_train.py --nproc 1
 //! --modes fsdp`, `VMMBUF_TORCH_TRACE`): 721 allocs and frees a step.
 //!
@@ -78,6 +79,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or(256);
     let mut desc = ArenaDesc::new(gib << 30);
     desc.release_before_map = false;
+    // VMMBUF_DEFER_FENCES=1 and VMMBUF_WAIT_BEFORE_GROW=1: the PyTorch
+    // plug-in's settings.
+    let on = |k: &str| std::env::var(k).as_deref() == Ok("1");
+    desc = desc
+        .defer_free_fences(on("VMMBUF_DEFER_FENCES"))
+        .wait_before_grow(on("VMMBUF_WAIT_BEFORE_GROW"));
     let arena: Arena<HostBackend, HostStream> = Arena::new(host, desc)?;
     let mut streams: HashMap<u64, HostStream> = HashMap::new();
     let mut alloc_ns = Vec::new();

@@ -20,7 +20,7 @@
 //! passed, so has all work those frees were ordered after.
 #![deny(unsafe_code)]
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 use crate::backend::Backend;
 use crate::error::Result;
@@ -67,13 +67,15 @@ pub(crate) fn owed_at<F>(key: StreamKey, seq: u64) -> Stamped<Mark<F>> {
 /// Every stream's debts.
 #[derive(Debug)]
 pub(super) struct Owed<F> {
-    streams: HashMap<StreamKey, Debt<F>>,
+    /// Consulted at every alloc and free of an arena that defers: the
+    /// quick hasher (SipHash doubled the hashing a call cost).
+    streams: crate::hash::QuickMap<StreamKey, Debt<F>>,
 }
 
 impl<F> Default for Owed<F> {
     fn default() -> Self {
         Self {
-            streams: HashMap::new(),
+            streams: Default::default(),
         }
     }
 }
