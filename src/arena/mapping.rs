@@ -590,6 +590,16 @@ impl<B: Backend> Shared<B> {
     /// was the stream of the call before too.
     pub(super) fn note_stream(&self, key: StreamKey) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
+        // Read first: the stream rarely changes between calls, and a read
+        // leaves the line shared where a swap would take it exclusive at
+        // every call.
+        let now = (
+            self.last_stream[0].load(Relaxed),
+            self.last_stream[1].load(Relaxed),
+        );
+        if now == key {
+            return true;
+        }
         let was = (
             self.last_stream[0].swap(key.0, Relaxed),
             self.last_stream[1].swap(key.1, Relaxed),

@@ -178,7 +178,7 @@ pub(crate) struct Device {
 
 #[derive(Default)]
 struct Registry {
-    devices: HashMap<c_int, Arc<Mutex<Device>>>,
+    devices: HashMap<c_int, &'static Mutex<Device>>,
     /// Budgets set before their device's first allocation.
     budgets: HashMap<c_int, usize>,
 }
@@ -216,40 +216,37 @@ thread_local! {
     /// The device of this thread's last call: malloc and free find it
     /// without the registry's lock (a device, once made, stays for the
     /// process).
-    static LAST: std::cell::RefCell<Option<(c_int, Arc<Mutex<Device>>)>> =
-        const { std::cell::RefCell::new(None) };
+    static LAST: std::cell::Cell<Option<(c_int, &'static Mutex<Device>)>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// The device's state if it has been used, from this thread's last call
 /// or the registry.
-fn existing(device: c_int) -> Option<Arc<Mutex<Device>>> {
+fn existing(device: c_int) -> Option<&'static Mutex<Device>> {
     // A thread whose thread-locals are being destroyed (a free from a
-    // dying thread's destructors) asks the registry.
+    // dying thread's destructors) asks the registry. A device is made once
+    // and kept for the process (leaked): a plain reference, with no
+    // reference count to touch at every call.
     let last = LAST
-        .try_with(|l| {
-            l.borrow()
-                .as_ref()
-                .filter(|(k, _)| *k == device)
-                .map(|(_, d)| d.clone())
-        })
+        .try_with(|l| l.get().filter(|(k, _)| *k == device).map(|(_, d)| d))
         .ok()
         .flatten();
     if last.is_some() {
         return last;
     }
-    let d = registry().read().devices.get(&device).cloned()?;
-    let _ = LAST.try_with(|l| *l.borrow_mut() = Some((device, d.clone())));
+    let d = registry().read().devices.get(&device).copied()?;
+    let _ = LAST.try_with(|l| l.set(Some((device, d))));
     Some(d)
 }
 
 /// The device's state, created (driver, pool) on first use.
-fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
+fn device(device: c_int) -> Result<&'static Mutex<Device>> {
     if let Some(d) = existing(device) {
         return Ok(d);
     }
     let mut r = registry().write();
-    if let Some(d) = r.devices.get(&device) {
-        return Ok(d.clone());
+    if let Some(&d) = r.devices.get(&device) {
+        return Ok(d);
     }
     // VMMBUF_TORCH_NCCL_READY=1: chunks made as ncclMemAlloc makes them
     // (POSIX_FD/fabric handles, RDMA capable, mapped for every peer), so
@@ -265,7 +262,7 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         backend.clone(),
         PoolDesc::default().max_host_bytes(HOST_LIMIT.load(std::sync::atomic::Ordering::Relaxed)),
     )?;
-    let d = Arc::new(Mutex::new(Device {
+    let d: &'static Mutex<Device> = Box::leak(Box::new(Mutex::new(Device {
         arenas: QuickMap::default(),
         pool,
         backend,
@@ -278,15 +275,15 @@ fn device(device: c_int) -> Result<Arc<Mutex<Device>>> {
         released: Arc::default(),
         nccl_ready,
         nccl: None,
-    }));
-    r.devices.insert(device, d.clone());
+    })));
+    r.devices.insert(device, d);
     Ok(d)
 }
 
 /// Every device in use.
-fn all_devices() -> Vec<(c_int, Arc<Mutex<Device>>)> {
+fn all_devices() -> Vec<(c_int, &'static Mutex<Device>)> {
     let r = registry().read();
-    let mut v: Vec<_> = r.devices.iter().map(|(k, d)| (*k, d.clone())).collect();
+    let mut v: Vec<_> = r.devices.iter().map(|(k, d)| (*k, *d)).collect();
     v.sort_by_key(|(k, _)| *k);
     v
 }
