@@ -497,26 +497,22 @@ impl<B: Backend> Region<B> {
         // after, is unmapped again (no access was granted there: nothing
         // could use it).
         let mut done = 0;
-        let mut failed_at = None;
         for run in mapped.chunk_by(|a, b| a.0 + a.1 == b.0 && a.2 == b.2) {
             let bytes: usize = run.iter().map(|m| m.1).sum();
             if let Err(e) = backend.set_access(res, run[0].0, bytes, &run[0].2) {
                 err = Some(e);
-                failed_at = Some(done);
                 break;
             }
             done += run.len();
         }
-        if failed_at.is_some() {
-            for run in mapped[done..].chunk_by(|a, b| a.0 + a.1 == b.0) {
-                let bytes: usize = run.iter().map(|m| m.1).sum();
-                if let Err(u) = backend.unmap(res, run[0].0, bytes) {
-                    self.poison(
-                        format!("undoing a failed move: unmap failed: {u}"),
-                        std::iter::empty(),
-                    );
-                    break;
-                }
+        // Empty unless an access call failed.
+        for (to, bytes) in adjacent_runs(mapped[done..].iter().map(|m| (m.0, m.1))) {
+            if let Err(u) = backend.unmap(res, to, bytes) {
+                self.poison(
+                    format!("undoing a failed move: unmap failed: {u}"),
+                    std::iter::empty(),
+                );
+                break;
             }
         }
         for &(from, to, mark) in &moves[..done] {
@@ -536,21 +532,17 @@ impl<B: Backend> Region<B> {
     /// stays, mapped where it moved. On error the run that failed and those
     /// after it stay ghosts.
     pub(crate) fn unmap_ghosts(&mut self, offsets: &[usize]) -> Result<()> {
-        let mut runs: Vec<(usize, usize)> = Vec::new();
         let mut sorted = offsets.to_vec();
         sorted.sort_unstable();
-        for o in sorted {
-            let (bytes, _) = *self
-                .ghosts
-                .get(&o)
-                .ok_or_else(|| Error::invalid(format!("no ghost at offset {o}")))?;
-            match runs.last_mut() {
-                Some(r) if r.0 + r.1 == o => r.1 += bytes,
-                _ => runs.push((o, bytes)),
-            }
-        }
+        let ghosts = sorted
+            .into_iter()
+            .map(|o| match self.ghosts.get(&o) {
+                Some(&(bytes, _)) => Ok((o, bytes)),
+                None => Err(Error::invalid(format!("no ghost at offset {o}"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
         let backend = self.backend.clone();
-        for (o, bytes) in runs {
+        for (o, bytes) in adjacent_runs(ghosts) {
             backend.unmap(self.res(), o, bytes)?;
             let gone: Vec<usize> = self.ghosts.range(o..o + bytes).map(|(&g, _)| g).collect();
             for g in gone {
@@ -742,4 +734,17 @@ impl<B: Backend> std::fmt::Debug for Region<B> {
             .field("poisoned", &self.poisoned)
             .finish()
     }
+}
+
+/// `ranges` (`(offset, bytes)`, in offset order) with each run of adjacent
+/// ones joined: one `(offset, bytes)` a run, for one driver call a run.
+fn adjacent_runs(ranges: impl IntoIterator<Item = (usize, usize)>) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (o, bytes) in ranges {
+        match runs.last_mut() {
+            Some(r) if r.0 + r.1 == o => r.1 += bytes,
+            _ => runs.push((o, bytes)),
+        }
+    }
+    runs
 }

@@ -778,8 +778,7 @@ fn four_free_in_eight(
     // The middle four freed: adjacent whole free chunks.
     drop(all.drain(2..6));
     assert_eq!(fb.inner.live().chunks, 8);
-    let live = all;
-    (fb, arena, s, live)
+    (fb, arena, s, all)
 }
 
 /// Fills `big` with bytes drawn from `seed`, then checks that every live
