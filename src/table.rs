@@ -356,6 +356,18 @@ impl<C> ChunkTable<C> {
         }
     }
 
+    /// Records the chunk at `offset` as granting `access` (what it
+    /// records, host entry included) with the host's entry given to the
+    /// driver only if `cpu`: after a backend's `set_access` with the
+    /// driver's list, which records that list as if the host's entry were
+    /// given.
+    pub(crate) fn record_access(&mut self, offset: usize, access: Arc<[AccessDesc]>, cpu: bool) {
+        if let Some(e) = self.entries.get_mut(&offset) {
+            e.access = access;
+            e.cpu = cpu;
+        }
+    }
+
     /// Checks that `[offset, offset + n)` lies within the bytes in use.
     pub(crate) fn check_in_use(&self, offset: usize, n: usize) -> Result<()> {
         match offset.checked_add(n) {

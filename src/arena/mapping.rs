@@ -538,7 +538,7 @@ impl<B: Backend> Shared<B> {
         let chunks = self.pool.take_many(false, &wants)?;
         let acquired = t.elapsed();
         let cpu = cpu_at_once(self.backend.home(), placement);
-        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.access.as_slice().into();
+        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = st.access.as_slice().into();
         let new: Vec<NewChunk<B::Chunk>> = chunks
             .into_iter()
             .zip(sizes)
@@ -552,7 +552,7 @@ impl<B: Backend> Shared<B> {
             .map_batch(
                 at,
                 new,
-                |p| driver_access_for(&self.access, p, cpu),
+                |p| driver_access_for(&st.access, p, cpu),
                 |_| recorded.clone(),
                 |_| cpu,
             )

@@ -122,6 +122,11 @@ struct State<B: Backend> {
     /// Where new chunks go now: the arena's placement, or the host while
     /// asleep keeping the data.
     placement: Location,
+    /// Who new chunks are mapped for: the home device, the host (granted
+    /// to the driver only where a copy needs it) and, with
+    /// [`ArenaDesc::peer_access`] or after [`Arena::grant_peer_access`],
+    /// the peers.
+    access: Vec<AccessDesc>,
     /// Set while the arena sleeps.
     asleep: Option<Asleep<Mark<B::Fence>>>,
     /// Where [`SleepMode::Stash`] keeps the data: host pieces mapped at the
@@ -158,7 +163,6 @@ struct Shared<B: Backend> {
     /// The stream of the latest alloc or free (a hint for deferring).
     last_stream: [std::sync::atomic::AtomicU64; 2],
     placement: Location,
-    access: Vec<AccessDesc>,
     syncs_at_start: u64,
     /// Where a [`SleepMode::Disk`] sleep writes its files
     /// ([`Arena::set_spill_dir`]).
@@ -317,7 +321,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 margin: std::sync::atomic::AtomicUsize::new(0),
                 last_stream: Default::default(),
                 placement,
-                access,
                 syncs_at_start,
                 spill_dir: Mutex::new(None),
                 spill_file_bytes: std::sync::atomic::AtomicUsize::new(0),
@@ -330,6 +333,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     split: SplitCount::default(),
                     stats: ArenaStats::default(),
                     placement,
+                    access,
                     asleep: None,
                     stash: None,
                     kept_pages: Vec::new(),
@@ -453,6 +457,78 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         } else {
             self.shared.pool.trim_at(self.shared.placement)
         }
+    }
+
+    /// Gives every device that can reach the arena's own (the backend's
+    /// [`peers`](crate::Backend::peers)) read and write access to every
+    /// chunk mapped now, and maps every later chunk for them too: what
+    /// [`ArenaDesc::peer_access`] does from the start, for a caller that
+    /// learns only later that another GPU will touch the memory (the
+    /// PyTorch plug-in, when a process first allocates on a second GPU).
+    /// Work already queued on the chunks is not waited for: access is only
+    /// widened. Returns how many chunks it granted (0 when the peers had
+    /// access already, or there are none: the host backend has none).
+    ///
+    /// On an error (the driver refusing one chunk's access) the chunks
+    /// before it keep the new access, later mappings include the peers,
+    /// and a second call grants the rest.
+    pub fn grant_peer_access(&self) -> Result<usize> {
+        let peers: Vec<AccessDesc> = self
+            .shared
+            .backend
+            .peers()?
+            .into_iter()
+            .map(|d| AccessDesc::new(Location::Device(d), Access::ReadWrite))
+            .collect();
+        let mut st = self.shared.state.lock();
+        st.region.check_poison()?;
+        for p in &peers {
+            if !st.access.iter().any(|a| a.location == p.location) {
+                st.access.push(*p);
+            }
+        }
+        let lacking: Vec<usize> = st
+            .region
+            .table
+            .iter()
+            .filter(|(_, e)| {
+                peers
+                    .iter()
+                    .any(|p| !e.access.iter().any(|a| a.location == p.location))
+            })
+            .map(|(o, _)| o)
+            .collect();
+        let backend = self.shared.backend.clone();
+        let (res, table) = st.region.parts();
+        for &o in &lacking {
+            let e = table.get(o).expect("listed from the table");
+            let (bytes, placement, cpu) = (e.bytes, e.placement, e.cpu);
+            let mut list: Vec<AccessDesc> = e.access.to_vec();
+            list.extend(
+                peers
+                    .iter()
+                    .filter(|p| !e.access.iter().any(|a| a.location == p.location)),
+            );
+            backend.set_access(
+                res,
+                o,
+                bytes,
+                &crate::table::driver_access_for(&list, placement, cpu),
+            )?;
+            table.record_access(o, list.into(), cpu);
+        }
+        Ok(lacking.len())
+    }
+
+    /// Whether every chunk the arena maps from now on is mapped for its
+    /// backend's peers too ([`ArenaDesc::peer_access`], or after
+    /// [`grant_peer_access`](Self::grant_peer_access)); false where there
+    /// are no peers.
+    pub fn grants_peer_access(&self) -> bool {
+        let st = self.shared.state.lock();
+        st.access.iter().any(|a| {
+            matches!(a.location, Location::Device(_)) && a.location != self.shared.backend.home()
+        })
     }
 
     /// Records every alloc and free from now on to `out` as a CSV trace

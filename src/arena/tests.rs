@@ -529,3 +529,23 @@ fn a_prepared_stash_is_staged_in_batches_and_the_sleep_maps_nothing() {
         assert!(got == *data, "allocation {k} came back whole");
     }
 }
+
+#[test]
+fn granting_peer_access_where_there_are_no_peers_changes_nothing() {
+    // The host backend has no peers: the grant finds nothing to add, and
+    // the chunks keep the access they had (a write and a read still work).
+    let a = arena(1 << 30);
+    let s = HostStream(0);
+    let mut x = a.alloc(3 * G, &s).unwrap();
+    let data = pattern(5, 3 * G);
+    x.write(0, &data).unwrap();
+    assert!(!a.grants_peer_access());
+    assert_eq!(a.grant_peer_access().unwrap(), 0);
+    assert!(!a.grants_peer_access());
+    let mut back = vec![0u8; 3 * G];
+    x.read(0, &mut back).unwrap();
+    assert!(back == data, "bytes kept");
+    let y = a.alloc(8 * G, &s).unwrap();
+    assert_eq!(a.stats().num_device_alloc, 3, "mapped as before");
+    drop((x, y));
+}

@@ -13,7 +13,7 @@ use vmmbuf::{
 use crate::cuda_only::Kernels;
 
 crate::register! {
-    two_gpus: [a_peer_reads_and_writes_once_granted_and_is_refused_before, an_arena_with_peer_access_is_mapped_for_its_peers],
+    two_gpus: [a_peer_reads_and_writes_once_granted_and_is_refused_before, an_arena_with_peer_access_is_mapped_for_its_peers, an_arena_grants_its_peers_access_later],
     child: [child_peer_read_without_access],
 }
 
@@ -196,4 +196,58 @@ fn an_arena_with_peer_access_is_mapped_for_its_peers() {
     k0.stream.synchronize().unwrap();
     assert_eq!(k1.mismatches(later.address(), 0, WORDS * 2, 11), 0);
     k1.stream.synchronize().unwrap();
+}
+
+/// An arena made for its own GPU only grants its peers access later
+/// (`Arena::grant_peer_access`, what the PyTorch plug-in does once a
+/// process allocates on a second GPU): every chunk mapped before the grant,
+/// in both zones, becomes readable and writable from GPU 1 with the bytes
+/// GPU 0 wrote before it, a chunk mapped after it is mapped for GPU 1 too,
+/// and a second grant finds nothing left to grant.
+fn an_arena_grants_its_peers_access_later() {
+    let (b0, b1) = two_gpus();
+    let (k0, k1) = (Kernels::load(&b0), Kernels::load(&b1));
+    let arena: CudaArena = Arena::new(b0.clone(), ArenaDesc::new(1 << 30)).unwrap();
+    assert!(!arena.grants_peer_access());
+    let large = arena.alloc(WORDS as usize * 4, &k0.stream).unwrap();
+    let small = arena.alloc(4096, &k0.stream).unwrap();
+    let blocks = [(large.address(), WORDS), (small.address(), 1024)];
+    for (i, &(a, n)) in blocks.iter().enumerate() {
+        k0.fill(a, 0, n, 21 + i as u32);
+    }
+    // Queued work on the chunks is not waited for: access only widens.
+    let granted = arena.grant_peer_access().unwrap();
+    let mapped = |s: vmmbuf::stats::ArenaStats| (s.num_device_alloc - s.num_device_free) as usize;
+    let chunks = mapped(arena.stats());
+    assert!(
+        granted >= 2 && granted == chunks,
+        "granted {granted} of {chunks} chunks"
+    );
+    assert!(arena.grants_peer_access());
+    k0.stream.synchronize().unwrap();
+    for (i, &(a, n)) in blocks.iter().enumerate() {
+        let seed = 21 + i as u32;
+        assert_eq!(k1.mismatches(a, 0, n, seed), 0, "GPU 1 reads block {i}");
+        k1.fill(a, 0, n, seed + 50);
+        k1.stream.synchronize().unwrap();
+        assert_eq!(
+            k0.mismatches(a, 0, n, seed + 50),
+            0,
+            "GPU 0 sees GPU 1's writes {i}"
+        );
+    }
+    let later = arena.alloc(WORDS as usize * 8, &k0.stream).unwrap();
+    assert!(
+        mapped(arena.stats()) > chunks,
+        "the later block mapped a chunk"
+    );
+    k0.fill(later.address(), 0, WORDS * 2, 31);
+    k0.stream.synchronize().unwrap();
+    assert_eq!(k1.mismatches(later.address(), 0, WORDS * 2, 31), 0);
+    k1.stream.synchronize().unwrap();
+    assert_eq!(
+        arena.grant_peer_access().unwrap(),
+        0,
+        "nothing left to grant"
+    );
 }
