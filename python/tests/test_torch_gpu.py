@@ -828,3 +828,58 @@ def test_torch_memory_saver_preload_mode_keeps_regions_segments_to_themselves(to
         print("OK")
     """, env={"LD_PRELOAD": preload_library_path()})
     assert "OK" in out, out
+
+
+def test_two_gpus_peers_get_access_once_a_second_gpu_is_used(torch_gpu):
+    """Chunks are mapped for their own GPU until the process allocates on a
+    second one (a rank of FSDP or DDP, which sees every GPU, maps for its
+    own only); then the chunks mapped before are granted to the peers too:
+    copies both ways between the GPUs keep every byte, of a tensor made
+    before the second GPU was used and of one made after.
+    ``VMMBUF_TORCH_PEER_ACCESS=0`` keeps chunks for their own GPU only, and
+    ``1`` maps them for the peers from the first."""
+    import os
+
+    if torch_gpu.cuda.device_count() < 2:
+        if os.environ.get("VMMBUF_REQUIRE_PEERS") == "1":
+            pytest.fail("VMMBUF_REQUIRE_PEERS=1 but one GPU")
+        pytest.skip("needs two GPUs")
+    code = """
+        import json, os, sys, torch, vmmbuf.torch as vt
+        vt.use()
+        g = torch.Generator(device="cuda:0").manual_seed(11)
+        before = torch.randn(9_000_000, device="cuda:0", generator=g)   # several chunks
+        small = torch.randint(0, 1 << 30, (777,), device="cuda:0", generator=g)
+        ref, ref_small = before.cpu(), small.cpu()
+        out = {"alone": vt.stats(0)["peer_access"]}
+        if os.environ["VMMBUF_TORCH_PEER_ACCESS"] == "0":
+            # For its own GPU only: the other GPU's copy is refused (the
+            # driver's invalid-argument error, not a fault).
+            try:
+                before.to("cuda:1")
+                out["refused"] = False
+            except (RuntimeError, getattr(torch, "AcceleratorError", RuntimeError)) as e:
+                out["refused"] = "invalid argument" in str(e)
+            out["after"] = [vt.stats(0)["peer_access"], vt.stats(1)["peer_access"]]
+            print(json.dumps(out))
+            sys.exit(0)
+        on1 = before.to("cuda:1")                                        # the second GPU's first tensor
+        out["after"] = [vt.stats(0)["peer_access"], vt.stats(1)["peer_access"]]
+        assert torch.equal(on1.cpu(), ref)
+        with torch.cuda.device(1):
+            back = torch.empty_like(before, device="cuda:1")
+            back.copy_(before)                                          # a copy GPU 1 runs
+            assert torch.equal(back.cpu(), ref)
+            assert torch.equal(small.to("cuda:1").cpu(), ref_small)
+        later = torch.randn(5_000_000, device="cuda:1", generator=torch.Generator(device="cuda:1").manual_seed(5))
+        assert torch.equal(later.to("cuda:0").cpu(), later.cpu())
+        torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+        print(json.dumps(out))
+    """
+    for setting, want in (("", {"alone": False, "after": [True, True]}),
+                          ("0", {"alone": False, "refused": True, "after": [False, False]}),
+                          ("1", {"alone": True, "after": [True, True]})):
+        # Empty reads as unset.
+        out = json.loads(run_script(code, env={"VMMBUF_TORCH_PEER_ACCESS": setting})
+                         .strip().splitlines()[-1])
+        assert out == want, (setting, out)

@@ -158,6 +158,8 @@ fn plugin_keys(m: &mut Json, d: &Device) {
         ("nccl_mapped_bytes", J::from(n.mapped_bytes)),
         ("captures_announced", J::from(announced)),
         ("captures_underway", J::from(underway)),
+        // Whether chunks are mapped for the peer GPUs (see `PeerMode`).
+        ("peer_access", J::from(peers_on())),
     ] {
         m.insert(name.into(), v);
     }
