@@ -42,7 +42,8 @@ under one allocator per launch, compared on the same machine (issue 24):
                registration a no-op (a diagnosis; only when named)
   vmmbuf-nopeer  process-wide, VMMBUF_TORCH_PEER_ACCESS=0 (chunks mapped
                for this GPU only, as expandable segments map theirs until a
-               peer copy asks; a diagnosis; only when named in --allocs)
+               peer copy asks, and as the default now maps them in a process
+               that uses one GPU; a diagnosis; only when named in --allocs)
   vmmbuf-alt   process-wide, from the package in DIST_ALT_PATH (put first
                on sys.path): another build against this one in the same
                interleaved rounds (a before/after; only when named)
@@ -237,6 +238,8 @@ def worker(a):
         res["grows_past_pending"] = st.get("num_grows_past_pending")
         res["grown_past_pending_bytes"] = st.get("grown_past_pending_bytes")
         res["waits_before_grow"] = st.get("num_waits_before_grow")
+        # Whether the rank's chunks are mapped for the other GPUs too.
+        res["peer_access"] = st.get("peer_access")
         res["step_maps"], res["step_alloc_us"] = step_maps, step_alloc_us
         res["step_past_pending_bytes"] = step_past
         if reg is not None:
@@ -439,7 +442,39 @@ def paired(runs, modes, allocs, ref="expandable", skip=5):
             st = f"{row['steady_malloc_ms']:.2f}" if steady else "-"
             print(f"{mode:<5} {alloc:<12} [{rat}] {row['rounds_below_1']}/{len(ratios)} "
                   f"{pooled:8.2f} ({pooled / pooled_ref:.3f}x) {st:>6}")
+    stepwise(runs, modes, allocs, out, ref, skip)
     return out
+
+
+def stepwise(runs, modes, allocs, rows, ref="expandable", skip=5):
+    """Each allocator against `ref` step by step: every launch draws the
+    same batch shapes in the same order (losses equal), and a step's time
+    moves 2x with its shape, which the medians above mix with the
+    allocator. So step i of a launch is compared with step i of `ref`'s
+    launch in the same round (rank 0, steps after the first `skip`): the
+    median of those ratios with its quartiles, and the ratio of the
+    steps' summed time (what a run of these steps costs, growth included).
+    Adds `step_ratio_median`, `step_ratio_quartiles` and `sum_ratio` to
+    `rows`."""
+    print(f"\nagainst {ref}, step by step (rank 0, same round, same step's shapes, steps after "
+          f"the first {skip}): median per-step ratio [quartiles], summed time ratio, steps")
+    for mode in modes:
+        base = runs.get((mode, ref))
+        if not base:
+            continue
+        for alloc in allocs:
+            rs = runs[(mode, alloc)]
+            per, num, den = [], 0.0, 0.0
+            for r, b in zip(rs, base):
+                mine, theirs = r[0]["step_ms"][skip:], b[0]["step_ms"][skip:]
+                per += [x / y for x, y in zip(mine, theirs)]
+                num, den = num + sum(mine), den + sum(theirs)
+            if len(per) < 4:
+                continue
+            q = statistics.quantiles(per, n=4)
+            row = next(x for x in rows if x["mode"] == mode and x["alloc"] == alloc)
+            row.update(step_ratio_median=q[1], step_ratio_quartiles=[q[0], q[2]], sum_ratio=num / den)
+            print(f"{mode:<5} {alloc:<12} {q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}] {num / den:.3f} {len(per):5d}")
 
 
 def main():
