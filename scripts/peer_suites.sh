@@ -19,6 +19,7 @@
 #   SECONDS   the most each run may take (default 600)
 # Environment: PEER_FILES (the test files or node ids to run, relative to
 # PEER_DIR; a fixed sample where time forces it), PEER_K (a -k expression),
+# PEER_M (a -m marker expression, e.g. multi_gpu for CuPy's tests of several GPUs),
 # PEER_GPUS (one CUDA_VISIBLE_DEVICES value per configuration, space-separated,
 # e.g. "0,1 2,3": the configurations then run at once, each on its own GPUs,
 # the same count for each; unset: one after the other on every GPU),
@@ -59,7 +60,7 @@ run_one() { # CONFIG [CUDA_VISIBLE_DEVICES]
       python -m pytest -v -p peer_allocator \
       -p no:cacheprovider -o console_output_style=classic --timeout "${PEER_TIMEOUT:-120}" \
       --continue-on-collection-errors ${PEER_XDIST:+-n "$PEER_XDIST"} \
-      ${PEER_K:+-k "$PEER_K"} $files) >> "$log" 2>&1
+      ${PEER_K:+-k "$PEER_K"} ${PEER_M:+-m "$PEER_M"} $files) >> "$log" 2>&1
   rc=$?
   echo "== exit $rc after $(( $(date +%s) - start )) s" | tee -a "$log"
   tail -n 1 "$log"
