@@ -232,7 +232,10 @@ def _device(device: Optional[int]) -> int:
 
 def stats(device: Union[None, int, str] = None) -> Dict[str, Any]:
     """The device's statistics (PyTorch's key names for the byte counters,
-    plus ``host_bytes``, ``device_bytes``, ``sleeping_tags``, ...), and
+    plus ``host_bytes``, ``device_bytes``, ``sleeping_tags``,
+    ``peer_access`` (whether chunks are mapped for the other GPUs: once the
+    process allocates on a second GPU, or with
+    ``VMMBUF_TORCH_PEER_ACCESS=1``), ...), and
     what the live GrowableTensors there hold (``growable_tensors``,
     ``growable_bytes`` in use, ``growable_mapped_bytes``); empty before
     anything was allocated there. ``device``: the current CUDA device by

@@ -158,8 +158,9 @@ fn plugin_keys(m: &mut Json, d: &Device) {
         ("nccl_mapped_bytes", J::from(n.mapped_bytes)),
         ("captures_announced", J::from(announced)),
         ("captures_underway", J::from(underway)),
-        // Whether chunks are mapped for the peer GPUs (see `PeerMode`).
-        ("peer_access", J::from(peers_on())),
+        // Whether chunks are mapped for the peer GPUs (see `PeerMode`;
+        // NCCL-ready chunks always are, as ncclMemAlloc maps them).
+        ("peer_access", J::from(peers_on() || d.nccl_ready)),
     ] {
         m.insert(name.into(), v);
     }
