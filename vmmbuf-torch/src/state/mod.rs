@@ -177,18 +177,19 @@ fn peers_on() -> bool {
     }
 }
 
-/// A second device has just been made (`PeerMode::Auto`): every arena of
-/// every device grants its peers access, and arenas made from now on map
-/// for them (the flag is set before the arenas are visited, each under
-/// its device's lock, so an arena made meanwhile is either visited or
-/// reads the flag). A failure is logged, not returned: the allocation that
-/// made the device does not depend on it, and the arena maps its later
-/// chunks for the peers all the same.
-fn grant_peers_everywhere() {
+/// Device `new`, a second one, has just been made (`PeerMode::Auto`; its
+/// caller holds its lock): every arena of every other device grants its
+/// peers access, and arenas made from now on map for them (the flag is set
+/// before the arenas are visited, each under its device's lock, so an
+/// arena made meanwhile is either visited or reads the flag; `new` has no
+/// arena yet). A failure is logged, not returned: the allocation that made
+/// the device does not depend on it, and the arena maps its later chunks
+/// for the peers all the same.
+fn grant_peers_everywhere(new: c_int) {
     if SECOND_GPU.swap(true, std::sync::atomic::Ordering::SeqCst) {
         return;
     }
-    for (dev, d) in all_devices() {
+    for (dev, d) in all_devices().into_iter().filter(|(k, _)| *k != new) {
         let d = d.lock();
         for (tag, a) in d.arenas.iter() {
             match a.grant_peer_access() {
@@ -356,12 +357,20 @@ fn device(device: c_int) -> Result<&'static Mutex<Device>> {
         nccl_ready,
         nccl: None,
     })));
+    // The second device of an `Auto` process: the peers get access to the
+    // others' chunks before any thread can allocate here (its lock is held
+    // until then, so another thread's first allocation on it, and the copy
+    // from another GPU that may follow, wait for the grant). No thread
+    // holds one device's lock while it waits for another's, so holding
+    // this one while the others are locked in turn cannot deadlock.
+    let second = !r.devices.is_empty() && peer_mode() == PeerMode::Auto;
+    let hold = second.then(|| d.lock());
     r.devices.insert(device, d);
-    let second = r.devices.len() >= 2;
     drop(r);
-    if second && peer_mode() == PeerMode::Auto {
-        grant_peers_everywhere();
+    if second {
+        grant_peers_everywhere(device);
     }
+    drop(hold);
     Ok(d)
 }
 
