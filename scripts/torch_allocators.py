@@ -453,6 +453,29 @@ def against_expandable(runs):
         print(f"  {alloc:<12} taken [{', '.join(f'{x:.3f}' for x in taken)}]"
               f"  step [{', '.join(f'{x:.3f}' for x in step)}]"
               f"  steady [{', '.join(f'{x:.3f}' for x in steady)}]")
+        paired = step_by_step(rs, ref)
+        if paired:
+            med, lo, hi, total, n = paired
+            print(f"  {'':<12} step by step (same step's shapes, same repeat, after {WARMUP}):"
+                  f" median {med:.3f} [{lo:.3f}, {hi:.3f}], summed time {total:.3f}, {n} steps")
+
+
+def step_by_step(rs, ref):
+    """Every run draws the same shapes in the same order (one seed), and a
+    step's time moves with its shape (a new batch or resolution), which a
+    median over steps mixes with the allocator: step i of each repeat is
+    compared with step i of expandable segments' run in the same repeat,
+    after the first WARMUP. The median ratio with its quartiles, the ratio
+    of the summed time, and the step count; None with fewer than 4."""
+    per, num, den = [], 0.0, 0.0
+    for r, e in zip(rs, ref):
+        mine, theirs = r.get("step_ms", [])[WARMUP:], e.get("step_ms", [])[WARMUP:]
+        per += [x / y for x, y in zip(mine, theirs) if y > 0]
+        num, den = num + sum(mine[:len(theirs)]), den + sum(theirs[:len(mine)])
+    if len(per) < 4 or den <= 0:
+        return None
+    q = statistics.quantiles(per, n=4)
+    return q[1], q[0], q[2], num / den, len(per)
 
 
 def budgets(a):
