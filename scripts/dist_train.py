@@ -82,6 +82,8 @@ import subprocess
 import sys
 import time
 
+from paired_steps import step_ratios
+
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
 # vmmbuf with 2 MiB chunks (the plug-in's default is 20 MiB, expandable
 # segments' page for its large pool): VMMBUF_TORCH_MAX_CHUNK_BYTES.
@@ -418,8 +420,11 @@ def paired(runs, modes, allocs, ref="expandable", skip=5):
     median step, how many rounds read below 1, and the median of every
     step after the first `skip` of every round pooled; with vmmbuf's malloc
     time on its median step (steps that map chunks, a few per launch, left
-    to the mean above)."""
-    out = []
+    to the mean above). Then each against `ref` step by step: the median
+    per-step ratio with its quartiles and the ratio of summed time
+    (`step_ratio_median`, `step_ratio_quartiles`, `sum_ratio` in the
+    rows)."""
+    out, by_step = [], []
     print(f"\nagainst {ref}, round by round (rank 0): per-round step ratios, rounds below 1, "
           f"pooled median step ms (steps after the first {skip}), malloc ms on the median step")
     for mode in modes:
@@ -437,44 +442,24 @@ def paired(runs, modes, allocs, ref="expandable", skip=5):
                    "rounds_below_1": sum(x < 1 for x in ratios), "pooled_median_ms": pooled,
                    "pooled_vs_ref": pooled / pooled_ref,
                    "steady_malloc_ms": statistics.median(steady) if steady else None}
+            # Step by step (`paired_steps`): every launch draws the same
+            # batch shapes in the same order (losses equal), and a step's
+            # time moves 2x with its shape, which the medians mix with the
+            # allocator.
+            got = step_ratios(((r[0]["step_ms"], b[0]["step_ms"]) for r, b in zip(rs, base)), skip)
+            if got is not None:
+                med, lo, hi, total, n = got
+                row.update(step_ratio_median=med, step_ratio_quartiles=[lo, hi], sum_ratio=total)
+                by_step.append(f"{mode:<5} {alloc:<12} {med:.3f} [{lo:.3f}, {hi:.3f}] {total:.3f} {n:5d}")
             out.append(row)
             rat = ", ".join(f"{x:.3f}" for x in ratios)
             st = f"{row['steady_malloc_ms']:.2f}" if steady else "-"
             print(f"{mode:<5} {alloc:<12} [{rat}] {row['rounds_below_1']}/{len(ratios)} "
                   f"{pooled:8.2f} ({pooled / pooled_ref:.3f}x) {st:>6}")
-    stepwise(runs, modes, allocs, out, ref, skip)
-    return out
-
-
-def stepwise(runs, modes, allocs, rows, ref="expandable", skip=5):
-    """Each allocator against `ref` step by step: every launch draws the
-    same batch shapes in the same order (losses equal), and a step's time
-    moves 2x with its shape, which the medians above mix with the
-    allocator. So step i of a launch is compared with step i of `ref`'s
-    launch in the same round (rank 0, steps after the first `skip`): the
-    median of those ratios with its quartiles, and the ratio of the
-    steps' summed time (what a run of these steps costs, growth included).
-    Adds `step_ratio_median`, `step_ratio_quartiles` and `sum_ratio` to
-    `rows`."""
     print(f"\nagainst {ref}, step by step (rank 0, same round, same step's shapes, steps after "
           f"the first {skip}): median per-step ratio [quartiles], summed time ratio, steps")
-    for mode in modes:
-        base = runs.get((mode, ref))
-        if not base:
-            continue
-        for alloc in allocs:
-            rs = runs[(mode, alloc)]
-            per, num, den = [], 0.0, 0.0
-            for r, b in zip(rs, base):
-                mine, theirs = r[0]["step_ms"][skip:], b[0]["step_ms"][skip:]
-                per += [x / y for x, y in zip(mine, theirs)]
-                num, den = num + sum(mine), den + sum(theirs)
-            if len(per) < 4:
-                continue
-            q = statistics.quantiles(per, n=4)
-            row = next(x for x in rows if x["mode"] == mode and x["alloc"] == alloc)
-            row.update(step_ratio_median=q[1], step_ratio_quartiles=[q[0], q[2]], sum_ratio=num / den)
-            print(f"{mode:<5} {alloc:<12} {q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}] {num / den:.3f} {len(per):5d}")
+    print("\n".join(by_step))
+    return out
 
 
 def main():

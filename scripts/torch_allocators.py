@@ -43,6 +43,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from paired_steps import step_ratios
+
 CONF = {
     "native": None,
     "expandable": "expandable_segments:True",
@@ -461,21 +463,10 @@ def against_expandable(runs):
 
 
 def step_by_step(rs, ref):
-    """Every run draws the same shapes in the same order (one seed), and a
-    step's time moves with its shape (a new batch or resolution), which a
-    median over steps mixes with the allocator: step i of each repeat is
-    compared with step i of expandable segments' run in the same repeat,
-    after the first WARMUP. The median ratio with its quartiles, the ratio
-    of the summed time, and the step count; None with fewer than 4."""
-    per, num, den = [], 0.0, 0.0
-    for r, e in zip(rs, ref):
-        mine, theirs = r.get("step_ms", [])[WARMUP:], e.get("step_ms", [])[WARMUP:]
-        per += [x / y for x, y in zip(mine, theirs) if y > 0]
-        num, den = num + sum(mine[:len(theirs)]), den + sum(theirs[:len(mine)])
-    if len(per) < 4 or den <= 0:
-        return None
-    q = statistics.quantiles(per, n=4)
-    return q[1], q[0], q[2], num / den, len(per)
+    """Each repeat against expandable segments' run in the same repeat,
+    step by step (`paired_steps.step_ratios`, after the first WARMUP)."""
+    return step_ratios(((r.get("step_ms", []), e.get("step_ms", [])) for r, e in zip(rs, ref)),
+                       WARMUP)
 
 
 def budgets(a):
