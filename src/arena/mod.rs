@@ -480,35 +480,35 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             .into_iter()
             .map(|d| AccessDesc::new(Location::Device(d), Access::ReadWrite))
             .collect();
+        // `list` with the peers it lacks added.
+        let with_peers = |list: &[AccessDesc]| -> Vec<AccessDesc> {
+            let mut v = list.to_vec();
+            v.extend(
+                peers
+                    .iter()
+                    .filter(|p| !list.iter().any(|a| a.location == p.location)),
+            );
+            v
+        };
         let mut st = self.shared.state.lock();
         st.region.check_poison()?;
-        for p in &peers {
-            if !st.access.iter().any(|a| a.location == p.location) {
-                st.access.push(*p);
-            }
-        }
-        let lacking: Vec<usize> = st
+        st.access = with_peers(&st.access);
+        // The chunks some peer lacks, with their lists widened.
+        let lacking: Vec<(usize, Vec<AccessDesc>)> = st
             .region
             .table
             .iter()
-            .filter(|(_, e)| {
-                peers
-                    .iter()
-                    .any(|p| !e.access.iter().any(|a| a.location == p.location))
+            .filter_map(|(o, e)| {
+                let list = with_peers(&e.access);
+                (list.len() > e.access.len()).then_some((o, list))
             })
-            .map(|(o, _)| o)
             .collect();
+        let granted = lacking.len();
         let backend = self.shared.backend.clone();
         let (res, table) = st.region.parts();
-        for &o in &lacking {
+        for (o, list) in lacking {
             let e = table.get(o).expect("listed from the table");
             let (bytes, placement, cpu) = (e.bytes, e.placement, e.cpu);
-            let mut list: Vec<AccessDesc> = e.access.to_vec();
-            list.extend(
-                peers
-                    .iter()
-                    .filter(|p| !e.access.iter().any(|a| a.location == p.location)),
-            );
             backend.set_access(
                 res,
                 o,
@@ -517,7 +517,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             )?;
             table.record_access(o, list.into(), cpu);
         }
-        Ok(lacking.len())
+        Ok(granted)
     }
 
     /// Whether every chunk the arena maps from now on is mapped for its
