@@ -177,25 +177,43 @@ fn an_arena_with_peer_access_is_mapped_for_its_peers() {
         let seed = 7 + i as u32;
         k0.fill(a, 0, n, seed);
         k0.stream.synchronize().unwrap();
-        assert_eq!(
-            k1.mismatches(a, 0, n, seed),
-            0,
-            "GPU 1 reads GPU 0's block {i}"
-        );
-        k1.fill(a, 0, n, seed + 100);
-        k1.stream.synchronize().unwrap();
-        assert_eq!(
-            k0.mismatches(a, 0, n, seed + 100),
-            0,
-            "GPU 0 sees GPU 1's writes {i}"
-        );
+        both_gpus_reach(&k0, &k1, a, n, seed, i);
     }
     // A chunk mapped later is mapped for the peer as well.
-    let later = arena.alloc(WORDS as usize * 8, &k0.stream).unwrap();
-    k0.fill(later.address(), 0, WORDS * 2, 11);
-    k0.stream.synchronize().unwrap();
-    assert_eq!(k1.mismatches(later.address(), 0, WORDS * 2, 11), 0);
+    later_block_reaches_gpu_1(&arena, &k0, &k1, 11);
+}
+
+/// GPU 1 reads the `n` words at `a` that GPU 0 wrote from `seed` (its work
+/// finished), writes its own, and GPU 0 sees them (block `i`).
+fn both_gpus_reach(k0: &Kernels, k1: &Kernels, a: u64, n: u64, seed: u32, i: usize) {
+    assert_eq!(
+        k1.mismatches(a, 0, n, seed),
+        0,
+        "GPU 1 reads GPU 0's block {i}"
+    );
+    k1.fill(a, 0, n, seed + 100);
     k1.stream.synchronize().unwrap();
+    assert_eq!(
+        k0.mismatches(a, 0, n, seed + 100),
+        0,
+        "GPU 0 sees GPU 1's writes {i}"
+    );
+}
+
+/// A block allocated now, which maps a chunk past the arena's first ones:
+/// GPU 1 reads what GPU 0 writes there from `seed`. Returned, still live.
+fn later_block_reaches_gpu_1(
+    arena: &CudaArena,
+    k0: &Kernels,
+    k1: &Kernels,
+    seed: u32,
+) -> vmmbuf::cuda::CudaAllocation {
+    let later = arena.alloc(WORDS as usize * 8, &k0.stream).unwrap();
+    k0.fill(later.address(), 0, WORDS * 2, seed);
+    k0.stream.synchronize().unwrap();
+    assert_eq!(k1.mismatches(later.address(), 0, WORDS * 2, seed), 0);
+    k1.stream.synchronize().unwrap();
+    later
 }
 
 /// An arena made for its own GPU only grants its peers access later
@@ -226,25 +244,13 @@ fn an_arena_grants_its_peers_access_later() {
     assert!(arena.grants_peer_access());
     k0.stream.synchronize().unwrap();
     for (i, &(a, n)) in blocks.iter().enumerate() {
-        let seed = 21 + i as u32;
-        assert_eq!(k1.mismatches(a, 0, n, seed), 0, "GPU 1 reads block {i}");
-        k1.fill(a, 0, n, seed + 50);
-        k1.stream.synchronize().unwrap();
-        assert_eq!(
-            k0.mismatches(a, 0, n, seed + 50),
-            0,
-            "GPU 0 sees GPU 1's writes {i}"
-        );
+        both_gpus_reach(&k0, &k1, a, n, 21 + i as u32, i);
     }
-    let later = arena.alloc(WORDS as usize * 8, &k0.stream).unwrap();
+    let _later = later_block_reaches_gpu_1(&arena, &k0, &k1, 31);
     assert!(
         mapped(arena.stats()) > chunks,
         "the later block mapped a chunk"
     );
-    k0.fill(later.address(), 0, WORDS * 2, 31);
-    k0.stream.synchronize().unwrap();
-    assert_eq!(k1.mismatches(later.address(), 0, WORDS * 2, 31), 0);
-    k1.stream.synchronize().unwrap();
     assert_eq!(
         arena.grant_peer_access().unwrap(),
         0,
