@@ -97,6 +97,62 @@ def test_process_wide_record_stream_keeps_a_block_from_its_own_stream(torch_gpu)
     assert "OK" in out, out
 
 
+def test_c_allocation_and_free_leave_the_callers_context_current(torch_gpu):
+    """The C entry points put the caller's CUDA context back: a thread with
+    none current has none after allocations and frees, a thread with another
+    context of the same GPU current (made with cuCtxCreate) still has it,
+    and the thread whose current context is the device's own keeps it (the
+    one case where malloc and free read the context once, not twice)."""
+    out = run_script("""
+        import ctypes, threading, torch, vmmbuf, vmmbuf.torch as vt
+        vt.use()
+        torch.empty(1, device="cuda")
+        lib = ctypes.CDLL(vmmbuf.library_path())
+        lib.vmmbuf_malloc.restype = ctypes.c_void_p
+        lib.vmmbuf_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.vmmbuf_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        cu = ctypes.CDLL("libcuda.so.1")
+        def current():
+            c = ctypes.c_void_p()
+            assert cu.cuCtxGetCurrent(ctypes.byref(c)) == 0
+            return c.value
+        def pairs(k):
+            for i in range(k):
+                n = (i % 7 + 1) << 20
+                p = lib.vmmbuf_malloc(n, 0, None)
+                assert p, vmmbuf.last_error()
+                lib.vmmbuf_free(p, n, 0, None)
+        primary = current()
+        assert primary, "torch made the device's primary context current"
+        seen = {}
+        def fresh():
+            before = current()
+            pairs(20)
+            seen["fresh"] = (before, current())
+        t = threading.Thread(target=fresh); t.start(); t.join()
+        assert seen["fresh"] == (None, None), seen
+        pairs(20)
+        assert current() == primary
+        dev = ctypes.c_int()
+        assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+        other = ctypes.c_void_p()
+        r = cu.cuCtxCreate_v2(ctypes.byref(other), 0, dev)
+        if r != 0:
+            r = cu.cuCtxCreate_v4(ctypes.byref(other), None, 0, dev)
+        assert r == 0, f"cuCtxCreate: {r}"
+        assert current() == other.value != primary
+        pairs(20)
+        assert current() == other.value, "the caller's own context was replaced"
+        popped = ctypes.c_void_p()
+        assert cu.cuCtxPopCurrent_v2(ctypes.byref(popped)) == 0
+        assert cu.cuCtxDestroy_v2(other) == 0
+        assert current() == primary
+        assert vmmbuf.stats()["allocated_bytes.all.current"] < 1 << 20
+        print("OK")
+    """)
+    assert out.strip() == "OK", out
+
+
 def test_process_wide_out_of_memory_raises_with_the_cause(torch_gpu):
     out = run_script("""
         import torch, vmmbuf, vmmbuf.torch as vt
