@@ -886,6 +886,60 @@ def test_torch_memory_saver_preload_mode_keeps_regions_segments_to_themselves(to
     assert "OK" in out, out
 
 
+def test_two_gpus_freeing_another_gpus_tensors_keeps_the_current_context(torch_gpu):
+    """PyTorch frees a tensor of another GPU without switching device (its
+    deleter calls the plug-in's free on the current one): the free binds
+    that GPU's context, so it is the case where the plug-in's malloc and
+    free must look at the context again and put the caller's back. With
+    device 0 current, tensors made on device 1 (and device 1's tensors
+    freed from a thread with no context) leave device 0's context current,
+    the next allocation lands on device 0, and every byte is kept."""
+    import os
+
+    if torch_gpu.cuda.device_count() < 2:
+        if os.environ.get("VMMBUF_REQUIRE_PEERS") == "1":
+            pytest.fail("VMMBUF_REQUIRE_PEERS=1 but one GPU")
+        pytest.skip("needs two GPUs")
+    out = run_script("""
+        import ctypes, threading, torch, vmmbuf.torch as vt
+        vt.use()
+        cu = ctypes.CDLL("libcuda.so.1")
+        def current():
+            c = ctypes.c_void_p()
+            assert cu.cuCtxGetCurrent(ctypes.byref(c)) == 0
+            return c.value
+        torch.cuda.set_device(0)
+        g0 = torch.Generator(device="cuda:0").manual_seed(1)
+        g1 = torch.Generator(device="cuda:1").manual_seed(2)
+        x = torch.randn(1 << 20, device="cuda:0", generator=g0)
+        ref = x.cpu()
+        ctx0 = current()
+        for i in range(50):
+            t = torch.randn((i % 9 + 1) << 16, device="cuda:1", generator=g1)
+            s = float(t.sum())
+            del t                                   # freed on device 1, device 0 current
+            assert current() == ctx0, f"step {i}: the free left another context current"
+            y = torch.empty(1 << 16, device="cuda")
+            assert y.device.index == 0 and torch.cuda.current_device() == 0
+            del y
+        keep = [torch.randn(1 << 18, device="cuda:1", generator=g1) for _ in range(8)]
+        refs = [k.cpu() for k in keep]
+        for k, r in zip(keep, refs):
+            assert torch.equal(k.cpu(), r)
+        torch.cuda.synchronize(1)
+        seen = {}
+        def drop():
+            before = current()
+            keep.clear()                            # frees from a thread with no context
+            seen["thread"] = (before, current())
+        t = threading.Thread(target=drop); t.start(); t.join()
+        assert seen["thread"] == (None, None), seen
+        assert current() == ctx0 and torch.equal(x.cpu(), ref)
+        print("OK")
+    """)
+    assert out.strip() == "OK", out
+
+
 def test_two_gpus_peers_get_access_once_a_second_gpu_is_used(torch_gpu):
     """Chunks are mapped for their own GPU until the process allocates on a
     second one (a rank of FSDP or DDP, which sees every GPU, maps for its
