@@ -16,7 +16,9 @@ Allocators: native, expandable (expandable_segments:True), vmmbuf
 (process-wide plug-in), vmmbuf-nographs (VMMBUF_TORCH_GRAPHS=0),
 vmmbuf-defer (VMMBUF_TORCH_DEFER_FENCES=1), vmmbuf-asked
 (VMMBUF_TORCH_ANNOUNCE_CAPTURES=0: every call asks the driver whether its
-stream is captured, as before captures were announced).
+stream is captured, as before captures were announced), vmmbuf-alt (the
+package in DIST_ALT_PATH, put first on sys.path: another build in the same
+rounds).
 """
 import argparse
 import json
@@ -51,6 +53,11 @@ def worker(alloc):
         os.environ["VMMBUF_TORCH_DEFER_FENCES"] = "1"
     if alloc == "vmmbuf-asked":
         os.environ["VMMBUF_TORCH_ANNOUNCE_CAPTURES"] = "0"
+    if alloc == "vmmbuf-alt":
+        alt = os.environ.get("DIST_ALT_PATH")
+        if not alt or not os.path.isdir(alt):
+            raise SystemExit(f"vmmbuf-alt needs DIST_ALT_PATH, a directory holding a vmmbuf package (got {alt!r})")
+        sys.path.insert(0, alt)
     import torch
     vt = None
     if alloc.startswith("vmmbuf"):
