@@ -228,13 +228,10 @@ impl KeepCurrentContext {
     /// ~0.35 us with cold caches) is saved. The caller makes sure of that
     /// condition; nothing here can check it.
     pub fn unless_current(backend: &CudaBackend) -> Result<Option<Self>> {
-        let keep = Self::new()?;
-        if keep.ctx == backend.context().cu_ctx() {
-            // Nothing to put back: the call keeps this context current.
-            std::mem::forget(keep);
-            return Ok(None);
-        }
-        Ok(Some(keep))
+        CudaBackend::check_driver()?;
+        let ctx = driver::current_raw()?;
+        // The backend's own: nothing to put back, the call keeps it current.
+        Ok((ctx != backend.context().cu_ctx()).then_some(Self { ctx }))
     }
 }
 

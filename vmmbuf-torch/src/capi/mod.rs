@@ -29,18 +29,12 @@ pub(crate) fn fail(what: &str, error: &dyn std::fmt::Display) {
     let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = CString::new(text).ok());
 }
 
-/// Runs `f`, turning a panic into `fallback` (logged).
+/// Runs `f`, turning a panic into `fallback` (logged). The caller's
+/// current CUDA context comes back whatever the call bound (a free of
+/// another GPU's memory binds that GPU's context).
 fn guard<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
-    // The caller's current CUDA context comes back whatever the call bound
-    // (a free of another GPU's memory binds that GPU's context).
     let _keep = vmmbuf::cuda::KeepCurrentContext::new().ok();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(v) => v,
-        Err(_) => {
-            fail(what, &"panicked; answered as a failure");
-            fallback
-        }
-    }
+    unpanicked(what, fallback, f)
 }
 
 /// [`guard`] for an allocation or a free on `device`: when the caller's
@@ -56,6 +50,11 @@ fn guard_on<T>(what: &str, device: c_int, fallback: T, f: impl FnOnce() -> T) ->
             .flatten(),
         None => vmmbuf::cuda::KeepCurrentContext::new().ok(),
     };
+    unpanicked(what, fallback, f)
+}
+
+/// Runs `f`, turning a panic into `fallback` (logged).
+fn unpanicked<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(_) => {
