@@ -10,7 +10,8 @@ tensors live, each step one `torch.empty` and one free of the oldest, on the
 current stream. Reported: microseconds per pair (the median over rounds of
 each round's mean), against native's; for vmmbuf also the time the plug-in
 itself measured inside its malloc and free (`host_ns_in_malloc`,
-`host_ns_in_free`), so what PyTorch adds around it shows.
+`host_ns_in_free`), so what PyTorch and the plug-in's C entry points (their
+context guard) add around it shows.
 
 Allocators: native, expandable (expandable_segments:True), vmmbuf
 (process-wide plug-in), vmmbuf-nographs (VMMBUF_TORCH_GRAPHS=0),
