@@ -493,22 +493,21 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut st = self.shared.state.lock();
         st.region.check_poison()?;
         st.access = with_peers(&st.access);
-        // The chunks some peer lacks, with their lists widened.
-        let lacking: Vec<(usize, Vec<AccessDesc>)> = st
+        // The chunks some peer lacks (offset, size, placement, host entry
+        // given), with their lists widened.
+        let lacking: Vec<_> = st
             .region
             .table
             .iter()
             .filter_map(|(o, e)| {
                 let list = with_peers(&e.access);
-                (list.len() > e.access.len()).then_some((o, list))
+                (list.len() > e.access.len()).then_some((o, e.bytes, e.placement, e.cpu, list))
             })
             .collect();
         let granted = lacking.len();
         let backend = self.shared.backend.clone();
         let (res, table) = st.region.parts();
-        for (o, list) in lacking {
-            let e = table.get(o).expect("listed from the table");
-            let (bytes, placement, cpu) = (e.bytes, e.placement, e.cpu);
+        for (o, bytes, placement, cpu, list) in lacking {
             backend.set_access(
                 res,
                 o,
