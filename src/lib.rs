@@ -162,7 +162,8 @@ pub mod cuda {
     };
     pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
     pub use crate::backend::cuda::probe::{
-        current_device, device_count, probe, DeviceProbe, KeepCurrentContext, Probe,
+        current_device, device_count, probe, DeviceProbe, KeepCurrentContext,
+        LazyKeepCurrentContext, Probe,
     };
     pub use crate::backend::cuda::{
         ChunkKind, CudaBackend, CudaBackendDesc, CudaChunk, CudaFence, CudaReservation,

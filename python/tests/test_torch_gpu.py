@@ -101,8 +101,9 @@ def test_c_allocation_and_free_leave_the_callers_context_current(torch_gpu):
     """The C entry points put the caller's CUDA context back: a thread with
     none current has none after allocations and frees, a thread with another
     context of the same GPU current (made with cuCtxCreate) still has it,
-    and the thread whose current context is the device's own keeps it (the
-    one case where malloc and free read the context once, not twice)."""
+    and the thread whose current context is the device's own keeps it
+    (malloc and free read the context only when they are about to switch
+    it, and put it back then)."""
     out = run_script("""
         import ctypes, threading, torch, vmmbuf, vmmbuf.torch as vt
         vt.use()
@@ -889,8 +890,8 @@ def test_torch_memory_saver_preload_mode_keeps_regions_segments_to_themselves(to
 def test_two_gpus_freeing_another_gpus_tensors_keeps_the_current_context(torch_gpu):
     """PyTorch frees a tensor of another GPU without switching device (its
     deleter calls the plug-in's free on the current one): the free binds
-    that GPU's context, so it is the case where the plug-in's malloc and
-    free must look at the context again and put the caller's back. With
+    that GPU's context when it records a fence, so the plug-in must read
+    the caller's context before it switches and put it back. With
     device 0 current, tensors made on device 1 (and device 1's tensors
     freed from a thread with no context) leave device 0's context current,
     the next allocation lands on device 0, and every byte is kept."""

@@ -18,14 +18,21 @@ pub struct CudaFence {
 impl Drop for CudaFence {
     fn drop(&mut self) {
         // Back to the backend for the next fence (at most a few hundred kept).
-        if let (Some(e), Some(spares)) = (self.event.take(), self.spares.upgrade()) {
+        let Some(e) = self.event.take() else {
+            return;
+        };
+        if let Some(spares) = self.spares.upgrade() {
             let mut v = spares.lock();
             if v.len() < 256 {
                 // The key's first half is the event's context: recorded on
                 // a stream of that context.
                 v.push((self.key.0, e));
+                return;
             }
         }
+        // cudarc binds the event's context to destroy it.
+        super::probe::before_switch();
+        drop(e);
     }
 }
 

@@ -221,17 +221,24 @@ impl KeepCurrentContext {
         })
     }
 
-    /// Like [`new`](Self::new), but `None` when the context current on
-    /// this thread is `backend`'s own: for a call whose driver work binds
-    /// no context but `backend`'s, which then leaves the current context as
-    /// it found it, so that the second look at the end (a driver call,
-    /// ~0.35 us with cold caches) is saved. The caller makes sure of that
-    /// condition; nothing here can check it.
-    pub fn unless_current(backend: &CudaBackend) -> Result<Option<Self>> {
-        CudaBackend::check_driver()?;
-        let ctx = driver::current_raw()?;
-        // The backend's own: nothing to put back, the call keeps it current.
-        Ok((ctx != backend.context().cu_ctx()).then_some(Self { ctx }))
+    /// A guard that reads nothing now: the context current on this thread
+    /// is read only if vmmbuf is about to switch it (every such place
+    /// calls `before_switch` first), and put back at the drop if it was.
+    /// A call that touches no context (an allocation served from cached
+    /// memory) makes no driver call for it. A guard made while another is
+    /// armed on the thread leaves the work to that one.
+    pub fn lazy() -> LazyKeepCurrentContext {
+        let outer = LAZY
+            .try_with(|l| {
+                if l.get().is_none() {
+                    l.set(Some(None));
+                    true
+                } else {
+                    false
+                }
+            })
+            .unwrap_or(false);
+        LazyKeepCurrentContext { outer }
     }
 }
 
@@ -255,6 +262,54 @@ impl Drop for KeepCurrentContext {
     }
 }
 
+thread_local! {
+    /// This thread's lazy guard (see [`KeepCurrentContext::lazy`]): `None`
+    /// when none is armed; `Some(None)` armed, nothing switched yet;
+    /// `Some(Some(ctx))` the caller's context, saved before vmmbuf's first
+    /// switch.
+    static LAZY: std::cell::Cell<Option<Option<usize>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Called by every place in vmmbuf that may change this thread's current
+/// context, before it may: while a lazy guard is armed and has saved
+/// nothing yet, the context current now (the caller's, since nothing has
+/// switched it) is saved for the guard to put back.
+pub(crate) fn before_switch() {
+    let _ = LAZY.try_with(|l| {
+        if l.get() == Some(None) && driver::driver_present() {
+            match driver::current_raw() {
+                Ok(c) => l.set(Some(Some(c as usize))),
+                Err(e) => {
+                    tracing::warn!(error = %e, "vmmbuf: reading the current CUDA context failed")
+                }
+            }
+        }
+    });
+}
+
+/// A [`KeepCurrentContext::lazy`] guard: puts back the caller's context
+/// if vmmbuf read it before switching, and nothing otherwise.
+#[must_use = "the context is put back when the guard is dropped"]
+pub struct LazyKeepCurrentContext {
+    /// Whether this guard armed the thread's (an inner one leaves it to the
+    /// outer).
+    outer: bool,
+}
+
+impl Drop for LazyKeepCurrentContext {
+    fn drop(&mut self) {
+        if !self.outer {
+            return;
+        }
+        let saved = LAZY.try_with(|l| l.take()).ok().flatten().flatten();
+        if let Some(ctx) = saved {
+            drop(KeepCurrentContext {
+                ctx: ctx as cudarc::driver::sys::CUcontext,
+            });
+        }
+    }
+}
+
 /// The device of the CUDA context current on this thread (the CUDA
 /// runtime's current device), or `None` when no context is current (or the
 /// driver was never initialised, or there is none).
@@ -267,5 +322,38 @@ pub fn current_device() -> Result<Option<u32>> {
         Ok(_) => driver::current_device().map(Some),
         // Not initialised: nothing is current.
         Err(_) => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod lazy_tests {
+    use super::{before_switch, KeepCurrentContext, LAZY};
+
+    /// The lazy guard's bookkeeping, without a driver call where nothing
+    /// switches: armed by the outer guard only, disarmed at its drop, a
+    /// hook outside any guard changes nothing, and (on a host without a
+    /// driver) a hook inside one saves nothing, so the drop restores
+    /// nothing.
+    #[test]
+    fn a_lazy_guard_arms_once_and_disarms_at_its_drop() {
+        let state = || LAZY.with(|l| l.get());
+        before_switch();
+        assert_eq!(state(), None, "no guard: the hook does nothing");
+        let outer = KeepCurrentContext::lazy();
+        assert_eq!(state(), Some(None), "armed, nothing read");
+        {
+            let _inner = KeepCurrentContext::lazy();
+            assert_eq!(state(), Some(None));
+        }
+        assert_eq!(state(), Some(None), "an inner guard leaves the outer's");
+        if !crate::backend::cuda::driver::driver_present() {
+            before_switch();
+            assert_eq!(state(), Some(None), "no driver: nothing saved");
+        }
+        drop(outer);
+        assert_eq!(state(), None, "the outer guard disarms");
+        let again = KeepCurrentContext::lazy();
+        assert_eq!(state(), Some(None), "a later call arms again");
+        drop(again);
     }
 }

@@ -189,9 +189,8 @@ fn grant_peers_everywhere(new: c_int) {
     if SECOND_GPU.swap(true, std::sync::atomic::Ordering::SeqCst) {
         return;
     }
-    // The other devices' contexts are bound here, the only place an
-    // allocation binds a context not its device's own: the caller's comes
-    // back (see `backend_of`).
+    // The other devices' contexts are bound here: the caller's comes back
+    // (the allocation's own guard may not have read it).
     let _keep = vmmbuf::cuda::KeepCurrentContext::new().ok();
     for (dev, d) in all_devices().into_iter().filter(|(k, _)| *k != new) {
         let d = d.lock();
@@ -261,23 +260,9 @@ pub(crate) struct Device {
     nccl: Option<Arc<NcclHook>>,
 }
 
-/// A device's state behind its lock, and its backend, read without it.
-pub(crate) struct DeviceCell {
-    /// The device's backend (also in its state).
-    backend: Arc<CudaBackend>,
-    state: Mutex<Device>,
-}
-
-impl DeviceCell {
-    /// The device's state, locked.
-    pub(crate) fn lock(&self) -> parking_lot::MutexGuard<'_, Device> {
-        self.state.lock()
-    }
-}
-
 #[derive(Default)]
 struct Registry {
-    devices: HashMap<c_int, &'static DeviceCell>,
+    devices: HashMap<c_int, &'static Mutex<Device>>,
     /// Budgets set before their device's first allocation.
     budgets: HashMap<c_int, usize>,
 }
@@ -315,13 +300,13 @@ thread_local! {
     /// The device of this thread's last call: malloc and free find it
     /// without the registry's lock (a device, once made, stays for the
     /// process).
-    static LAST: std::cell::Cell<Option<(c_int, &'static DeviceCell)>> =
+    static LAST: std::cell::Cell<Option<(c_int, &'static Mutex<Device>)>> =
         const { std::cell::Cell::new(None) };
 }
 
 /// The device's state if it has been used, from this thread's last call
 /// or the registry.
-fn existing(device: c_int) -> Option<&'static DeviceCell> {
+fn existing(device: c_int) -> Option<&'static Mutex<Device>> {
     // A thread whose thread-locals are being destroyed (a free from a
     // dying thread's destructors) asks the registry. A device is made once
     // and kept for the process (leaked): a plain reference, with no
@@ -338,17 +323,8 @@ fn existing(device: c_int) -> Option<&'static DeviceCell> {
     Some(d)
 }
 
-/// The backend of `device` if it has been used. An allocation or a free on
-/// the device binds no context but this backend's (the peers' grant when a
-/// second GPU comes into use keeps the caller's context itself), so a
-/// caller whose current context is this one finds it current after the
-/// call without a second look (`KeepCurrentContext::unless_current`).
-pub(crate) fn backend_of(device: c_int) -> Option<&'static CudaBackend> {
-    existing(device).map(|d| &*d.backend)
-}
-
 /// The device's state, created (driver, pool) on first use.
-fn device(device: c_int) -> Result<&'static DeviceCell> {
+fn device(device: c_int) -> Result<&'static Mutex<Device>> {
     if let Some(d) = existing(device) {
         return Ok(d);
     }
@@ -370,23 +346,20 @@ fn device(device: c_int) -> Result<&'static DeviceCell> {
         backend.clone(),
         PoolDesc::default().max_host_bytes(HOST_LIMIT.load(std::sync::atomic::Ordering::Relaxed)),
     )?;
-    let d: &'static DeviceCell = Box::leak(Box::new(DeviceCell {
-        backend: backend.clone(),
-        state: Mutex::new(Device {
-            arenas: QuickMap::default(),
-            pool,
-            backend,
-            budget: r.budgets.get(&device).map(|&b| Budget::new(b)),
-            streams: QuickMap::default(),
-            live: QuickMap::default(),
-            recorded: QuickMap::default(),
-            preparing: None,
-            graphs: HashSet::new(),
-            released: Arc::default(),
-            nccl_ready,
-            nccl: None,
-        }),
-    }));
+    let d: &'static Mutex<Device> = Box::leak(Box::new(Mutex::new(Device {
+        arenas: QuickMap::default(),
+        pool,
+        backend,
+        budget: r.budgets.get(&device).map(|&b| Budget::new(b)),
+        streams: QuickMap::default(),
+        live: QuickMap::default(),
+        recorded: QuickMap::default(),
+        preparing: None,
+        graphs: HashSet::new(),
+        released: Arc::default(),
+        nccl_ready,
+        nccl: None,
+    })));
     // The second device of an `Auto` process: the peers get access to the
     // others' chunks before any thread can allocate here (its lock is held
     // until then, so another thread's first allocation on it, and the copy
@@ -405,7 +378,7 @@ fn device(device: c_int) -> Result<&'static DeviceCell> {
 }
 
 /// Every device in use.
-fn all_devices() -> Vec<(c_int, &'static DeviceCell)> {
+fn all_devices() -> Vec<(c_int, &'static Mutex<Device>)> {
     let r = registry().read();
     let mut v: Vec<_> = r.devices.iter().map(|(k, d)| (*k, *d)).collect();
     v.sort_by_key(|(k, _)| *k);
