@@ -13,7 +13,7 @@ use vmmbuf::{
 use crate::cuda_only::Kernels;
 
 crate::register! {
-    two_gpus: [a_peer_reads_and_writes_once_granted_and_is_refused_before, an_arena_with_peer_access_is_mapped_for_its_peers, an_arena_grants_its_peers_access_later],
+    two_gpus: [a_peer_reads_and_writes_once_granted_and_is_refused_before, an_arena_with_peer_access_is_mapped_for_its_peers, an_arena_grants_its_peers_access_later, a_lazy_guard_puts_the_callers_context_back_after_another_gpus_work],
     child: [child_peer_read_without_access],
 }
 
@@ -256,4 +256,76 @@ fn an_arena_grants_its_peers_access_later() {
         0,
         "nothing left to grant"
     );
+}
+
+/// The PyTorch plug-in's context guard (`KeepCurrentContext::lazy`, which
+/// reads the caller's context only when vmmbuf is about to switch it)
+/// around work on GPU 1's arena while GPU 0's context is current, and on a
+/// thread with none: mapping, fences recorded by frees, and giving memory
+/// back bind GPU 1's context, and the caller's is current again after each
+/// guard. Unguarded, the same mapping leaves GPU 1's current, so the check
+/// can fail if a place that switches forgets the hook.
+fn a_lazy_guard_puts_the_callers_context_back_after_another_gpus_work() {
+    use vmmbuf::cuda::{current_device, KeepCurrentContext};
+    let (b0, b1) = two_gpus();
+    let s1 = b1.context().new_stream().unwrap();
+    let arena: CudaArena = Arena::new(b1.clone(), ArenaDesc::new(1 << 30)).unwrap();
+    let dev = || current_device().unwrap();
+    b0.context().bind_to_thread().unwrap();
+    let probe = arena.alloc(6 << 20, &s1).unwrap();
+    assert_eq!(
+        dev(),
+        Some(1),
+        "unguarded, the arena's mapping binds GPU 1's context"
+    );
+    drop(probe);
+    arena.release_all_cached().unwrap();
+    // Sizes from 512 B to 16 MiB, some served from cache, some mapped.
+    let mut seed = 0x9e37_79b9_u64;
+    let mut live = Vec::new();
+    for i in 0..64 {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let bytes = 512usize << (seed >> 60);
+        b0.context().bind_to_thread().unwrap();
+        {
+            let _keep = KeepCurrentContext::lazy();
+            live.push(arena.alloc(bytes, &s1).unwrap());
+            if i % 3 == 2 {
+                // A free on GPU 1's stream records a fence there.
+                live.swap_remove((seed >> 8) as usize % live.len());
+            }
+            if i % 16 == 15 {
+                arena.release_all_cached().unwrap();
+            }
+        }
+        assert_eq!(
+            dev(),
+            Some(0),
+            "step {i} ({bytes} B): GPU 0's context is current again"
+        );
+    }
+    let arena = Arc::new(arena);
+    let a = arena.clone();
+    let s = s1.clone();
+    std::thread::spawn(move || {
+        assert_eq!(dev(), None, "a new thread has no context");
+        for bytes in [4096, 3 << 20, 10 << 20] {
+            let _keep = KeepCurrentContext::lazy();
+            drop(a.alloc(bytes, &s).unwrap());
+            a.release_all_cached().unwrap();
+        }
+        assert_eq!(dev(), None, "the guard leaves the thread without a context");
+    })
+    .join()
+    .unwrap();
+    b0.context().bind_to_thread().unwrap();
+    {
+        let _keep = KeepCurrentContext::lazy();
+        drop(live);
+        arena.empty_cache().unwrap();
+    }
+    assert_eq!(dev(), Some(0), "after the last frees and empty_cache");
+    s1.synchronize().unwrap();
 }

@@ -594,8 +594,9 @@ pub(crate) fn set_default_tag(tag: &str) {
 /// Nanoseconds spent in `malloc` and `free` so far, all devices: what the
 /// allocator's own work costs the CPU (`host_ns_in_malloc` and
 /// `host_ns_in_free` in the statistics). The C entry points' context guard
-/// around it (a `cuCtxGetCurrent` a call, 46-470 ns on an H200 as caches
-/// are warm or cold) is not counted.
+/// around it is not counted: it reads the caller's context (a
+/// `cuCtxGetCurrent`, 46-470 ns on an H200 as caches are warm or cold)
+/// only before a call that switches it, and puts it back after.
 static MALLOC_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 static FREE_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
