@@ -15,6 +15,18 @@ from conftest import run_script
 MiB = 1 << 20
 
 
+# Script lines for the context tests (indented as their scripts are):
+# `current()`, the CUDA context current on the calling thread.
+CURRENT_CONTEXT = """
+        import ctypes
+        cu = ctypes.CDLL("libcuda.so.1")
+        def current():
+            c = ctypes.c_void_p()
+            assert cu.cuCtxGetCurrent(ctypes.byref(c)) == 0
+            return c.value
+"""
+
+
 def test_process_wide_every_tensor_from_vmmbuf_and_stats(torch_gpu):
     out = run_script("""
         import torch, vmmbuf, vmmbuf.torch as vt
@@ -104,7 +116,7 @@ def test_c_allocation_and_free_leave_the_callers_context_current(torch_gpu):
     and the thread whose current context is the device's own keeps it
     (malloc and free read the context only when they are about to switch
     it, and put it back then)."""
-    out = run_script("""
+    out = run_script(CURRENT_CONTEXT + """
         import ctypes, threading, torch, vmmbuf, vmmbuf.torch as vt
         vt.use()
         torch.empty(1, device="cuda")
@@ -112,11 +124,6 @@ def test_c_allocation_and_free_leave_the_callers_context_current(torch_gpu):
         lib.vmmbuf_malloc.restype = ctypes.c_void_p
         lib.vmmbuf_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         lib.vmmbuf_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        cu = ctypes.CDLL("libcuda.so.1")
-        def current():
-            c = ctypes.c_void_p()
-            assert cu.cuCtxGetCurrent(ctypes.byref(c)) == 0
-            return c.value
         def pairs(k):
             for i in range(k):
                 n = (i % 7 + 1) << 20
@@ -901,14 +908,9 @@ def test_two_gpus_freeing_another_gpus_tensors_keeps_the_current_context(torch_g
         if os.environ.get("VMMBUF_REQUIRE_PEERS") == "1":
             pytest.fail("VMMBUF_REQUIRE_PEERS=1 but one GPU")
         pytest.skip("needs two GPUs")
-    out = run_script("""
+    out = run_script(CURRENT_CONTEXT + """
         import ctypes, threading, torch, vmmbuf.torch as vt
         vt.use()
-        cu = ctypes.CDLL("libcuda.so.1")
-        def current():
-            c = ctypes.c_void_p()
-            assert cu.cuCtxGetCurrent(ctypes.byref(c)) == 0
-            return c.value
         torch.cuda.set_device(0)
         g0 = torch.Generator(device="cuda:0").manual_seed(1)
         g1 = torch.Generator(device="cuda:1").manual_seed(2)
