@@ -82,6 +82,7 @@ import subprocess
 import sys
 import time
 
+from alt_build import import_alt_build
 from paired_steps import step_ratios
 
 ALLOCS = ("native", "expandable", "vmmbuf", "vmmbuf-pool")
@@ -124,15 +125,10 @@ def worker(a):
     if a.alloc == "vmmbuf-nopeer":
         os.environ["VMMBUF_TORCH_PEER_ACCESS"] = "0"
     if a.alloc == "vmmbuf-alt":
-        alt = os.environ.get("DIST_ALT_PATH")
-        if not alt or not os.path.isdir(alt):
-            raise SystemExit(f"vmmbuf-alt needs DIST_ALT_PATH, a directory holding a vmmbuf package (got {alt!r})")
-        sys.path.insert(0, alt)
+        import_alt_build()
     if a.alloc.startswith("vmmbuf"):
         import vmmbuf as vt
         import vmmbuf.torch
-        if a.alloc == "vmmbuf-alt" and not vt.__file__.startswith(os.environ["DIST_ALT_PATH"]):
-            raise SystemExit(f"vmmbuf-alt imported {vt.__file__}, not DIST_ALT_PATH's")
         if a.alloc in PROCESS_WIDE:
             vmmbuf.torch.use()
     import random

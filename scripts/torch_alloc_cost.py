@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from alt_build import import_alt_build
+
 WARM, PAIRS, LIVE = 4000, 40000, 40
 
 
@@ -55,10 +57,7 @@ def worker(alloc):
     if alloc == "vmmbuf-asked":
         os.environ["VMMBUF_TORCH_ANNOUNCE_CAPTURES"] = "0"
     if alloc == "vmmbuf-alt":
-        alt = os.environ.get("DIST_ALT_PATH")
-        if not alt or not os.path.isdir(alt):
-            raise SystemExit(f"vmmbuf-alt needs DIST_ALT_PATH, a directory holding a vmmbuf package (got {alt!r})")
-        sys.path.insert(0, alt)
+        import_alt_build()
     import torch
     vt = None
     if alloc.startswith("vmmbuf"):
