@@ -52,7 +52,7 @@ under one allocator per launch, compared on the same machine (issue 24):
                what the steps need and never grows during them (a
                diagnosis: what growth costs; only when named in --allocs)
 
-    python3 scripts/dist_train.py --all [--modes ddp,fsdp] [--allocs native,...] [--rounds 2] [--steps 30]
+    python3 scripts/dist_train.py --all [--modes ddp,fsdp] [--allocs native,...] [--rounds 2] [--steps 30] [--budget SECS]
                                     [--nproc 2] [--out runs.json]
     python3 scripts/dist_train.py --probe-register     # register_mem_pool on a vmmbuf pool
     torchrun --nproc_per_node 2 scripts/dist_train.py --worker --mode fsdp --alloc vmmbuf --profile
@@ -343,7 +343,15 @@ def run_all(a):
     modes = a.modes.split(",")
     allocs = tuple(a.allocs.split(","))
     runs = {}
+    start, longest, done = time.time(), 0.0, 0
     for rnd in range(a.rounds):
+        # Only whole rounds are compared: stop before one that would not
+        # end within --budget (judged by the longest round so far).
+        if a.budget and rnd > 0 and time.time() - start + 1.15 * longest > a.budget:
+            print(f"round {rnd}: not started, the {a.budget:.0f} s budget would not hold it "
+                  f"(longest round {longest:.0f} s); the tables use {rnd} rounds", flush=True)
+            break
+        t_round = time.time()
         for mode in modes:
             order = allocs[rnd % len(allocs):] + allocs[:rnd % len(allocs)]
             for alloc in order:
@@ -353,6 +361,11 @@ def run_all(a):
                 runs.setdefault((mode, alloc), []).append(r)
                 print(f"round {rnd} {mode} {alloc}: {r[0]['median_step_ms']:.2f} ms/step "
                       f"({time.time() - t:.0f} s)", flush=True)
+        longest, done = max(longest, time.time() - t_round), rnd + 1
+        if a.out:
+            # Written after every round, so a run cut short keeps its launches.
+            with open(a.out, "w") as f:
+                json.dump({f"{m} {k}": v for (m, k), v in runs.items()}, f)
     table = []
     print(f"\n{'mode':<5} {'allocator':<12} {'step ms':>8} {'vs native':>9} {'peak alloc MiB':>15} "
           f"{'peak taken MiB':>15} {'utilization':>11} {'losses = native':>16}")
@@ -403,10 +416,7 @@ def run_all(a):
                   f"{max(g['nccl_deregistrations'] for g in regs)}, failures "
                   f"{sum(g['nccl_failures'] for g in regs)}, registered bytes = mapped "
                   f"device bytes at the end in every rank: {same}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({f"{m} {k}": v for (m, k), v in runs.items()}, f)
-    print(json.dumps({"rounds": a.rounds, "steps": a.steps, "table": table, "paired": paired_table}))
+    print(json.dumps({"rounds": done, "steps": a.steps, "table": table, "paired": paired_table}))
 
 
 def paired(runs, modes, allocs, ref="expandable", skip=5):
@@ -475,7 +485,11 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--nproc", type=int, default=2,
                    help="processes (GPUs) per launch; 1 runs FSDP/DDP on one GPU")
-    p.add_argument("--out", help="with --all: every launch's per-rank results (per-step times) as JSON")
+    p.add_argument("--out", help="with --all: every launch's per-rank results (per-step times) as JSON, "
+                   "written after every round")
+    p.add_argument("--budget", type=float, default=0,
+                   help="with --all: seconds; no round is started that would end past them (judged by "
+                        "the longest round so far), so a time limit cuts no round short (0: no limit)")
     a = p.parse_args()
     if a.worker:
         worker(a)

@@ -49,6 +49,7 @@ case "${1:-}" in
     python -c "import vmmbuf" || { echo "issue40_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
     n=${2:-2}
     timeout -s TERM "${DIST_SECS:-540}" python3 -u scripts/dist_train.py --all --nproc "$n" \
+      --budget $(( ${DIST_SECS:-540} - 20 )) \
       --modes "${MODES:-fsdp,ddp}" --allocs "${ALLOCS:-native,expandable,vmmbuf,vmmbuf-nodefer,vmmbuf-nccl}" \
       --rounds "${ROUNDS:-4}" --steps "${DIST_STEPS:-40}" --out "$OUT/dist-${n}gpu.json" > "$OUT/dist-${n}gpu.txt" 2>&1
     echo "dist_train exit $?"; grep -v '^{' "$OUT/dist-${n}gpu.txt" | tail -n 30
@@ -60,7 +61,8 @@ case "${1:-}" in
   diagnose)
     source scripts/gpu_env.sh >/dev/null
     n=${2:-4}
-    timeout -s TERM "${DIST_SECS:-330}" python3 -u scripts/dist_train.py --all --nproc "$n" --modes fsdp \
+    timeout -s TERM "${DIST_SECS:-330}" python3 -u scripts/dist_train.py --all --nproc "$n" \
+      --budget $(( ${DIST_SECS:-330} - 20 )) --modes fsdp \
       --allocs native,expandable,vmmbuf,vmmbuf-nccl,vmmbuf-ready,vmmbuf-hooked --rounds "${ROUNDS:-2}" \
       --steps "${DIST_STEPS:-40}" --out "$OUT/diag-fsdp-${n}gpu.json" > "$OUT/diag-fsdp-${n}gpu.txt" 2>&1
     echo "dist_train exit $?"; grep -v '^{' "$OUT/diag-fsdp-${n}gpu.txt" | tail -n 24
@@ -74,7 +76,8 @@ case "${1:-}" in
     n=${2:-2}; ALT=/tmp/alt; rm -rf "$ALT"
     pip install -q --no-index --no-deps --target "$ALT" .gpu/wheels-alt/*.whl || exit 3
     export DIST_ALT_PATH=$ALT
-    timeout -s TERM "${DIST_SECS:-540}" python3 -u scripts/dist_train.py --all --nproc "$n" --modes fsdp \
+    timeout -s TERM "${DIST_SECS:-540}" python3 -u scripts/dist_train.py --all --nproc "$n" \
+      --budget $(( ${DIST_SECS:-540} - 20 )) --modes fsdp \
       --allocs native,expandable,vmmbuf,vmmbuf-alt --rounds "${ROUNDS:-6}" --steps "${DIST_STEPS:-40}" \
       --out "$OUT/before-fsdp-${n}gpu.json" > "$OUT/before-fsdp-${n}gpu.txt" 2>&1
     echo "dist_train exit $?"; grep -v '^{' "$OUT/before-fsdp-${n}gpu.txt" | tail -n 24
