@@ -42,7 +42,7 @@ fn guard<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 /// and put back then. One served from cached memory, with no fence to
 /// record, makes no driver call for it (a cuCtxGetCurrent costs 46-69 ns
 /// with warm caches and 351-470 ns with cold ones, H200, `hot_path`).
-fn guard_on<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
+fn lazy_guard<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
     let _keep = vmmbuf::cuda::KeepCurrentContext::lazy();
     unpanicked(what, fallback, f)
 }
@@ -64,7 +64,7 @@ fn unpanicked<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 /// address 0: it loads [`vmmbuf_torch_malloc`] instead.
 #[no_mangle]
 pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    guard_on("vmmbuf_malloc", std::ptr::null_mut(), || {
+    lazy_guard("vmmbuf_malloc", std::ptr::null_mut(), || {
         let Ok(size) = usize::try_from(size) else {
             fail("vmmbuf_malloc", &format!("a negative size {size}"));
             return std::ptr::null_mut();
@@ -170,7 +170,7 @@ pub extern "C-unwind" fn vmmbuf_torch_malloc(
 /// or a second free is logged and changes nothing.
 #[no_mangle]
 pub extern "C" fn vmmbuf_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
-    guard_on("vmmbuf_free", (), || {
+    lazy_guard("vmmbuf_free", (), || {
         if let Err(e) = state::free(ptr as usize as u64, device, stream) {
             fail(&format!("vmmbuf_free({ptr:?}, {size})"), &e);
         }
