@@ -174,6 +174,8 @@ impl Error {
         Error::InvalidArgument(msg.into())
     }
 
+    /// A peer's message or handle that is not what was agreed (IPC: Unix).
+    #[cfg_attr(not(unix), allow(dead_code))]
     pub(crate) fn protocol(msg: impl Into<String>) -> Self {
         Error::Protocol { reason: msg.into() }
     }

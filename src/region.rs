@@ -371,6 +371,7 @@ impl<B: Backend> Region<B> {
     /// chunks are quarantined (none come back). On success, returns the
     /// entries that went. The table's length is the caller's.
     #[allow(clippy::type_complexity)]
+    #[cfg(unix)]
     pub(crate) fn swap(
         &mut self,
         gone: &[usize],
@@ -387,6 +388,7 @@ impl<B: Backend> Region<B> {
     }
 
     #[allow(clippy::type_complexity)]
+    #[cfg(unix)]
     fn swap_unhooked(
         &mut self,
         gone: &[usize],

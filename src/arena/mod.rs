@@ -67,6 +67,7 @@ impl ArenaStream<crate::CudaBackend> for Arc<cudarc::driver::CudaStream> {
 /// replay keeps their reuse rules). Its fences have passed when made, as the
 /// host has no queued work, unless the backend lags
 /// ([`HostBackend::with_fence_lag`](crate::HostBackend::with_fence_lag)).
+#[cfg(target_os = "linux")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct HostStream(pub u64);
 
@@ -644,5 +645,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     }
 }
 
-#[cfg(test)]
+// They run on the host backend (memfd chunks: Linux).
+#[cfg(all(test, target_os = "linux"))]
 mod tests;

@@ -19,8 +19,11 @@ use crate::error::{Error, Result};
 use crate::location::Access;
 
 mod graph;
+// Exporting and importing chunks: inter-process sharing, Unix only.
+#[cfg(unix)]
 mod handles;
 pub(crate) use graph::*;
+#[cfg(unix)]
 pub(crate) use handles::*;
 
 /// Turns a driver result into vmmbuf's error, naming the call. Out of memory
@@ -292,7 +295,8 @@ pub(crate) fn access_flags(a: Access) -> sys::CUmemAccess_flags {
     }
 }
 
-/// The type and id of a `CUmemLocation`.
+/// The type and id of a `CUmemLocation` (checking an imported chunk).
+#[cfg(unix)]
 pub(crate) fn location_parts(loc: sys::CUmemLocation) -> (sys::CUmemLocationType, i32) {
     // SAFETY: as in `location`, the other way.
     let raw = unsafe { std::mem::transmute::<sys::CUmemLocation, RawLocation>(loc) };
@@ -332,6 +336,7 @@ pub(crate) fn nccl_prop(
 ///
 /// # Safety
 /// `handle` is live.
+#[cfg(unix)]
 pub(crate) unsafe fn mem_properties(
     handle: sys::CUmemGenericAllocationHandle,
 ) -> Result<sys::CUmemAllocationProp> {

@@ -72,9 +72,12 @@ pub struct CudaChunk {
     /// or imported: the pool's shareable kind.
     pub(super) shareable: bool,
     /// Has the POSIX-fd handle type (shareable, or made NCCL-ready).
+    /// Read only where chunks are exported (Unix).
+    #[cfg_attr(not(unix), allow(dead_code))]
     pub(super) exportable: bool,
     /// Has the fabric handle type (made NCCL-ready where the driver
     /// permits it, or imported from a fabric handle).
+    #[cfg_attr(not(unix), allow(dead_code))]
     pub(super) fabric: bool,
     pub(super) released: bool,
     pub(super) ctx: Arc<CudaContext>,
