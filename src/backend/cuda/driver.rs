@@ -205,6 +205,7 @@ pub(crate) fn current_raw() -> Result<sys::CUcontext> {
 pub(crate) unsafe fn restore_current(ctx: sys::CUcontext) -> Result<()> {
     check(
         "cuCtxSetCurrent",
+        // No hook: this puts the caller's context back (the guard's drop).
         // SAFETY: forwarded to the caller.
         unsafe { sys::cuCtxSetCurrent(ctx) },
         0,

@@ -356,4 +356,94 @@ mod lazy_tests {
         assert_eq!(state(), Some(None), "a later call arms again");
         drop(again);
     }
+
+    /// What may make another context current on the calling thread: the
+    /// cudarc calls that bind their context first, and the driver's own
+    /// context switches.
+    const SWITCHES: &[&str] = &[
+        ".bind_to_thread(",
+        ".synchronize()",
+        ".record_event(",
+        ".new_stream(",
+        ".new_event(",
+        ".memcpy_",
+        ".alloc_zeros",
+        ".launch",
+        ".fork(",
+        ".join(&",
+        ".wait(&",
+        "CudaContext::new(",
+        "cuCtxSetCurrent(",
+        "cuCtxPushCurrent",
+    ];
+
+    /// The lazy guard saves the caller's context only where a call says
+    /// it may switch: every place in the CUDA backend that may make another
+    /// context current calls `before_switch` first (in its function, or
+    /// through `relaxed`), or says on the line above why it needs no hook
+    /// (a line starting `// No hook:`). A new call that skipped the hook
+    /// would leave another GPU's context current after a plug-in call, the
+    /// bug CuPy's two-GPU copies found; this reads the sources so that it
+    /// fails here, on any machine, rather than on two GPUs.
+    #[test]
+    fn every_context_switch_in_the_cuda_backend_calls_the_hook_first() {
+        fn files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+            for e in std::fs::read_dir(dir).expect("the backend's sources") {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    files(&p, out);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    out.push(p);
+                }
+            }
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/backend/cuda");
+        let mut paths = Vec::new();
+        files(&root, &mut paths);
+        assert!(
+            paths.len() >= 10,
+            "found {} files under {}",
+            paths.len(),
+            root.display()
+        );
+        let (mut hits, mut missing) = (0, Vec::new());
+        for p in &paths {
+            let text = std::fs::read_to_string(p).unwrap();
+            let lines: Vec<&str> = text.lines().collect();
+            // Up to this file's test module: tests may switch as they like.
+            let end = lines
+                .iter()
+                .position(|l| l.trim_start().starts_with("#[cfg(test)]"))
+                .unwrap_or(lines.len());
+            for (i, line) in lines[..end].iter().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                if !SWITCHES.iter().any(|s| code.contains(s)) {
+                    continue;
+                }
+                hits += 1;
+                let before = lines[..i].iter().rev();
+                let excused = lines[..i]
+                    .iter()
+                    .rev()
+                    .take_while(|l| l.trim_start().starts_with("//"))
+                    .any(|l| l.trim_start().starts_with("// No hook:"));
+                let hooked = code.contains("relaxed(")
+                    || before
+                        .take_while(|l| !l.contains("fn "))
+                        .any(|l| l.contains("before_switch()"));
+                if !(excused || hooked) {
+                    missing.push(format!("{}:{}: {}", p.display(), i + 1, line.trim()));
+                }
+            }
+        }
+        assert!(
+            hits >= 8,
+            "the scan found only {hits} switches: it no longer reads the backend"
+        );
+        assert!(
+            missing.is_empty(),
+            "context switches without probe::before_switch first:\n{}",
+            missing.join("\n")
+        );
+    }
 }
