@@ -7,7 +7,8 @@ vmmbuf trace (CSV: op,id,bytes,stream,time_us), for replay through an Arena.
 The workloads are those of torch_allocators.py (--workload transformer: an
 nn.TransformerEncoder on random sequence lengths, where PyTorch's native
 caching allocator fragments; --workload conv: a conv net on random batch
-sizes), trained with AdamW, fixed seed. The recorded transformer trace in
+sizes; vision-res, causal-lm, kv-decode and transformer-xl as there),
+trained with AdamW (kv-decode: decoded without gradients), fixed seed. The recorded transformer trace in
 the repository predates the shared workload code: the same model, written
 out here before. torch.cuda.memory._record_memory_history records every
 alloc and free; _snapshot() hands them over. Frees are taken when requested
@@ -30,20 +31,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--workload", choices=torch_allocators.WORKLOADS, default="transformer")
+    ap.add_argument("--workload", default="transformer",
+                    choices=torch_allocators.WORKLOADS + torch_allocators.EXTRA_WORKLOADS)
     args = ap.parse_args()
     torch.manual_seed(0)
     rng = random.Random(0)
     dev = torch.device("cuda")
     torch.cuda.memory._record_memory_history(max_entries=2_000_000)
-    model, batch, loss_of = torch_allocators.build(args.workload, torch, dev)
+    model, batch, loss_of, train = torch_allocators.build(args.workload, torch, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for step in range(args.steps):
         x, y = batch(rng)
-        loss = loss_of(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        if train:
+            loss = loss_of(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        else:  # kv-decode: inference, as torch_allocators.py runs it
+            with torch.no_grad():
+                loss = loss_of(model(x), y)
         if step % 10 == 0:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
     torch.cuda.synchronize()
