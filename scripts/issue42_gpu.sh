@@ -9,6 +9,7 @@
 #                                           # cudaMallocAsync, vmmbuf and vmmbuf-move (2 MiB chunks,
 #                                           # free chunks moved to where it grows), interleaved, on
 #                                           # the Transformer, causal-lm, the conv net, vision-res, kv-decode
+#                                           # (ALLOCS=...,vmmbuf-move4: the same moves with 4 MiB chunks)
 # Logs go to $OUT (or /tmp/issue42).
 set -uo pipefail
 OUT=${OUT:-/tmp/issue42}; mkdir -p "$OUT"
