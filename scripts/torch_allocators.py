@@ -62,7 +62,7 @@ CONF = {
     # after warm-up up to 1.35-1.79x where shapes change at every step).
     "vmmbuf-move": None,
     # Only when named: the same with 4 MiB chunks. Host replays (session
-    # 1128g, fences 100 events late): half the chunks mapped and 40-45%
+    # 1128g, fences 100 events late): half the chunks mapped and 34-43%
     # fewer moved, at 1.0045-1.0093x the peak allocated on causal LM,
     # vision-res and the conv net (2 MiB: 1.0018-1.0039x); the Transformer
     # 1.0177x (2 MiB: 1.0113x).
