@@ -217,8 +217,9 @@ def set_host_cache_limit(bytes: int) -> None:
     _native.set_host_cache_limit(_check.integer("bytes", bytes, maximum=_check.MAX_LIMIT))
 
 
-def _device(device: Optional[int]) -> int:
-    """``device`` (checked: a device this machine has), or the current CUDA
+def _device(device: Union[None, int, str]) -> int:
+    """``device`` (checked: an integer naming a device this machine has; a
+    string is refused with the reason), or the current CUDA
     device where PyTorch is loaded and has one (each rank of a multi-GPU job
     works on its own), else 0."""
     if device is not None:

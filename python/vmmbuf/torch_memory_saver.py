@@ -51,7 +51,7 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from . import _check, _native
 from . import tag as _tagged
@@ -502,7 +502,7 @@ def _backup_backend(enable_cpu_backup: bool, backend: Optional[str],
     return default or "pinned"
 
 
-def _disk_file_bytes(env: Dict[str, str]) -> int:
+def _disk_file_bytes(env: Mapping[str, str]) -> int:
     """The most bytes one disk backup file holds: torch_memory_saver's
     ``TMS_DISK_BACKUP_CHUNK_MB`` (whole MiB, at least 1), 0 (a file per
     chunk) where it is not set."""
