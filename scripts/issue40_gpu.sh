@@ -11,6 +11,8 @@
 #   bash scripts/issue40_gpu.sh diagnose N # what registered FSDP's 14% and the slower pause on 4 ranks are:
 #                                          # FSDP with vmmbuf-ready and vmmbuf-hooked beside vmmbuf-nccl (ROUNDS, 2),
 #                                          # then the RL step with vmmbuf-nopeer and the sleeps' debug lines
+#   bash scripts/issue40_gpu.sh parity N   # FSDP on N GPUs, vmmbuf against native and expandable segments,
+#                                          # ROUNDS (7) interleaved rounds, step by step (session 1128g's call U)
 #   bash scripts/issue40_gpu.sh before N   # this wheel against the one in .gpu/wheels-alt/ (vmmbuf-alt) in the
 #                                          # same rounds: FSDP on N GPUs (ROUNDS, 6), step by step, then
 #                                          # torch_alloc_cost.py on GPU 0 (the plug-in's cost per pair)
@@ -71,6 +73,15 @@ case "${1:-}" in
     echo "rl_ranks exit $?"; grep -v '^{' "$OUT/diag-rl-${n}gpu.txt" | grep '^|' | tail -n 14
     for v in vmmbuf vmmbuf-nopeer; do echo "== $v"; grep -hE "arena (asleep|awake)" "$OUT/diag-rl-logs/$v.log" \
       | grep -oE "(mode|bytes|total_us|wait_us|acquire_us|copy_us|swap_us|dispose_us)=[^ ]+" | paste -sd' ' | cut -c1-900; done ;;
+  parity)
+    source scripts/gpu_env.sh >/dev/null
+    python -c "import vmmbuf" || { echo "issue40_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
+    n=${2:-2}
+    nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+    timeout -s TERM "${DIST_SECS:-530}" python3 -u scripts/dist_train.py --all --nproc "$n" \
+      --budget $(( ${DIST_SECS:-530} - 25 )) --modes fsdp --allocs native,expandable,vmmbuf \
+      --rounds "${ROUNDS:-7}" --steps "${DIST_STEPS:-40}" --out "$OUT/parity-${n}gpu.json" > "$OUT/parity-${n}gpu.txt" 2>&1
+    echo "dist_train exit $?"; grep -v '^{' "$OUT/parity-${n}gpu.txt" | tail -n 30 ;;
   before)
     source scripts/gpu_env.sh >/dev/null
     n=${2:-2}; ALT=/tmp/alt; rm -rf "$ALT"
@@ -84,5 +95,5 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=0 timeout -s TERM "${COST_SECS:-240}" python3 scripts/torch_alloc_cost.py \
       --allocs native,expandable,vmmbuf,vmmbuf-alt --rounds "${ROUNDS:-6}" > "$OUT/before-cost.txt" 2>&1
     echo "torch_alloc_cost exit $?"; cat "$OUT/before-cost.txt" ;;
-  *) echo "usage: $0 straddle | stress N | tables N | diagnose N | before N" >&2; exit 2 ;;
+  *) echo "usage: $0 straddle | stress N | tables N | diagnose N | parity N | before N" >&2; exit 2 ;;
 esac
