@@ -10,6 +10,9 @@
 #                                           # free chunks moved to where it grows), interleaved, on
 #                                           # the Transformer, causal-lm, the conv net, vision-res, kv-decode
 #                                           # (ALLOCS=...,vmmbuf-move4: the same moves with 4 MiB chunks)
+#                                           # STEPS, and WARMUP (5): steps left out of the steady mean;
+#                                           # the moves come at new peaks, so a longer run shows what
+#                                           # they cost once the shapes have been seen
 # Logs go to $OUT (or /tmp/issue42).
 set -uo pipefail
 OUT=${OUT:-/tmp/issue42}; mkdir -p "$OUT"
@@ -22,7 +25,7 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s TERM "${SECS:-560}" python3 -u scripts/torch_allocators.py --all \
       --workloads "${WORKLOADS:-transformer,causal-lm,conv,vision-res,kv-decode}" \
       --allocs "${ALLOCS:-native,expandable,async,vmmbuf,vmmbuf-move}" --repeats "${REPEATS:-2}" \
-      --steps "${STEPS:-40}" --json "$OUT/allocators.json" > "$OUT/allocators.txt" 2>&1
+      --steps "${STEPS:-40}" --warmup "${WARMUP:-5}" --json "$OUT/allocators.json" > "$OUT/allocators.txt" 2>&1
     echo "footprint: exit $?"; grep -v '^{' "$OUT/allocators.txt" | tail -n 40 ;;
   *) echo "usage: $0 rl | footprint" >&2; exit 2 ;;
 esac

@@ -78,8 +78,9 @@ VARIANT_ENV = {
 WORKLOADS = ("transformer", "conv")
 EXTRA_WORKLOADS = ("transformer-xl", "vision-res", "causal-lm", "kv-decode")
 HERE = os.path.dirname(os.path.abspath(__file__))
-# Steps left out of the steady mean (see run_one).
-WARMUP = 5
+# Steps left out of the steady mean and the step-by-step pairing (see
+# run_one; --warmup sets it, for this process and the runs it starts).
+WARMUP = int(os.environ.get("TORCH_ALLOCATORS_WARMUP", "5"))
 OOM_EXIT = 3
 
 
@@ -543,6 +544,7 @@ def sleep_run(a):
 
 
 def main():
+    global WARMUP
     ap = argparse.ArgumentParser()
     ap.add_argument("--alloc", choices=list(CONF))
     ap.add_argument("--workload", choices=WORKLOADS + EXTRA_WORKLOADS, default="transformer")
@@ -553,6 +555,9 @@ def main():
     ap.add_argument("--budgets", action="store_true")
     ap.add_argument("--sleep", action="store_true")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int,
+                    help=f"steps left out of the steady mean and the pairing (default {WARMUP}): "
+                         "moving free chunks costs most in the steps that reach a new peak")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, help="bytes (one run)")
     ap.add_argument("--sleep-at", type=int, help="sleep and wake before this step (vmmbuf)")
@@ -562,6 +567,11 @@ def main():
     ap.add_argument("--floor", action="store_true",
                     help="at the end, free everything and report what the process still takes")
     a = ap.parse_args()
+    if a.warmup is not None:
+        if not 0 <= a.warmup < a.steps:
+            ap.error(f"--warmup {a.warmup}: from 0 to --steps less one ({a.steps - 1})")
+        WARMUP = a.warmup
+        os.environ["TORCH_ALLOCATORS_WARMUP"] = str(a.warmup)  # the runs it starts
     a.workloads = a.workloads.split(",")
     a.allocs = [x for x in a.allocs.split(",") if x]
     unknown = [x for x in a.allocs if x not in CONF]
