@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from . import _check, _native
 from .errors import CapacityError, InvalidArgumentError, UnsupportedError
@@ -167,7 +167,7 @@ class GrowableTensor:
         self._buf = _native.Buffer(self.max_rows * self.row_bytes, self.device, pooled)
         # Per library, a view of every mapped row and the rows it covers:
         # append writes through it instead of exporting a view per call.
-        self._wide: dict = {}
+        self._wide: Dict[str, Any] = {}
         _LIVE.add(self)
 
     # Sizes ---------------------------------------------------------------
@@ -365,7 +365,7 @@ class _Exporter:
 _LIVE: "weakref.WeakSet[GrowableTensor]" = weakref.WeakSet()
 
 
-def figures(device: Optional[int]) -> dict:
+def figures(device: Optional[int]) -> Dict[str, Any]:
     """What the live GrowableTensors on ``device`` (None: host memory) hold,
     under the keys ``vmmbuf.stats()`` reports; empty if there are none."""
     mine = [t for t in list(_LIVE) if t.device == device]

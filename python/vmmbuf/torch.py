@@ -134,7 +134,7 @@ def _dev(device: Any) -> int:
     """A CUDA device PyTorch has: None (the current one), an int, "cuda",
     "cuda:N" or a ``torch.device``; anything else is refused in words."""
     if device is None:
-        return torch.cuda.current_device()
+        return int(torch.cuda.current_device())
     if isinstance(device, (int, bool)) or hasattr(device, "__index__"):
         return _check.device(device, torch.cuda.device_count())
     try:
@@ -145,7 +145,7 @@ def _dev(device: Any) -> int:
     if d.type != "cuda":
         raise InvalidArgumentError(f"device {device!r} is not a CUDA device")
     if d.index is None:
-        return torch.cuda.current_device()
+        return int(torch.cuda.current_device())
     return _check.device(d.index, torch.cuda.device_count())
 
 
