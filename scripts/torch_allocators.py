@@ -249,15 +249,8 @@ def run_one(a):
             x, y = batch(rng)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            if train:
-                loss = loss_of(model(x), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                with tag():  # the optimizer's state is made at its first step
-                    opt.step()
-            else:
-                with torch.no_grad():
-                    loss = loss_of(model(x), y)
+            # The optimizer's state is made at its first step (tagged).
+            loss = step_once(torch, model, opt, loss_of, train, x, y, tag)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
             losses.append(loss.item())
@@ -334,6 +327,21 @@ class _nullcontext:
 
     def __exit__(self, *a):
         return False
+
+
+def step_once(torch, model, opt, loss_of, train, x, y, opt_ctx=_nullcontext):
+    """One step of a workload of `build`: forward, backward and the
+    optimizer's step (inside `opt_ctx()`) where it trains, else a forward
+    without gradients. Returns the loss."""
+    if not train:
+        with torch.no_grad():
+            return loss_of(model(x), y)
+    loss = loss_of(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    with opt_ctx():
+        opt.step()
+    return loss
 
 
 def sleep_and_wake(torch, vt, model, opt, free0):

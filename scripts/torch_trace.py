@@ -7,10 +7,11 @@ vmmbuf trace (CSV: op,id,bytes,stream,time_us), for replay through an Arena.
 The workloads are those of torch_allocators.py (--workload transformer: an
 nn.TransformerEncoder on random sequence lengths, where PyTorch's native
 caching allocator fragments; --workload conv: a conv net on random batch
-sizes; vision-res, causal-lm, kv-decode and transformer-xl as there),
-trained with AdamW (kv-decode: decoded without gradients), fixed seed. The recorded transformer trace in
-the repository predates the shared workload code: the same model, written
-out here before. torch.cuda.memory._record_memory_history records every
+sizes; vision-res, causal-lm, kv-decode and transformer-xl as there), each
+step as torch_allocators.py takes it (trained with AdamW; kv-decode decoded
+without gradients), fixed seed. The recorded transformer trace in the
+repository predates the shared workload code: the same model, written out
+here before. torch.cuda.memory._record_memory_history records every
 alloc and free; _snapshot() hands them over. Frees are taken when requested
 (free_requested), falling back to free_completed; the arena keeps stream
 order itself. PyTorch's own peaks are printed for reference.
@@ -42,14 +43,7 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for step in range(args.steps):
         x, y = batch(rng)
-        if train:
-            loss = loss_of(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        else:  # kv-decode: inference, as torch_allocators.py runs it
-            with torch.no_grad():
-                loss = loss_of(model(x), y)
+        loss = torch_allocators.step_once(torch, model, opt, loss_of, train, x, y)
         if step % 10 == 0:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
     torch.cuda.synchronize()
