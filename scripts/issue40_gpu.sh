@@ -21,6 +21,20 @@ set -uo pipefail
 OUT=${OUT:-/tmp/issue40}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 PYTHONFAULTHANDLER=1
 NG=$(nvidia-smi -L 2>/dev/null | wc -l)
+# The wheel in .gpu/wheels/ is installed and imports (else exit 3).
+imports() {
+  python -c "import vmmbuf" || { echo "issue40_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
+}
+# dist_train.py --all as NAME on N GPUs within SECS (no round started that
+# would end past SECS less 20), ROUNDS rounds of MODES and ALLOCS; its
+# output in $OUT/NAME.txt (last TAIL lines shown) and per-step JSON in
+# $OUT/NAME.json.
+dist() { # NAME N SECS ROUNDS TAIL MODES ALLOCS
+  timeout -s TERM "$3" python3 -u scripts/dist_train.py --all --nproc "$2" --budget $(( $3 - 20 )) \
+    --modes "$6" --allocs "$7" --rounds "$4" --steps "${DIST_STEPS:-40}" \
+    --out "$OUT/$1.json" > "$OUT/$1.txt" 2>&1
+  echo "dist_train exit $?"; grep -v '^{' "$OUT/$1.txt" | tail -n "$5"
+}
 straddle() { # $1 = dir of a wheel, $2 = label
   local P=/tmp/pk-$2; rm -rf "$P"; pip install -q --no-index --no-deps --target "$P" "$1"/*.whl
   for c in join reuse; do
@@ -48,13 +62,10 @@ case "${1:-}" in
       --stall 90 2>&1 | tee "$OUT/stress-${2:-2}gpu.log" | grep -vE "^\s*$" | tail -40 ;;
   tables)
     source scripts/gpu_env.sh >/dev/null
-    python -c "import vmmbuf" || { echo "issue40_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
+    imports
     n=${2:-2}
-    timeout -s TERM "${DIST_SECS:-540}" python3 -u scripts/dist_train.py --all --nproc "$n" \
-      --budget $(( ${DIST_SECS:-540} - 20 )) \
-      --modes "${MODES:-fsdp,ddp}" --allocs "${ALLOCS:-native,expandable,vmmbuf,vmmbuf-nodefer,vmmbuf-nccl}" \
-      --rounds "${ROUNDS:-4}" --steps "${DIST_STEPS:-40}" --out "$OUT/dist-${n}gpu.json" > "$OUT/dist-${n}gpu.txt" 2>&1
-    echo "dist_train exit $?"; grep -v '^{' "$OUT/dist-${n}gpu.txt" | tail -n 30
+    dist "dist-${n}gpu" "$n" "${DIST_SECS:-540}" "${ROUNDS:-4}" 30 "${MODES:-fsdp,ddp}" \
+      "${ALLOCS:-native,expandable,vmmbuf,vmmbuf-nodefer,vmmbuf-nccl}"
     REAL=/tmp/tms-real; rm -rf "$REAL"
     pip install -q --no-index --no-deps --target "$REAL" .peer/tms/wheels/*.whl || exit 3
     PYTHONPATH="$PYTHONPATH:$REAL" timeout -s TERM "${RL_SECS:-300}" python3 -u scripts/rl_ranks.py --all \
@@ -63,11 +74,8 @@ case "${1:-}" in
   diagnose)
     source scripts/gpu_env.sh >/dev/null
     n=${2:-4}
-    timeout -s TERM "${DIST_SECS:-330}" python3 -u scripts/dist_train.py --all --nproc "$n" \
-      --budget $(( ${DIST_SECS:-330} - 20 )) --modes fsdp \
-      --allocs native,expandable,vmmbuf,vmmbuf-nccl,vmmbuf-ready,vmmbuf-hooked --rounds "${ROUNDS:-2}" \
-      --steps "${DIST_STEPS:-40}" --out "$OUT/diag-fsdp-${n}gpu.json" > "$OUT/diag-fsdp-${n}gpu.txt" 2>&1
-    echo "dist_train exit $?"; grep -v '^{' "$OUT/diag-fsdp-${n}gpu.txt" | tail -n 24
+    dist "diag-fsdp-${n}gpu" "$n" "${DIST_SECS:-330}" "${ROUNDS:-2}" 24 fsdp \
+      native,expandable,vmmbuf,vmmbuf-nccl,vmmbuf-ready,vmmbuf-hooked
     RL_LOG_DIR="$OUT/diag-rl-logs" VMMBUF_LOG=debug timeout -s TERM "${RL_SECS:-200}" python3 -u scripts/rl_ranks.py --all --nproc "$n" \
       --variants none,vmmbuf,vmmbuf-nopeer --iters "${ITERS:-4}" --timeout 90 > "$OUT/diag-rl-${n}gpu.txt" 2>&1
     echo "rl_ranks exit $?"; grep -v '^{' "$OUT/diag-rl-${n}gpu.txt" | grep '^|' | tail -n 14
@@ -75,23 +83,17 @@ case "${1:-}" in
       | grep -oE "(mode|bytes|total_us|wait_us|acquire_us|copy_us|swap_us|dispose_us)=[^ ]+" | paste -sd' ' | cut -c1-900; done ;;
   parity)
     source scripts/gpu_env.sh >/dev/null
-    python -c "import vmmbuf" || { echo "issue40_gpu: vmmbuf does not import (no wheel in .gpu/wheels?)" >&2; exit 3; }
+    imports
     n=${2:-2}
     nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-    timeout -s TERM "${DIST_SECS:-530}" python3 -u scripts/dist_train.py --all --nproc "$n" \
-      --budget $(( ${DIST_SECS:-530} - 25 )) --modes fsdp --allocs native,expandable,vmmbuf \
-      --rounds "${ROUNDS:-7}" --steps "${DIST_STEPS:-40}" --out "$OUT/parity-${n}gpu.json" > "$OUT/parity-${n}gpu.txt" 2>&1
-    echo "dist_train exit $?"; grep -v '^{' "$OUT/parity-${n}gpu.txt" | tail -n 30 ;;
+    # A 505 s budget, as session 1128g's call U had.
+    dist "parity-${n}gpu" "$n" "${DIST_SECS:-525}" "${ROUNDS:-7}" 30 fsdp native,expandable,vmmbuf ;;
   before)
     source scripts/gpu_env.sh >/dev/null
     n=${2:-2}; ALT=/tmp/alt; rm -rf "$ALT"
     pip install -q --no-index --no-deps --target "$ALT" .gpu/wheels-alt/*.whl || exit 3
     export DIST_ALT_PATH=$ALT
-    timeout -s TERM "${DIST_SECS:-540}" python3 -u scripts/dist_train.py --all --nproc "$n" \
-      --budget $(( ${DIST_SECS:-540} - 20 )) --modes fsdp \
-      --allocs native,expandable,vmmbuf,vmmbuf-alt --rounds "${ROUNDS:-6}" --steps "${DIST_STEPS:-40}" \
-      --out "$OUT/before-fsdp-${n}gpu.json" > "$OUT/before-fsdp-${n}gpu.txt" 2>&1
-    echo "dist_train exit $?"; grep -v '^{' "$OUT/before-fsdp-${n}gpu.txt" | tail -n 24
+    dist "before-fsdp-${n}gpu" "$n" "${DIST_SECS:-540}" "${ROUNDS:-6}" 24 fsdp native,expandable,vmmbuf,vmmbuf-alt
     CUDA_VISIBLE_DEVICES=0 timeout -s TERM "${COST_SECS:-240}" python3 scripts/torch_alloc_cost.py \
       --allocs native,expandable,vmmbuf,vmmbuf-alt --rounds "${ROUNDS:-6}" > "$OUT/before-cost.txt" 2>&1
     echo "torch_alloc_cost exit $?"; cat "$OUT/before-cost.txt" ;;
