@@ -421,14 +421,13 @@ mod lazy_tests {
                     continue;
                 }
                 hits += 1;
-                let before = lines[..i].iter().rev();
-                let excused = lines[..i]
-                    .iter()
-                    .rev()
+                // The lines above, nearest first.
+                let above = || lines[..i].iter().rev();
+                let excused = above()
                     .take_while(|l| l.trim_start().starts_with("//"))
                     .any(|l| l.trim_start().starts_with("// No hook:"));
                 let hooked = code.contains("relaxed(")
-                    || before
+                    || above()
                         .take_while(|l| !l.contains("fn "))
                         .any(|l| l.contains("before_switch()"));
                 if !(excused || hooked) {
