@@ -47,3 +47,33 @@ for exp in high-end-placement slack-without-release small-in-large; do
     esac
   done
 done
+# Both patches at once (high-end placement and small requests in large-zone fragments)
+git -C "$wt" checkout -q -- src
+git -C "$wt" apply "$here/high-end-placement.diff.txt"
+git -C "$wt" apply "$here/small-in-large.diff.txt"
+(cd "$wt" && cargo build -q --release --example replay)
+echo; echo "# high-end-placement and small-in-large together"
+for t in $traces; do
+  echo "== ${t##*/}"
+  for h in 1 2; do echo -n "moves, VMMBUF_EXP_HIGH=$h VMMBUF_EXP_SMALL_IN_LARGE=1: "; VMMBUF_MOVE_FREE=1 VMMBUF_EXP_HIGH=$h VMMBUF_EXP_SMALL_IN_LARGE=1 run "$t"; done
+done
+# 2 MiB against 4 MiB chunks with moves on the long traces (main, no patch)
+git -C "$wt" checkout -q -- src
+(cd "$wt" && cargo build -q --release --example replay)
+echo; echo "# chunk size with moves, long traces (main 805ede1)"
+for t in $lt/causal-lm-long.csv.gz $lt/transformer-long.csv.gz; do
+  echo "== ${t##*/}"
+  for c in 2 4; do echo -n "moves, VMMBUF_CHUNK_MIB=$c: "; VMMBUF_MOVE_FREE=1 VMMBUF_CHUNK_MIB=$c run "$t"; done
+done
+echo; echo "# chunks moved in each tenth of the long causal-LM trace (the trace cut after k tenths of its lines), main 805ede1"
+zcat "$lt/causal-lm-long.csv.gz" > "$lt/cl.csv"
+n=$(wc -l < "$lt/cl.csv")
+for c in 2 4; do
+  prev=0; echo -n "VMMBUF_CHUNK_MIB=$c:"
+  for k in 1 2 3 4 5 6 7 8 9 10; do
+    head -n $((n * k / 10)) "$lt/cl.csv" > "$lt/cut.csv"
+    m=$(VMMBUF_MOVE_FREE=1 VMMBUF_CHUNK_MIB=$c "$wt/target/release/examples/replay" "$lt/cut.csv" 2>&1 | grep -o 'chunks moved [0-9]*' | awk '{print $3}')
+    echo -n " +$((m - prev))"; prev=$m
+  done
+  echo
+done
