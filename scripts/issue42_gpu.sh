@@ -9,7 +9,8 @@
 #                                           # cudaMallocAsync, vmmbuf and vmmbuf-move (2 MiB chunks,
 #                                           # free chunks moved to where it grows), interleaved, on
 #                                           # the Transformer, causal-lm, the conv net, vision-res, kv-decode
-#                                           # (ALLOCS=...,vmmbuf-move4: the same moves with 4 MiB chunks)
+#                                           # (ALLOCS=...,vmmbuf-move4: the same moves with 4 MiB chunks;
+#                                           # on long host replays they moved more than 2 MiB, 1128h)
 #                                           # STEPS, and WARMUP (5): steps left out of the steady mean;
 #                                           # the moves come at new peaks, so a longer run shows what
 #                                           # they cost once the shapes have been seen
