@@ -53,6 +53,8 @@ import threading
 import warnings
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
+import torch
+
 from . import _check, _native
 from . import tag as _tagged
 from .errors import InvalidArgumentError, UnsupportedError
@@ -183,7 +185,6 @@ class TorchMemorySaver:
                 "the first CUDA tensor, or TMS_INIT_ENABLE=1) or preload mode (hook_mode = "
                 "'preload'): PyTorch serves a graph's pool from its own allocator otherwise")
         as_tag = self._note(tag, kind)
-        import torch
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                               capture_error_mode=capture_error_mode):
             # The graph's own pool keeps its memory apart already.
@@ -209,14 +210,12 @@ class TorchMemorySaver:
             # that is disposed of as the block ends, as torch_memory_saver
             # does: its memory goes back to the driver rather than staying
             # in PyTorch's cache beside the paused memory.
-            import torch
             with _tagged(""):
                 pool = torch.cuda.MemPool()
                 with torch.cuda.use_mem_pool(pool):
                     yield
                 del pool
         else:
-            import torch
             pool = torch.cuda.MemPool()
             try:
                 with torch.cuda.use_mem_pool(pool):
@@ -351,7 +350,6 @@ class TorchMemorySaver:
         zero_copy = _check.flag("zero_copy", zero_copy)
         if not getattr(x, "is_cuda", False):
             raise InvalidArgumentError(f"get_cpu_backup takes a CUDA tensor, not {type(x).__name__}")
-        import torch
         if not x.is_contiguous():
             raise InvalidArgumentError(
                 f"get_cpu_backup takes a contiguous tensor (shape {tuple(x.shape)}, "
@@ -538,7 +536,6 @@ def _allocating_as(tag: str, preload: bool = False,
             with _tagged(tag):
                 yield
             return
-        import torch
         key = (tag, torch.cuda.current_device())
         pool = pools.get(key)
         if pool is None:
