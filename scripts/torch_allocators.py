@@ -65,7 +65,8 @@ CONF = {
     # 1128g, fences 100 events late): half the chunks mapped and 34-43%
     # fewer moved, at 1.0045-1.0093x the peak allocated on causal LM,
     # vision-res and the conv net (2 MiB: 1.0018-1.0039x); the Transformer
-    # 1.0177x (2 MiB: 1.0113x).
+    # 1.0177x (2 MiB: 1.0113x). On long synthesized traces (session 1128h)
+    # they moved more, not fewer (causal LM 5806 against 3076) at 1.0133x.
     "vmmbuf-move4": None,
 }
 DEFAULT_ALLOCS = ("native", "expandable", "async", "vmmbuf")
