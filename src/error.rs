@@ -144,6 +144,19 @@ pub enum Error {
         /// The importer's generation.
         have: u64,
     },
+    /// A disk backup could not be made in the spill directory (it does not
+    /// exist, cannot be written, or the disk lacks the room): nothing was
+    /// put to sleep by the failing step.
+    #[error("cannot spill {bytes} bytes into {}: {source}", dir.display())]
+    Spill {
+        /// The spill directory.
+        dir: std::path::PathBuf,
+        /// The bytes the file needed.
+        bytes: usize,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// An operating-system call of the host backend failed.
     #[error("{call} failed: {source}")]
     Os {

@@ -54,11 +54,11 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// pools free nothing.
     pub fn release_graph(&self, graph: GraphPoolId) -> Result<usize> {
         let mut st = self.shared.state.lock();
-        let Some(pool) = st.heap.graphs.remove(&graph) else {
+        let Some(gone) = st.heap.graphs.release(graph) else {
             return Ok(0);
         };
         let mut freed = 0;
-        for (o, h) in pool.held {
+        for (o, h) in gone {
             freed += h.size;
             st.note_free(o, h.size);
             if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(o)) {
@@ -93,11 +93,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// allocations.
     pub fn graph_pools(&self) -> Vec<(GraphPoolId, usize, usize)> {
         let st = self.shared.state.lock();
-        st.heap
-            .graphs
-            .iter()
-            .map(|(&id, p)| (id, p.held_bytes(), p.live))
-            .collect()
+        st.heap.graphs.pools()
     }
 
     fn alloc_inner(
@@ -167,7 +163,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         key: StreamKey,
         graph: Option<GraphPoolId>,
     ) -> Result<(usize, bool)> {
-        if let Some(o) = graph.and_then(|g| st.heap.graphs.get_mut(&g)?.take(size, key)) {
+        if let Some(o) = graph.and_then(|g| st.heap.graphs.take(g, size, key)) {
             return Ok((o, true));
         }
         let find_key = if graph.is_some() { GRAPH_KEY } else { key };

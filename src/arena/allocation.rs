@@ -277,12 +277,18 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         };
         self.owe(&mut st, graph, owed_on, failed, &mut fences);
         self.settle_accounts(&mut st, graph);
-        // The graph that keeps the block: the one it came from while that
-        // graph lives (its replays use the bytes, whatever capture frees
-        // them), else the one it is freed into.
-        match graph.filter(|g| st.heap.graphs.contains_key(g)).or(into) {
-            Some(g) => self.keep_in_graph(&mut st, g, into.is_some() && no_other_stream, fences),
-            None => self.give_back(&mut st, owed_on, fences),
+        // The graphs that keep the block (see `graph`'s rule): the one it
+        // came from while that graph lives, and the one whose capture
+        // frees it; with none, it goes back.
+        let graphs: Vec<GraphPoolId> = graph
+            .filter(|&g| st.heap.graphs.contains(g))
+            .into_iter()
+            .chain(into)
+            .collect();
+        if graphs.is_empty() {
+            self.give_back(&mut st, owed_on, fences);
+        } else {
+            self.keep_in_graphs(&mut st, graphs, into.is_some() && no_other_stream, fences);
         }
         self.arena.count(&mut st);
     }
@@ -368,23 +374,25 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         st.stats.num_frees += 1;
     }
 
-    /// The block becomes graph `g`'s until its release, retaken in the
-    /// capture only if it was freed into a graph during its capture and
-    /// used by nothing but its own, captured, stream (`retakable`), and
-    /// nothing was queued on it before.
-    fn keep_in_graph(
+    /// The block is held for `graphs` until the last of them is
+    /// released; retaken in the capture only if it was freed into a graph
+    /// during its capture, used by nothing but its own, captured, stream
+    /// (`retakable`), nothing was queued on it before, and no other graph
+    /// references it.
+    fn keep_in_graphs(
         &self,
         st: &mut State<B>,
-        g: GraphPoolId,
+        graphs: Vec<GraphPoolId>,
         retakable: bool,
         fences: FenceSet<Mark<B::Fence>>,
     ) {
         let reuse = (retakable && fences.is_empty()).then_some(self.stream.key());
         let zone = st.zone_range(self.offset);
-        st.heap.graphs.entry(g).or_default().put(
+        st.heap.graphs.put(
             self.offset,
             Held {
                 size: self.size,
+                graphs,
                 reuse,
                 fences,
             },

@@ -7,11 +7,10 @@
 //! not join its neighbour (a chunk's start under a map hook) the caller
 //! passes those walls in.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::blocks::{Blocks, Free, StreamKey};
-use super::graph::{GraphPool, GraphPoolId};
+use super::graph::{GraphPoolId, Graphs};
 use super::owed::{Mark, Owed};
 use super::Live;
 use crate::backend::Uses;
@@ -38,8 +37,9 @@ pub(super) struct Heap<F> {
     /// Live allocations by offset: a hash map, consulted at every alloc
     /// and free (with cold caches a tree costs several misses a call).
     pub(super) live: crate::hash::QuickMap<usize, Live<F>>,
-    /// The blocks CUDA graphs hold (see `Arena::alloc_in_graph`).
-    pub(super) graphs: BTreeMap<GraphPoolId, GraphPool<Mark<F>>>,
+    /// The blocks CUDA graphs hold, each with the graphs that reference
+    /// it (see [`graph`](super::graph) for the rule).
+    pub(super) graphs: Graphs<Mark<F>>,
     /// Frees whose fence is deferred, per stream (see [`owed`](super::owed)).
     pub(super) owed: Owed<F>,
     /// Empty use lists of freed allocations, for the next ones: one heap
@@ -61,7 +61,7 @@ impl<F> Heap<F> {
             },
             small_end,
             live: Default::default(),
-            graphs: BTreeMap::new(),
+            graphs: Graphs::default(),
             owed: Owed::default(),
             spare_uses: Vec::with_capacity(SPARE_USES),
         }
@@ -93,7 +93,7 @@ impl<F> Heap<F> {
     /// The ranges graphs hold free, `(offset, bytes)`: allocated, for
     /// everything but the graph.
     pub(super) fn graph_held(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.graphs.values().flat_map(|g| g.ranges())
+        self.graphs.ranges()
     }
 
     /// Every free block of both zones.
@@ -148,7 +148,7 @@ impl<F> Heap<F> {
             },
         );
         if let Some(g) = graph {
-            self.graphs.entry(g).or_default().live += 1;
+            self.graphs.note_live(g);
         }
         self.allocated += size;
         self.requested += requested;
@@ -176,9 +176,7 @@ impl<F> Heap<F> {
         self.allocated -= size;
         self.requested -= requested;
         if let Some(g) = graph {
-            if let Some(p) = self.graphs.get_mut(&g) {
-                p.live -= 1;
-            }
+            self.graphs.note_freed(g);
         }
     }
 }
@@ -289,7 +287,7 @@ mod tests {
         }
         for g in 1..3u64 {
             let want = model.live.iter().filter(|l| l.4 == g).count();
-            let got = heap.graphs.get(&GraphPoolId(g)).map_or(0, |p| p.live);
+            let got = heap.graphs.live_of(GraphPoolId(g));
             if got != want {
                 return Err(format!("graph {g}: {got} live, the model {want}"));
             }

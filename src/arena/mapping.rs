@@ -580,7 +580,7 @@ impl<B: Backend> Shared<B> {
         for (_, f) in zones.iter().flat_map(|z| z.iter()) {
             owed.wait_set(backend, &f.fences)?;
         }
-        for h in graphs.values().flat_map(|g| g.held.values()) {
+        for (_, h) in graphs.blocks() {
             owed.wait_set(backend, &h.fences)?;
         }
         self.reap_ghosts(st, true)
@@ -734,7 +734,7 @@ impl<B: Backend> Shared<B> {
         let graph: usize = if st.heap.graphs.is_empty() {
             0
         } else {
-            st.heap.graphs.values().map(|g| g.held_bytes()).sum()
+            st.heap.graphs.held_bytes()
         };
         let split = st.split.inactive_split();
         let s = &mut st.stats;
@@ -750,7 +750,7 @@ impl<B: Backend> Shared<B> {
         let mapped = st.region.table.mapped_bytes();
         let split = st.split.inactive_split();
         let s = &mut st.stats;
-        s.graph_bytes = st.heap.graphs.values().map(|g| g.held_bytes()).sum();
+        s.graph_bytes = st.heap.graphs.held_bytes();
         s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
         s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
         s.pageable_bytes = st.asleep.as_ref().map_or(0, |a| a.pageable_bytes())

@@ -624,15 +624,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 stream: if f.settled() { None } else { f.stream },
                 graph: None,
             }))
-            .chain(st.heap.graphs.iter().flat_map(|(&g, p)| {
-                p.ranges().map(move |(o, b)| BlockInfo {
-                    offset: o,
-                    bytes: b,
-                    allocated: false,
-                    requested_bytes: 0,
-                    stream: None,
-                    graph: Some(g),
-                })
+            .chain(st.heap.graphs.blocks().map(|(o, h)| BlockInfo {
+                offset: o,
+                bytes: h.size,
+                allocated: false,
+                requested_bytes: 0,
+                stream: None,
+                graph: h.graphs.first().copied(),
             }))
             .collect();
         blocks.sort_by_key(|b| b.offset);

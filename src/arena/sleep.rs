@@ -480,6 +480,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// or the stash holds already count; what changes in the arena before
     /// the sleep, the sleep fits. A discarding or pageable `desc` needs
     /// none. Returns the bytes created.
+    ///
+    /// A backup a wake kept ([`WakeDesc::keep_backup`]) is never touched:
+    /// while it is readable the stash is not refitted (its pieces stay
+    /// where [`read_backup`](Self::read_backup) and
+    /// [`backup_address`](Self::backup_address) find them); the pinned
+    /// pieces a refit would need are created into the pool instead, and
+    /// the next stashing sleep maps them.
     pub fn prepare_sleep(&self, desc: &SleepDesc) -> Result<usize> {
         if desc.mode == SleepMode::Discard || desc.mode.pages() {
             return Ok(0);
@@ -519,7 +526,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             loop {
                 let mut st = sh.state.lock();
                 st.region.check_poison()?;
-                if st.asleep.is_some() {
+                // Asleep, or a kept backup to leave as it is.
+                if st.asleep.is_some() || st.backup_kept {
                     break;
                 }
                 let mut bytes = 0;

@@ -17,9 +17,6 @@ pub(crate) struct PageableBuf {
     ptr: std::ptr::NonNull<u8>,
     #[cfg(target_os = "linux")]
     len: usize,
-    /// The file behind a file-backed buffer, removed at the drop.
-    #[cfg(target_os = "linux")]
-    file: Option<std::path::PathBuf>,
     #[cfg(not(target_os = "linux"))]
     buf: Vec<u8>,
 }
@@ -43,7 +40,6 @@ impl PageableBuf {
                 return Ok(Self {
                     ptr: std::ptr::NonNull::dangling(),
                     len: 0,
-                    file: None,
                 });
             }
             // SAFETY: a fresh anonymous mapping at an address the kernel
@@ -60,7 +56,6 @@ impl PageableBuf {
             Ok(Self {
                 ptr: std::ptr::NonNull::new(p.cast()).expect("mmap returned null"),
                 len,
-                file: None,
             })
         }
         #[cfg(not(target_os = "linux"))]
@@ -75,70 +70,54 @@ impl PageableBuf {
         }
     }
 
-    /// A buffer of `len` bytes in a new file of `dir` (named
-    /// `vmmbuf-<pid>-<n>.bak`), mapped shared: what is written goes to the
-    /// file (through the page cache, which the system may write back and
-    /// evict), and the file is removed when the buffer is dropped.
-    /// [`Error::Os`] if the file cannot be made or mapped (a full disk
-    /// too); [`Error::Unsupported`] outside Linux.
+    /// A buffer of `len` bytes in a new file of `dir`, mapped shared: what
+    /// is written goes to the file (through the page cache, which the
+    /// system may write back and evict). The file is private from the
+    /// start and never outlives the process: made without a name
+    /// (`O_TMPFILE`), or where the file system cannot, under a random
+    /// name unlinked at once (a name taken first is passed over); mode
+    /// 0600 either way. Its space is allocated at once, so a full disk is
+    /// an error here rather than a fault in the copy: [`Error::Spill`]
+    /// (naming the directory and the bytes) for any failure to make it;
+    /// [`Error::Unsupported`] outside Linux.
     pub(crate) fn in_file(dir: &std::path::Path, len: usize) -> Result<Self> {
         #[cfg(target_os = "linux")]
         {
-            use rustix::fs::{Mode, OFlags};
             use rustix::mm::{MapFlags, ProtFlags};
-            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let path = dir.join(format!("vmmbuf-{}-{n}.bak", std::process::id()));
-            let os = |call: &'static str| {
-                move |e: rustix::io::Errno| Error::Os {
-                    call,
-                    source: e.into(),
-                }
+            let spill = |e: rustix::io::Errno| Error::Spill {
+                dir: dir.to_path_buf(),
+                bytes: len,
+                source: e.into(),
             };
-            let fd = rustix::fs::open(
-                &path,
-                OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
-                Mode::from_raw_mode(0o600),
-            )
-            .map_err(os("open"))?;
-            // The file goes with the buffer; until the buffer exists, an
-            // error removes it here.
-            let made = (|| {
-                rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
-                // Space for every byte now, so that a full disk is an error
-                // here rather than a fault in the copy.
-                rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, len as u64)
-                    .map_err(os("fallocate"))?;
-                if len == 0 {
-                    return Ok(std::ptr::NonNull::dangling());
-                }
-                // SAFETY: a fresh shared mapping of a file this process just
-                // created, at an address the kernel picks: it aliases no
-                // Rust memory.
-                let p = unsafe {
-                    rustix::mm::mmap(
-                        std::ptr::null_mut(),
-                        len,
-                        ProtFlags::READ | ProtFlags::WRITE,
-                        MapFlags::SHARED,
-                        &fd,
-                        0,
-                    )
-                }
-                .map_err(|e| mmap_error(e, len))?;
-                Ok(std::ptr::NonNull::new(p.cast()).expect("mmap returned null"))
-            })();
-            match made {
-                Ok(ptr) => Ok(Self {
-                    ptr,
-                    len,
-                    file: Some(path),
-                }),
-                Err(e) => {
-                    let _ = std::fs::remove_file(&path);
-                    Err(e)
-                }
+            let fd = private_file(dir).map_err(spill)?;
+            rustix::fs::ftruncate(&fd, len as u64).map_err(spill)?;
+            rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, len as u64)
+                .map_err(spill)?;
+            if len == 0 {
+                return Ok(Self {
+                    ptr: std::ptr::NonNull::dangling(),
+                    len: 0,
+                });
             }
+            // SAFETY: a fresh shared mapping of a file only this process
+            // can reach, at an address the kernel picks: it aliases no
+            // Rust memory. The mapping keeps the file alive after `fd`
+            // closes.
+            let p = unsafe {
+                rustix::mm::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED,
+                    &fd,
+                    0,
+                )
+            }
+            .map_err(|e| mmap_error(e, len))?;
+            Ok(Self {
+                ptr: std::ptr::NonNull::new(p.cast()).expect("mmap returned null"),
+                len,
+            })
         }
         #[cfg(not(target_os = "linux"))]
         {
@@ -194,12 +173,43 @@ impl Drop for PageableBuf {
                 tracing::warn!(error = %e, bytes = self.len, "vmmbuf: munmap of a pageable backup failed");
             }
         }
-        if let Some(path) = self.file.take() {
-            if let Err(e) = std::fs::remove_file(&path) {
-                tracing::warn!(error = %e, path = %path.display(), "vmmbuf: removing a backup file failed");
+    }
+}
+
+/// A new file of `dir` that no other process can open or name: unnamed
+/// (`O_TMPFILE`), or, on a file system without it, created under a random
+/// name (`O_EXCL`: a name someone made first is passed over) and unlinked
+/// before it is used. Mode 0600.
+#[cfg(target_os = "linux")]
+fn private_file(dir: &std::path::Path) -> rustix::io::Result<rustix::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    use rustix::io::Errno;
+    let mode = Mode::from_raw_mode(0o600);
+    match rustix::fs::open(dir, OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC, mode) {
+        Ok(fd) => return Ok(fd),
+        // Not supported by this file system (or kernel): a named file.
+        Err(Errno::OPNOTSUPP | Errno::ISDIR | Errno::INVAL) => {}
+        Err(e) => return Err(e),
+    }
+    for n in 0..64u32 {
+        // The standard library's hasher keys come from the OS's randomness.
+        let r =
+            std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), n);
+        let path = dir.join(format!("vmmbuf-{r:016x}.bak"));
+        match rustix::fs::open(
+            &path,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            mode,
+        ) {
+            Ok(fd) => {
+                rustix::fs::unlink(&path)?;
+                return Ok(fd);
             }
+            Err(Errno::EXIST) => continue,
+            Err(e) => return Err(e),
         }
     }
+    Err(Errno::EXIST)
 }
 
 /// `mmap`'s error as the crate's: out of memory, or the system's cause.
@@ -246,32 +256,34 @@ mod tests {
         assert_eq!(e.len(), 0);
     }
 
-    /// A file-backed buffer is a file of the directory, of its length, that
-    /// holds what is written, removed at the drop; a directory that does
-    /// not exist is an error that leaves nothing.
+    /// A file-backed buffer holds what is written, and leaves nothing in
+    /// its directory, not even while it lives (a killed process leaves no
+    /// file behind); a directory that does not exist is a typed error
+    /// naming it and the bytes.
     #[cfg(target_os = "linux")]
     #[test]
-    fn a_file_buffer_is_a_file_until_dropped() {
+    fn a_file_buffer_leaves_no_file_behind() {
         let dir = std::env::temp_dir().join(format!("vmmbuf-pages-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut b = PageableBuf::in_file(&dir, 1 << 20).unwrap();
         for (i, x) in b.as_mut_slice().iter_mut().enumerate() {
             *x = (i % 253) as u8;
         }
-        let files: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .collect();
-        assert_eq!(files.len(), 1);
-        let on_disk = std::fs::read(&files[0]).unwrap();
-        assert_eq!(on_disk.len(), 1 << 20);
-        assert!(on_disk
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no name");
+        assert_eq!(b.len(), 1 << 20);
+        assert!(b
+            .as_slice()
             .iter()
             .enumerate()
             .all(|(i, &x)| x == (i % 253) as u8));
         drop(b);
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "removed");
-        assert!(PageableBuf::in_file(&dir.join("missing"), 4096).is_err());
+        let missing = dir.join("missing");
+        match PageableBuf::in_file(&missing, 4096) {
+            Err(crate::Error::Spill { dir: d, bytes, .. }) => {
+                assert_eq!((d, bytes), (missing, 4096))
+            }
+            other => panic!("expected a spill error, got {other:?}"),
+        }
         std::fs::remove_dir(&dir).unwrap();
     }
 }

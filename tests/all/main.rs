@@ -11,6 +11,7 @@ mod cuda_only;
 mod fault;
 mod faults;
 mod fuzz;
+mod graph_and_backup_promises;
 mod hooks;
 mod host_only;
 mod interop;
@@ -48,6 +49,7 @@ fn main() {
         cuda_only::trials(),
         faults::trials(),
         fuzz::trials(),
+        graph_and_backup_promises::trials(),
         hooks::trials(),
         host_only::trials(),
         interop::trials(),

@@ -80,6 +80,22 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
     }
 
+    /// Whether a backup readable now (a sleep's, or one a wake kept) holds
+    /// every byte of `[address, address + len)`: what
+    /// [`read_backup`](Self::read_backup) would find, asked without a
+    /// buffer (a caller sizes one only for a backup that exists).
+    pub fn holds_backup(&self, address: u64, len: usize) -> bool {
+        let Some((offset, end)) = self.offsets(address, len) else {
+            return false;
+        };
+        let mut guard = self.shared.state.lock();
+        match source(&mut guard) {
+            None => false,
+            Some(Source::Pages(paged)) => pages_hold(paged, offset, end),
+            Some(Source::Stash(stash)) => stash_holds(stash, offset, end),
+        }
+    }
+
     /// `[address, address + len)` as offsets in the arena, if it starts in
     /// it.
     fn offsets(&self, address: u64, len: usize) -> Option<(usize, usize)> {
@@ -136,6 +152,19 @@ fn stash_holds<B: Backend>(stash: &crate::region::Region<B>, offset: usize, end:
         .map(|(o, e)| (o + e.bytes).min(end) - o.max(offset))
         .sum();
     held == end - offset
+}
+
+/// Whether a pageable sleep's copies hold every byte of `offset..end`.
+fn pages_hold(paged: &[(usize, PageableBuf)], offset: usize, end: usize) -> bool {
+    let first = paged.partition_point(|(o, b)| o + b.len() <= offset);
+    let mut at = offset;
+    for (o, b) in &paged[first..] {
+        if at >= end || *o > at {
+            break;
+        }
+        at = (o + b.len()).min(end);
+    }
+    at >= end
 }
 
 /// Copies `[offset, offset + dst.len())` out of a pageable sleep's copies

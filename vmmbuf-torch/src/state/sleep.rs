@@ -161,12 +161,25 @@ pub(super) static HOST_LIMIT: std::sync::atomic::AtomicUsize =
 /// while the tag whose arena holds them is asleep so, or after a wake that
 /// kept them (torch_memory_saver's `get_cpu_backup`); `None` when no arena
 /// holds such a backup.
+///
+/// The buffer is made only for a backup that holds the range, and made
+/// fallibly: a size the host cannot give is
+/// [`Error::OutOfMemory`](vmmbuf::Error::OutOfMemory), never an abort.
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) fn read_backup(ptr: u64, bytes: usize) -> Result<Option<Vec<u8>>> {
-    let mut buf = vec![0u8; bytes];
     for (_, d) in all_devices() {
         let d = d.lock();
         for a in d.arenas.values() {
+            if !a.holds_backup(ptr, bytes) {
+                continue;
+            }
+            let mut buf = Vec::new();
+            buf.try_reserve_exact(bytes)
+                .map_err(|_| Error::OutOfMemory {
+                    call: "a host buffer for a backup's bytes",
+                    requested_bytes: bytes,
+                })?;
+            buf.resize(bytes, 0);
             if a.read_backup(ptr, &mut buf)? {
                 return Ok(Some(buf));
             }

@@ -1,0 +1,374 @@
+//! Frees into a second graph's capture, kept backups, disk backup files and
+//! captures that run out of memory: each test checks what the arena's
+//! documentation promises, and fails where the arena does otherwise.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use vmmbuf::{
+    Arena, ArenaDesc, ArenaStream, Backend, GraphPoolId, HostBackend, SleepDesc, SleepMode,
+    WakeDesc,
+};
+
+use crate::common::random_bytes;
+use crate::fault::{DoneStream as Q, FaultBackend, TestFence};
+
+crate::register! {
+    host: [
+        a_block_made_in_one_capture_and_freed_in_another_stays_while_either_graph_lives,
+        prepare_sleep_keeps_a_kept_stash_backup,
+        disk_backup_files_go_with_a_killed_process,
+        files_made_first_in_the_spill_directory_do_not_stop_a_disk_sleep,
+        out_of_memory_in_a_capture_never_synchronises,
+        a_stash_sleep_cut_short_loses_no_chunk,
+    ],
+    child: [spill_child_killed_asleep, spill_child_with_names_taken],
+}
+
+type Fb = FaultBackend<HostBackend>;
+const G: usize = 64 << 10;
+
+/// A stream whose fences pass when the test says so; every fence is logged.
+#[derive(Clone)]
+struct Ctl {
+    key: u64,
+    log: Arc<Mutex<Vec<TestFence>>>,
+}
+
+impl Ctl {
+    fn new(key: u64) -> Self {
+        Self {
+            key,
+            log: Arc::default(),
+        }
+    }
+
+    /// Every fence recorded so far passes (the stream's work finished).
+    fn finish(&self) {
+        self.log.lock().iter().for_each(|f| f.pass());
+    }
+}
+
+impl ArenaStream<Fb> for Ctl {
+    fn key(&self) -> (u64, u64) {
+        (0, self.key)
+    }
+    fn fence(&self, _: &Fb) -> vmmbuf::Result<TestFence> {
+        let f = TestFence::default();
+        self.log.lock().push(f.clone());
+        Ok(f)
+    }
+}
+
+/// An arena with room for `chunks` granules on a counting host backend.
+fn small_arena(chunks: usize, desc: ArenaDesc) -> (Arc<Fb>, Arena<Fb, Ctl>) {
+    let fb = FaultBackend::new(HostBackend::with_granularity(G).unwrap());
+    let a = Arena::new(fb.clone(), desc.max_reserved_bytes(chunks * G)).unwrap();
+    (fb, a)
+}
+
+/// The emulated GPU of the sleep tests: 256 KiB chunks of host memory.
+fn emulated() -> (Arc<Fb>, Arena<Fb, Q>) {
+    let fb = FaultBackend::emulating_gpu(crate::common::host());
+    let arena = Arena::new(
+        fb.clone(),
+        ArenaDesc::new(1 << 30).max_chunk_bytes(256 << 10),
+    )
+    .unwrap();
+    (fb, arena)
+}
+
+/// `free_into_graph(h)` of an allocation made in graph g's capture (g still
+/// alive): the block is kept by g alone. When g is released, the block goes
+/// back to the free index although h, whose capture used and freed it,
+/// lives on and replays at those addresses. The control (an allocation made
+/// outside any capture, freed into h) shows the block kept for h.
+fn a_block_made_in_one_capture_and_freed_in_another_stays_while_either_graph_lives() {
+    for from_graph in [false, true] {
+        let (_fb, arena) = small_arena(2, ArenaDesc::new(64 << 20));
+        let (s1, s2) = (Ctl::new(1), Ctl::new(2));
+        let (g, h) = (GraphPoolId(41), GraphPoolId(42));
+        // A: graph g's (say, g's output), or an ordinary allocation.
+        let a = if from_graph {
+            arena.alloc_in_graph(G, &s1, g).unwrap()
+        } else {
+            arena.alloc(G, &s1).unwrap()
+        };
+        let at = a.address();
+        // s1 is captured into h: h's work reads A, then A is freed.
+        a.free_into_graph(h);
+        let after_free = arena.graph_pools();
+        // g is destroyed (never replayed again); h lives on.
+        let released = arena.release_graph(g).unwrap();
+        let after_release = arena.graph_pools();
+        // s1's next call outside any capture, then its work finishes.
+        let c = arena.alloc(G, &s1).unwrap();
+        let c_at = c.address();
+        drop(c);
+        s1.finish();
+        let b = arena.alloc(G, &s2);
+        let b_at = b.as_ref().map(|b| b.address()).ok();
+        eprintln!(
+            "  A from graph g: {from_graph}; A at {at:#x}; pools after free_into_graph(h) \
+             {after_free:?}; release_graph(g) freed {released}, pools now {after_release:?}; \
+             s1 then got {c_at:#x}; s2 got {:?}",
+            b_at.map(|x| format!("{x:#x}"))
+        );
+        assert!(
+            c_at != at && b_at != Some(at),
+            "A from graph g: {from_graph}: A's bytes were handed out again (s1: {}, s2: {}) \
+             while graph h, whose capture used and freed them, is still alive",
+            c_at == at,
+            b_at == Some(at)
+        );
+        drop(b);
+        s2.finish();
+    }
+}
+
+/// `WakeDesc::keep_backup` keeps a stash's copy readable (`read_backup`,
+/// `backup_address`) "until the next sleep ... or `release_stash`".
+/// `prepare_sleep` (which torch_memory_saver's shim runs as every region
+/// with a pinned backup ends) refits the stash to the arena's new layout
+/// instead: the kept backup then reads as other bytes, still reported as
+/// the backup.
+fn prepare_sleep_keeps_a_kept_stash_backup() {
+    let (_fb, arena) = emulated();
+    let n = 300 << 10;
+    let mut a = arena.alloc(n, &Q(0)).unwrap();
+    let data = random_bytes(5, n);
+    a.write(0, &data).unwrap();
+    arena.sleep(&[Q(0)], &SleepDesc::stash()).unwrap();
+    arena.wake(&[Q(0)], &WakeDesc::keeping_backup()).unwrap();
+    let read = |arena: &Arena<Fb, Q>| {
+        let mut got = vec![0u8; n];
+        let ok = arena.read_backup(a.address(), &mut got).unwrap();
+        (ok, got == data, got[..8].to_vec())
+    };
+    let before = read(&arena);
+    let host_before = arena.backup_address(a.address(), n).unwrap();
+    assert!(before.0 && before.1, "the kept backup holds A: {before:?}");
+    // With nothing changed, preparing the next sleep keeps it.
+    arena.prepare_sleep(&SleepDesc::stash()).unwrap();
+    let unchanged = read(&arena);
+    // A new region allocates: the arena's run grows past A.
+    let b = arena.alloc(n, &Q(0)).unwrap();
+    arena.prepare_sleep(&SleepDesc::stash()).unwrap();
+    let after = read(&arena);
+    let host_after = arena.backup_address(a.address(), n).unwrap();
+    eprintln!(
+        "  read_backup (held, equal to A, first bytes): kept {before:?}; after a prepare \
+         with nothing new {unchanged:?}; after an allocation and a prepare {after:?}; \
+         backup_address {host_before:#x?} -> {host_after:#x?}"
+    );
+    assert!(
+        unchanged.0 && unchanged.1,
+        "an idle prepare_sleep changed the backup"
+    );
+    assert!(
+        !after.0 || after.1,
+        "prepare_sleep replaced the kept backup's memory: read_backup still answers true \
+         but returns other bytes ({:02x?} instead of {:02x?})",
+        after.2,
+        &data[..8]
+    );
+    drop((a, b));
+}
+
+/// The directory a child process of these tests spills into.
+fn spill_dir(what: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("vmmbuf-spill-test-{what}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).unwrap();
+    p
+}
+
+fn run_child(name: &str, dir: &std::path::Path) -> std::process::Output {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--ignored", "--test-threads=1"])
+        .env("VMMBUF_SPILL_TEST_DIR", dir)
+        .output()
+        .unwrap()
+}
+
+fn files_in(dir: &std::path::Path) -> Vec<(String, u64)> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                e.metadata().unwrap().len(),
+            )
+        })
+        .collect()
+}
+
+/// A disk sleep's files are named, created and removed only by path: a
+/// process killed while asleep (the OOM killer, a SIGKILL from a job
+/// scheduler) leaves every file behind, as large as the memory that slept,
+/// in the spill directory (torch_memory_saver's default: /tmp), where no
+/// later run removes them. Unlinked once mapped, they would go with the
+/// process.
+fn disk_backup_files_go_with_a_killed_process() {
+    let dir = spill_dir("killed");
+    let out = run_child("graph_and_backup_promises::spill_child_killed_asleep", &dir);
+    let left = files_in(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let said = err
+        .lines()
+        .find(|l| l.contains("killed child"))
+        .unwrap_or("");
+    eprintln!(
+        "  child: {:?} ({said}); files left in the spill directory: {} ({} bytes): {:?}",
+        out.status,
+        left.len(),
+        left.iter().map(|f| f.1).sum::<u64>(),
+        left.iter().take(4).collect::<Vec<_>>()
+    );
+    assert!(
+        said.contains("asleep"),
+        "the child did not reach its disk sleep: {err}"
+    );
+    assert!(
+        left.is_empty(),
+        "{} backup files of a killed process were left behind",
+        left.len()
+    );
+}
+
+fn spill_child_killed_asleep() {
+    let dir = std::path::PathBuf::from(std::env::var_os("VMMBUF_SPILL_TEST_DIR").unwrap());
+    let (_fb, arena) = emulated();
+    arena.set_spill_dir(Some(dir));
+    let mut a = arena.alloc(3 << 20, &Q(0)).unwrap();
+    a.write(0, &random_bytes(3, 3 << 20)).unwrap();
+    let r = arena
+        .sleep(&[Q(0)], &SleepDesc::from(SleepMode::Disk))
+        .unwrap();
+    eprintln!("killed child: asleep on disk, {} bytes", r.bytes);
+    // Killed while asleep: no destructor runs.
+    rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL)
+        .unwrap();
+}
+
+/// A disk sleep's files are named `vmmbuf-<pid>-<n>.bak`, n counting from
+/// 0 in each process, and opened with O_EXCL: another local user who
+/// creates those names first in a shared spill directory (the default,
+/// /tmp) makes every disk sleep of that process fail (EEXIST), with no
+/// retry under another name.
+fn files_made_first_in_the_spill_directory_do_not_stop_a_disk_sleep() {
+    let dir = spill_dir("foreseen");
+    let out = run_child(
+        "graph_and_backup_promises::spill_child_with_names_taken",
+        &dir,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = String::from_utf8_lossy(&out.stderr);
+    let said = err
+        .lines()
+        .find(|l| l.contains("names-taken child"))
+        .unwrap_or("");
+    eprintln!("  child: {:?}; {said}", out.status);
+    assert!(
+        said.contains("sleep ->"),
+        "the child did not try the sleep: {err}"
+    );
+    assert!(
+        said.contains("sleep -> Ok"),
+        "the disk sleep failed on names created in advance by someone else"
+    );
+}
+
+fn spill_child_with_names_taken() {
+    let dir = std::path::PathBuf::from(std::env::var_os("VMMBUF_SPILL_TEST_DIR").unwrap());
+    // What another user of the directory does, knowing this process's id.
+    for n in 0..64 {
+        let p = dir.join(format!("vmmbuf-{}-{n}.bak", std::process::id()));
+        std::fs::write(p, b"").unwrap();
+    }
+    let (_fb, arena) = emulated();
+    arena.set_spill_dir(Some(dir));
+    let a = arena.alloc(1 << 20, &Q(0)).unwrap();
+    let r = arena.sleep(&[Q(0)], &SleepDesc::from(SleepMode::Disk));
+    eprintln!(
+        "names-taken child: sleep -> {:?}; mode now {:?}",
+        r.as_ref().map(|r| r.bytes).map_err(|e| e.to_string()),
+        arena.sleep_mode()
+    );
+    if r.is_ok() {
+        arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    }
+    drop(a);
+}
+
+/// `alloc_in_graph` runs while its stream is captured; with deferred free
+/// fences, its out-of-memory path waits for the frees still owed with a
+/// device synchronisation. On a GPU that synchronisation is illegal while
+/// any stream of the device is captured: it fails and invalidates the
+/// capture. (The PyTorch plug-in's own retry avoids synchronising under a
+/// capture; the arena's does not.)
+fn out_of_memory_in_a_capture_never_synchronises() {
+    let (fb, arena) = small_arena(1, ArenaDesc::new(64 << 20).defer_free_fences(true));
+    let (s1, s2) = (Ctl::new(1), Ctl::new(2));
+    // A free on s1 whose fence is deferred (owed), as the plug-in makes them.
+    drop(arena.alloc(G, &s1).unwrap());
+    let before = fb.live().device_syncs;
+    // s2 is captured into graph 5 and asks for memory the budget lacks.
+    let r = arena.alloc_in_graph(G, &s2, GraphPoolId(5));
+    let syncs = fb.live().device_syncs - before;
+    eprintln!(
+        "  alloc_in_graph -> {:?}; device synchronisations during it: {syncs}",
+        r.as_ref().map(|a| a.address()).map_err(|e| e.to_string())
+    );
+    drop(r);
+    s1.finish();
+    s2.finish();
+    assert_eq!(
+        syncs, 0,
+        "an allocation inside a capture synchronised the device"
+    );
+}
+
+/// A stashing sleep unmaps chunk by chunk as the copies finish; one cut
+/// short leaves the chunks done so far asleep and the rest awake. An
+/// allocation over both, freed while asleep, is noted as a free of the
+/// sleeping range only: its bytes in the awake chunk are never free again,
+/// and that chunk can never go back (nothing is allocated, yet it stays
+/// mapped after `empty_cache`).
+fn a_stash_sleep_cut_short_loses_no_chunk() {
+    let (fb, arena) = emulated();
+    // 300 KiB: a 256 KiB chunk and a 64 KiB one.
+    let a = arena.alloc(300 << 10, &Q(0)).unwrap();
+    // The second copy's fence fails (the first chunk is unmapped by then).
+    let waits = Arc::new(AtomicUsize::new(0));
+    let w = waits.clone();
+    *fb.on_wait.lock() = Some(Box::new(move |f: &TestFence| {
+        if w.fetch_add(1, Ordering::SeqCst) == 1 {
+            f.break_it();
+        }
+    }));
+    let desc = SleepDesc::stash().max_piece_bytes(256 << 10);
+    let r = arena.sleep(&[], &desc);
+    *fb.on_wait.lock() = None;
+    let asleep = arena.stats().discarded_bytes;
+    drop(a);
+    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    arena.empty_cache().unwrap();
+    let s = arena.stats();
+    eprintln!(
+        "  sleep -> {:?}; asleep {asleep} bytes; after the free, the wake and empty_cache: \
+         allocated {}, reserved {}",
+        r.as_ref().map(|r| r.bytes).map_err(|e| e.to_string()),
+        s.allocated_bytes.current,
+        s.reserved_bytes.current
+    );
+    assert!(r.is_err() && asleep > 0, "the sleep was not cut short");
+    assert_eq!(
+        s.reserved_bytes.current, 0,
+        "nothing is allocated, yet {} bytes stay mapped for good",
+        s.reserved_bytes.current
+    );
+}
