@@ -54,7 +54,7 @@ pub enum Error {
     /// ([`Error::is_transient`]) unless `never_fits`: a request larger than
     /// the budget, the arena's reservation or the device's total memory
     /// fails however often it is retried.
-    #[error("{}", arena_oom_text(*requested_bytes, *reserved_bytes, *budget_bytes, *free_bytes, *total_bytes, *never_fits))]
+    #[error("{}", arena_oom_text(*requested_bytes, *reserved_bytes, *budget_bytes, *free_bytes, *total_bytes, *never_fits, *during_capture))]
     ArenaOutOfMemory {
         /// Bytes asked for.
         requested_bytes: usize,
@@ -71,6 +71,11 @@ pub enum Error {
         /// the arena's reservation (the part for its size) or the device's
         /// total memory.
         never_fits: bool,
+        /// True when a CUDA graph capture was under way: the frees still in
+        /// flight were not waited for (only a device synchronisation would
+        /// have shown some of them finished, and a capture forbids one), so
+        /// a retry after the capture may succeed.
+        during_capture: bool,
     },
     /// The request can never fit in this buffer's reserved address range.
     /// Buffers never move; reserve more up front.
@@ -144,6 +149,15 @@ pub enum Error {
         /// The importer's generation.
         have: u64,
     },
+    /// The call needs a device-wide synchronisation, which a CUDA graph
+    /// capture under way forbids (CUDA would refuse it and invalidate the
+    /// capture): nothing was changed. Call it again once the capture has
+    /// ended.
+    #[error("{what} needs a device synchronisation, which the CUDA graph capture under way forbids (it would invalidate the capture); nothing was changed: call it again after the capture")]
+    CaptureUnderway {
+        /// What needed the synchronisation.
+        what: &'static str,
+    },
     /// A disk backup could not be made in the spill directory (it does not
     /// exist, cannot be written, or the disk lacks the room): nothing was
     /// put to sleep by the failing step.
@@ -178,6 +192,7 @@ impl Error {
             Error::OutOfMemory { .. }
                 | Error::ArenaOutOfMemory {
                     never_fits: false,
+                    during_capture: false,
                     ..
                 }
         )
@@ -203,6 +218,7 @@ fn arena_oom_text(
     free: Option<usize>,
     total: Option<usize>,
     never_fits: bool,
+    during_capture: bool,
 ) -> String {
     use crate::report::Bytes;
     let mut s = format!(
@@ -221,6 +237,9 @@ fn arena_oom_text(
     }
     if never_fits {
         s += " (more than the budget, the reservation or the device holds: no retry can succeed)";
+    }
+    if during_capture {
+        s += " (during a CUDA graph capture: frees still in flight were not waited for, since only a device synchronisation would show them finished and a capture forbids one)";
     }
     s
 }
@@ -255,6 +274,7 @@ mod words {
             reserved_bytes: 64 << 20,
             budget_bytes: None,
             never_fits: false,
+            during_capture: false,
         };
         assert_eq!(
             e.to_string(),
@@ -267,6 +287,7 @@ mod words {
             reserved_bytes: 0,
             budget_bytes: Some(2 << 20),
             never_fits: true,
+            during_capture: false,
         };
         let t = e.to_string();
         assert!(!t.contains("Some") && !t.contains("None"), "{t}");

@@ -158,7 +158,8 @@ pub mod cuda {
     pub use crate::arena::tensor::CudaTensor;
     pub use crate::arena::{CudaAllocation, CudaArena};
     pub use crate::backend::cuda::capture::{
-        capture_of, capture_state, Capture, CaptureState, RelaxedCapture,
+        capture_begins, capture_ends, capture_of, capture_state, captures_underway, Capture,
+        CaptureState, RelaxedCapture,
     };
     pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
     pub use crate::backend::cuda::probe::{
@@ -185,6 +186,7 @@ pub mod host {
     pub type HostAllocation = crate::Allocation<HostBackend, HostStream>;
 
     pub use crate::backend::host::{HostBackend, HostChunk, HostFence, HostReservation};
+    pub use crate::backend::host_capture::HostCaptureState;
 }
 
 /// Traces of an arena's allocs and frees: record with

@@ -60,27 +60,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut freed = 0;
         for (o, h) in gone {
             freed += h.size;
-            st.note_free(o, h.size);
-            if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(o)) {
-                a.note_free(o, h.size, Some(h.fences));
-                continue;
-            }
             let stream = h
                 .fences
                 .iter()
                 .next()
                 .map(|f| f.key)
                 .filter(|&k| h.fences.only_on(k));
-            let State { heap, region, .. } = &mut *st;
-            heap.insert_free(
-                o,
-                Free {
-                    size: h.size,
-                    stream,
-                    fences: h.fences,
-                },
-                &region.walls(),
-            );
+            st.give_back_block(o, h.size, stream, h.fences);
         }
         for l in st.heap.live.values_mut().filter(|l| l.graph == Some(graph)) {
             l.graph = None;
@@ -152,9 +138,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// held blocks: a graph's held blocks first; then, from the arena, only
     /// memory no pending use touches (for a graph, a key no stream has:
     /// settled blocks only). Out of memory, of budget or of room, it waits
-    /// for the frees still in flight (their streams only), gives everything
-    /// cached back and tries once more; a request that can never fit
-    /// fails at once.
+    /// for the frees still in flight (their streams only; not inside a
+    /// capture, where the error says so), gives everything cached back and
+    /// tries once more; a request that can never fit fails at once.
     fn place(
         &self,
         st: &mut State<B>,
@@ -167,10 +153,23 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             return Ok((o, true));
         }
         let find_key = if graph.is_some() { GRAPH_KEY } else { key };
+        // Inside a capture (a graph's allocation, or one the backend knows
+        // may be under way) nothing waits: a synchronisation would
+        // invalidate the capture.
+        let capturing = graph.is_some() || self.shared.backend.capture_underway();
         let oom = |st: &mut State<B>| {
             st.stats.num_ooms += 1;
             let device = self.shared.backend.device_memory();
-            self.shared.out_of_memory(st, bytes, device)
+            let mut e = self.shared.out_of_memory(st, bytes, device);
+            if let Error::ArenaOutOfMemory {
+                during_capture,
+                never_fits: false,
+                ..
+            } = &mut e
+            {
+                *during_capture = capturing;
+            }
+            e
         };
         match self.shared.find(st, size, find_key) {
             Ok(o) => Ok((o, false)),
@@ -178,7 +177,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 never_fits: true, ..
             }) => Err(oom(st)),
             Err(e) if e.is_transient() => {
-                self.shared.wait_pending_frees(st)?;
+                if !capturing {
+                    self.shared.wait_pending_frees(st)?;
+                }
                 self.shared.release_free_chunks(st)?;
                 let _ = self.shared.pool.trim();
                 match self.shared.find(st, size, find_key) {

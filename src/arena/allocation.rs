@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::blocks::Free;
 use super::graph::{GraphPoolId, Held};
 use super::{ArenaStream, Mark, Shared, State};
 use crate::backend::{Backend, Uses};
@@ -410,26 +409,10 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         fences: FenceSet<Mark<B::Fence>>,
     ) {
         let own_key = self.stream.key();
-        st.note_free(self.offset, self.size);
-        if let Some(a) = st.asleep.as_mut().filter(|a| a.discarded(self.offset)) {
-            // Its memory was given back: the bytes are free again at the
-            // wake, once these fences have passed.
-            a.note_free(self.offset, self.size, Some(fences));
-            return;
-        }
         // Only the allocation's own stream may reuse the block before the
         // fences pass, and only if no other stream used it.
         let stream = fences.only_on(own_key).then_some(own_key);
-        let super::State { heap, region, .. } = &mut *st;
-        heap.insert_free(
-            self.offset,
-            Free {
-                size: self.size,
-                stream,
-                fences,
-            },
-            &region.walls(),
-        );
+        st.give_back_block(self.offset, self.size, stream, fences);
         // Joined into a large free block (settled neighbours), the owed
         // free would keep all of it from the other streams until its
         // stream's next call: covered now instead.

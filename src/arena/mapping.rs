@@ -719,6 +719,7 @@ impl<B: Backend> Shared<B> {
                 (a, b) => a.or(b.as_ref().map(|b| b.limit())),
             },
             never_fits,
+            during_capture: false,
         }
     }
 

@@ -77,7 +77,7 @@ impl ArenaStream<crate::HostBackend> for HostStream {
         (0, self.0)
     }
     fn fence(&self, backend: &crate::HostBackend) -> Result<crate::host::HostFence> {
-        Ok(backend.fence_on(self.key()))
+        backend.fence_on(self.key())
     }
 }
 
@@ -97,6 +97,71 @@ impl<B: Backend> State<B> {
     /// Bookkeeping of a free of `[offset, offset + size)`.
     fn note_free(&mut self, offset: usize, size: usize) {
         self.split.change(&self.region.table, offset, size, false);
+    }
+
+    /// The freed block `[offset, offset + size)` goes back behind `fences`
+    /// (only `stream` may take it before they pass): into the free index,
+    /// or, where a sleep gave its memory back, to the free bytes of the
+    /// wake. A block over both (a sleep cut short between its chunks) is
+    /// cut there: its awake parts join the free index with the fences; the
+    /// discarded parts need none (the sleep waited for the work queued
+    /// before it, and nothing reaches unmapped bytes since).
+    fn give_back_block(
+        &mut self,
+        offset: usize,
+        size: usize,
+        stream: Option<StreamKey>,
+        fences: crate::order::FenceSet<Mark<B::Fence>>,
+    ) {
+        self.note_free(offset, size);
+        let awake = match self.asleep.as_ref() {
+            None => vec![offset..offset + size],
+            Some(a) => a.awake_parts(offset, size),
+        };
+        if awake.len() == 1 && awake[0] == (offset..offset + size) {
+            let State { heap, region, .. } = self;
+            heap.insert_free(
+                offset,
+                Free {
+                    size,
+                    stream,
+                    fences,
+                },
+                &region.walls(),
+            );
+            return;
+        }
+        let asleep = self.asleep.as_mut().expect("a discarded part");
+        let mut fences = Some(fences);
+        if awake.is_empty() {
+            asleep.note_free(offset, size, fences.take());
+        } else {
+            asleep.note_free(offset, size, Some(Default::default()));
+        }
+        for (i, r) in awake.iter().enumerate() {
+            let f = if i + 1 == awake.len() {
+                fences.take().unwrap_or_default()
+            } else {
+                // The fences go with the last part; an earlier one waits
+                // for a device synchronisation instead (owed on a key no
+                // stream has), which covers the same work.
+                let gone = allocation::GONE_KEY;
+                self.heap.owed.owe_wanted(gone);
+                let mut f = crate::order::FenceSet::default();
+                f.add(owed::owed_at(gone, crate::order::stamp(gone)));
+                f
+            };
+            let State { heap, region, .. } = &mut *self;
+            heap.insert_free(
+                r.start,
+                Free {
+                    size: r.end - r.start,
+                    stream,
+                    fences: f,
+                },
+                &region.walls(),
+            );
+        }
     }
 }
 
@@ -424,8 +489,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// fences](ArenaDesc::defer_free_fences), those whose fence was not
     /// recorded yet. Without it, memory freed on a stream the arena sees no
     /// call on again (another tag's, another thread's) could never go back.
-    /// It waits for all the device's work: not for a hot path, nor while a
-    /// stream of the device is captured. Returns the bytes handed over.
+    /// It waits for all the device's work: not for a hot path; while a
+    /// capture may be under way ([`Backend::capture_underway`]) it is
+    /// refused with [`Error::CaptureUnderway`], nothing changed. Returns
+    /// the bytes handed over.
     pub fn release_all_cached(&self) -> Result<usize> {
         let mut st = self.shared.state.lock();
         st.heap.owed.synchronize(&*self.shared.backend)?;
@@ -441,13 +508,16 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// ~300 ms per GiB): `pool().trim_at(Location::Host)` gives them back,
     /// and [`PoolDesc::max_host_bytes`] bounds them. With
     /// [deferred free fences](ArenaDesc::defer_free_fences), frees with no
-    /// fence recorded yet are waited for with a device synchronisation.
+    /// fence recorded yet are waited for with a device synchronisation,
+    /// except while a CUDA graph capture may be under way
+    /// ([`Backend::capture_underway`]): then only what has passed goes back.
     pub fn empty_cache(&self) -> Result<()> {
         let mut st = self.shared.state.lock();
         // Frees whose fence is deferred and not yet recorded could never
         // settle here: the device is synchronised instead (as PyTorch's
         // empty_cache does).
-        if st.heap.owed.any_uncovered() {
+        // Not while a capture may be under way: what has passed goes back.
+        if st.heap.owed.any_uncovered() && !self.shared.backend.capture_underway() {
             st.heap.owed.synchronize(&*self.shared.backend)?;
         }
         self.shared.release_free_chunks(&mut st)?;

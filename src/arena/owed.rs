@@ -234,7 +234,16 @@ impl<F> Owed<F> {
     }
 
     /// Waits for the whole device: every free owed so far has passed.
+    /// Refused, with nothing changed, while a CUDA graph capture may be
+    /// under way ([`Error::CaptureUnderway`](crate::Error::CaptureUnderway)):
+    /// CUDA would refuse the synchronisation and invalidate the capture.
+    /// This is the arena's one device synchronisation.
     pub(super) fn synchronize<B: Backend<Fence = F>>(&mut self, backend: &B) -> Result<()> {
+        if backend.capture_underway() {
+            return Err(crate::Error::CaptureUnderway {
+                what: "waiting for the frees whose fence is not recorded yet",
+            });
+        }
         // Numbers taken before the synchronisation starts: frees numbered
         // up to them were queued before it.
         let marks: Vec<(StreamKey, u64)> = self

@@ -120,6 +120,12 @@ impl<F> Asleep<F> {
         }
     }
 
+    /// The parts of `[offset, offset + size)` in no discarded run (a block
+    /// over both, after a sleep cut short between its chunks), in order.
+    pub(super) fn awake_parts(&self, offset: usize, size: usize) -> Vec<std::ops::Range<usize>> {
+        self.exclude(vec![offset..offset + size])
+    }
+
     /// Keeps a free's fences of a block in a discarded run: the wake waits
     /// for them before the bytes are handed out again.
     pub(super) fn note_free(&mut self, offset: usize, size: usize, fences: Option<FenceSet<F>>) {
@@ -313,6 +319,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn sleep(&self, streams: &[S], desc: &SleepDesc) -> Result<SleepReport> {
         let start = Instant::now();
         let sh = &*self.shared;
+        refuse_under_capture(sh, "a sleep")?;
         let piece = sh.piece_of(desc)?;
         if desc.mode == SleepMode::Keep {
             crate::migration::check_placement(&*sh.backend, sh.granularity, Location::Host)?;
@@ -399,6 +406,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn wake(&self, streams: &[S], desc: &WakeDesc) -> Result<SleepReport> {
         let start = Instant::now();
         let sh = &*self.shared;
+        refuse_under_capture(sh, "a wake")?;
         let mut guard = sh.state.lock();
         let st = &mut *guard;
         st.region.check_poison()?;
@@ -627,6 +635,16 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn is_offloaded(&self) -> bool {
         self.sleep_mode() == Some(SleepMode::Keep)
     }
+}
+
+/// A sleep and a wake wait for the streams' work and copy synchronously:
+/// refused, before anything changes, while a CUDA graph capture may be
+/// under way (CUDA would refuse those calls and invalidate the capture).
+fn refuse_under_capture<B: Backend>(sh: &Shared<B>, what: &'static str) -> Result<()> {
+    if sh.backend.capture_underway() {
+        return Err(Error::CaptureUnderway { what });
+    }
+    Ok(())
 }
 
 /// A sleep's or a wake's report at debug level (`VMMBUF_LOG=debug`), with

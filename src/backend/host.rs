@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 
+use super::host_capture::HostCaptureState;
 use super::host_lag::Clock;
 pub use super::host_lag::HostFence;
 use super::{Backend, Counters, LiveCounts};
@@ -36,6 +37,8 @@ pub struct HostBackend {
     /// Whether a chunk may be mapped at several addresses at once
     /// ([`mapping_chunks_twice`](Self::mapping_chunks_twice)).
     double_maps: bool,
+    /// Simulated CUDA graph captures ([`begin_capture`](Self::begin_capture)).
+    captures: super::host_capture::Captures,
 }
 
 impl HostBackend {
@@ -47,6 +50,7 @@ impl HostBackend {
             pool_slot: Default::default(),
             clock: Clock::default(),
             double_maps: false,
+            captures: Default::default(),
         })
     }
 
@@ -71,6 +75,7 @@ impl HostBackend {
             pool_slot: Default::default(),
             clock,
             double_maps,
+            captures: Default::default(),
         }))
     }
 
@@ -105,9 +110,34 @@ impl HostBackend {
         self.clock.tick();
     }
 
-    /// A fence made now on the stream of `key`.
-    pub(crate) fn fence_on(&self, key: crate::StreamKey) -> HostFence {
-        self.clock.fence(key)
+    /// A fence made now on the stream of `key`: refused while that stream
+    /// is captured (which invalidates its capture, as recording an event
+    /// on a captured stream makes a graph node no query sees pass).
+    pub(crate) fn fence_on(&self, key: crate::StreamKey) -> Result<HostFence> {
+        self.captures
+            .refuse_on(key, "a fence on a captured stream")?;
+        Ok(self.clock.fence(key))
+    }
+
+    /// Stream `key` starts being captured into a (simulated) CUDA graph:
+    /// until [`end_capture`](Self::end_capture), what CUDA refuses during
+    /// a capture fails here too and invalidates it (see the rules in
+    /// [`HostCaptureState`]'s module): a device synchronisation, a fence
+    /// on or a wait for that stream, a synchronous copy. Refused if `key`
+    /// is captured already.
+    pub fn begin_capture(&self, key: crate::StreamKey) -> Result<()> {
+        self.captures.begin(key)
+    }
+
+    /// Stream `key`'s capture ends; an error if a refused call invalidated
+    /// it (CUDA's `cuStreamEndCapture` fails then) or none was under way.
+    pub fn end_capture(&self, key: crate::StreamKey) -> Result<()> {
+        self.captures.end(key)
+    }
+
+    /// Where stream `key` stands with capture.
+    pub fn capture_state(&self, key: crate::StreamKey) -> HostCaptureState {
+        self.captures.state(key)
     }
 
     /// A memfd chunk of `bytes`; `sealed`: sealed against resizing, so that
@@ -505,12 +535,19 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn capture_underway(&self) -> bool {
+        self.captures.any()
+    }
+
     fn synchronize(&self) -> Result<()> {
+        self.captures.refuse_any("a device synchronisation")?;
         self.clock.synchronize();
         Ok(())
     }
 
     fn wait(&self, fence: &HostFence) -> Result<()> {
+        self.captures
+            .refuse_on(Clock::key(fence), "a wait for a captured stream")?;
         self.clock.wait(fence);
         Ok(())
     }
@@ -572,6 +609,7 @@ impl Backend for HostBackend {
         if dst.is_empty() {
             return Ok(());
         }
+        self.captures.refuse_any("a synchronous copy to the host")?;
         host_range(&res.table, offset, dst.len(), Access::Read)?;
         // SAFETY: the source range is mapped and readable (checked above), lies
         // in memory this token owns, and `&HostReservation` excludes writers.
@@ -589,6 +627,8 @@ impl Backend for HostBackend {
         if src.is_empty() {
             return Ok(());
         }
+        self.captures
+            .refuse_any("a synchronous copy from the host")?;
         host_range(&res.table, offset, src.len(), Access::ReadWrite)?;
         // SAFETY: the destination is mapped read-write (checked above), lies in
         // memory this token owns, and `&mut` excludes every other reference.

@@ -22,6 +22,8 @@ pub(crate) mod handle;
 #[cfg(target_os = "linux")]
 pub(crate) mod host;
 #[cfg(target_os = "linux")]
+pub(crate) mod host_capture;
+#[cfg(target_os = "linux")]
 pub(crate) mod host_lag;
 pub(crate) mod pages;
 
@@ -107,6 +109,16 @@ pub trait Backend: Send + Sync + 'static {
         bytes: usize,
         access: &[AccessDesc],
     ) -> Result<()>;
+
+    /// Whether a CUDA graph capture may be under way on the backend's
+    /// device: a device-wide synchronisation would then fail and invalidate
+    /// it, so vmmbuf makes none (see [`Error::CaptureUnderway`](crate::Error::CaptureUnderway)).
+    /// CUDA: captures announced with [`cuda::capture_begins`](crate::cuda::capture_begins);
+    /// the host backend: its own simulated captures
+    /// ([`HostBackend::begin_capture`](crate::HostBackend::begin_capture)).
+    fn capture_underway(&self) -> bool {
+        false
+    }
 
     /// Waits until no work the backend's device has been given is still
     /// running. Buffers never need it: they wait on the uses recorded with

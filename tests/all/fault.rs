@@ -332,6 +332,9 @@ impl<B: Backend> Backend for FaultBackend<B> {
         self.log.lock().push(("access", at, bytes));
         Ok(())
     }
+    fn capture_underway(&self) -> bool {
+        self.inner.capture_underway()
+    }
     fn synchronize(&self) -> Result<()> {
         self.step("synchronize", 0)?;
         self.inner.synchronize()?;

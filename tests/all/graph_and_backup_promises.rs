@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
+use vmmbuf::host::{HostCaptureState, HostStream};
 use vmmbuf::{
-    Arena, ArenaDesc, ArenaStream, Backend, GraphPoolId, HostBackend, SleepDesc, SleepMode,
+    Arena, ArenaDesc, ArenaStream, Backend, Error, GraphPoolId, HostBackend, SleepDesc, SleepMode,
     WakeDesc,
 };
 
@@ -22,6 +23,8 @@ crate::register! {
         files_made_first_in_the_spill_directory_do_not_stop_a_disk_sleep,
         out_of_memory_in_a_capture_never_synchronises,
         a_stash_sleep_cut_short_loses_no_chunk,
+        the_host_backend_refuses_what_cuda_refuses_during_a_capture,
+        nothing_in_the_arena_synchronises_during_a_capture,
     ],
     child: [spill_child_killed_asleep, spill_child_with_names_taken],
 }
@@ -371,4 +374,141 @@ fn a_stash_sleep_cut_short_loses_no_chunk() {
         "nothing is allocated, yet {} bytes stay mapped for good",
         s.reserved_bytes.current
     );
+}
+
+/// The host backend refuses, during a capture, what CUDA refuses (a device
+/// synchronisation; a fence on, or a wait for, the captured stream; a
+/// synchronous copy) and invalidates the capture as CUDA does, so that its
+/// end fails; another stream's fence is allowed.
+fn the_host_backend_refuses_what_cuda_refuses_during_a_capture() {
+    let b = HostBackend::with_granularity(G).unwrap();
+    let (s1, s2) = (HostStream(1), HostStream(2));
+    let before = s1.fence(&b).unwrap();
+    b.begin_capture(s1.key()).unwrap();
+    assert_eq!(b.capture_state(s1.key()), HostCaptureState::Active);
+    assert!(b.capture_underway());
+    assert!(s2.fence(&b).is_ok(), "another stream's fence is allowed");
+    let sync = b.synchronize();
+    eprintln!("  a synchronisation during a capture: {sync:?}");
+    assert!(matches!(sync, Err(Error::CaptureUnderway { .. })));
+    assert_eq!(b.capture_state(s1.key()), HostCaptureState::Invalidated);
+    assert!(
+        b.end_capture(s1.key()).is_err(),
+        "an invalidated capture's end fails"
+    );
+    assert!(!b.capture_underway());
+    b.synchronize().expect("allowed again after the capture");
+    // A fence on the captured stream, a wait for it, a synchronous copy.
+    let mut res = b.reserve(G, G).unwrap();
+    let c = b.create(G, vmmbuf::Location::Host).unwrap();
+    b.map(&mut res, 0, &c).unwrap();
+    b.set_access(
+        &mut res,
+        0,
+        G,
+        &[vmmbuf::AccessDesc::new(
+            vmmbuf::Location::Host,
+            vmmbuf::Access::ReadWrite,
+        )],
+    )
+    .unwrap();
+    type Call<'a> = Box<dyn Fn() -> vmmbuf::Result<()> + 'a>;
+    let calls: Vec<(&str, Call)> = vec![
+        ("a fence", Box::new(|| s1.fence(&b).map(drop))),
+        ("a wait", Box::new(|| b.wait(&before))),
+        ("a copy", Box::new(|| b.read(&res, 0, &mut [0u8; 16]))),
+    ];
+    for (what, call) in calls {
+        b.begin_capture(s1.key()).unwrap();
+        assert!(call().is_err(), "{what} during a capture was allowed");
+        assert!(
+            b.end_capture(s1.key()).is_err(),
+            "{what} left the capture valid"
+        );
+        call().unwrap_or_else(|e| panic!("{what} after the capture: {e}"));
+    }
+    b.unmap(&mut res, 0, G).unwrap();
+    b.release(c).unwrap();
+    b.free(res).unwrap();
+}
+
+/// While a stream is captured (the host backend's simulated capture): a
+/// graph's allocation that only a synchronisation could serve fails with
+/// a typed out-of-memory error that says so, an ordinary one too, and
+/// `empty_cache` gives back what has passed; sleep, wake and
+/// `release_all_cached` are refused with `CaptureUnderway`, nothing
+/// changed. The capture stays valid throughout; after it, the same calls
+/// succeed, and everything goes back.
+fn nothing_in_the_arena_synchronises_during_a_capture() {
+    let b = HostBackend::with_granularity(G).unwrap();
+    let arena = Arena::new(
+        b.clone(),
+        ArenaDesc::new(64 << 20)
+            .max_reserved_bytes(2 * G)
+            .defer_free_fences(true),
+    )
+    .unwrap();
+    let (s1, s2) = (HostStream(1), HostStream(2));
+    let keep = arena.alloc(G, &s1).unwrap();
+    // A free on s1 whose fence is deferred: only a cover or a device
+    // synchronisation shows it passed.
+    drop(arena.alloc(G, &s1).unwrap());
+    b.begin_capture(s2.key()).unwrap();
+    let in_graph = arena.alloc_in_graph(G, &s2, GraphPoolId(9));
+    let plain = arena.alloc(G, &HostStream(3));
+    arena.empty_cache().unwrap();
+    let sleep = arena.sleep(&[s1], &SleepDesc::discard());
+    let all = arena.release_all_cached();
+    eprintln!(
+        "  during the capture: alloc_in_graph {:?}; sleep {:?}; release_all_cached {:?}",
+        in_graph
+            .as_ref()
+            .map(|a| a.address())
+            .map_err(|e| e.to_string()),
+        sleep.as_ref().map(|r| r.bytes).map_err(|e| e.to_string()),
+        all.as_ref().map_err(|e| e.to_string())
+    );
+    assert!(
+        matches!(
+            in_graph,
+            Err(Error::ArenaOutOfMemory {
+                during_capture: true,
+                never_fits: false,
+                ..
+            })
+        ),
+        "{in_graph:?}"
+    );
+    assert!(matches!(
+        plain,
+        Err(Error::ArenaOutOfMemory {
+            during_capture: true,
+            ..
+        })
+    ));
+    assert!(matches!(sleep, Err(Error::CaptureUnderway { .. })));
+    assert!(matches!(all, Err(Error::CaptureUnderway { .. })));
+    assert_eq!(
+        arena.sleep_mode(),
+        None,
+        "the refused sleep changed nothing"
+    );
+    assert_eq!(
+        b.capture_state(s2.key()),
+        HostCaptureState::Active,
+        "still valid"
+    );
+    b.end_capture(s2.key()).expect("the capture ends well");
+    arena.release_graph(GraphPoolId(9)).unwrap();
+    // After the capture the same allocation is served.
+    let again = arena.alloc(G, &s2).expect("served once the capture ended");
+    drop((again, keep));
+    arena.empty_cache().unwrap();
+    let s = arena.stats();
+    assert_eq!(
+        (s.allocated_bytes.current, s.reserved_bytes.current),
+        (0, 0)
+    );
+    drop(arena);
+    assert_eq!(b.live().mapped_bytes, 0, "everything went back");
 }

@@ -330,6 +330,9 @@ impl Backend for OracleBackend {
     }
     /// The whole device: every queue with work outstanding completes it
     /// (as `cuCtxSynchronize` waits for every stream, destroyed ones too).
+    fn capture_underway(&self) -> bool {
+        self.inner.capture_underway()
+    }
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()?;
         let m = self.model.lock();

@@ -592,7 +592,7 @@ impl<B: Backend> Shared<B> {
             // has reached the device: the device is waited for, so that
             // every stream sees the data.
             let t = Instant::now();
-            backend.synchronize()?;
+            st.heap.owed.synchronize(backend)?;
             r.migration.copy_time += t.elapsed();
         }
         Ok(())

@@ -27,6 +27,37 @@ use super::driver;
 use crate::error::{Error, Result};
 use crate::graph_id::GraphPoolId;
 
+/// Captures begun and not yet ended, as announced by
+/// [`capture_begins`] and [`capture_ends`].
+static UNDERWAY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A CUDA graph capture is about to begin in this process (call it before
+/// `cuStreamBeginCapture`): until [`capture_ends`], no vmmbuf call
+/// synchronises the device (CUDA would refuse it and invalidate the
+/// capture); where only a synchronisation would free memory, an allocation
+/// fails with [`Error::ArenaOutOfMemory`] `during_capture`, and
+/// `empty_cache`, a sleep or a wake that needs one with
+/// [`Error::CaptureUnderway`]. The PyTorch plug-in announces PyTorch's
+/// captures; [`Arena::alloc_in_graph`] never synchronises in any case.
+pub fn capture_begins() {
+    UNDERWAY.fetch_add(1, Ordering::SeqCst);
+}
+
+/// A capture announced with [`capture_begins`] has ended (call it after
+/// `cuStreamEndCapture`, whether it succeeded or not). An end with none
+/// under way is refused and changes nothing.
+pub fn capture_ends() -> Result<()> {
+    UNDERWAY
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .map(drop)
+        .map_err(|_| Error::invalid("a capture ended with none announced as begun"))
+}
+
+/// Captures announced as begun and not yet ended.
+pub fn captures_underway() -> usize {
+    UNDERWAY.load(Ordering::SeqCst)
+}
+
 /// A capture under way on a stream: its id and the graph being built.
 #[derive(Debug)]
 pub struct Capture {

@@ -395,6 +395,10 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn capture_underway(&self) -> bool {
+        capture::captures_underway() > 0
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.counters.update(|c| c.device_syncs += 1);
         driver::synchronize(&self.ctx)

@@ -504,6 +504,7 @@ mod tests {
             reserved_bytes: 0,
             budget_bytes: None,
             never_fits: false,
+            during_capture: false,
         }
     }
 

@@ -89,19 +89,18 @@ fn graphs_on() -> bool {
 /// `torch.cuda.CUDAGraph`'s capture_begin and capture_end), the plug-in
 /// asks only while one is under way, as PyTorch's own cache consults its
 /// list of captures under way. Every uncertainty keeps it asking: a count
-/// that cannot be brought down stays up.
+/// that cannot be brought down stays up. The count is vmmbuf's own
+/// ([`vmmbuf::cuda::capture_begins`]), so that no arena synchronises the
+/// device while an announced capture is under way.
 pub(crate) struct Captures {
     /// Every capture that can touch this plug-in's memory is announced.
     announced: std::sync::atomic::AtomicBool,
-    /// Captures begun and not yet ended.
-    underway: std::sync::atomic::AtomicUsize,
 }
 
 impl Captures {
     pub(super) const fn new() -> Self {
         Self {
             announced: std::sync::atomic::AtomicBool::new(false),
-            underway: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -114,37 +113,27 @@ impl Captures {
 
     /// A capture is about to begin (call it before `cudaStreamBeginCapture`).
     pub(crate) fn begins(&self) {
-        self.underway
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        vmmbuf::cuda::capture_begins();
     }
 
     /// A capture has ended (call it after `cudaStreamEndCapture`). An end
     /// with none under way is refused and changes nothing.
     pub(crate) fn ends(&self) -> Result<()> {
-        self.underway
-            .fetch_update(
-                std::sync::atomic::Ordering::SeqCst,
-                std::sync::atomic::Ordering::SeqCst,
-                |n| n.checked_sub(1),
-            )
-            .map(drop)
-            .map_err(|_| {
-                Error::InvalidArgument("a capture ended with none announced as begun".into())
-            })
+        vmmbuf::cuda::capture_ends()
     }
 
     /// Whether streams must be asked: captures are not announced, or one is
     /// under way.
     pub(super) fn may_capture(&self) -> bool {
         !self.announced.load(std::sync::atomic::Ordering::SeqCst)
-            || self.underway.load(std::sync::atomic::Ordering::SeqCst) > 0
+            || vmmbuf::cuda::captures_underway() > 0
     }
 
     /// `(announced, under way)`.
     pub(crate) fn state(&self) -> (bool, usize) {
         (
             self.announced.load(std::sync::atomic::Ordering::SeqCst),
-            self.underway.load(std::sync::atomic::Ordering::SeqCst),
+            vmmbuf::cuda::captures_underway(),
         )
     }
 }
@@ -179,17 +168,29 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
     let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
-    let (a, recorded) = d.take_live(ptr, dev)?;
+    d.release_graphs();
+    // Everything that may fail is done while the allocation is still live
+    // (a failure then changes nothing, and the block is never freed as an
+    // ordinary one when a graph may use it): the streams, their captures,
+    // the graph's pool and a fence on its own stream. Only then does it
+    // leave `live`.
+    let own_stream = d
+        .live
+        .get(&(ptr as usize))
+        .ok_or_else(|| unknown_free(ptr, dev))?
+        .stream()
+        .clone();
     // PyTorch frees on the allocation's own stream: then its handle is the
     // allocation's, and the stream map is not consulted.
     let s =
-        (!std::ptr::eq(a.stream().cu_stream().cast::<c_void>(), stream)).then(|| d.stream(stream));
+        (!std::ptr::eq(own_stream.cu_stream().cast::<c_void>(), stream)).then(|| d.stream(stream));
+    let recorded = d.recorded.get(&(ptr as usize)).cloned().unwrap_or_default();
     let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
     // The other streams that used the block: the one the free names (if
     // not its own) and those record_stream named, each once.
     let mut others: Vec<Arc<CudaStream>> = Vec::new();
     for t in s.into_iter().chain(recorded) {
-        if key(&t) != key(a.stream()) && !others.iter().any(|o| key(o) == key(&t)) {
+        if key(&t) != key(&own_stream) && !others.iter().any(|o| key(o) == key(&t)) {
             others.push(t);
         }
     }
@@ -206,7 +207,7 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
             CaptureState::Invalidated
         })
     };
-    let own = ask(a.stream());
+    let own = ask(&own_stream);
     let others: Vec<(Arc<CudaStream>, CaptureState)> = others
         .into_iter()
         .map(|t| {
@@ -214,6 +215,23 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
             (t, c)
         })
         .collect();
+    let plain = |c: &CaptureState| matches!(c, CaptureState::None);
+    // Under a capture: the graph's pool (its release callback registered)
+    // and, its own stream not captured, a real fence there.
+    let into = match own.active().or(others.iter().find_map(|(_, c)| c.active())) {
+        Some(c) => {
+            let g = fail_point(FreeStep::GraphPool).and_then(|()| d.graph_pool(c))?;
+            let fence = match plain(&own) {
+                true => {
+                    Some(fail_point(FreeStep::Fence).and_then(|()| d.backend.fence(&own_stream))?)
+                }
+                false => None,
+            };
+            Some((g, fence))
+        }
+        None => None,
+    };
+    let (a, _) = d.take_live(ptr, dev)?;
     // Each other stream not captured gets a fence of its own, at the free
     // or (an ordinary free) with the free's. (Its capture invalidated, the
     // fence fails and the free is owed there instead: nothing is lost.) One
@@ -224,13 +242,10 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
             a.record_stream(t);
         }
     }
-    let plain = |c: &CaptureState| matches!(c, CaptureState::None);
-    match own.active().or(others.iter().find_map(|(_, c)| c.active())) {
-        Some(c) => {
-            let g = d.graph_pool(c)?;
-            // Its own stream not captured: a real fence there.
-            if plain(&own) {
-                a.record_use(d.backend.fence(a.stream())?);
+    match into {
+        Some((g, fence)) => {
+            if let Some(f) = fence {
+                a.record_use(f);
             }
             a.free_into_graph(g);
         }
@@ -239,6 +254,33 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     }
     Ok(())
 }
+
+/// The fallible steps of a free under a capture, for fault injection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FreeStep {
+    /// The graph's pool: its release callback (`cuUserObjectCreate`).
+    GraphPool,
+    /// A fence on the allocation's own stream.
+    Fence,
+}
+
+/// A step made to fail by the tests (`FAIL_FREE_STEP`); always passes in
+/// a build without tests.
+fn fail_point(step: FreeStep) -> Result<()> {
+    #[cfg(test)]
+    if *FAIL_FREE_STEP.lock() == Some(step) {
+        return Err(Error::InvalidArgument(format!(
+            "injected failure of {step:?}"
+        )));
+    }
+    let _ = step;
+    Ok(())
+}
+
+/// The free step the tests make fail.
+#[cfg(test)]
+pub(crate) static FAIL_FREE_STEP: parking_lot::Mutex<Option<FreeStep>> =
+    parking_lot::Mutex::new(None);
 
 /// Frees a segment that the cache above vmmbuf gives back, as `cudaFree`
 /// would: PyTorch's caching allocator over a vmmbuf `MemPool` calls this
@@ -319,7 +361,7 @@ pub(crate) fn record_stream(ptr: u64, stream: *mut c_void) -> Result<()> {
 impl Device {
     /// The live allocation at `ptr`, taken out to be freed (after releasing
     /// the graphs CUDA destroyed since the last call), with the streams
-    /// `record_stream` named for it.
+    /// `record_stream` named for it (which leave with it).
     fn take_live(
         &mut self,
         ptr: u64,

@@ -72,7 +72,8 @@ fn calls_from_a_dying_threads_destructors_do_not_panic() {
 
 #[test]
 fn captures_are_asked_about_until_announced_and_while_one_is_under_way() {
-    // A local instance: the process's own is shared with GPU tests.
+    // A local instance (its count is the process's: no other unit test
+    // announces a capture).
     let c = Captures::new();
     assert!(c.may_capture(), "not announced: every call asks");
     c.begins();
@@ -100,4 +101,61 @@ fn captures_are_asked_about_until_announced_and_while_one_is_under_way() {
     assert!(!c.may_capture());
     c.announce(false);
     assert!(c.may_capture(), "announcing off: every call asks again");
+}
+
+/// A free under a capture whose fallible steps fail (the graph's release
+/// callback, `cuUserObjectCreate`; a fence on the allocation's own stream)
+/// changes nothing: the allocation stays live, never freed as an ordinary
+/// block that the graph may use; freed again once the steps pass, it is
+/// the graph's until CUDA destroys the graph. Needs a GPU (skips with the
+/// reason without one, fails then under `VMMBUF_REQUIRE_GPU=1`).
+#[test]
+fn a_free_whose_capture_steps_fail_leaves_the_allocation_live() {
+    use super::alloc::{FreeStep, FAIL_FREE_STEP};
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    if let Err(e) = vmmbuf::CudaBackend::new(0) {
+        assert!(
+            std::env::var("VMMBUF_REQUIRE_GPU").as_deref() != Ok("1"),
+            "no GPU: {e}"
+        );
+        eprintln!("skipped: needs a GPU ({e})");
+        return;
+    }
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let (s1, s2) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let raw =
+        |s: &std::sync::Arc<cudarc::driver::CudaStream>| s.cu_stream().cast::<std::ffi::c_void>();
+    let a = super::malloc(1 << 20, 0, raw(&s1)).unwrap();
+    let b = super::malloc(3 << 20, 0, raw(&s2)).unwrap();
+    let live = |p: u64| {
+        super::existing(0)
+            .unwrap()
+            .lock()
+            .live
+            .contains_key(&(p as usize))
+    };
+    s1.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    *FAIL_FREE_STEP.lock() = Some(FreeStep::GraphPool);
+    let ea = super::free(a, 0, raw(&s1));
+    *FAIL_FREE_STEP.lock() = Some(FreeStep::Fence);
+    // b's own stream is not captured; the free names the captured one.
+    let eb = super::free(b, 0, raw(&s1));
+    *FAIL_FREE_STEP.lock() = None;
+    let (still_a, still_b) = (live(a), live(b));
+    let (fa, fb) = (super::free(a, 0, raw(&s1)), super::free(b, 0, raw(&s1)));
+    let graph = s1
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .unwrap();
+    let pools = super::existing(0).unwrap().lock().graphs.len();
+    drop(graph);
+    ctx.synchronize().unwrap();
+    assert!(
+        ea.is_err() && eb.is_err(),
+        "the injected failures: {ea:?} {eb:?}"
+    );
+    assert!(still_a && still_b, "a failed free left the allocation live");
+    assert!(fa.is_ok() && fb.is_ok(), "freed again: {fa:?} {fb:?}");
+    assert_eq!(pools, 1, "both blocks went to the capture's graph");
+    assert!(!live(a) && !live(b));
 }
