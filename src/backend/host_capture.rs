@@ -7,10 +7,14 @@
 //! What CUDA refuses, and so this refuses, while a capture is under way:
 //! - a device-wide synchronisation (`cuCtxSynchronize`: every capture);
 //! - a fence recorded on a captured stream (an event recorded there is a
-//!   graph node that no query sees pass), or a wait on a fence of a
-//!   captured stream (that capture);
+//!   graph node that no query sees pass: that capture);
 //! - a synchronous copy between the host and the device (`cuMemcpyHtoD`
 //!   and `DtoH` order on the legacy stream: every capture).
+//!
+//! A wait for, or a query of, a fence recorded before the capture is
+//! allowed, as CUDA allows `cuEventSynchronize` and `cuEventQuery` of such
+//! an event in relaxed capture mode (vmmbuf's CUDA backend makes both in
+//! it).
 #![deny(unsafe_code)]
 
 use std::collections::BTreeMap;

@@ -88,6 +88,7 @@ crate::register! {
         oracle_arena_deferred_fences,
         oracle_arena_wait_before_grow,
         oracle_arena_move_free_chunks,
+        oracle_arena_tight_budget,
         oracle_buffers_map_hook,
         oracle_catches_a_release_under_running_work,
         oracle_case_1,
@@ -234,6 +235,26 @@ pub struct OracleBackend {
 }
 
 impl OracleBackend {
+    /// The host backend underneath, whose simulated captures refuse what
+    /// CUDA refuses during a capture (a device synchronisation, a
+    /// synchronous copy) and invalidate them.
+    fn host(&self) -> &HostBackend {
+        &self.inner.inner
+    }
+
+    /// A call on stream `id` that its capture forbids, made by the arena:
+    /// a violation, refused.
+    fn refuse_if_captured(&self, id: u64, what: &str) -> Result<()> {
+        if self.host().capture_state((0, id)) == vmmbuf::host::HostCaptureState::None {
+            return Ok(());
+        }
+        self.model
+            .lock()
+            .violations
+            .push(format!("{what} (stream {id})"));
+        Err(Error::InvalidArgument(format!("{what} (stream {id})")))
+    }
+
     pub fn new() -> Arc<Self> {
         Self::over(HostBackend::with_granularity(G).unwrap())
     }
@@ -343,6 +364,8 @@ impl Backend for OracleBackend {
         Ok(())
     }
     fn wait(&self, fence: &QFence) -> Result<()> {
+        // Fences are recorded outside captures (one on a captured stream
+        // is refused): waiting for one is allowed, in relaxed mode.
         fence.q.complete_to(fence.pos);
         Ok(())
     }
@@ -415,13 +438,16 @@ impl ArenaStream<OracleBackend> for QStream {
     fn key(&self) -> (u64, u64) {
         (0, self.q.id)
     }
-    fn fence(&self, _: &OracleBackend) -> Result<QFence> {
+    fn fence(&self, backend: &OracleBackend) -> Result<QFence> {
         if self.broken.load(Ordering::SeqCst) {
             return Err(Error::InvalidArgument(format!(
                 "stream {}: its capture was invalidated",
                 self.q.id
             )));
         }
+        // A fence recorded on a stream under capture is a graph node no
+        // query sees pass: the arena must never record one there.
+        backend.refuse_if_captured(self.q.id, "a fence recorded on a captured stream")?;
         let pos = self.q.queued.load(Ordering::SeqCst);
         if self.jitter.swap(false, Ordering::SeqCst) {
             std::thread::sleep(std::time::Duration::from_millis(4));
@@ -657,7 +683,7 @@ fn run_arena_waiting(
     deferred: bool,
     wait: bool,
 ) -> std::result::Result<u64, TestCaseError> {
-    run_arena_moving(ops, keep_mapped, hooked, deferred, wait, false)
+    run_arena_moving(ops, keep_mapped, hooked, deferred, wait, false, None)
 }
 
 /// [`run_arena_waiting`], with `moving`: the arena moves free chunks to
@@ -669,6 +695,7 @@ fn run_arena_moving(
     deferred: bool,
     wait: bool,
     moving: bool,
+    budget: Option<usize>,
 ) -> std::result::Result<u64, TestCaseError> {
     let backend = if moving {
         OracleBackend::mapping_chunks_twice()
@@ -678,6 +705,7 @@ fn run_arena_moving(
     let baseline = backend.live();
     let model = backend.model.clone();
     let mut desc = ArenaDesc::new(1024 * G).max_chunk_bytes(2 * G);
+    desc.max_reserved_bytes = budget;
     desc.release_before_map = !keep_mapped;
     desc.defer_free_fences = deferred;
     desc.wait_before_grow = wait;
@@ -721,13 +749,27 @@ fn run_arena_moving(
     // Every byte handed to a capture is its graph's until the graph is
     // released (only the same capture may take it again): no other
     // hand-out may overlap it.
+    // Every byte a capture's work uses is its graph's too (graph
+    // references: made in one capture, used and freed in another), for as
+    // long as the graph lives.
     let mut graph_owned: Vec<(GraphPoolId, u64, usize)> = Vec::new();
+    // Live allocations a graph's work uses, not made in its capture,
+    // which the program keeps alive until the graph is released (as
+    // PyTorch asks of its users), or frees into the capture on the
+    // captured stream: (graph, allocation id).
+    let mut pinned: Vec<(GraphPoolId, u64)> = Vec::new();
+    // The streams `record_stream` will name for each live allocation at its
+    // free (allocation id -> streams).
+    let mut recorded: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    // `for_graph`: a capture's own hand-out may overlap its own bytes
+    // (the capture takes them again), never another graph's.
     let not_graphs = |owned: &Vec<(GraphPoolId, u64, usize)>,
                       x: u64,
                       len: usize,
+                      for_graph: Option<GraphPoolId>,
                       what: &str|
      -> std::result::Result<(), TestCaseError> {
-        for &(g, y, n) in owned {
+        for &(g, y, n) in owned.iter().filter(|o| Some(o.0) != for_graph) {
             prop_assert!(
                 x + len as u64 <= y || y + n as u64 <= x,
                 "{} overlaps {:#x}+{} of graph {:?}",
@@ -782,14 +824,15 @@ fn run_arena_moving(
                         Some(_) => None,
                         None => Some(streams[s].q.id),
                     };
-                    match a.graph() {
-                        Some(g) => graph_owned.push((g, a.address(), a.capacity())),
-                        None => not_graphs(
-                            &graph_owned,
-                            a.address(),
-                            a.capacity(),
-                            &format!("alloc {}", next_id),
-                        )?,
+                    not_graphs(
+                        &graph_owned,
+                        a.address(),
+                        a.capacity(),
+                        a.graph(),
+                        &format!("alloc {}", next_id),
+                    )?;
+                    if let Some(g) = a.graph() {
+                        graph_owned.push((g, a.address(), a.capacity()));
                     }
                     model.lock().check(
                         a.address(),
@@ -815,30 +858,45 @@ fn run_arena_moving(
                     e
                 ),
             },
-            AOp::Miss { s } => {
-                let a = arena.alloc(200 * 4096, &streams[s]).unwrap();
-                not_graphs(&graph_owned, a.address(), a.capacity(), "a large request")?;
-                model.lock().check(
-                    a.address(),
-                    a.capacity(),
-                    Some(streams[s].q.id),
-                    &format!("handing a large request to stream {}", streams[s].q.id),
-                );
-                drop(a);
-            }
+            // A capture's allocations come from its graph (`Alloc`).
+            AOp::Miss { s } if capturing.as_ref().is_some_and(|c| c.s == s && !c.invalid) => {}
+            AOp::Miss { s } => match arena.alloc(200 * 4096, &streams[s]) {
+                Ok(a) => {
+                    not_graphs(
+                        &graph_owned,
+                        a.address(),
+                        a.capacity(),
+                        None,
+                        "a large request",
+                    )?;
+                    model.lock().check(
+                        a.address(),
+                        a.capacity(),
+                        Some(streams[s].q.id),
+                        &format!("handing a large request to stream {}", streams[s].q.id),
+                    );
+                    drop(a);
+                }
+                // Under a tight budget.
+                Err(Error::ArenaOutOfMemory { .. }) if budget.is_some() => {}
+                Err(e) => prop_assert!(false, "a large request: {}", e),
+            },
             // Work queued on a stream whose capture was invalidated never
             // runs (CUDA refuses it).
             AOp::Use { s, .. } if capturing.as_ref().is_some_and(|c| c.s == s && c.invalid) => {}
             AOp::Use { which, s, .. }
-                if !live.is_empty()
-                    && capturing.as_ref().is_some_and(|c| {
-                        c.s == s && live[which % live.len()].0.graph() == Some(c.id)
-                    }) =>
+                if !live.is_empty() && capturing.as_ref().is_some_and(|c| c.s == s) =>
             {
-                // Captured, not run: the graph's replays run it.
-                let (a, _, _) = &live[which % live.len()];
+                // Captured, not run: the graph's replays run it, over any
+                // live allocation (its own, one made before the capture,
+                // another graph's output).
+                let (a, _, id) = &live[which % live.len()];
                 let c = capturing.as_mut().unwrap();
                 c.ranges.push((a.address(), a.capacity()));
+                graph_owned.push((c.id, a.address(), a.capacity()));
+                if a.graph() != Some(c.id) && !pinned.contains(&(c.id, *id)) {
+                    pinned.push((c.id, *id));
+                }
             }
             AOp::Use {
                 which,
@@ -856,11 +914,42 @@ fn run_arena_moving(
                 if record_use {
                     a.record_use(f);
                 } else if s != *own {
-                    a.record_stream(&streams[s]);
+                    // Named to the allocation at its free, as the plug-in
+                    // does (`record_stream` keeps the stream until then).
+                    let r = recorded.entry(*id).or_default();
+                    if !r.contains(&s) {
+                        r.push(s);
+                    }
                 }
             }
+            // A graph's work uses it: the program keeps it until the
+            // graph is released.
+            AOp::Free { which }
+                if !live.is_empty() && {
+                    let (_, s, id) = &live[which % live.len()];
+                    let into = capturing
+                        .as_ref()
+                        .filter(|c| c.s == *s && !c.invalid)
+                        .map(|c| c.id);
+                    pinned.iter().any(|p| p.1 == *id && Some(p.0) != into)
+                } => {}
             AOp::Free { which } if !live.is_empty() => {
-                let (a, s, _) = live.remove(which % live.len());
+                let (a, s, id) = live.remove(which % live.len());
+                pinned.retain(|p| p.1 != id);
+                // The streams `record_stream` named: each not captured gets
+                // its fence; one being captured makes the block the
+                // graph's, as the plug-in's free does.
+                let captured = capturing
+                    .as_ref()
+                    .filter(|c| !c.invalid)
+                    .map(|c| (c.s, c.id));
+                let mut into_other = None;
+                for t in recorded.remove(&id).unwrap_or_default() {
+                    match captured {
+                        Some((cs, g)) if cs == t => into_other = Some(g),
+                        _ => a.record_stream(&streams[t]),
+                    }
+                }
                 match &capturing {
                     // Freed on its stream while that stream is captured,
                     // as the plug-in frees: into the graph, whether the
@@ -882,6 +971,12 @@ fn run_arena_moving(
                             drop(a)
                         }
                     }
+                    // Used on the captured stream: the graph's replays use
+                    // it too.
+                    _ if into_other.is_some() => {
+                        owed_ever = true;
+                        a.free_into_graph(into_other.unwrap())
+                    }
                     _ => drop(a),
                 }
             }
@@ -893,6 +988,7 @@ fn run_arena_moving(
                         GraphPoolId(next_graph)
                     }
                 };
+                backend.host().begin_capture(streams[s].key()).unwrap();
                 capturing = Some(Capturing {
                     s,
                     id,
@@ -909,11 +1005,19 @@ fn run_arena_moving(
             }
             AOp::CaptureEnd => {
                 if let Some(c) = capturing.take() {
+                    let ended = backend.host().end_capture(streams[c.s].key());
+                    prop_assert!(
+                        c.invalid || ended.is_ok(),
+                        "the arena invalidated the capture of stream {}: {:?}",
+                        streams[c.s].q.id,
+                        ended
+                    );
                     if c.invalid {
                         // The end fails; CUDA destroys the graph it was
                         // building, never launched.
                         streams[c.s].broken.store(false, Ordering::SeqCst);
                         graph_owned.retain(|o| o.0 != c.id);
+                        pinned.retain(|p| p.0 != c.id);
                         arena.release_graph(c.id).unwrap();
                         released.push(c.id);
                     } else {
@@ -944,16 +1048,41 @@ fn run_arena_moving(
                 let n = graphs.len();
                 let g = graphs.remove(which % n);
                 graph_owned.retain(|o| o.0 != g.id);
+                pinned.retain(|p| p.0 != g.id);
                 released.push(g.id);
                 release(&arena, g);
             }
+            // A graph's work uses one of them (the program keeps it), or one
+            // is of the stream being captured (the plug-in frees those into
+            // the graph, never with a plain drop).
+            AOp::FreeRacing { which, .. }
+                if live.len() >= 2 && {
+                    let i = which % (live.len() - 1);
+                    let captured = capturing.as_ref().filter(|c| !c.invalid).map(|c| c.s);
+                    let uses_captured = |k: usize| {
+                        captured.is_some_and(|s| {
+                            live[k].1 == s
+                                || recorded.get(&live[k].2).is_some_and(|r| r.contains(&s))
+                        })
+                    };
+                    pinned
+                        .iter()
+                        .any(|p| p.1 == live[i].2 || p.1 == live[i + 1].2)
+                        || uses_captured(i)
+                        || uses_captured(i + 1)
+                } => {}
             AOp::FreeRacing { which, work } if live.len() >= 2 => {
                 // Free two allocations, the first on a thread whose fence
                 // dawdles; meanwhile work is queued on the second, which is
                 // freed on this thread.
                 let i = which % (live.len() - 1);
-                let (a, sa, _) = live.remove(i);
+                let (a, sa, ida) = live.remove(i);
                 let (b, sb, id) = live.remove(i);
+                for (x, xid) in [(&a, ida), (&b, id)] {
+                    for t in recorded.remove(&xid).unwrap_or_default() {
+                        x.record_stream(&streams[t]);
+                    }
+                }
                 streams[sa].jitter.store(true, Ordering::SeqCst);
                 let t = std::thread::spawn(move || drop(a));
                 std::thread::sleep(std::time::Duration::from_millis(1));
@@ -973,11 +1102,36 @@ fn run_arena_moving(
             }
             AOp::Complete { s, n } => streams[s].q.complete_more(n),
             AOp::CompleteAll => streams.iter().for_each(|s| s.q.complete_all()),
-            // No sleep, wake, offload or restore is given a stream whose
-            // capture was invalidated (they record fences on every stream
-            // given, and would fail): the caller ends the capture first.
-            AOp::Offload | AOp::Restore | AOp::SleepUnmapping { .. } | AOp::Wake { .. }
-                if capturing.as_ref().is_some_and(|c| c.invalid) => {}
+            // While a capture is under way (valid or invalidated, not yet
+            // ended), a sleep, a wake and a release that waits for every
+            // stream are refused before they change anything: each would
+            // synchronise.
+            AOp::Offload
+            | AOp::Restore
+            | AOp::SleepUnmapping { .. }
+            | AOp::Wake { .. }
+            | AOp::Release { all: true }
+                if capturing.is_some() =>
+            {
+                let mode = arena.sleep_mode();
+                let given = passed(&live, &used_on, &replayed_on);
+                let r = match *op {
+                    AOp::Offload => arena.offload(&given).map(drop),
+                    AOp::Restore => arena.restore(&given).map(drop),
+                    AOp::SleepUnmapping { .. } => {
+                        arena.sleep(&given, &SleepDesc::discard()).map(drop)
+                    }
+                    AOp::Wake { .. } => arena.wake(&given, &WakeDesc::default()).map(drop),
+                    _ => arena.release_all_cached().map(drop),
+                };
+                prop_assert!(
+                    matches!(r, Err(Error::CaptureUnderway { .. })),
+                    "{:?} during a capture: {:?}",
+                    op,
+                    r
+                );
+                prop_assert_eq!(arena.sleep_mode(), mode, "a refused call changed the sleep");
+            }
             AOp::Release { all: false } => {
                 arena.release_cached().unwrap();
             }
@@ -1019,15 +1173,30 @@ fn run_arena_moving(
                     WakeDesc::default()
                 };
                 desc.restore_free = restore;
-                arena
-                    .wake(&passed(&live, &used_on, &replayed_on), &desc)
-                    .unwrap();
-                prop_assert_eq!(arena.sleep_mode(), None);
+                let mode = arena.sleep_mode();
+                match arena.wake(&passed(&live, &used_on, &replayed_on), &desc) {
+                    Ok(_) => prop_assert_eq!(arena.sleep_mode(), None),
+                    // Under a budget, what slept and what was allocated
+                    // since may not fit together: the arena sleeps on.
+                    Err(Error::ArenaOutOfMemory { .. }) if budget.is_some() => {
+                        prop_assert_eq!(arena.sleep_mode(), mode, "a failed wake changed the sleep")
+                    }
+                    Err(e) => prop_assert!(false, "wake failed: {}", e),
+                }
             }
             AOp::Restore => {
-                arena
-                    .restore(&passed(&live, &used_on, &replayed_on))
-                    .unwrap();
+                let mode = arena.sleep_mode();
+                match arena.restore(&passed(&live, &used_on, &replayed_on)) {
+                    Ok(_) => {}
+                    Err(Error::ArenaOutOfMemory { .. }) if budget.is_some() => {
+                        prop_assert_eq!(
+                            arena.sleep_mode(),
+                            mode,
+                            "a failed restore changed the sleep"
+                        )
+                    }
+                    Err(e) => prop_assert!(false, "restore failed: {}", e),
+                }
             }
             _ => {}
         }
@@ -1044,6 +1213,11 @@ fn run_arena_moving(
     // allocated = active = 0 on the next read; the memory goes back to the
     // driver with the arena.
     if let Some(c) = capturing.take() {
+        let ended = backend.host().end_capture(streams[c.s].key());
+        prop_assert!(
+            c.invalid || ended.is_ok(),
+            "the arena invalidated a capture"
+        );
         streams[c.s].broken.store(false, Ordering::SeqCst);
         graphs.push(Graph {
             id: c.id,
@@ -1051,7 +1225,11 @@ fn run_arena_moving(
             replays: Vec::new(),
         });
     }
-    live.clear();
+    for (a, _, id) in live.drain(..) {
+        for t in recorded.remove(&id).unwrap_or_default() {
+            a.record_stream(&streams[t]);
+        }
+    }
     for g in graphs.drain(..) {
         release(&arena, g);
     }
@@ -1154,6 +1332,25 @@ fn oracle_arena_wait_before_grow() {
 /// address goes only once every use of it has finished, and its memory
 /// reaches another stream only then (the model carries each use of the old
 /// address to the new one).
+/// Under a budget of 24 granules, allocations run out of memory often,
+/// inside captures too (deferred fences or not, waiting before growth or
+/// not): an allocation in a capture fails typed, never synchronises (the
+/// capture ends valid), and nothing else changes.
+fn oracle_arena_tight_budget() {
+    run_property(
+        "arena under a tight budget",
+        (
+            prop::collection::vec(aop(), 1..120),
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+        ),
+        |(ops, keep_mapped, deferred, wait)| {
+            run_arena_moving(ops, keep_mapped, false, deferred, wait, false, Some(24 * G))
+        },
+    );
+}
+
 fn oracle_arena_move_free_chunks() {
     run_property(
         "arena moving free chunks",
@@ -1164,7 +1361,7 @@ fn oracle_arena_move_free_chunks() {
             any::<bool>(),
         ),
         |(ops, keep_mapped, deferred, wait)| {
-            run_arena_moving(ops, keep_mapped, false, deferred, wait, true)
+            run_arena_moving(ops, keep_mapped, false, deferred, wait, true, None)
         },
     );
 }
@@ -1621,7 +1818,7 @@ fn oracle_case_move_1() {
     ];
     for keep_mapped in [false, true] {
         for deferred in [false, true] {
-            run_arena_moving(ops.clone(), keep_mapped, false, deferred, false, true).unwrap();
+            run_arena_moving(ops.clone(), keep_mapped, false, deferred, false, true, None).unwrap();
         }
     }
 }

@@ -730,10 +730,7 @@ fn a_disk_sleep_cuts_chunks_into_files_of_at_most_the_bytes_set() {
     {
         arena.set_spill_file_bytes(most);
         let r = arena.sleep(&[Q(0)], &desc).unwrap();
-        let sizes: Vec<u64> = std::fs::read_dir(&dir.0)
-            .unwrap()
-            .map(|e| e.unwrap().metadata().unwrap().len())
-            .collect();
+        let sizes = dir.sizes();
         assert_eq!(
             sizes.iter().sum::<u64>() as usize,
             r.bytes,
@@ -782,10 +779,34 @@ impl TempDir {
 
     /// The files in it and their total size.
     fn files(&self) -> (usize, u64) {
-        std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().metadata().unwrap().len())
-            .fold((0, 0), |(n, b), l| (n + 1, b + l))
+        let sizes = self.sizes();
+        (sizes.len(), sizes.iter().sum())
+    }
+
+    /// The sizes of this process's spill files in it. They have no name
+    /// there (made unnamed, or unlinked at once: a killed process leaves
+    /// none), which this checks; they are found through the process's
+    /// mappings, where `/proc/self/maps` lists them under the directory
+    /// as deleted, and sized through `/proc/self/map_files`.
+    fn sizes(&self) -> Vec<u64> {
+        assert_eq!(
+            std::fs::read_dir(&self.0).unwrap().count(),
+            0,
+            "a spill file has a name in the directory"
+        );
+        let prefix = format!("{}/", self.0.display());
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let mut inodes = std::collections::BTreeSet::new();
+        let mut out = Vec::new();
+        for line in maps.lines() {
+            let f: Vec<&str> = line.splitn(6, ' ').collect();
+            let path = f.get(5).map_or("", |p| p.trim_start());
+            if path.starts_with(&prefix) && inodes.insert(f[4].to_owned()) {
+                let m = std::fs::metadata(format!("/proc/self/map_files/{}", f[0])).unwrap();
+                out.push(m.len());
+            }
+        }
+        out
     }
 }
 
