@@ -43,6 +43,10 @@ pub struct Allocation<B: Backend, S: ArenaStream<B>> {
     pub(super) requested: usize,
     pub(super) stream: S,
     pub(super) extra: Mutex<Vec<S>>,
+    /// Streams being captured whose work queued before the capture may use
+    /// it ([`record_captured_stream`](Self::record_captured_stream)): the
+    /// free is owed on each.
+    pub(super) captured: Mutex<Vec<StreamKey>>,
     /// Uses recorded by views and [`record_use`](Self::record_use); the
     /// arena holds the same list, so that offload waits for them.
     pub(super) uses: Arc<Uses<B::Fence>>,
@@ -226,6 +230,24 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         self.how = Freeing::StreamGone;
     }
 
+    /// Records that work queued on `stream` before its capture began may
+    /// use this allocation, while `stream` is being captured (no fence can
+    /// be recorded there now: an event recorded in a capture is a graph
+    /// node no query sees pass). The free is owed on `stream`: the block
+    /// reaches other streams once a fence recorded on `stream` after the
+    /// capture (at its next allocation or free outside a capture), or a
+    /// device synchronisation, has passed. Use it with
+    /// [`free_into_graph`](Self::free_into_graph) when the allocation's
+    /// own stream is not the one being captured; the graph's own uses are
+    /// the graph's (see [`Arena::release_graph`](crate::Arena::release_graph)).
+    pub fn record_captured_stream(&self, stream: &S) {
+        let key = stream.key();
+        let mut v = self.captured.lock();
+        if key != self.stream.key() && !v.contains(&key) {
+            v.push(key);
+        }
+    }
+
     /// Records that work on `stream` uses this allocation: its free waits
     /// for that stream's work queued up to the free, as PyTorch's
     /// `Tensor.record_stream`.
@@ -343,6 +365,11 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         fences: &mut FenceSet<Mark<B::Fence>>,
     ) {
         let own_key = self.stream.key();
+        // Captured streams whose earlier work may use it: owed there.
+        for &key in self.captured.lock().iter() {
+            fences.add(owed_mark(key));
+            st.heap.owed.owe_wanted(key);
+        }
         let owe_own = match self.how {
             Freeing::Fence => None,
             Freeing::IntoGraph(g) if graph == Some(g) => None,

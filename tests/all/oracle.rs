@@ -94,6 +94,8 @@ crate::register! {
         oracle_case_1,
         oracle_case_graph_1,
         oracle_case_rt4_1,
+        oracle_case_captured_stream_1,
+        oracle_case_graph_shared_1,
         oracle_case_hook_sleep_1,
         oracle_case_deferred_cover_1,
         oracle_case_move_1,
@@ -946,7 +948,11 @@ fn run_arena_moving(
                 let mut into_other = None;
                 for t in recorded.remove(&id).unwrap_or_default() {
                     match captured {
-                        Some((cs, g)) if cs == t => into_other = Some(g),
+                        // Its work before the capture may still run.
+                        Some((cs, g)) if cs == t => {
+                            a.record_captured_stream(&streams[t]);
+                            into_other = Some(g)
+                        }
                         _ => a.record_stream(&streams[t]),
                     }
                 }
@@ -1669,6 +1675,83 @@ fn oracle_case_graph_1() {
         run_arena(ops.clone(), false, false, deferred).unwrap();
         eprintln!("  without a hook (deferred fences: {deferred}): no violation");
         run_arena(ops.clone(), false, true, deferred).unwrap();
+    }
+}
+
+/// Found by the arena properties once captures were modelled with uses
+/// named at the free (`record_stream`, as the plug-in does): a block used
+/// by work queued on another stream before that stream's capture began,
+/// freed during the capture (into the graph: the graph's replays may use
+/// it). The free owed nothing on the captured stream, so after the graph's
+/// release the block's own stream took it (or an offload unmapped it)
+/// while the earlier work could still run. Fixed by
+/// `Allocation::record_captured_stream` (the free is owed there).
+fn oracle_case_captured_stream_1() {
+    use AOp::*;
+    let handed_out = vec![
+        Alloc { units: 1, s: 1 },
+        Alloc { units: 1, s: 0 },
+        Use {
+            which: 2,
+            s: 0,
+            record_use: false,
+        },
+        CaptureBegin { s: 0, reuse: false },
+        Free { which: 12 },
+        CaptureEnd,
+        ReleaseGraph { which: 0 },
+        Alloc { units: 1, s: 1 },
+    ];
+    let unmapped = vec![
+        Alloc { units: 1, s: 2 },
+        Use {
+            which: 0,
+            s: 1,
+            record_use: false,
+        },
+        CaptureBegin { s: 1, reuse: false },
+        Free { which: 0 },
+        Alloc { units: 1, s: 2 },
+        CaptureEnd,
+        Offload,
+    ];
+    for ops in [handed_out, unmapped] {
+        for deferred in [false, true] {
+            for keep_mapped in [false, true] {
+                run_arena(ops.clone(), keep_mapped, false, deferred).unwrap();
+                run_arena(ops.clone(), keep_mapped, true, deferred).unwrap();
+            }
+        }
+    }
+}
+
+/// A block made in graph g's capture (g's output) and used and freed in
+/// graph h's capture is referenced by both: g's release leaves it held for
+/// h, whose replays still use it (the graph-ownership rule; RT5-1 before).
+fn oracle_case_graph_shared_1() {
+    use AOp::*;
+    let ops = vec![
+        CaptureBegin { s: 0, reuse: false },
+        Alloc { units: 3, s: 0 },
+        CaptureEnd,
+        CaptureBegin { s: 0, reuse: false },
+        Use {
+            which: 0,
+            s: 0,
+            record_use: false,
+        },
+        Free { which: 0 },
+        CaptureEnd,
+        ReleaseGraph { which: 0 },
+        // The block's own stream may take its own frees at once.
+        Alloc { units: 3, s: 0 },
+        Replay { which: 0, s: 2 },
+        Alloc { units: 3, s: 1 },
+    ];
+    for deferred in [false, true] {
+        for keep_mapped in [false, true] {
+            run_arena(ops.clone(), keep_mapped, false, deferred).unwrap();
+        }
     }
 }
 

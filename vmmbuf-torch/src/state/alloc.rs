@@ -236,10 +236,12 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     // or (an ordinary free) with the free's. (Its capture invalidated, the
     // fence fails and the free is owed there instead: nothing is lost.) One
     // under capture makes the block its graph's, since the graph's replays
-    // may use it.
+    // may use it, and the free is owed there: work it queued before the
+    // capture may still run.
     for (t, c) in &others {
-        if c.active().is_none() {
-            a.record_stream(t);
+        match c.active() {
+            None => a.record_stream(t),
+            Some(_) => a.record_captured_stream(t),
         }
     }
     match into {
