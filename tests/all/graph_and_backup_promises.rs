@@ -25,6 +25,7 @@ crate::register! {
         a_stash_sleep_cut_short_loses_no_chunk,
         the_host_backend_refuses_what_cuda_refuses_during_a_capture,
         nothing_in_the_arena_synchronises_during_a_capture,
+        a_disk_sleep_that_cannot_write_leaves_the_arena_awake_and_says_where,
     ],
     child: [spill_child_killed_asleep, spill_child_with_names_taken],
 }
@@ -515,4 +516,47 @@ fn nothing_in_the_arena_synchronises_during_a_capture() {
     );
     drop(arena);
     assert_eq!(b.live().mapped_bytes, 0, "everything went back");
+}
+
+/// A disk sleep into a directory that cannot take its files (here: one
+/// that does not exist; a full disk fails the same call) is a typed error
+/// naming the directory and the bytes, and leaves the arena awake with
+/// every byte in place; the same sleep into a good directory then works.
+fn a_disk_sleep_that_cannot_write_leaves_the_arena_awake_and_says_where() {
+    let (fb, arena) = emulated();
+    let n = 700 << 10;
+    let mut a = arena.alloc(n, &Q(0)).unwrap();
+    let data = random_bytes(11, n);
+    a.write(0, &data).unwrap();
+    let missing = std::env::temp_dir().join(format!("vmmbuf-no-such-dir-{}", std::process::id()));
+    arena.set_spill_dir(Some(missing.clone()));
+    let mapped = fb.live().mapped_bytes;
+    let r = arena.sleep(&[Q(0)], &SleepDesc::from(SleepMode::Disk));
+    eprintln!(
+        "  a disk sleep into {}: {:?}",
+        missing.display(),
+        r.as_ref().map(|r| r.bytes).map_err(|e| e.to_string())
+    );
+    match r {
+        Err(Error::Spill { dir, bytes, .. }) => {
+            assert_eq!(dir, missing);
+            assert!(bytes >= n, "the bytes the sleep needs: {bytes}");
+        }
+        other => panic!("expected Error::Spill, got {other:?}"),
+    }
+    assert_eq!(arena.sleep_mode(), None, "awake");
+    assert_eq!(fb.live().mapped_bytes, mapped, "nothing unmapped");
+    let mut got = vec![0u8; n];
+    a.read(0, &mut got).unwrap();
+    assert!(got == data, "every byte in place");
+    let dir = spill_dir("good");
+    arena.set_spill_dir(Some(dir.clone()));
+    arena
+        .sleep(&[Q(0)], &SleepDesc::from(SleepMode::Disk))
+        .unwrap();
+    arena.wake(&[Q(0)], &WakeDesc::default()).unwrap();
+    a.read(0, &mut got).unwrap();
+    assert!(got == data, "every byte back after the good sleep");
+    let _ = std::fs::remove_dir_all(&dir);
+    drop(a);
 }

@@ -377,7 +377,17 @@ impl<B: Backend> Shared<B> {
                 Some(i) => spare.swap_remove(i).1,
                 None => match &dir {
                     None => crate::backend::pages::PageableBuf::new(b)?,
-                    Some(d) => crate::backend::pages::PageableBuf::in_file(d, b)?,
+                    // A failure names the bytes the whole sleep needs.
+                    Some(d) => {
+                        crate::backend::pages::PageableBuf::in_file(d, b).map_err(|e| match e {
+                            Error::Spill { dir, source, .. } => Error::Spill {
+                                dir,
+                                bytes: parts.iter().map(|p| p.1).sum(),
+                                source,
+                            },
+                            e => e,
+                        })?
+                    }
                 },
             };
             backend.read(st.region.res_ref(), o, buf.as_mut_slice())?;

@@ -108,11 +108,11 @@ fn captures_are_asked_about_until_announced_and_while_one_is_under_way() {
 /// changes nothing: the allocation stays live, never freed as an ordinary
 /// block that the graph may use; freed again once the steps pass, it is
 /// the graph's until CUDA destroys the graph. Needs a GPU (skips with the
-/// reason without one, fails then under `VMMBUF_REQUIRE_GPU=1`).
+/// reason without one, fails then under `VMMBUF_REQUIRE_GPU=1`). Runs in a
+/// child process: the plug-in's device is process-wide, and other tests
+/// set its budget before its first allocation.
 #[test]
 fn a_free_whose_capture_steps_fail_leaves_the_allocation_live() {
-    use super::alloc::{FreeStep, FAIL_FREE_STEP};
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     if let Err(e) = vmmbuf::CudaBackend::new(0) {
         assert!(
             std::env::var("VMMBUF_REQUIRE_GPU").as_deref() != Ok("1"),
@@ -121,6 +121,29 @@ fn a_free_whose_capture_steps_fail_leaves_the_allocation_live() {
         eprintln!("skipped: needs a GPU ({e})");
         return;
     }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "state::tests::capture_steps_child",
+            "--ignored",
+            "--nocapture",
+        ])
+        .output()
+        .unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && said.contains("capture steps: checked"),
+        "the child failed: {said}"
+    );
+}
+
+/// The body of [`a_free_whose_capture_steps_fail_leaves_the_allocation_live`].
+#[test]
+#[ignore = "run by a_free_whose_capture_steps_fail_leaves_the_allocation_live in a child process"]
+fn capture_steps_child() {
+    use super::alloc::{FreeStep, FAIL_FREE_STEP};
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
     let (s1, s2) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
     let raw =
@@ -158,4 +181,5 @@ fn a_free_whose_capture_steps_fail_leaves_the_allocation_live() {
     assert!(fa.is_ok() && fb.is_ok(), "freed again: {fa:?} {fb:?}");
     assert_eq!(pools, 1, "both blocks went to the capture's graph");
     assert!(!live(a) && !live(b));
+    eprintln!("capture steps: checked");
 }
