@@ -784,7 +784,9 @@ def test_torch_memory_saver_disk_backup_keeps_the_bytes_in_files_until_resume(to
     """``region(enable_disk_backup=True)``: the pause writes the contents to
     files of the disk backup directory (one per chunk, as large as the
     tensors at least), the resume brings every byte back and removes them;
-    two cycles use the same space; memory without a backup is dropped."""
+    two cycles use the same space; memory without a backup is dropped. The
+    files have no name in the directory (a killed process leaves none):
+    they are found through the process's mappings."""
     out = run_script(f"""
         import os, torch
         from vmmbuf.torch_memory_saver import TorchMemorySaver
@@ -798,15 +800,28 @@ def test_torch_memory_saver_disk_backup_keeps_the_bytes_in_files_until_resume(to
         with tms.region():
             gone = torch.full((1 << 20,), 20, dtype=torch.uint8, device="cuda")
         ref = big.cpu()
+
+        def spill_files():
+            # /proc/self/maps lists an unnamed file under its directory as
+            # deleted; map_files gives its size.
+            seen, sizes = set(), []
+            for line in open("/proc/self/maps"):
+                f = line.split(None, 5)
+                if len(f) == 6 and f[5].startswith(d + "/") and f[4] not in seen:
+                    seen.add(f[4])
+                    sizes.append(os.stat("/proc/self/map_files/" + f[0]).st_size)
+            return sizes
+
         sizes = []
         for _ in range(2):
             tms.pause()
-            files = os.listdir(d)
-            total = sum(os.path.getsize(os.path.join(d, f)) for f in files)
+            assert os.listdir(d) == [], "no file has a name"
+            files = spill_files()
+            total = sum(files)
             assert len(files) >= 1 and total >= big.numel() * 4, (files, total)
             sizes.append(total)
             tms.resume()
-            assert os.listdir(d) == [], "removed at the resume"
+            assert os.listdir(d) == [] and spill_files() == [], "gone at the resume"
             assert torch.equal(big.cpu(), ref) and small.tolist() == [10] * 7
         assert sizes[0] == sizes[1], sizes
         print("OK", sizes)
