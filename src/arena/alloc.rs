@@ -107,7 +107,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             requested: bytes,
             stream: stream.clone(),
             extra: Mutex::new(Vec::new()),
-            captured: Mutex::new(Vec::new()),
             uses,
             how: allocation::Freeing::Fence,
         })

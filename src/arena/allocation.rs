@@ -42,11 +42,10 @@ pub struct Allocation<B: Backend, S: ArenaStream<B>> {
     pub(super) size: usize,
     pub(super) requested: usize,
     pub(super) stream: S,
-    pub(super) extra: Mutex<Vec<S>>,
-    /// Streams being captured whose work queued before the capture may use
-    /// it ([`record_captured_stream`](Self::record_captured_stream)): the
-    /// free is owed on each.
-    pub(super) captured: Mutex<Vec<StreamKey>>,
+    /// Other streams that used it: each gets a fence at the free, or, if
+    /// `true`, is being captured ([`record_captured_stream`](Self::record_captured_stream))
+    /// and the free is owed there.
+    pub(super) extra: Mutex<Vec<(S, bool)>>,
     /// Uses recorded by views and [`record_use`](Self::record_use); the
     /// arena holds the same list, so that offload waits for them.
     pub(super) uses: Arc<Uses<B::Fence>>,
@@ -242,9 +241,13 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// the graph's (see [`Arena::release_graph`](crate::Arena::release_graph)).
     pub fn record_captured_stream(&self, stream: &S) {
         let key = stream.key();
-        let mut v = self.captured.lock();
-        if key != self.stream.key() && !v.contains(&key) {
-            v.push(key);
+        let mut v = self.extra.lock();
+        if key == self.stream.key() {
+            return;
+        }
+        match v.iter_mut().find(|(s, _)| s.key() == key) {
+            Some(e) => e.1 = true,
+            None => v.push((stream.clone(), true)),
         }
     }
 
@@ -253,8 +256,8 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// `Tensor.record_stream`.
     pub fn record_stream(&self, stream: &S) {
         let mut v = self.extra.lock();
-        if stream.key() != self.stream.key() && !v.iter().any(|s| s.key() == stream.key()) {
-            v.push(stream.clone());
+        if stream.key() != self.stream.key() && !v.iter().any(|s| s.0.key() == stream.key()) {
+            v.push((stream.clone(), false));
         }
     }
 }
@@ -337,7 +340,8 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         }
         let mut failed = Vec::new();
         let recorded = (self.how == Freeing::Fence && owed_on.is_none()).then_some(&self.stream);
-        for s in recorded.into_iter().chain(self.extra.get_mut().iter()) {
+        let others = self.extra.get_mut().iter().filter(|e| !e.1).map(|e| &e.0);
+        for s in recorded.into_iter().chain(others) {
             match crate::order::record(s.key(), || s.fence(backend)) {
                 Ok(f) => fences.add(f.map(Mark::Fence)),
                 Err(e) => {
@@ -366,9 +370,9 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     ) {
         let own_key = self.stream.key();
         // Captured streams whose earlier work may use it: owed there.
-        for &key in self.captured.lock().iter() {
-            fences.add(owed_mark(key));
-            st.heap.owed.owe_wanted(key);
+        for (s, _) in self.extra.lock().iter().filter(|e| e.1) {
+            fences.add(owed_mark(s.key()));
+            st.heap.owed.owe_wanted(s.key());
         }
         let owe_own = match self.how {
             Freeing::Fence => None,

@@ -114,11 +114,11 @@ impl<B: Backend> State<B> {
         fences: crate::order::FenceSet<Mark<B::Fence>>,
     ) {
         self.note_free(offset, size);
-        let awake = match self.asleep.as_ref() {
-            None => vec![offset..offset + size],
-            Some(a) => a.awake_parts(offset, size),
-        };
-        if awake.len() == 1 && awake[0] == (offset..offset + size) {
+        let awake = self.asleep.as_ref().map(|a| a.awake_parts(offset, size));
+        if awake
+            .as_ref()
+            .is_none_or(|a| a.len() == 1 && a[0] == (offset..offset + size))
+        {
             let State { heap, region, .. } = self;
             heap.insert_free(
                 offset,
@@ -131,6 +131,7 @@ impl<B: Backend> State<B> {
             );
             return;
         }
+        let awake = awake.expect("asleep");
         let asleep = self.asleep.as_mut().expect("a discarded part");
         let mut fences = Some(fences);
         if awake.is_empty() {

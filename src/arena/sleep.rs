@@ -123,7 +123,7 @@ impl<F> Asleep<F> {
     /// The parts of `[offset, offset + size)` in no discarded run (a block
     /// over both, after a sleep cut short between its chunks), in order.
     pub(super) fn awake_parts(&self, offset: usize, size: usize) -> Vec<std::ops::Range<usize>> {
-        self.exclude(vec![offset..offset + size])
+        self.exclude(std::iter::once(offset..offset + size).collect())
     }
 
     /// Keeps a free's fences of a block in a discarded run: the wake waits

@@ -38,7 +38,8 @@ static UNDERWAY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize
 /// fails with [`Error::ArenaOutOfMemory`] `during_capture`, and
 /// `empty_cache`, a sleep or a wake that needs one with
 /// [`Error::CaptureUnderway`]. The PyTorch plug-in announces PyTorch's
-/// captures; [`Arena::alloc_in_graph`] never synchronises in any case.
+/// captures; [`Arena::alloc_in_graph`](crate::Arena::alloc_in_graph) never
+/// synchronises in any case.
 pub fn capture_begins() {
     UNDERWAY.fetch_add(1, Ordering::SeqCst);
 }
