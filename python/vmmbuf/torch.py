@@ -69,7 +69,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _captures, _check, _native, library_path, stats
+from . import _captures, _check, _native, _torch_stats, library_path, stats
 from .errors import InvalidArgumentError, UnsupportedError, VmmbufError
 
 _ALLOCATORS: Dict[str, Any] = {}
@@ -152,7 +152,12 @@ def _dev(device: Any) -> int:
 def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     """Makes vmmbuf the CUDA allocator of the whole process. Call it before
     the first CUDA tensor (PyTorch cannot swap an allocator in use).
-    ``budget_bytes`` caps what vmmbuf maps on ``device``, all tags together."""
+    ``budget_bytes`` caps what vmmbuf maps on ``device``, all tags together.
+    PyTorch's statistics calls (``torch.cuda.memory_allocated``,
+    ``max_memory_allocated``, ``memory_reserved``, ``memory_stats``,
+    ``memory_summary``, ``reset_peak_memory_stats``) then answer with
+    vmmbuf's numbers, and ``torch.cuda.empty_cache`` gives vmmbuf's cached
+    memory back (see :mod:`vmmbuf._torch_stats`)."""
     global _PROCESS_WIDE
     device = _check.device(device, torch.cuda.device_count())
     if budget_bytes is not None:
@@ -166,6 +171,8 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
         raise VmmbufError(
             "vmmbuf.torch.use() must come before the first CUDA allocation "
             "(or use vmmbuf.torch.MemPool() for a scope)") from e
+    _torch_stats.install(torch._C, stats, _native.reset_peak, _native.empty_cache,
+                         torch.cuda.current_device, torch.cuda.device_count)
     _PROCESS_WIDE = True
 
 

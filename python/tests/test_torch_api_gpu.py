@@ -1,0 +1,52 @@
+"""PyTorch's own memory API in vmmbuf's default, process-wide mode
+(``vmmbuf.torch.use()``): each call a training script, Lightning or the
+Hugging Face Trainer makes, asserted on its value against vmmbuf's own
+statistics, in a fresh interpreter. Skipped without a GPU (failed under
+VMMBUF_REQUIRE_GPU=1)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_script
+
+_STATS = r"""
+import json, torch, vmmbuf.torch as vt
+vt.use()
+MiB = 1 << 20
+out = {}
+x = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
+out["allocated"] = torch.cuda.memory_allocated()
+out["vmmbuf_allocated"] = vt.memory_allocated()
+y = torch.empty(20 * MiB, dtype=torch.uint8, device="cuda")
+del y
+out["peak"] = torch.cuda.max_memory_allocated()
+out["vmmbuf_peak"] = vt.max_memory_allocated()
+torch.cuda.reset_peak_memory_stats()
+out["peak_after_reset"] = torch.cuda.max_memory_allocated()
+out["allocated_after_reset"] = torch.cuda.memory_allocated()
+out["reserved"] = torch.cuda.memory_reserved()
+out["max_reserved"] = torch.cuda.max_memory_reserved()
+torch.cuda.empty_cache()
+out["reserved_after_empty"] = torch.cuda.memory_reserved()
+out["vmmbuf_reserved_after_empty"] = vt.memory_reserved()
+st = torch.cuda.memory_stats()
+vs = vt.memory_stats()
+out["stats_agree"] = all(st[k] == vs[k] for k in vs if k.endswith((".current", ".peak")))
+out["summary"] = "Allocated memory" in torch.cuda.memory_summary()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_pytorchs_statistics_calls_answer_with_vmmbufs_numbers(torch_gpu) -> None:
+    said = run_script(_STATS, timeout=120)
+    r = json.loads(said.split("RESULT ", 1)[1])
+    print(r)
+    mib = 1 << 20
+    assert r["allocated"] == r["vmmbuf_allocated"] and r["allocated"] >= 5 * mib, r
+    assert r["peak"] == r["vmmbuf_peak"] and r["peak"] >= 25 * mib, r
+    assert r["peak_after_reset"] == r["allocated_after_reset"] == r["allocated"], r
+    assert r["reserved"] >= r["allocated"] and r["max_reserved"] >= 25 * mib, r
+    assert r["allocated"] <= r["reserved_after_empty"] < r["reserved"], r
+    assert r["reserved_after_empty"] == r["vmmbuf_reserved_after_empty"], r
+    assert r["stats_agree"] and r["summary"], r

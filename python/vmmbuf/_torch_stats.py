@@ -1,0 +1,118 @@
+"""PyTorch's memory statistics answered with vmmbuf's numbers, for the
+process-wide mode.
+
+Under a pluggable allocator made process-wide, PyTorch's own statistics
+calls (``torch._C._cuda_memoryStats`` and the peak and accumulated resets,
+under ``torch.cuda.memory_stats``, ``memory_allocated``,
+``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``,
+``reset_peak_memory_stats`` and ``memory_summary``) raise "does not yet
+support getDeviceStats", and ``torch.cuda.empty_cache`` leaves vmmbuf's
+cache as it is. :func:`install` puts functions of the same shape in their
+place, answered from :func:`vmmbuf.stats` (and ``empty_cache`` gives
+vmmbuf's cached memory back on every device): the same nested
+dictionary PyTorch's caching allocator gives (every key
+``memory_summary`` reads), with vmmbuf's counts under ``all`` and
+``large_pool`` (vmmbuf keeps no small pool apart in this sense) and zeros
+under ``small_pool``. Cumulative byte totals (``allocated``/``freed`` of
+the byte statistics) are not counted by vmmbuf and read 0.
+
+:func:`nested_stats` is pure (a dictionary of vmmbuf's statistics in, the
+nested dictionary out) and tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+# A StatArray's four fields, each answered by a vmmbuf counter or 0.
+_Names = Tuple[Optional[str], Optional[str], Optional[str], Optional[str]]
+
+# The statistics PyTorch keeps as a StatArray (all, small_pool, large_pool),
+# and the vmmbuf counters each is answered from: (current, peak, allocated,
+# freed), a name or None for 0.
+_ARRAYS: Dict[str, _Names] = {
+    "allocation": ("live_allocations", None, "num_allocs", "num_frees"),
+    "segment": (None, None, "num_device_alloc", "num_device_free"),
+    "active": ("live_allocations", None, None, None),
+    "inactive_split": (None, None, None, None),
+    "allocated_bytes": ("allocated_bytes.all.current", "allocated_bytes.all.peak", None, None),
+    "reserved_bytes": ("reserved_bytes.all.current", "reserved_bytes.all.peak", None, None),
+    "active_bytes": ("active_bytes.all.current", "active_bytes.all.peak", None, None),
+    "inactive_split_bytes": (
+        "inactive_split_bytes.all.current", "inactive_split_bytes.all.peak", None, None),
+    "requested_bytes": ("requested_bytes.all.current", "requested_bytes.all.peak", None, None),
+}
+
+_FIELDS = ("current", "peak", "allocated", "freed")
+
+
+def _stat(raw: Mapping[str, Any], names: _Names) -> Dict[str, int]:
+    out = {f: int(raw.get(n, 0) or 0) if n else 0 for f, n in zip(_FIELDS, names)}
+    # A count with no peak of its own never reads below its current value.
+    out["peak"] = max(out["peak"], out["current"])
+    return out
+
+
+def nested_stats(raw: Mapping[str, Any]) -> Dict[str, Any]:
+    """The dictionary ``torch._C._cuda_memoryStats`` returns, from vmmbuf's
+    statistics of one device (``vmmbuf.stats(device)``; empty before its
+    first allocation, which gives zeros throughout, as PyTorch does)."""
+    zero = {f: 0 for f in _FIELDS}
+    out: Dict[str, Any] = {}
+    for key, names in _ARRAYS.items():
+        s = _stat(raw, names)
+        out[key] = {"all": s, "large_pool": dict(s), "small_pool": dict(zero)}
+    out["oversize_allocations"] = dict(zero)
+    out["oversize_segments"] = dict(zero)
+    out["num_alloc_retries"] = int(raw.get("num_alloc_retries", 0) or 0)
+    out["num_ooms"] = int(raw.get("num_ooms", 0) or 0)
+    out["num_sync_all_streams"] = int(raw.get("num_device_syncs", 0) or 0)
+    out["num_device_alloc"] = int(raw.get("num_device_alloc", 0) or 0)
+    out["num_device_free"] = int(raw.get("num_device_free", 0) or 0)
+    out["max_split_size"] = -1
+    return out
+
+
+def install(torch_c: Any, stats: Callable[[int], Mapping[str, Any]],
+            reset_peak: Callable[[int], None], empty_cache: Callable[[int], None],
+            current_device: Callable[[], int], device_count: Callable[[], int]) -> None:
+    """Puts vmmbuf's answers in place of PyTorch's statistics calls and its
+    ``empty_cache`` on ``torch_c`` (``torch._C``): ``stats(device)``,
+    ``reset_peak(device)`` and ``empty_cache(device)`` are vmmbuf's;
+    ``current_device()`` names the device PyTorch means by None, and
+    ``device_count()`` how many ``empty_cache`` goes over. Installing twice
+    changes nothing more."""
+    if getattr(torch_c, "_vmmbuf_stats_installed", False):
+        return
+
+    def device_of(device: Any) -> int:
+        if device is None:
+            return int(current_device())
+        index = getattr(device, "index", device)
+        return int(current_device()) if index is None else int(index)
+
+    def memory_stats(device: Any) -> Dict[str, Any]:
+        return nested_stats(stats(device_of(device)))
+
+    def reset_peak_memory_stats(device: Any) -> None:
+        reset_peak(device_of(device))
+
+    def reset_accumulated_memory_stats(device: Any) -> None:
+        # vmmbuf keeps no cumulative totals that PyTorch's reset would zero.
+        device_of(device)
+
+    pytorchs_empty_cache = getattr(torch_c, "_cuda_emptyCache", None)
+
+    def empty_cache_everywhere() -> None:
+        # PyTorch's own first (what its allocator object keeps), then
+        # vmmbuf's on every device.
+        if pytorchs_empty_cache is not None:
+            pytorchs_empty_cache()
+        for d in range(int(device_count())):
+            empty_cache(d)
+
+    torch_c._cuda_emptyCache = empty_cache_everywhere
+    torch_c._cuda_memoryStats = memory_stats
+    torch_c._cuda_resetPeakMemoryStats = reset_peak_memory_stats
+    torch_c._cuda_resetAccumulatedMemoryStats = reset_accumulated_memory_stats
+    torch_c._vmmbuf_stats_installed = True
