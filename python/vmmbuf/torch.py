@@ -70,7 +70,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from . import _captures, _check, _native, _torch_stats, library_path, stats
-from .errors import InvalidArgumentError, UnsupportedError, VmmbufError
+from .errors import InvalidArgumentError, NoDeviceError, UnsupportedError, VmmbufError
 
 _ALLOCATORS: Dict[str, Any] = {}
 _POOLS: Dict[Tuple[str, int], Any] = {}
@@ -159,18 +159,29 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     vmmbuf's numbers, and ``torch.cuda.empty_cache`` gives vmmbuf's cached
     memory back (see :mod:`vmmbuf._torch_stats`)."""
     global _PROCESS_WIDE
+    # Every check first: a refused call installs nothing.
+    why = _native.cuda_unavailable()
+    if why is not None:
+        raise NoDeviceError(f"vmmbuf.torch.use(): no CUDA device to allocate on: {why}")
     device = _check.device(device, torch.cuda.device_count())
-    if budget_bytes is not None:
-        _native.set_budget(device, _check.integer("budget_bytes", budget_bytes,
-                                                  maximum=_check.MAX_LIMIT))
+    budget = None if budget_bytes is None else _check.integer(
+        "budget_bytes", budget_bytes, maximum=_check.MAX_LIMIT)
+    if budget is not None and stats(device):
+        raise InvalidArgumentError(
+            f"vmmbuf.torch.use(budget_bytes=...): vmmbuf already allocates on device {device}; "
+            "a budget must be set before its first allocation")
+    if not _PROCESS_WIDE:
+        try:
+            torch.cuda.memory.change_current_allocator(_allocator())
+        except RuntimeError as e:
+            raise VmmbufError(
+                "vmmbuf.torch.use() must come before the first CUDA tensor (PyTorch cannot "
+                "change an allocator in use): call it at the start of the program, or use "
+                "vmmbuf.torch.pool() for a scope") from e
+    if budget is not None:
+        _native.set_budget(device, budget)
     if _PROCESS_WIDE:
         return
-    try:
-        torch.cuda.memory.change_current_allocator(_allocator())
-    except RuntimeError as e:
-        raise VmmbufError(
-            "vmmbuf.torch.use() must come before the first CUDA allocation "
-            "(or use vmmbuf.torch.MemPool() for a scope)") from e
     _torch_stats.install(torch._C, stats, _native.reset_peak, _native.empty_cache,
                          torch.cuda.current_device, torch.cuda.device_count)
     _PROCESS_WIDE = True

@@ -187,6 +187,17 @@ fn device_count(py: Python<'_>) -> usize {
     py.detach(state::device_count)
 }
 
+/// Why CUDA cannot be used here, in words (no driver, a driver that does
+/// not start, no device), or None when it can.
+#[pyfunction]
+fn cuda_unavailable(py: Python<'_>) -> Option<String> {
+    py.detach(|| match vmmbuf::cuda::device_count() {
+        Ok(0) => Some("the CUDA driver sees no device".to_owned()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    })
+}
+
 /// Every tag that has memory on some device ("" is the default tag).
 #[pyfunction]
 fn tags(py: Python<'_>) -> Vec<String> {
@@ -372,6 +383,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(malloc, m)?)?;
     m.add_function(wrap_pyfunction!(free, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_unavailable, m)?)?;
     m.add_function(wrap_pyfunction!(tags, m)?)?;
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
