@@ -50,3 +50,24 @@ def test_pytorchs_statistics_calls_answer_with_vmmbufs_numbers(torch_gpu) -> Non
     assert r["allocated"] <= r["reserved_after_empty"] < r["reserved"], r
     assert r["reserved_after_empty"] == r["vmmbuf_reserved_after_empty"], r
     assert r["stats_agree"] and r["summary"], r
+
+
+_AFTER_A_TENSOR = r"""
+import torch, vmmbuf.torch as vt
+from vmmbuf.errors import VmmbufError
+x = torch.ones(1024, device="cuda")   # PyTorch's own allocator is in use now
+try:
+    vt.use()
+    print("RESULT installed")
+except VmmbufError as e:
+    print("RESULT refused:", e)
+print("process-wide:", vt.is_process_wide(), "allocated:", torch.cuda.memory_allocated())
+"""
+
+
+def test_use_after_the_first_tensor_is_refused_in_words_and_installs_nothing(torch_gpu) -> None:
+    said = run_script(_AFTER_A_TENSOR, timeout=120)
+    print(said)
+    assert "RESULT refused:" in said and "before the first CUDA tensor" in said, said
+    assert "vmmbuf.torch.pool()" in said, "it says what to do instead"
+    assert "process-wide: False allocated: 4096" in said, said
