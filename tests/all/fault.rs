@@ -457,3 +457,49 @@ pub fn fail_each_call<B: Backend, S, T: std::fmt::Debug>(
         k += 1;
     }
 }
+
+/// A stream of a fault backend whose fences the test opens by hand; every
+/// fence made is logged. `broken` makes `fence` fail (a stream that cannot
+/// take one, as one whose capture was invalidated).
+#[derive(Clone)]
+pub struct Ctl {
+    key: u64,
+    log: Arc<parking_lot::Mutex<Vec<TestFence>>>,
+    pub broken: Arc<AtomicBool>,
+}
+
+impl Ctl {
+    pub fn new(key: u64) -> Self {
+        Self {
+            key,
+            log: Arc::default(),
+            broken: Arc::default(),
+        }
+    }
+
+    /// Fences made so far.
+    pub fn fences(&self) -> usize {
+        self.log.lock().len()
+    }
+
+    /// Every fence recorded so far passes (the stream's work finished).
+    pub fn finish(&self) {
+        self.log.lock().iter().for_each(|f| f.pass());
+    }
+}
+
+impl<B: Backend> vmmbuf::ArenaStream<FaultBackend<B>> for Ctl {
+    fn key(&self) -> (u64, u64) {
+        (0, self.key)
+    }
+    fn fence(&self, _: &FaultBackend<B>) -> Result<TestFence> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(Error::InvalidArgument(
+                "this stream's capture was invalidated".into(),
+            ));
+        }
+        let f = TestFence::default();
+        self.log.lock().push(f.clone());
+        Ok(f)
+    }
+}

@@ -5,7 +5,6 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
 use vmmbuf::host::{HostCaptureState, HostStream};
 use vmmbuf::{
     Arena, ArenaDesc, ArenaStream, Backend, Error, GraphPoolId, HostBackend, SleepDesc, SleepMode,
@@ -13,7 +12,7 @@ use vmmbuf::{
 };
 
 use crate::common::random_bytes;
-use crate::fault::{DoneStream as Q, FaultBackend, TestFence};
+use crate::fault::{Ctl, DoneStream as Q, FaultBackend, TestFence};
 
 crate::register! {
     host: [
@@ -32,38 +31,6 @@ crate::register! {
 
 type Fb = FaultBackend<HostBackend>;
 const G: usize = 64 << 10;
-
-/// A stream whose fences pass when the test says so; every fence is logged.
-#[derive(Clone)]
-struct Ctl {
-    key: u64,
-    log: Arc<Mutex<Vec<TestFence>>>,
-}
-
-impl Ctl {
-    fn new(key: u64) -> Self {
-        Self {
-            key,
-            log: Arc::default(),
-        }
-    }
-
-    /// Every fence recorded so far passes (the stream's work finished).
-    fn finish(&self) {
-        self.log.lock().iter().for_each(|f| f.pass());
-    }
-}
-
-impl ArenaStream<Fb> for Ctl {
-    fn key(&self) -> (u64, u64) {
-        (0, self.key)
-    }
-    fn fence(&self, _: &Fb) -> vmmbuf::Result<TestFence> {
-        let f = TestFence::default();
-        self.log.lock().push(f.clone());
-        Ok(f)
-    }
-}
 
 /// An arena with room for `chunks` granules on a counting host backend.
 fn small_arena(chunks: usize, desc: ArenaDesc) -> (Arc<Fb>, Arena<Fb, Ctl>) {

@@ -1338,6 +1338,21 @@ fn oracle_arena_wait_before_grow() {
 /// address goes only once every use of it has finished, and its memory
 /// reaches another stream only then (the model carries each use of the old
 /// address to the new one).
+fn oracle_arena_move_free_chunks() {
+    run_property(
+        "arena moving free chunks",
+        (
+            prop::collection::vec(aop(), 1..120),
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+        ),
+        |(ops, keep_mapped, deferred, wait)| {
+            run_arena_moving(ops, keep_mapped, false, deferred, wait, true, None)
+        },
+    );
+}
+
 /// Under a budget of 24 granules, allocations run out of memory often,
 /// inside captures too (deferred fences or not, waiting before growth or
 /// not): an allocation in a capture fails typed, never synchronises (the
@@ -1353,21 +1368,6 @@ fn oracle_arena_tight_budget() {
         ),
         |(ops, keep_mapped, deferred, wait)| {
             run_arena_moving(ops, keep_mapped, false, deferred, wait, false, Some(24 * G))
-        },
-    );
-}
-
-fn oracle_arena_move_free_chunks() {
-    run_property(
-        "arena moving free chunks",
-        (
-            prop::collection::vec(aop(), 1..120),
-            any::<bool>(),
-            any::<bool>(),
-            any::<bool>(),
-        ),
-        |(ops, keep_mapped, deferred, wait)| {
-            run_arena_moving(ops, keep_mapped, false, deferred, wait, true, None)
         },
     );
 }

@@ -8,10 +8,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-use vmmbuf::{Arena, ArenaDesc, ArenaStream, GraphPoolId, HostBackend};
+use vmmbuf::{Arena, ArenaDesc, GraphPoolId, HostBackend};
 
-use crate::fault::{FaultBackend, TestFence};
+use crate::fault::{Ctl, FaultBackend};
 
 crate::register! {
     host: [
@@ -28,50 +27,6 @@ crate::register! {
 
 type Fb = FaultBackend<HostBackend>;
 const G: usize = 64 << 10;
-
-/// A stream whose fences the test opens by hand; every fence made is
-/// logged. `broken` makes `fence` fail (a stream that cannot take one).
-#[derive(Clone)]
-struct Ctl {
-    key: u64,
-    log: Arc<Mutex<Vec<TestFence>>>,
-    broken: Arc<AtomicBool>,
-}
-
-impl Ctl {
-    fn new(key: u64) -> Self {
-        Self {
-            key,
-            log: Arc::default(),
-            broken: Arc::default(),
-        }
-    }
-
-    fn fences(&self) -> usize {
-        self.log.lock().len()
-    }
-
-    /// Every fence recorded so far passes (the stream's work finished).
-    fn finish(&self) {
-        self.log.lock().iter().for_each(|f| f.pass());
-    }
-}
-
-impl ArenaStream<Fb> for Ctl {
-    fn key(&self) -> (u64, u64) {
-        (0, self.key)
-    }
-    fn fence(&self, _: &Fb) -> vmmbuf::Result<TestFence> {
-        if self.broken.load(Ordering::SeqCst) {
-            return Err(vmmbuf::Error::InvalidArgument(
-                "this stream's capture was invalidated".into(),
-            ));
-        }
-        let f = TestFence::default();
-        self.log.lock().push(f.clone());
-        Ok(f)
-    }
-}
 
 /// An arena of room for `chunks` granules, and its backend. The backend's
 /// device synchronisations fail until `fail_every(None)`: a test then sees
