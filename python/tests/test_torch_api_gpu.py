@@ -71,3 +71,50 @@ def test_use_after_the_first_tensor_is_refused_in_words_and_installs_nothing(tor
     assert "RESULT refused:" in said and "before the first CUDA tensor" in said, said
     assert "vmmbuf.torch.pool()" in said, "it says what to do instead"
     assert "process-wide: False allocated: 4096" in said, said
+
+
+_SNAPSHOT = r"""
+import json, os, pickle, tempfile, torch, vmmbuf.torch as vt
+vt.use()
+torch.cuda.memory._record_memory_history()
+MiB = 1 << 20
+x = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+y = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+del y
+path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
+torch.cuda.memory._dump_snapshot(path)
+with open(path, "rb") as f:
+    snap = pickle.load(f)
+blocks = [b for s in snap["segments"] for b in s["blocks"]]
+out = {
+    "segments": len(snap["segments"]),
+    "x_found": any(b["address"] == x.data_ptr() and b["state"] == "active_allocated"
+                   and b["requested_size"] == 3 * MiB for b in blocks),
+    "total": sum(s["total_size"] for s in snap["segments"]),
+    "reserved": torch.cuda.memory_reserved(),
+    "allocated_in_snapshot": sum(s["allocated_size"] for s in snap["segments"]),
+    "allocated": torch.cuda.memory_allocated(),
+    "memory_snapshot": len(torch.cuda.memory_snapshot()),
+}
+# PyTorch's own readers of the file (offline: its flame graphs download a
+# script): the text summary of segments, and the visualizer's page.
+from torch.cuda import _memory_viz
+out["segsum"] = _memory_viz.segsum(snap)
+out["page"] = len(_memory_viz.segment_plot(snap))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_memory_snapshot_shows_vmmbufs_segments_and_blocks(torch_gpu) -> None:
+    """``_record_memory_history`` then ``_dump_snapshot`` write a file whose
+    segments are vmmbuf's mapped memory and whose blocks include every live
+    tensor, which PyTorch's visualizer reads (its segment view)."""
+    said = run_script(_SNAPSHOT, timeout=120)
+    r = json.loads(said.split("RESULT ", 1)[1])
+    print(r)
+    assert r["segments"] >= 1 and r["x_found"], r
+    assert r["total"] == r["reserved"], r
+    assert r["allocated_in_snapshot"] == r["allocated"], r
+    assert r["memory_snapshot"] == r["segments"], r
+    assert isinstance(r["segsum"], str) and r["segsum"].strip(), r
+    assert r["page"] > 0, r

@@ -6,6 +6,7 @@ calls once, ``empty_cache`` reaching vmmbuf on every device."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict
 
 from vmmbuf import _torch_stats
@@ -68,6 +69,7 @@ def test_no_statistics_yet_read_as_zeros() -> None:
 
 def test_install_replaces_the_three_calls_once_and_resolves_the_device() -> None:
     emptied = []
+    history = []
 
     class FakeC:
         _cuda_memoryStats = None
@@ -75,6 +77,14 @@ def test_install_replaces_the_three_calls_once_and_resolves_the_device() -> None
         @staticmethod
         def _cuda_emptyCache() -> None:
             emptied.append("pytorch")
+
+        @staticmethod
+        def _cuda_record_memory_history(*args: Any) -> None:
+            history.append(args)
+            if args[0] == "refused":
+                raise RuntimeError("CUDAPluggableAllocator does not yet support recordHistory")
+            if args[0] == "broken":
+                raise RuntimeError("something else")
 
     asked = []
     reset = []
@@ -84,9 +94,15 @@ def test_install_replaces_the_three_calls_once_and_resolves_the_device() -> None
         return RAW
 
     c = FakeC()
-    _torch_stats.install(c, stats, reset.append, emptied.append, lambda: 2, lambda: 3)
+    arenas = json.dumps([{"tag": "kv", "base": 1 << 40, "segments": [[0, 4 << 20]],
+                          "blocks": [[0, 1 << 20, True, 1000, False, False],
+                                     [1 << 20, 3 << 20, False, 0, False, False]]}])
+    snaps = {0: arenas, 1: None, 2: None}
+    _torch_stats.install(c, stats, reset.append, emptied.append, snaps.get, lambda: 2,
+                         lambda: 3)
     first = c._cuda_memoryStats
-    _torch_stats.install(c, stats, reset.append, emptied.append, lambda: 5, lambda: 9)
+    _torch_stats.install(c, stats, reset.append, emptied.append, snaps.get, lambda: 5,
+                         lambda: 9)
     assert c._cuda_memoryStats is first, "installed once"
     assert c._cuda_memoryStats(None)["allocated_bytes"]["all"]["current"] == 3 << 20
 
@@ -100,3 +116,37 @@ def test_install_replaces_the_three_calls_once_and_resolves_the_device() -> None
     assert asked == [2, 1, 0] and reset == [2]
     c._cuda_emptyCache()
     assert emptied == ["pytorch", 0, 1, 2], "PyTorch's, then vmmbuf's on every device"
+    snap = c._cuda_memorySnapshot(None)
+    assert snap["device_traces"] == [[], [], []]
+    (seg,) = snap["segments"]
+    assert (seg["device"], seg["address"], seg["total_size"]) == (0, 1 << 40, 4 << 20)
+    assert seg["allocated_size"] == 1 << 20 and seg["requested_size"] == 1000
+    assert [b["state"] for b in seg["blocks"]] == ["active_allocated", "inactive"]
+    # PyTorch's history call: its own where it works, accepted where a
+    # pluggable allocator refuses it, and any other failure still raised.
+    c._cuda_record_memory_history("all")
+    c._cuda_record_memory_history("refused")
+    try:
+        c._cuda_record_memory_history("broken")
+        raise AssertionError("another failure was swallowed")
+    except RuntimeError as e:
+        assert "something else" in str(e)
+    assert [h[0] for h in history] == ["all", "refused", "broken"]
+
+
+def test_segments_carry_every_block_in_its_state() -> None:
+    g = 2 << 20
+    arenas = [{"tag": "", "base": 1 << 40, "segments": [[0, g], [4 * g, 2 * g]],
+               "blocks": [[0, 512, True, 500, False, False],
+                          [512, g - 512, False, 0, True, False],
+                          [4 * g, g, False, 0, False, True],
+                          [5 * g, g, False, 0, False, False]]}]
+    segs = _torch_stats.pytorch_segments(arenas, 3)
+    assert [(s["address"] - (1 << 40), s["total_size"]) for s in segs] == [(0, g), (4 * g, 2 * g)]
+    assert [b["state"] for b in segs[0]["blocks"]] == ["active_allocated", "active_awaiting_free"]
+    assert [b["state"] for b in segs[1]["blocks"]] == ["active_allocated", "inactive"]
+    assert segs[0]["active_size"] == g and segs[0]["allocated_size"] == 512
+    assert segs[1]["allocated_size"] == g, "a graph's block is allocated for everyone else"
+    for s in segs:
+        assert sum(b["size"] for b in s["blocks"]) == s["total_size"], "the blocks tile it"
+        assert s["device"] == 3 and s["is_expandable"]

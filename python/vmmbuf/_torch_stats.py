@@ -16,13 +16,22 @@ dictionary PyTorch's caching allocator gives (every key
 under ``small_pool``. Cumulative byte totals (``allocated``/``freed`` of
 the byte statistics) are not counted by vmmbuf and read 0.
 
-:func:`nested_stats` is pure (a dictionary of vmmbuf's statistics in, the
-nested dictionary out) and tested without a GPU.
+The memory snapshot (``torch._C._cuda_memorySnapshot``, under
+``torch.cuda.memory_snapshot``, ``torch.cuda.memory._snapshot`` and
+``_dump_snapshot``) is answered the same way: vmmbuf's mapped segments and
+their blocks (allocated, awaiting another stream, held by a CUDA graph, or
+free) in PyTorch's format, which its memory visualizer reads. vmmbuf keeps
+no history of single calls: ``torch.cuda.memory._record_memory_history``
+is accepted, and the snapshot's ``device_traces`` are empty.
+
+:func:`nested_stats` and :func:`pytorch_snapshot` are pure (vmmbuf's
+numbers in, PyTorch's shape out) and tested without a GPU.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+import json
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 # A StatArray's four fields, each answered by a vmmbuf counter or 0.
 _Names = Tuple[Optional[str], Optional[str], Optional[str], Optional[str]]
@@ -73,15 +82,61 @@ def nested_stats(raw: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def pytorch_segments(arenas: Any, device: int) -> List[Dict[str, Any]]:
+    """PyTorch's snapshot segments from vmmbuf's arenas of one device (the
+    parsed ``_native.snapshot_json(device)``): a segment per mapped run,
+    with the blocks that start in it, in address order."""
+    out: List[Dict[str, Any]] = []
+    for arena in arenas or []:
+        base = int(arena["base"])
+        segs = sorted((int(o), int(n)) for o, n in arena["segments"])
+        blocks = sorted(arena["blocks"])
+        for off, size in segs:
+            inside = [b for b in blocks if off <= int(b[0]) < off + size]
+            bl: List[Dict[str, Any]] = []
+            for o, n, allocated, requested, pending, graph in inside:
+                state = ("active_allocated" if allocated or graph
+                         else "active_awaiting_free" if pending else "inactive")
+                bl.append({"address": base + int(o), "size": int(n),
+                           "requested_size": int(requested) if allocated else 0,
+                           "state": state, "frames": []})
+            allocated_size = sum(b["size"] for b in bl if b["state"] == "active_allocated")
+            out.append({
+                "device": device,
+                "address": base + off,
+                "total_size": size,
+                "allocated_size": allocated_size,
+                "active_size": sum(b["size"] for b in bl if b["state"] != "inactive"),
+                "requested_size": sum(b["requested_size"] for b in bl),
+                "stream": 0,
+                "segment_type": "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": True,
+                "frames": [],
+                "tag": str(arena.get("tag", "")),
+                "blocks": bl,
+            })
+    return out
+
+
+def pytorch_snapshot(segments: List[Dict[str, Any]], devices: int) -> Dict[str, Any]:
+    """The dictionary ``torch._C._cuda_memorySnapshot`` returns: the
+    segments, an empty trace per device (vmmbuf keeps no call history) and
+    no allocator settings."""
+    return {"segments": segments, "device_traces": [[] for _ in range(devices)],
+            "allocator_settings": {}, "external_annotations": []}
+
+
 def install(torch_c: Any, stats: Callable[[int], Mapping[str, Any]],
             reset_peak: Callable[[int], None], empty_cache: Callable[[int], None],
+            snapshot_json: Callable[[int], Optional[str]],
             current_device: Callable[[], int], device_count: Callable[[], int]) -> None:
-    """Puts vmmbuf's answers in place of PyTorch's statistics calls and its
-    ``empty_cache`` on ``torch_c`` (``torch._C``): ``stats(device)``,
-    ``reset_peak(device)`` and ``empty_cache(device)`` are vmmbuf's;
-    ``current_device()`` names the device PyTorch means by None, and
-    ``device_count()`` how many ``empty_cache`` goes over. Installing twice
-    changes nothing more."""
+    """Puts vmmbuf's answers in place of PyTorch's statistics, snapshot and
+    history calls and its ``empty_cache`` on ``torch_c`` (``torch._C``):
+    ``stats(device)``, ``reset_peak(device)``, ``empty_cache(device)`` and
+    ``snapshot_json(device)`` are vmmbuf's; ``current_device()`` names the
+    device PyTorch means by None, and ``device_count()`` how many the
+    device-wide calls go over. Installing twice changes nothing more."""
     if getattr(torch_c, "_vmmbuf_stats_installed", False):
         return
 
@@ -111,7 +166,33 @@ def install(torch_c: Any, stats: Callable[[int], Mapping[str, Any]],
         for d in range(int(device_count())):
             empty_cache(d)
 
+    def memory_snapshot(*_args: Any, **_kwargs: Any) -> Dict[str, Any]:
+        n = int(device_count())
+        segments: List[Dict[str, Any]] = []
+        for d in range(n):
+            raw = snapshot_json(d)
+            segments += pytorch_segments(json.loads(raw) if raw else [], d)
+        return pytorch_snapshot(segments, n)
+
+    def accepting(pytorchs: Callable[..., Any]) -> Callable[..., None]:
+        def record_memory_history(*args: Any, **kwargs: Any) -> None:
+            # PyTorch's own, where it works (its settings are kept); under
+            # a pluggable allocator it refuses, and vmmbuf keeps no call
+            # history to record into.
+            try:
+                pytorchs(*args, **kwargs)
+            except RuntimeError as e:
+                if "does not yet support" not in str(e):
+                    raise
+        return record_memory_history
+
+    for name in ("_cuda_record_memory_history", "_cuda_record_memory_history_legacy"):
+        pytorchs = getattr(torch_c, name, None)
+        if pytorchs is not None:
+            setattr(torch_c, name, accepting(pytorchs))
+
     torch_c._cuda_emptyCache = empty_cache_everywhere
+    torch_c._cuda_memorySnapshot = memory_snapshot
     torch_c._cuda_memoryStats = memory_stats
     torch_c._cuda_resetPeakMemoryStats = reset_peak_memory_stats
     torch_c._cuda_resetAccumulatedMemoryStats = reset_accumulated_memory_stats

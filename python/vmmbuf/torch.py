@@ -156,8 +156,10 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     PyTorch's statistics calls (``torch.cuda.memory_allocated``,
     ``max_memory_allocated``, ``memory_reserved``, ``memory_stats``,
     ``memory_summary``, ``reset_peak_memory_stats``) then answer with
-    vmmbuf's numbers, and ``torch.cuda.empty_cache`` gives vmmbuf's cached
-    memory back (see :mod:`vmmbuf._torch_stats`)."""
+    vmmbuf's numbers, ``torch.cuda.memory_snapshot`` and
+    ``torch.cuda.memory._dump_snapshot`` show vmmbuf's segments and blocks,
+    and ``torch.cuda.empty_cache`` gives vmmbuf's cached memory back (see
+    :mod:`vmmbuf._torch_stats`)."""
     global _PROCESS_WIDE
     # Every check first: a refused call installs nothing.
     why = _native.cuda_unavailable()
@@ -183,7 +185,8 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     if _PROCESS_WIDE:
         return
     _torch_stats.install(torch._C, stats, _native.reset_peak, _native.empty_cache,
-                         torch.cuda.current_device, torch.cuda.device_count)
+                         _native.snapshot_json, torch.cuda.current_device,
+                         torch.cuda.device_count)
     _PROCESS_WIDE = True
 
 

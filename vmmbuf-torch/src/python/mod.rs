@@ -163,6 +163,13 @@ fn stats_json(py: Python<'_>, device: c_int) -> Option<String> {
     detached(py, || state::stats_json(device))
 }
 
+/// Every arena of the device, its mapped segments and blocks, as JSON
+/// (see `state::snapshot_json`); None before its first allocation.
+#[pyfunction]
+fn snapshot_json(py: Python<'_>, device: c_int) -> Option<String> {
+    detached(py, || state::snapshot_json(device))
+}
+
 /// Sets every peak of the device's statistics to its current value.
 #[pyfunction]
 fn reset_peak(py: Python<'_>, device: c_int) {
@@ -384,6 +391,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(free, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_unavailable, m)?)?;
+    m.add_function(wrap_pyfunction!(snapshot_json, m)?)?;
     m.add_function(wrap_pyfunction!(tags, m)?)?;
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;

@@ -55,6 +55,46 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     Some(serde_json::Value::Object(m).to_string())
 }
 
+/// Every arena of the device at this moment, as JSON: a list of
+/// `{"tag", "base", "segments": [[offset, bytes]], "blocks": [[offset,
+/// bytes, allocated, requested, pending, graph]]}` (offsets from `base`;
+/// `pending`: a free block another stream's work may still use; `graph`:
+/// a block a CUDA graph holds). None before the device's first allocation.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn snapshot_json(dev: c_int) -> Option<String> {
+    let d = existing(dev)?;
+    let mut d = d.lock();
+    d.release_graphs();
+    let arenas: Vec<serde_json::Value> = d
+        .arenas
+        .iter()
+        .map(|(tag, a)| {
+            let s = a.snapshot();
+            let blocks: Vec<serde_json::Value> = s
+                .blocks
+                .iter()
+                .map(|b| {
+                    serde_json::json!([
+                        b.offset,
+                        b.bytes,
+                        b.allocated,
+                        b.requested_bytes,
+                        !b.allocated && b.stream.is_some(),
+                        b.graph.is_some()
+                    ])
+                })
+                .collect();
+            serde_json::json!({
+                "tag": tag,
+                "base": s.base,
+                "segments": s.segments,
+                "blocks": blocks,
+            })
+        })
+        .collect();
+    Some(serde_json::Value::Array(arenas).to_string())
+}
+
 type Json = serde_json::Map<String, serde_json::Value>;
 
 /// The keys PyTorch's `torch.cuda.memory_stats()` has, with its names.
