@@ -7,7 +7,9 @@ Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (iss
 no longer faults since issue 40, which reports every chunk as its own range: releasing
 single chunks and cutting at chunk ends is then what the code does anyway),
 d1 (deferred free fences), w1 (a wake around a graph's blocks) or b1
-(waiting for another stream's block before growing).
+(waiting for another stream's block before growing), g4 (a block two
+graphs use, kept by the first alone) or g5 (a free into a graph owing
+nothing on the captured stream).
 Run the oracle there afterwards:
   cargo test --test all -- oracle_; cargo test --test all -- redteam
 Never run it on the working tree you commit from.
@@ -109,6 +111,19 @@ elif name == "g3":
     edit("src/arena/allocation.rs",
          "            Freeing::IntoGraph(_) | Freeing::Deferred => Some(own_key),",
          "            Freeing::IntoGraph(_) => None,\n            Freeing::Deferred => Some(own_key),")
+elif name == "g4":
+    # Graph ownership: a block made in one graph's capture and freed in
+    # another's is kept by the first graph alone, and goes back when that
+    # graph is released while the second still replays over it.
+    edit("src/arena/allocation.rs",
+         "            .into_iter()\n            .chain(into)\n            .collect();",
+         "            .or(into)\n            .into_iter()\n            .collect();")
+elif name == "g5":
+    # A free into a graph owes nothing on a captured stream whose work,
+    # queued before the capture, used the block.
+    edit("src/arena/allocation.rs",
+         "            fences.add(owed_mark(s.key()));\n            st.heap.owed.owe_wanted(s.key());",
+         "            let _ = s;")
 else:
     sys.exit(f"unknown revert {name}")
 print(f"reverted {name} in {tree}")

@@ -13,6 +13,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=src/throw.cpp");
     println!("cargo:rerun-if-changed=src/preload.c");
+    println!("cargo:rerun-if-changed=include/vmmbuf.h");
     if std::env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("linux") {
         return;
     }
@@ -24,7 +25,14 @@ fn main() {
     let lib = out.join("libvmmbuf_preload.so");
     let cc = cc::Build::new().get_compiler();
     let status = Command::new(cc.path())
-        .args(["-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-o"])
+        .args([
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-fvisibility=hidden",
+            "-Iinclude",
+            "-o",
+        ])
         .arg(&lib)
         .arg("src/preload.c")
         .arg("-ldl")

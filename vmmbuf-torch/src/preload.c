@@ -11,15 +11,18 @@
 #include <dlfcn.h>
 #include <stddef.h>
 
+#include "vmmbuf.h"
+
 typedef int cuda_error;  // cudaError_t
 typedef cuda_error (*malloc_fn)(void**, size_t);
 typedef cuda_error (*free_fn)(void*);
-// vmmbuf's answers: 0 served, 1 not vmmbuf's (the runtime serves it),
-// anything else a cudaError_t to return.
-typedef int (*vmmbuf_malloc_fn)(void**, size_t);
-typedef int (*vmmbuf_free_fn)(void*);
-// torch_memory_saver's C pause and resume: 0, or -1 (logged by vmmbuf).
-typedef int (*vmmbuf_tag_fn)(const char*);
+// The plug-in's entry points, as vmmbuf.h declares them (looked up by name
+// at the attach): vmmbuf's answers, 0 served, 1 not vmmbuf's (the runtime
+// serves it), anything else a cudaError_t to return; torch_memory_saver's C
+// pause and resume, 0 or -1 (logged by vmmbuf).
+typedef __typeof__(vmmbuf_preload_malloc)* vmmbuf_malloc_fn;
+typedef __typeof__(vmmbuf_preload_free)* vmmbuf_free_fn;
+typedef __typeof__(vmmbuf_tms_pause)* vmmbuf_tag_fn;
 
 static vmmbuf_malloc_fn vmmbuf_malloc_hook;
 static vmmbuf_free_fn vmmbuf_free_hook;
