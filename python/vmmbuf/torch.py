@@ -161,13 +161,14 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     and ``torch.cuda.empty_cache`` gives vmmbuf's cached memory back (see
     :mod:`vmmbuf._torch_stats`)."""
     global _PROCESS_WIDE
-    # Every check first: a refused call installs nothing.
-    why = _native.cuda_unavailable()
-    if why is not None:
-        raise NoDeviceError(f"vmmbuf.torch.use(): no CUDA device to allocate on: {why}")
+    # Every check first (the arguments, then the machine): a refused call
+    # installs nothing.
     device = _check.device(device, torch.cuda.device_count())
     budget = None if budget_bytes is None else _check.integer(
         "budget_bytes", budget_bytes, maximum=_check.MAX_LIMIT)
+    why = _native.cuda_unavailable()
+    if why is not None:
+        raise NoDeviceError(f"vmmbuf.torch.use(): no CUDA device to allocate on: {why}")
     if budget is not None and stats(device):
         raise InvalidArgumentError(
             f"vmmbuf.torch.use(budget_bytes=...): vmmbuf already allocates on device {device}; "
