@@ -137,6 +137,15 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="every method under every allocator")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    # One line and exit 0 where what it needs is missing.
+    try:
+        import torch
+    except ImportError:
+        print("PyTorch is not installed: this example needs it and a CUDA GPU")
+        return
+    if not torch.cuda.is_available():
+        print("no CUDA device: this example needs a GPU (PyTorch sees none)")
+        return
     table(a) if a.all else run(a)
 
 

@@ -154,3 +154,18 @@ def test_dtype_names():
     assert dtype_name("bfloat16") == "bfloat16"
     g = GrowableTensor("bfloat16", 8, device="cpu")
     assert g.itemsize == 2 and g.row_bytes == 2
+
+
+def test_numpys_array_protocol_gives_the_rows_without_a_copy() -> None:
+    """``np.asarray`` of a host GrowableTensor is its rows (not an empty
+    object array), at its own address; ``dtype`` converts, ``copy`` copies."""
+    t = vmmbuf.GrowableTensor("float32", (1000, 4), device="cpu")
+    rows = np.arange(40, dtype=np.float32).reshape(10, 4)
+    t.append(rows)
+    a = np.asarray(t)
+    assert a.dtype == np.float32 and a.shape == (10, 4)
+    assert np.array_equal(a, rows)
+    assert a.__array_interface__["data"][0] == t.data_ptr(), "no copy"
+    assert np.asarray(t, dtype=np.float64).dtype == np.float64
+    c = np.array(t, copy=True)
+    assert np.array_equal(c, rows) and c.__array_interface__["data"][0] != t.data_ptr()

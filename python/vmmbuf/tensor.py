@@ -268,6 +268,20 @@ class GrowableTensor:
 
         return numpy.from_dlpack(self)
 
+    def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> Any:
+        """NumPy's array protocol (``np.asarray(t)``): the rows, without a
+        copy, for a tensor in host memory; ``dtype`` converts (a copy) and
+        ``copy=True`` copies. A tensor on the GPU has no NumPy array:
+        :class:`~vmmbuf.errors.UnsupportedError` says what to use."""
+        if self.device is not None:
+            raise UnsupportedError(
+                "np.asarray of a GrowableTensor on the GPU: NumPy reads host memory only "
+                "(use .tensor or .cupy, or make it with device='cpu')")
+        view = self.numpy()
+        if dtype is not None and view.dtype != dtype:
+            return view.astype(dtype)
+        return view.copy() if copy else view
+
     def cupy(self) -> Any:
         """A CuPy array over the current length (no copy)."""
         import cupy
