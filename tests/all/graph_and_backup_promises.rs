@@ -50,14 +50,15 @@ fn emulated() -> (Arc<Fb>, Arena<Fb, Q>) {
     (fb, arena)
 }
 
-/// `free_into_graph(h)` of an allocation made in graph g's capture (g still
-/// alive): the block is kept by g alone. When g is released, the block goes
-/// back to the free index although h, whose capture used and freed it,
-/// lives on and replays at those addresses. The control (an allocation made
-/// outside any capture, freed into h) shows the block kept for h.
+/// `free_into_graph(h)` of an allocation made in graph g's capture (g
+/// still alive): the block is referenced by g and h. When g is released,
+/// the block stays held for h, whose capture used and freed it and which
+/// replays at those addresses: neither s1's next allocation nor s2's takes
+/// it. The control (an allocation made outside any capture, freed into h)
+/// is held for h alone. Once h goes too, everything goes back.
 fn a_block_made_in_one_capture_and_freed_in_another_stays_while_either_graph_lives() {
     for from_graph in [false, true] {
-        let (_fb, arena) = small_arena(2, ArenaDesc::new(64 << 20));
+        let (fb, arena) = small_arena(2, ArenaDesc::new(64 << 20));
         let (s1, s2) = (Ctl::new(1), Ctl::new(2));
         let (g, h) = (GraphPoolId(41), GraphPoolId(42));
         // A: graph g's (say, g's output), or an ordinary allocation.
@@ -95,15 +96,26 @@ fn a_block_made_in_one_capture_and_freed_in_another_stays_while_either_graph_liv
         );
         drop(b);
         s2.finish();
+        // h goes too: the block goes back, and everything to the driver.
+        arena.release_graph(h).unwrap();
+        assert!(arena.graph_pools().is_empty());
+        arena.release_all_cached().unwrap();
+        arena.empty_cache().unwrap();
+        let st = arena.stats();
+        assert_eq!(
+            (st.allocated_bytes.current, st.reserved_bytes.current),
+            (0, 0)
+        );
+        drop(arena);
+        assert_eq!(fb.live().mapped_bytes, 0, "every byte back");
     }
 }
 
 /// `WakeDesc::keep_backup` keeps a stash's copy readable (`read_backup`,
-/// `backup_address`) "until the next sleep ... or `release_stash`".
+/// `backup_address`) "until the next sleep ... or `release_stash`":
 /// `prepare_sleep` (which torch_memory_saver's shim runs as every region
-/// with a pinned backup ends) refits the stash to the arena's new layout
-/// instead: the kept backup then reads as other bytes, still reported as
-/// the backup.
+/// with a pinned backup ends) leaves it as it is, also after the arena
+/// grew, at the same host address.
 fn prepare_sleep_keeps_a_kept_stash_backup() {
     let (_fb, arena) = emulated();
     let n = 300 << 10;
@@ -144,6 +156,8 @@ fn prepare_sleep_keeps_a_kept_stash_backup() {
         after.2,
         &data[..8]
     );
+    assert!(after.0, "the kept backup is still there");
+    assert_eq!(host_after, host_before, "at the same host address");
     drop((a, b));
 }
 
@@ -176,12 +190,11 @@ fn files_in(dir: &std::path::Path) -> Vec<(String, u64)> {
         .collect()
 }
 
-/// A disk sleep's files are named, created and removed only by path: a
-/// process killed while asleep (the OOM killer, a SIGKILL from a job
-/// scheduler) leaves every file behind, as large as the memory that slept,
-/// in the spill directory (torch_memory_saver's default: /tmp), where no
-/// later run removes them. Unlinked once mapped, they would go with the
-/// process.
+/// A process killed while asleep on disk (the OOM killer, a SIGKILL from a
+/// job scheduler) leaves no file in the spill directory
+/// (torch_memory_saver's default: /tmp): the files have no name there, so
+/// they go with the process. (Named files, removed only by path, were all
+/// left behind, as large as the memory that slept.)
 fn disk_backup_files_go_with_a_killed_process() {
     let dir = spill_dir("killed");
     let out = run_child("graph_and_backup_promises::spill_child_killed_asleep", &dir);
@@ -225,11 +238,10 @@ fn spill_child_killed_asleep() {
         .unwrap();
 }
 
-/// A disk sleep's files are named `vmmbuf-<pid>-<n>.bak`, n counting from
-/// 0 in each process, and opened with O_EXCL: another local user who
-/// creates those names first in a shared spill directory (the default,
-/// /tmp) makes every disk sleep of that process fail (EEXIST), with no
-/// retry under another name.
+/// Files another local user creates first in a shared spill directory (the
+/// default, /tmp), under the names a disk sleep once used
+/// (`vmmbuf-<pid>-<n>.bak`), do not stop it: its files have no name, or a
+/// random one passed over if taken.
 fn files_made_first_in_the_spill_directory_do_not_stop_a_disk_sleep() {
     let dir = spill_dir("foreseen");
     let out = run_child(
@@ -275,12 +287,10 @@ fn spill_child_with_names_taken() {
     drop(a);
 }
 
-/// `alloc_in_graph` runs while its stream is captured; with deferred free
-/// fences, its out-of-memory path waits for the frees still owed with a
-/// device synchronisation. On a GPU that synchronisation is illegal while
-/// any stream of the device is captured: it fails and invalidates the
-/// capture. (The PyTorch plug-in's own retry avoids synchronising under a
-/// capture; the arena's does not.)
+/// `alloc_in_graph` runs while its stream is captured: out of memory, it
+/// never synchronises the device (illegal while any stream is captured: it
+/// fails and invalidates the capture), even with a free still owed that
+/// only a synchronisation would show finished; the error says so.
 fn out_of_memory_in_a_capture_never_synchronises() {
     let (fb, arena) = small_arena(1, ArenaDesc::new(64 << 20).defer_free_fences(true));
     let (s1, s2) = (Ctl::new(1), Ctl::new(2));
@@ -294,21 +304,35 @@ fn out_of_memory_in_a_capture_never_synchronises() {
         "  alloc_in_graph -> {:?}; device synchronisations during it: {syncs}",
         r.as_ref().map(|a| a.address()).map_err(|e| e.to_string())
     );
-    drop(r);
-    s1.finish();
-    s2.finish();
     assert_eq!(
         syncs, 0,
         "an allocation inside a capture synchronised the device"
     );
+    assert!(
+        matches!(
+            r,
+            Err(Error::ArenaOutOfMemory {
+                during_capture: true,
+                ..
+            })
+        ),
+        "a typed out of memory that says a capture was under way: {r:?}"
+    );
+    drop(r);
+    s1.finish();
+    s2.finish();
+    arena.release_graph(GraphPoolId(5)).unwrap();
+    arena.release_all_cached().unwrap();
+    arena.empty_cache().unwrap();
+    drop(arena);
+    assert_eq!(fb.live().mapped_bytes, 0, "every byte back");
 }
 
 /// A stashing sleep unmaps chunk by chunk as the copies finish; one cut
 /// short leaves the chunks done so far asleep and the rest awake. An
-/// allocation over both, freed while asleep, is noted as a free of the
-/// sleeping range only: its bytes in the awake chunk are never free again,
-/// and that chunk can never go back (nothing is allocated, yet it stays
-/// mapped after `empty_cache`).
+/// allocation over both, freed while asleep, frees both parts: after the
+/// wake and `empty_cache` nothing stays mapped. (Its awake part was once
+/// lost for good.)
 fn a_stash_sleep_cut_short_loses_no_chunk() {
     let (fb, arena) = emulated();
     // 300 KiB: a 256 KiB chunk and a 64 KiB one.
