@@ -174,26 +174,7 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     // ordinary one when a graph may use it): the streams, their captures,
     // the graph's pool and a fence on its own stream. Only then does it
     // leave `live`.
-    let own_stream = d
-        .live
-        .get(&(ptr as usize))
-        .ok_or_else(|| unknown_free(ptr, dev))?
-        .stream()
-        .clone();
-    // PyTorch frees on the allocation's own stream: then its handle is the
-    // allocation's, and the stream map is not consulted.
-    let s =
-        (!std::ptr::eq(own_stream.cu_stream().cast::<c_void>(), stream)).then(|| d.stream(stream));
-    let recorded = d.recorded.get(&(ptr as usize)).cloned().unwrap_or_default();
-    let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
-    // The other streams that used the block: the one the free names (if
-    // not its own) and those record_stream named, each once.
-    let mut others: Vec<Arc<CudaStream>> = Vec::new();
-    for t in s.into_iter().chain(recorded) {
-        if key(&t) != key(&own_stream) && !others.iter().any(|o| key(o) == key(&t)) {
-            others.push(t);
-        }
-    }
+    //
     // Freed while its stream (or another that used it) is captured: no
     // fence can be recorded there, and the graph may use the bytes in
     // every replay, so they are the graph's until CUDA destroys it. Each
@@ -207,7 +188,28 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
             CaptureState::Invalidated
         })
     };
-    let own = ask(&own_stream);
+    let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
+    // The allocation's own stream, read in place (no reference taken: the
+    // free is a hot path).
+    let (own_key, own_handle, own) = {
+        let a = d
+            .live
+            .get(&(ptr as usize))
+            .ok_or_else(|| unknown_free(ptr, dev))?;
+        (key(a.stream()), a.stream().cu_stream(), ask(a.stream()))
+    };
+    // PyTorch frees on the allocation's own stream: then its handle is the
+    // allocation's, and the stream map is not consulted.
+    let s = (!std::ptr::eq(own_handle.cast::<c_void>(), stream)).then(|| d.stream(stream));
+    let recorded = d.recorded.get(&(ptr as usize)).cloned().unwrap_or_default();
+    // The other streams that used the block: the one the free names (if
+    // not its own) and those record_stream named, each once.
+    let mut others: Vec<Arc<CudaStream>> = Vec::new();
+    for t in s.into_iter().chain(recorded) {
+        if key(&t) != own_key && !others.iter().any(|o| key(o) == key(&t)) {
+            others.push(t);
+        }
+    }
     let others: Vec<(Arc<CudaStream>, CaptureState)> = others
         .into_iter()
         .map(|t| {
@@ -222,9 +224,10 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
         Some(c) => {
             let g = fail_point(FreeStep::GraphPool).and_then(|()| d.graph_pool(c))?;
             let fence = match plain(&own) {
-                true => {
-                    Some(fail_point(FreeStep::Fence).and_then(|()| d.backend.fence(&own_stream))?)
-                }
+                true => Some(fail_point(FreeStep::Fence).and_then(|()| {
+                    let d = &*d;
+                    d.backend.fence(d.live[&(ptr as usize)].stream())
+                })?),
                 false => None,
             };
             Some((g, fence))
