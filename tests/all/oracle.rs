@@ -1313,6 +1313,16 @@ fn oracle_arena_deferred_fences() {
     );
 }
 
+/// Random operations and three settings to draw (which, each property says).
+fn ops_and_three_flags() -> impl Strategy<Value = (Vec<AOp>, bool, bool, bool)> {
+    (
+        prop::collection::vec(aop(), 1..120),
+        any::<bool>(),
+        any::<bool>(),
+        any::<bool>(),
+    )
+}
+
 /// Waiting rather than growing (`ArenaDesc::wait_before_grow`), in both
 /// mapping modes, with a map hook or without, with deferred fences or
 /// without: a request that takes another stream's pending block after
@@ -1320,12 +1330,7 @@ fn oracle_arena_deferred_fences() {
 fn oracle_arena_wait_before_grow() {
     run_property(
         "arena waiting before it grows",
-        (
-            prop::collection::vec(aop(), 1..120),
-            any::<bool>(),
-            any::<bool>(),
-            any::<bool>(),
-        ),
+        ops_and_three_flags(),
         |(ops, keep_mapped, hooked, deferred)| {
             run_arena_waiting(ops, keep_mapped, hooked, deferred, true)
         },
@@ -1341,12 +1346,7 @@ fn oracle_arena_wait_before_grow() {
 fn oracle_arena_move_free_chunks() {
     run_property(
         "arena moving free chunks",
-        (
-            prop::collection::vec(aop(), 1..120),
-            any::<bool>(),
-            any::<bool>(),
-            any::<bool>(),
-        ),
+        ops_and_three_flags(),
         |(ops, keep_mapped, deferred, wait)| {
             run_arena_moving(ops, keep_mapped, false, deferred, wait, true, None)
         },
@@ -1360,12 +1360,7 @@ fn oracle_arena_move_free_chunks() {
 fn oracle_arena_tight_budget() {
     run_property(
         "arena under a tight budget",
-        (
-            prop::collection::vec(aop(), 1..120),
-            any::<bool>(),
-            any::<bool>(),
-            any::<bool>(),
-        ),
+        ops_and_three_flags(),
         |(ops, keep_mapped, deferred, wait)| {
             run_arena_moving(ops, keep_mapped, false, deferred, wait, false, Some(24 * G))
         },
