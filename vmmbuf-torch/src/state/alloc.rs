@@ -329,6 +329,7 @@ pub(crate) fn free_stream_destroyed(ptr: u64, dev: c_int) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
     let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
+    d.release_graphs();
     // The streams record_stream named need nothing more: the device
     // synchronisation this free waits for covers them too.
     let (a, _recorded) = d.take_live(ptr, dev)?;
@@ -364,15 +365,14 @@ pub(crate) fn record_stream(ptr: u64, stream: *mut c_void) -> Result<()> {
 }
 
 impl Device {
-    /// The live allocation at `ptr`, taken out to be freed (after releasing
-    /// the graphs CUDA destroyed since the last call), with the streams
-    /// `record_stream` named for it (which leave with it).
+    /// The live allocation at `ptr`, taken out to be freed, with the
+    /// streams `record_stream` named for it (which leave with it). Callers
+    /// release the graphs CUDA destroyed since the last call first.
     fn take_live(
         &mut self,
         ptr: u64,
         dev: c_int,
     ) -> Result<(CudaAllocation, Vec<Arc<CudaStream>>)> {
-        self.release_graphs();
         let a = self
             .live
             .remove(&(ptr as usize))
