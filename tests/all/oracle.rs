@@ -1673,6 +1673,16 @@ fn oracle_case_graph_1() {
     }
 }
 
+/// `ops` on an arena in both mapping modes, with deferred free fences and
+/// without (`hooked`: with a map hook): no violation in any.
+fn run_in_every_mode(ops: &[AOp], hooked: bool) {
+    for deferred in [false, true] {
+        for keep_mapped in [false, true] {
+            run_arena(ops.to_vec(), keep_mapped, hooked, deferred).unwrap();
+        }
+    }
+}
+
 /// Found by the arena properties once captures were modelled with uses
 /// named at the free (`record_stream`, as the plug-in does): a block used
 /// by work queued on another stream before that stream's capture began,
@@ -1711,11 +1721,8 @@ fn oracle_case_captured_stream_1() {
         Offload,
     ];
     for ops in [handed_out, unmapped] {
-        for deferred in [false, true] {
-            for keep_mapped in [false, true] {
-                run_arena(ops.clone(), keep_mapped, false, deferred).unwrap();
-                run_arena(ops.clone(), keep_mapped, true, deferred).unwrap();
-            }
+        for hooked in [false, true] {
+            run_in_every_mode(&ops, hooked);
         }
     }
 }
@@ -1743,11 +1750,7 @@ fn oracle_case_graph_shared_1() {
         Replay { which: 0, s: 2 },
         Alloc { units: 3, s: 1 },
     ];
-    for deferred in [false, true] {
-        for keep_mapped in [false, true] {
-            run_arena(ops.clone(), keep_mapped, false, deferred).unwrap();
-        }
-    }
+    run_in_every_mode(&ops, false);
 }
 
 /// RT4-1 (issue 38): a block allocated before a capture, used by work
@@ -1776,11 +1779,7 @@ fn oracle_case_rt4_1() {
         Alloc { units: 1, s: 1 },
         Alloc { units: 17, s: 2 },
     ];
-    for deferred in [false, true] {
-        for keep_mapped in [false, true] {
-            run_arena(ops.clone(), keep_mapped, false, deferred).unwrap();
-        }
-    }
+    run_in_every_mode(&ops, false);
 }
 
 /// Found by `oracle_arena_map_hook` (1 case in about 80,000, through the
