@@ -714,9 +714,11 @@ impl<B: Backend> Shared<B> {
             total_bytes: device.map(|d| d.1),
             reserved_bytes: st.region.table.mapped_bytes(),
             // The tighter of the arena's own budget and the shared one.
-            budget_bytes: match (self.budget, st.region.budget()) {
-                (Some(a), Some(b)) => Some(a.min(b.limit())),
-                (a, b) => a.or(b.as_ref().map(|b| b.limit())),
+            // (A shared budget of usize::MAX is one not set yet.)
+            budget_bytes: match (self.budget, st.region.budget().map(|b| b.limit())) {
+                (a, Some(usize::MAX)) | (a, None) => a,
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (None, b) => b,
             },
             never_fits,
             during_capture: false,

@@ -7,10 +7,11 @@ use super::*;
 /// in the chunk supply chain: mapping takes from it before any chunk is
 /// created, unmapping and drop give back. Taking past the limit fails at
 /// once (an arena then gives cached memory back and retries, as it does at
-/// its own budget). Thread-safe, lock-free.
+/// its own budget). The limit may change at any time
+/// ([`set_limit`](Budget::set_limit)). Thread-safe, lock-free.
 #[derive(Debug)]
 pub struct Budget {
-    limit: usize,
+    limit: std::sync::atomic::AtomicUsize,
     used: std::sync::atomic::AtomicUsize,
 }
 
@@ -18,14 +19,23 @@ impl Budget {
     /// A budget of `limit` bytes, none used.
     pub fn new(limit: usize) -> Arc<Self> {
         Arc::new(Self {
-            limit,
+            limit: std::sync::atomic::AtomicUsize::new(limit),
             used: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
     /// The limit in bytes.
     pub fn limit(&self) -> usize {
+        self.limit.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Sets the limit to `limit` bytes, at any time. What is mapped stays
+    /// mapped, a new limit below it included: mapping more fails until
+    /// enough goes back (as PyTorch's `set_per_process_memory_fraction`
+    /// acts on memory already reserved).
+    pub fn set_limit(&self, limit: usize) {
         self.limit
+            .store(limit, std::sync::atomic::Ordering::Release);
     }
 
     /// Bytes mapped now by everything that shares it.
@@ -51,7 +61,7 @@ impl Budget {
         use std::sync::atomic::Ordering;
         self.used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                u.checked_add(bytes).filter(|&n| n <= self.limit)
+                u.checked_add(bytes).filter(|&n| n <= self.limit())
             })
             .is_ok()
     }

@@ -14,7 +14,7 @@ use crate::common::gpu;
 use crate::cuda_only::{counted, pattern, Kernels};
 
 crate::register! {
-    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, a_recorded_trace_holds_exactly_the_calls_made_while_recording, allocations_are_send_and_sync_and_hold_the_arena, a_device_margin_refuses_growth_that_leaves_less_free, a_deferred_free_goes_back_to_another_arena_of_the_budget],
+    host: [a_pytorch_training_trace_takes_at_most_1_01x_its_peak, a_recorded_trace_holds_exactly_the_calls_made_while_recording, allocations_are_send_and_sync_and_hold_the_arena, a_device_margin_refuses_growth_that_leaves_less_free, a_deferred_free_goes_back_to_another_arena_of_the_budget, a_budget_changed_in_use_holds_from_the_next_mapping],
     gpu: [owned_typed_tensors_behave_as_cudarc_slices, gpu_statistics_keep_pytorchs_invariants_at_every_step, cuda_frees_are_stream_ordered, the_pytorch_trace_on_the_gpu, at_the_budget_the_arena_waits_for_frees_in_flight],
 }
 
@@ -495,6 +495,43 @@ fn a_deferred_free_goes_back_to_another_arena_of_the_budget() {
     a.empty_cache().unwrap();
     assert_eq!(fb.live().mapped_bytes, 0, "everything back to the driver");
     assert_eq!(budget.used(), 0);
+}
+
+/// A shared budget changed while memory is mapped (PyTorch's
+/// `set_per_process_memory_fraction` after the model is made): what is
+/// mapped stays mapped and intact, a limit below it refuses every new
+/// mapping, with the limit named, until enough goes back; raised again, the
+/// same request fits. Unlimited (`usize::MAX`) names no budget.
+fn a_budget_changed_in_use_holds_from_the_next_mapping() {
+    let g = 2 << 20;
+    let host = HostBackend::with_granularity(g).unwrap();
+    let budget = vmmbuf::Budget::new(usize::MAX);
+    let arena: Arena<HostBackend, HostStream> = Arena::new(
+        host.clone(),
+        ArenaDesc::new(1 << 30)
+            .max_chunk_bytes(g)
+            .shared_budget(budget.clone()),
+    )
+    .unwrap();
+    let s = HostStream(0);
+    let mut a = arena.alloc(3 * g, &s).unwrap();
+    let data: Vec<u8> = (0..3 * g).map(|i| (i * 7 + i / 4093) as u8).collect();
+    a.write(0, &data).unwrap();
+    let e = arena.alloc(1 << 31, &s).unwrap_err();
+    assert!(!e.to_string().contains(", budget "), "none set, none named: {e}");
+    budget.set_limit(2 * g);
+    assert_eq!((budget.limit(), budget.used()), (2 * g, 3 * g));
+    let e = arena.alloc(g, &s).unwrap_err();
+    assert!(e.to_string().contains(", budget 4.0 MiB"), "{e}");
+    let mut back = vec![0u8; 3 * g];
+    a.read(0, &mut back).unwrap();
+    assert!(back == data, "what was mapped stays intact");
+    budget.set_limit(4 * g);
+    let b = arena.alloc(g, &s).unwrap();
+    assert_eq!(budget.used(), 4 * g);
+    drop((a, b));
+    arena.empty_cache().unwrap();
+    assert_eq!(budget.used(), 0, "everything went back");
 }
 
 /// `Arena::record_trace` writes every alloc and free made while it records,
