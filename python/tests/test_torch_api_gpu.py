@@ -118,3 +118,106 @@ def test_a_memory_snapshot_shows_vmmbufs_segments_and_blocks(torch_gpu) -> None:
     assert r["memory_snapshot"] == r["segments"], r
     assert isinstance(r["segsum"], str) and r["segsum"].strip(), r
     assert r["page"] > 0, r
+
+
+_BATCH_SIZE_FINDER = r"""
+import json, torch, vmmbuf.torch as vt
+vt.use()
+GiB = 1 << 30
+keep = torch.arange(1 << 20, device="cuda", dtype=torch.int64)   # must survive
+base = torch.cuda.memory_allocated()
+free0, total = torch.cuda.mem_get_info()
+
+def step(batch):
+    # batch GiB in 1 GiB tensors: an out-of-memory midway leaves the ones
+    # already made to be freed as the exception unwinds.
+    xs = [torch.full((GiB,), i % 251, dtype=torch.uint8, device="cuda") for i in range(batch)]
+    return [int(x[-1]) for x in xs[-2:]]
+
+# Accelerate's find_executable_batch_size: catch, empty the cache, halve.
+batch, caught, last = 1024, [], None
+while batch >= 1:
+    try:
+        last = step(batch)
+        break
+    except torch.cuda.OutOfMemoryError as e:
+        caught.append([type(e).__name__, isinstance(e, torch.OutOfMemoryError), str(e)])
+        torch.cuda.empty_cache()
+        batch //= 2
+out = {"batch": batch, "last": last, "caught": caught, "free0": free0, "total": total,
+       "keep_intact": bool(torch.equal(keep, torch.arange(1 << 20, device="cuda"))),
+       "allocated_after": torch.cuda.memory_allocated(), "base": base,
+       "num_ooms": torch.cuda.memory_stats()["num_ooms"],
+       "vmmbuf_num_ooms": vt.memory_stats()["num_ooms"]}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_out_of_memory_is_torchs_and_a_batch_size_finder_goes_on(torch_gpu) -> None:
+    """An allocation that does not fit raises ``torch.cuda.OutOfMemoryError``
+    (PyTorch's own class, from its C++ ``c10::OutOfMemoryError``) in
+    PyTorch's words, and the process goes on: the batch-size finder's
+    pattern (catch, ``empty_cache``, retry smaller) settles on the largest
+    batch that fits, nothing kept is lost, and everything the failed tries
+    made goes back."""
+    said = run_script(_BATCH_SIZE_FINDER, timeout=300)
+    r = json.loads(said.split("RESULT ", 1)[1])
+    print({k: v for k, v in r.items() if k != "caught"}, r["caught"][:1])
+    gib = 1 << 30
+    assert r["caught"], "1 TiB never fits"
+    for name, is_torchs, msg in r["caught"]:
+        assert name == "OutOfMemoryError" and is_torchs, (name, msg)
+        # 1 GiB reads "1024.00 MiB" in PyTorch's words too (c10's format_size).
+        assert msg.startswith("CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a "
+                              "total capacity of "), msg
+        assert "is allocated by vmmbuf" in msg, msg
+        assert ", budget" not in msg, "no budget was set: none is named"
+    b = r["batch"]
+    assert b >= 1 and r["last"] == [(b - 2) % 251, (b - 1) % 251], r
+    # The largest power of two that fits in what was free.
+    assert b * gib <= r["free0"] < 2 * b * gib + gib, r
+    assert len(r["caught"]) == 10 - b.bit_length() + 1, r
+    assert r["keep_intact"], "the tensor kept across the failures"
+    assert r["allocated_after"] == r["base"], "every failed try's tensors went back"
+    assert r["num_ooms"] == r["vmmbuf_num_ooms"] >= len(r["caught"]), r
+
+
+_FRACTION = r"""
+import json, torch, vmmbuf, vmmbuf.torch as vt
+vt.use()
+MiB = 1 << 20
+total = torch.cuda.mem_get_info()[1]
+a = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+out = {"before": torch.cuda.get_per_process_memory_fraction()}
+torch.cuda.set_per_process_memory_fraction(1024 * MiB / total)
+out["fraction"] = torch.cuda.get_per_process_memory_fraction()
+out["budget"] = vmmbuf.stats(0)["budget_bytes"]
+try:
+    torch.empty(1024 * MiB, dtype=torch.uint8, device="cuda")
+    out["over"] = "allocated"
+except torch.OutOfMemoryError as e:
+    out["over"] = str(e)
+b = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")   # fits beside a
+torch.cuda.set_per_process_memory_fraction(1.0)
+c = torch.empty(2048 * MiB, dtype=torch.uint8, device="cuda")
+out["after"] = torch.cuda.get_per_process_memory_fraction()
+out["expected_budget"] = int(1024 * MiB / total * total)
+out["total"] = total
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_memory_fraction_is_vmmbufs_budget(torch_gpu) -> None:
+    """``set_per_process_memory_fraction`` caps what vmmbuf maps (its device
+    budget, at any time), ``get_per_process_memory_fraction`` reads it back,
+    and an allocation past it raises ``torch.OutOfMemoryError``."""
+    said = run_script(_FRACTION, timeout=120)
+    r = json.loads(said.split("RESULT ", 1)[1])
+    print(r)
+    mib = 1 << 20
+    assert r["before"] == 1.0 and r["after"] == 1.0, r
+    assert abs(r["fraction"] - 1024 * mib / r["total"]) < 1e-9, r
+    assert abs(r["budget"] - 1024 * mib) <= 1 and r["budget"] == r["expected_budget"], r
+    assert r["over"] != "allocated", "past the fraction"
+    assert r["over"].startswith("CUDA out of memory. Tried to allocate 1024.00 MiB."), r
+    assert ", budget 1" in r["over"], r

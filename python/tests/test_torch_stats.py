@@ -98,12 +98,26 @@ def test_install_replaces_the_three_calls_once_and_resolves_the_device() -> None
                           "blocks": [[0, 1 << 20, True, 1000, False, False],
                                      [1 << 20, 3 << 20, False, 0, False, False]]}])
     snaps = {0: arenas, 1: None, 2: None}
-    _torch_stats.install(c, stats, reset.append, emptied.append, snaps.get, lambda: 2,
-                         lambda: 3)
+    budgets: Dict[int, int] = {}
+
+    def source(current: int, count: int) -> _torch_stats.Source:
+        return _torch_stats.Source(
+            stats=stats, reset_peak=reset.append, empty_cache=emptied.append,
+            snapshot_json=snaps.get, set_budget=budgets.__setitem__, budget=budgets.get,
+            current_device=lambda: current, device_count=lambda: count,
+            total_memory=lambda d: (d + 1) * 1000)
+
+    _torch_stats.install(c, source(2, 3))
     first = c._cuda_memoryStats
-    _torch_stats.install(c, stats, reset.append, emptied.append, snaps.get, lambda: 5,
-                         lambda: 9)
+    _torch_stats.install(c, source(5, 9))
     assert c._cuda_memoryStats is first, "installed once"
+    # PyTorch's memory fraction is vmmbuf's budget: the fraction of the
+    # device's total, read back as a fraction (1.0 while none is set).
+    assert c._cuda_getMemoryFraction(1) == 1.0
+    c._cuda_setMemoryFraction(0.25, 1)
+    c._cuda_setMemoryFraction(0.5, None)
+    assert budgets == {1: 500, 2: 1500}
+    assert c._cuda_getMemoryFraction(1) == 0.25 and c._cuda_getMemoryFraction(None) == 0.5
     assert c._cuda_memoryStats(None)["allocated_bytes"]["all"]["current"] == 3 << 20
 
     class Dev:

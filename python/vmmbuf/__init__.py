@@ -256,8 +256,9 @@ def stats(device: Union[None, int, str] = None) -> Dict[str, Any]:
 def set_budget(bytes: int, device: Optional[int] = None) -> None:
     """Caps the bytes vmmbuf maps on ``device`` (the current CUDA device by
     default), all tags together; at the cap every tag's cached memory is
-    given back before an allocation fails. Only before the device's first
-    allocation."""
+    given back before an allocation fails. At any time: what is mapped past
+    a new, lower budget stays mapped until it goes back (as PyTorch's
+    ``set_per_process_memory_fraction`` treats memory already reserved)."""
     _native.set_budget(_device(device), _check.integer("bytes", bytes, maximum=_check.MAX_LIMIT))
 
 

@@ -16,6 +16,12 @@ dictionary PyTorch's caching allocator gives (every key
 under ``small_pool``. Cumulative byte totals (``allocated``/``freed`` of
 the byte statistics) are not counted by vmmbuf and read 0.
 
+PyTorch's memory fraction (``torch._C._cuda_setMemoryFraction`` and
+``_cuda_getMemoryFraction``, under ``torch.cuda.set_per_process_memory_fraction``
+and ``get_per_process_memory_fraction``) is vmmbuf's device budget: the
+fraction times the device's total memory caps what vmmbuf maps, all tags
+together, and an allocation past it raises ``torch.OutOfMemoryError``.
+
 The memory snapshot (``torch._C._cuda_memorySnapshot``, under
 ``torch.cuda.memory_snapshot``, ``torch.cuda.memory._snapshot`` and
 ``_dump_snapshot``) is answered the same way: vmmbuf's mapped segments and
@@ -31,6 +37,7 @@ numbers in, PyTorch's shape out) and tested without a GPU.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 # A StatArray's four fields, each answered by a vmmbuf counter or 0.
@@ -127,18 +134,34 @@ def pytorch_snapshot(segments: List[Dict[str, Any]], devices: int) -> Dict[str, 
             "allocator_settings": {}, "external_annotations": []}
 
 
-def install(torch_c: Any, stats: Callable[[int], Mapping[str, Any]],
-            reset_peak: Callable[[int], None], empty_cache: Callable[[int], None],
-            snapshot_json: Callable[[int], Optional[str]],
-            current_device: Callable[[], int], device_count: Callable[[], int]) -> None:
-    """Puts vmmbuf's answers in place of PyTorch's statistics, snapshot and
-    history calls and its ``empty_cache`` on ``torch_c`` (``torch._C``):
-    ``stats(device)``, ``reset_peak(device)``, ``empty_cache(device)`` and
-    ``snapshot_json(device)`` are vmmbuf's; ``current_device()`` names the
-    device PyTorch means by None, and ``device_count()`` how many the
-    device-wide calls go over. Installing twice changes nothing more."""
+@dataclass(frozen=True)
+class Source:
+    """vmmbuf's side of the answers, one function each, by device index:
+    its statistics, peak reset, cache release, snapshot (JSON) and budget
+    (set, and read: None while none is set); the device PyTorch means by
+    None, how many devices the device-wide calls go over, and a device's
+    total memory (what PyTorch's memory fraction is a fraction of)."""
+
+    stats: Callable[[int], Mapping[str, Any]]
+    reset_peak: Callable[[int], None]
+    empty_cache: Callable[[int], None]
+    snapshot_json: Callable[[int], Optional[str]]
+    set_budget: Callable[[int, int], None]
+    budget: Callable[[int], Optional[int]]
+    current_device: Callable[[], int]
+    device_count: Callable[[], int]
+    total_memory: Callable[[int], int]
+
+
+def install(torch_c: Any, src: Source) -> None:
+    """Puts vmmbuf's answers (``src``) in place of PyTorch's statistics,
+    snapshot, history and memory-fraction calls and its ``empty_cache`` on
+    ``torch_c`` (``torch._C``). Installing twice changes nothing more."""
     if getattr(torch_c, "_vmmbuf_stats_installed", False):
         return
+    stats, reset_peak, empty_cache = src.stats, src.reset_peak, src.empty_cache
+    snapshot_json, current_device, device_count = (
+        src.snapshot_json, src.current_device, src.device_count)
 
     def device_of(device: Any) -> int:
         if device is None:
@@ -191,6 +214,19 @@ def install(torch_c: Any, stats: Callable[[int], Mapping[str, Any]],
         if pytorchs is not None:
             setattr(torch_c, name, accepting(pytorchs))
 
+    def set_memory_fraction(fraction: float, device: Any) -> None:
+        # PyTorch checks the fraction (0 to 1) before this call, and caps
+        # what its allocator reserves at fraction x the device's total.
+        d = device_of(device)
+        src.set_budget(d, int(float(fraction) * src.total_memory(d)))
+
+    def get_memory_fraction(device: Any) -> float:
+        d = device_of(device)
+        budget = src.budget(d)
+        return 1.0 if budget is None else min(1.0, budget / src.total_memory(d))
+
+    torch_c._cuda_setMemoryFraction = set_memory_fraction
+    torch_c._cuda_getMemoryFraction = get_memory_fraction
     torch_c._cuda_emptyCache = empty_cache_everywhere
     torch_c._cuda_memorySnapshot = memory_snapshot
     torch_c._cuda_memoryStats = memory_stats

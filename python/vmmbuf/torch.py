@@ -54,9 +54,13 @@ close the registration before ``destroy_process_group``.
 Out of memory: in a ``MemPool`` scope PyTorch raises ``torch.OutOfMemoryError``
 as usual. Process-wide, PyTorch's pluggable interface has no way to report a
 failed allocation (it would make a tensor at address 0 of a null), so vmmbuf
-throws it as a C++ exception, which PyTorch raises as a ``RuntimeError``
-whose message starts "CUDA out of memory (vmmbuf)" and carries the cause
-(also in ``vmmbuf.last_error()``).
+throws PyTorch's own C++ ``c10::OutOfMemoryError`` (found in the loaded
+libc10, see ``vmmbuf-torch/src/throw.cpp``), which PyTorch raises as
+``torch.OutOfMemoryError`` in its words ("CUDA out of memory. Tried to
+allocate ...") with vmmbuf's cause after them (also in
+``vmmbuf.last_error()``); a failure that is not out of memory is a
+``RuntimeError``. ``torch.cuda.set_per_process_memory_fraction`` sets
+vmmbuf's device budget.
 """
 
 from __future__ import annotations
@@ -169,10 +173,6 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     why = _native.cuda_unavailable()
     if why is not None:
         raise NoDeviceError(f"vmmbuf.torch.use(): no CUDA device to allocate on: {why}")
-    if budget is not None and stats(device):
-        raise InvalidArgumentError(
-            f"vmmbuf.torch.use(budget_bytes=...): vmmbuf already allocates on device {device}; "
-            "a budget must be set before its first allocation")
     if not _PROCESS_WIDE:
         try:
             torch.cuda.memory.change_current_allocator(_allocator())
@@ -185,9 +185,12 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
         _native.set_budget(device, budget)
     if _PROCESS_WIDE:
         return
-    _torch_stats.install(torch._C, stats, _native.reset_peak, _native.empty_cache,
-                         _native.snapshot_json, torch.cuda.current_device,
-                         torch.cuda.device_count)
+    _torch_stats.install(torch._C, _torch_stats.Source(
+        stats=stats, reset_peak=_native.reset_peak, empty_cache=_native.empty_cache,
+        snapshot_json=_native.snapshot_json, set_budget=_native.set_budget,
+        budget=_native.budget, current_device=torch.cuda.current_device,
+        device_count=torch.cuda.device_count,
+        total_memory=lambda d: int(torch.cuda.mem_get_info(d)[1])))
     _PROCESS_WIDE = True
 
 

@@ -119,8 +119,9 @@ int vmmbuf_preload_free(void* ptr);
  * now on. 0, or -1 for a tag that is not UTF-8. */
 int vmmbuf_set_tag(const char* tag);
 
-/* The bytes all of a device's arenas may map together. Call it before the
- * device's first allocation: 0, or -1 if the device is in use already. */
+/* The bytes all of a device's arenas may map together, at any time (what is
+ * mapped past a lower budget stays mapped until it goes back): 0, or -1 for
+ * a device that does not exist. */
 int vmmbuf_set_budget(int device, uint64_t bytes);
 
 /* Gives the device's cached memory back to the driver. 0, or -1. */

@@ -4,7 +4,7 @@
 //! null or -1. Every failure is logged (stderr, `VMMBUF_LOG`) and kept as
 //! this thread's [`vmmbuf_last_error`].
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -19,6 +19,9 @@ thread_local! {
     static JSON: RefCell<Option<CString>> = const { RefCell::new(None) };
     /// This thread's last failure, in words.
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    /// Whether this thread's last failed allocation ran out of memory (as
+    /// opposed to a bad argument or a driver failure).
+    static LAST_WAS_OOM: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Keeps `what: error` as this thread's last error and logs it.
@@ -66,6 +69,7 @@ fn unpanicked<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
     lazy_guard("vmmbuf_malloc", std::ptr::null_mut(), || {
         let Ok(size) = usize::try_from(size) else {
+            let _ = LAST_WAS_OOM.try_with(|o| o.set(false));
             fail("vmmbuf_malloc", &format!("a negative size {size}"));
             return std::ptr::null_mut();
         };
@@ -78,8 +82,15 @@ pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void)
             Ok(p) => p as usize as *mut c_void,
             Err(e) => {
                 let call = format!("vmmbuf_malloc({size}, device {device})");
-                match pytorch_words(size, device, &e) {
-                    Some(w) => fail(&format!("{w} {call}"), &e),
+                let words = pytorch_words(size, device, &e);
+                let _ = LAST_WAS_OOM.try_with(|o| o.set(words.is_some()));
+                match words {
+                    Some(w) => {
+                        let held = state::allocated_and_reserved(device)
+                            .map(|(a, r)| in_use_words(a, r))
+                            .unwrap_or_default();
+                        fail(&format!("{w}{held} {call}"), &e)
+                    }
                     None => fail(&call, &e),
                 }
                 std::ptr::null_mut()
@@ -121,6 +132,17 @@ fn pytorch_words(size: usize, device: c_int, e: &vmmbuf::Error) -> Option<String
     Some(w)
 }
 
+/// PyTorch's sentence on what the allocator holds, with vmmbuf's numbers
+/// (" Of the allocated memory 1.00 GiB is allocated by vmmbuf, and 2.00 MiB
+/// is reserved by vmmbuf but unallocated.").
+fn in_use_words(allocated: usize, reserved: usize) -> String {
+    format!(
+        " Of the allocated memory {} is allocated by vmmbuf, and {} is reserved by vmmbuf but unallocated.",
+        pytorch_size(allocated),
+        pytorch_size(reserved.saturating_sub(allocated))
+    )
+}
+
 /// A byte count as PyTorch's messages print one (c10's `format_size`).
 fn pytorch_size(bytes: usize) -> String {
     let b = bytes as f64;
@@ -137,16 +159,22 @@ fn pytorch_size(bytes: usize) -> String {
 
 #[cfg(target_os = "linux")]
 unsafe extern "C-unwind" {
-    /// Throws a C++ `std::runtime_error` with `why` (src/throw.cpp).
+    /// Throws PyTorch's `c10::OutOfMemoryError` with "CUDA out of memory. "
+    /// and `why` if PyTorch's c10 is loaded, else a `std::runtime_error`
+    /// (src/throw.cpp).
     fn vmmbuf_throw_out_of_memory(why: *const c_char);
+    /// Throws a `std::runtime_error` with `why` (src/throw.cpp).
+    fn vmmbuf_throw_error(why: *const c_char);
 }
 
 /// `vmmbuf_malloc` for PyTorch's `CUDAPluggableAllocator` used process-wide:
-/// on failure it throws a C++ exception (PyTorch raises it in Python as a
-/// `RuntimeError` with the cause) instead of answering null, which PyTorch
-/// would wrap as a tensor at address 0. Only for C++ callers that handle
-/// exceptions; C callers use [`vmmbuf_malloc`]. Linux only (where the C++
-/// shim is built).
+/// on failure it throws a C++ exception instead of answering null, which
+/// PyTorch would wrap as a tensor at address 0: PyTorch's own
+/// `c10::OutOfMemoryError` when memory ran out (Python sees
+/// `torch.OutOfMemoryError` with PyTorch's words and the cause), a
+/// `std::runtime_error` for any other failure (a `RuntimeError`). Only for
+/// C++ callers that handle exceptions; C callers use [`vmmbuf_malloc`].
+/// Linux only (where the C++ shim is built).
 #[cfg(target_os = "linux")]
 #[no_mangle]
 pub extern "C-unwind" fn vmmbuf_torch_malloc(
@@ -160,7 +188,13 @@ pub extern "C-unwind" fn vmmbuf_torch_malloc(
         // exception unwinds straight through it to the C++ caller.
         // SAFETY: a NUL-terminated string or null; the callee copies it
         // before throwing.
-        unsafe { vmmbuf_throw_out_of_memory(vmmbuf_last_error()) };
+        unsafe {
+            if LAST_WAS_OOM.try_with(Cell::get).unwrap_or(false) {
+                vmmbuf_throw_out_of_memory(vmmbuf_last_error());
+            } else {
+                vmmbuf_throw_error(vmmbuf_last_error());
+            }
+        }
     }
     p
 }
@@ -317,8 +351,9 @@ pub extern "C" fn vmmbuf_reset_peak(device: c_int) {
 }
 
 /// Sets the device's memory budget: the bytes all of its arenas (one per
-/// tag) may map together. Call it before the device's first allocation.
-/// Returns 0, or -1 if the device is in use already.
+/// tag) may map together, at any time (what is mapped past a lower budget
+/// stays mapped until it goes back). Returns 0, or -1 for a device that
+/// does not exist.
 #[no_mangle]
 pub extern "C" fn vmmbuf_set_budget(device: c_int, bytes: u64) -> c_int {
     guard("vmmbuf_set_budget", -1, || {

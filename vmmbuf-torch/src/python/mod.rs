@@ -176,10 +176,16 @@ fn reset_peak(py: Python<'_>, device: c_int) {
     detached(py, || state::reset_peak(device))
 }
 
-/// Sets the device's budget (before its first allocation).
+/// Sets the device's budget, at any time (see `state::set_budget`).
 #[pyfunction]
-fn set_budget(device: c_int, bytes: usize) -> PyResult<()> {
-    state::set_budget(device, bytes).map_err(to_py)
+fn set_budget(py: Python<'_>, device: c_int, bytes: usize) -> PyResult<()> {
+    detached(py, || state::set_budget(device, bytes)).map_err(to_py)
+}
+
+/// The device's budget in bytes; None while none is set.
+#[pyfunction]
+fn budget(py: Python<'_>, device: c_int) -> Option<usize> {
+    detached(py, || state::budget(device))
 }
 
 /// Gives the device's cached memory back to the driver.
@@ -404,6 +410,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak, m)?)?;
     m.add_function(wrap_pyfunction!(set_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(budget, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(set_tag, m)?)?;
     m.add_function(wrap_pyfunction!(get_tag, m)?)?;

@@ -55,6 +55,13 @@ pub(crate) fn stats_json(dev: c_int) -> Option<String> {
     Some(serde_json::Value::Object(m).to_string())
 }
 
+/// The device's allocated and reserved bytes now (all its arenas), for an
+/// out-of-memory message; `None` if the device has no arena yet.
+pub(crate) fn allocated_and_reserved(dev: c_int) -> Option<(usize, usize)> {
+    let s = existing(dev)?.lock().stats();
+    Some((s.allocated_bytes.current, s.reserved_bytes.current))
+}
+
 /// Every arena of the device at this moment, as JSON: a list of
 /// `{"tag", "base", "segments": [[offset, bytes]], "blocks": [[offset,
 /// bytes, allocated, requested, pending, graph]]}` (offsets from `base`;
@@ -147,7 +154,7 @@ fn memory_keys(m: &mut Json, d: &Device, s: &vmmbuf::stats::ArenaStats) {
     m.insert("fragmentation".into(), s.fragmentation.into());
     m.insert(
         "budget_bytes".into(),
-        d.budget.as_ref().map(|b| b.limit()).into(),
+        Some(d.budget.limit()).filter(|&b| b != usize::MAX).into(),
     );
     let mut sleeping: Vec<(&str, SleepMode)> = d
         .arenas
@@ -213,18 +220,31 @@ pub(crate) fn reset_peak(dev: c_int) {
     }
 }
 
-/// Sets the device's budget: the bytes all of its arenas may map together.
-/// Only before the device's first allocation.
+/// Sets the device's budget: the bytes all of its arenas may map together,
+/// at any time. Memory mapped past a new, lower budget stays mapped (what
+/// is live and what is cached); the next allocation that needs more gives
+/// the cache back first.
 pub(crate) fn set_budget(dev: c_int, bytes: usize) -> Result<()> {
     ordinal(dev)?;
-    let mut r = registry().write();
-    if r.devices.contains_key(&dev) {
-        return Err(Error::InvalidArgument(format!(
-            "device {dev} is in use already: set its budget before its first allocation"
-        )));
+    let device = {
+        let mut r = registry().write();
+        r.budgets.insert(dev, bytes);
+        r.devices.get(&dev).copied()
+    };
+    // The device's lock is never taken under the registry's.
+    if let Some(d) = device {
+        d.lock().budget.set_limit(bytes);
     }
-    r.budgets.insert(dev, bytes);
     Ok(())
+}
+
+/// The device's budget in bytes, `None` while none is set.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn budget(dev: c_int) -> Option<usize> {
+    match existing(dev) {
+        Some(d) => Some(d.lock().budget.limit()).filter(|&b| b != usize::MAX),
+        None => registry().read().budgets.get(&dev).copied(),
+    }
 }
 
 /// Gives the device's cached memory back to the driver.

@@ -235,8 +235,9 @@ pub(crate) struct Device {
     backend: Arc<CudaBackend>,
     /// Foreign streams (PyTorch's, CuPy's), wrapped (not owned) once each.
     streams: QuickMap<usize, Arc<CudaStream>>,
-    /// The device's budget, shared by all its tags' arenas.
-    budget: Option<Arc<Budget>>,
+    /// The device's budget, shared by all its tags' arenas (`usize::MAX`
+    /// while none is set).
+    budget: Arc<Budget>,
     /// Live allocations by address.
     live: QuickMap<usize, CudaAllocation>,
     /// The other streams PyTorch's `record_stream` named for a live
@@ -263,7 +264,8 @@ pub(crate) struct Device {
 #[derive(Default)]
 struct Registry {
     devices: HashMap<c_int, &'static Mutex<Device>>,
-    /// Budgets set before their device's first allocation.
+    /// Budgets set before their device's first allocation (later ones go
+    /// to the device's own).
     budgets: HashMap<c_int, usize>,
 }
 
@@ -350,7 +352,9 @@ fn device(device: c_int) -> Result<&'static Mutex<Device>> {
         arenas: QuickMap::default(),
         pool,
         backend,
-        budget: r.budgets.get(&device).map(|&b| Budget::new(b)),
+        // Every device has one, unlimited until set: a budget set later
+        // (PyTorch's memory fraction) reaches every arena at once.
+        budget: Budget::new(r.budgets.get(&device).copied().unwrap_or(usize::MAX)),
         streams: QuickMap::default(),
         live: QuickMap::default(),
         recorded: QuickMap::default(),
@@ -422,9 +426,7 @@ impl Device {
     fn arena(&mut self, tag: &str) -> Result<&TorchArena> {
         if !self.arenas.contains_key(tag) {
             let mut desc = arena_desc();
-            if let Some(b) = &self.budget {
-                desc = desc.shared_budget(b.clone());
-            }
+            desc = desc.shared_budget(self.budget.clone());
             let arena = Arena::with_pool(self.pool.clone(), desc)?;
             // VMMBUF_TORCH_TRACE=path records the default arena's allocs and
             // frees as a trace (replay it with the `replay` example).
