@@ -97,6 +97,11 @@
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
+/// The Rust guide's blocks (`docs/rust.md`), compiled as the README's are.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/rust.md")]
+pub struct RustGuideDoctests;
+
 /// How many cases a property test draws under miri, which interprets
 /// every step: `VMMBUF_MIRI_CASES` (CI's miri job sets 1), else 4.
 #[cfg(test)]

@@ -1,4 +1,4 @@
-"""Every Python snippet of the README runs as written (issue 43), each in a
+"""Every Python snippet of the README and of docs/ runs as written (issue 43), each in a
 fresh interpreter: those marked ``# needs: cuda`` on a GPU (skipped without
 one, failed under VMMBUF_REQUIRE_GPU=1), the rest anywhere."""
 
@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _snippets() -> List[Tuple[str, int, str]]:
     out = []
-    for name in ("README.md", "python/README.md"):
+    names = ["README.md", "python/README.md"]
+    names += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+    for name in names:
         text = (ROOT / name).read_text()
         for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
             line = text[: m.start()].count("\n") + 1
