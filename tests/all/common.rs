@@ -99,6 +99,17 @@ pub fn gpu() -> Arc<CudaBackend> {
 }
 
 /// `len` bytes of seeded random data (never all zeros).
+/// A sweep's points: every one under `VMMBUF_LONG_TESTS=1` (CI's long job
+/// and the GPU runs), else `quick`, the few that bound it, so that
+/// `cargo test` stays fast.
+pub fn sweep<T: Copy>(all: &[T], quick: &[T]) -> Vec<T> {
+    if std::env::var("VMMBUF_LONG_TESTS").as_deref() == Ok("1") {
+        all.to_vec()
+    } else {
+        quick.to_vec()
+    }
+}
+
 pub fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut v = vec![0u8; len];

@@ -192,7 +192,7 @@ pub fn replay_hooked(
 /// far the GPU lags. Before frees joined settled neighbours and the growing
 /// tail was spared, the conv trace took 1.06x with fences passing at once and
 /// 1.17x with them 10 or more events late, as live training on an H100 did.
-/// FSDP's trace (one H100, `scripts/dist_train.py --nproc 1`: the compute
+/// FSDP's trace (one H100, `scripts/bench/dist_train.py --nproc 1`: the compute
 /// stream and the all-gather stream) with the GPU lagging up to two steps
 /// (a step is about 1,440 events), in 2 MiB and 20 MiB chunks: memory
 /// taken stays within 4% of the peak allocated. Before settled blocks kept their stream's tag, the
@@ -229,7 +229,10 @@ fn two_streams_with_a_lagging_gpu_cost_little() {
         (2 << 20, true, events.len() / 4),
         (20 << 20, true, events.len() / 30),
     ] {
-        for lag in [0u64, 50, 100, 600, 1000, 1400, 2000, 3000] {
+        for lag in crate::common::sweep(
+            &[0u64, 50, 100, 600, 1000, 1400, 2000, 3000],
+            &[0, 600, 3000],
+        ) {
             let mut desc = ArenaDesc::new(256 << 30)
                 .max_chunk_bytes(chunk)
                 .defer_free_fences(defer);
@@ -291,18 +294,20 @@ fn a_lagging_gpu_costs_the_keep_mapped_arena_little() {
 /// different layout, 10 MiB more), so the figures are printed, not compared.
 fn waiting_before_growth_leaves_no_growth_past_a_pending_block() {
     let events = trace("torch-fsdp-h100.csv.gz");
-    for lag in [0u64, 100, 600, 1000, 1400, 2000, 3000] {
+    let lags = [0u64, 100, 600, 1000, 1400, 2000, 3000];
+    for lag in crate::common::sweep(&lags, &[0, 1000, 3000]) {
         grow_against_wait(&events, &format!("fences {lag} events late"), |_| lag);
     }
     // The GPU stalls (an all-gather waiting on a slower peer): for the
     // first `stall` events of every 7,000 nothing passes, then it catches up.
-    for (base, stall) in [
+    let stalls = [
         (100u64, 500u64),
         (100, 1500),
         (100, 3000),
         (600, 3000),
         (0, 6000),
-    ] {
+    ];
+    for (base, stall) in crate::common::sweep(&stalls, &[(100, 1500), (0, 6000)]) {
         grow_against_wait(
             &events,
             &format!("stalls of {stall} events every 7000 ({base} late otherwise)"),
