@@ -6,6 +6,7 @@
 
 mod arena;
 mod bad_input;
+mod capture_frees;
 mod common;
 mod cuda_only;
 mod fault;
@@ -23,9 +24,8 @@ mod peer;
 mod placement;
 mod pool;
 mod props;
-mod redteam;
-mod redteam4;
 mod reserve;
+mod reviewed_defects;
 mod share;
 mod sleep;
 mod soak;
@@ -61,8 +61,8 @@ fn main() {
         reserve::trials(),
         oracle::trials(),
         props::trials(),
-        redteam::trials(),
-        redteam4::trials(),
+        reviewed_defects::trials(),
+        capture_frees::trials(),
         share::trials(),
         sleep::trials(),
         soak::trials(),

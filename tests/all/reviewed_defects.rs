@@ -1,4 +1,4 @@
-//! Reproducers of defects found by review at d749d2b (issue 19: RT-1 to RT-7;
+//! Reproducers of defects a review found at d749d2b (RT-1 to RT-7;
 //! RT-8 is a unit test, `order::tests`, and the stream-order oracle's). Each
 //! test asserts what the docs promise: on d749d2b each one fails, now each
 //! passes. RT-1 asserts the rule chosen for it (no host slices of shareable
@@ -359,7 +359,7 @@ fn rt7_pool_reserve_huge_total_aborts() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "redteam::rt7_child",
+            "reviewed_defects::rt7_child",
             "--ignored",
             "--test-threads=1",
         ])

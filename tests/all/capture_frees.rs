@@ -1,4 +1,4 @@
-//! The fourth review's findings (issue 38), and the frees they led to: a
+//! The capture findings of a review (RT4), and the frees they led to: a
 //! block freed into a graph it does not own (RT4-1), a graph id used again
 //! (RT4-2), frees on a stream that cannot take a fence now (a capture
 //! invalidated, a fence that fails) and on a stream already destroyed. Each
