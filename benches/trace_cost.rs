@@ -8,7 +8,7 @@
 //! free chunks stay mapped; `VMMBUF_DEFER_FENCES=1` and
 //! `VMMBUF_WAIT_BEFORE_GROW=1` add its other two), then `PASSES` times
 //! more, each event timed.
-//! The default trace is FSDP on one H100 (`scripts/dist_train.py --nproc 1
+//! The default trace is FSDP on one H100 (`scripts/bench/dist_train.py --nproc 1
 //! --modes fsdp`, `VMMBUF_TORCH_TRACE`): 721 allocs and frees a step.
 //!
 //! `--cold MIB` writes MIB MiB of other memory before every fourth call,

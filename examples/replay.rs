@@ -13,7 +13,7 @@
 //! VMMBUF_WAIT_BEFORE_GROW=1`.
 //!
 //! The trace in the repository was recorded from a PyTorch training run on
-//! an H100 (scripts/torch_trace.py).
+//! an H100 (scripts/bench/torch_trace.py).
 
 use std::io::BufReader;
 use std::sync::Arc;

@@ -1,5 +1,5 @@
 //! The arena against a real workload: a trace recorded from PyTorch training
-//! (scripts/torch_trace.py on an H100), replayed on the host backend with
+//! (scripts/bench/torch_trace.py on an H100), replayed on the host backend with
 //! CUDA's 2 MiB granularity, so it runs in CI.
 
 use std::sync::Arc;
@@ -518,7 +518,10 @@ fn a_budget_changed_in_use_holds_from_the_next_mapping() {
     let data: Vec<u8> = (0..3 * g).map(|i| (i * 7 + i / 4093) as u8).collect();
     a.write(0, &data).unwrap();
     let e = arena.alloc(1 << 31, &s).unwrap_err();
-    assert!(!e.to_string().contains(", budget "), "none set, none named: {e}");
+    assert!(
+        !e.to_string().contains(", budget "),
+        "none set, none named: {e}"
+    );
     budget.set_limit(2 * g);
     assert_eq!((budget.limit(), budget.used()), (2 * g, 3 * g));
     let e = arena.alloc(g, &s).unwrap_err();

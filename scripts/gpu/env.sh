@@ -1,6 +1,6 @@
 # Source on the GPU machine from the repository root after ../shared/gpu/pack and
 # copying the wheel (maturin build --release --locked -o /tmp/wheels) to .gpu/wheels/:
-#   source scripts/gpu_env.sh
+#   source scripts/gpu/env.sh
 # Installs the wheel on PYTHONPATH, sets VMMBUF_REQUIRE_GPU=1 and NCCL_NVLS_ENABLE=0,
 # and puts PyTorch's libnccl on LD_LIBRARY_PATH as libnccl.so (the name cudarc's
 # loader looks for), for tests/all/nccl.rs and benches/nccl.rs.

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Two importable ``torch_memory_saver`` packages for running
-torch_memory_saver's own test suite (issue 39): the real one, unpacked from
+torch_memory_saver's own test suite: the real one, unpacked from
 its wheel, and a shim whose public names are vmmbuf's
 (``vmmbuf.torch_memory_saver``), as a user who changes the import gets.
 

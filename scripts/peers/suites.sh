@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Runs other projects' own test suites against vmmbuf and against the peer's
 # own allocator, on the same machine, one after the other, and writes each
-# run's pytest -v log plus the per-test differences (scripts/peer/compare.py).
+# run's pytest -v log plus the per-test differences (scripts/peers/pytest/compare.py).
 #
-# Usage: scripts/peer_suites.sh SUITE PEER_DIR OUT_DIR [SECONDS]
+# Usage: scripts/peers/suites.sh SUITE PEER_DIR OUT_DIR [SECONDS]
 #   SUITE     cupy   CuPy's tests/ (PEER_DIR/tests), under CuPy's default pool
 #                    and under vmmbuf.cupy.use()
 #             tms    torch_memory_saver's own test/ (PEER_DIR/test, and its wheel in
 #                    PEER_DIR/wheels): the real package, and vmmbuf's through a
-#                    shim package of the same name (scripts/peer/tms_shim.py)
+#                    shim package of the same name (scripts/peers/pytest/tms_shim.py)
 #             torch  PyTorch's test/test_cuda.py (PEER_DIR/test_cuda.py): without
 #                    vmmbuf, vmmbuf process-wide, every test in a vmmbuf MemPool,
 #                    and every test in a MemPool of PyTorch's own (the control
@@ -34,14 +34,14 @@ set -uo pipefail
 suite=$1 dir=$(cd "$2" && pwd) out=$3 secs=${4:-600}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-export PYTHONPATH="$here/peer${PYTHONPATH:+:$PYTHONPATH}" PYTHONFAULTHANDLER=1 PEER_SUITE=$suite
+export PYTHONPATH="$here/pytest${PYTHONPATH:+:$PYTHONPATH}" PYTHONFAULTHANDLER=1 PEER_SUITE=$suite
 case "$suite" in
   cupy) configs="native vmmbuf" ;;
   torch) configs="native vmmbuf vmmbuf-mempool torch-mempool" ;;
   tms) configs="native vmmbuf"
     whl=$(ls "$dir"/wheels/torch_memory_saver-*.whl 2>/dev/null | head -n 1)
     [ -n "$whl" ] || { echo "peer_suites: no torch_memory_saver wheel in $dir/wheels" >&2; exit 2; }
-    python3 "$here/peer/tms_shim.py" "$whl" "$out/tms-native-pkg" "$out/tms-shim-pkg" || exit 2 ;;
+    python3 "$here/pytest/tms_shim.py" "$whl" "$out/tms-native-pkg" "$out/tms-shim-pkg" || exit 2 ;;
   *) echo "peer_suites: unknown suite $suite" >&2; exit 2 ;;
 esac
 configs=${PEER_CONFIGS:-$configs}
@@ -79,12 +79,12 @@ done
 wait
 base="$out/$suite-native.log"
 if [ "$suite" = torch ]; then
-  python3 "$here/peer/compare.py" "$out/torch-torch-mempool.log" "$out/torch-vmmbuf-mempool.log" \
+  python3 "$here/pytest/compare.py" "$out/torch-torch-mempool.log" "$out/torch-vmmbuf-mempool.log" \
     --names torch-mempool vmmbuf-mempool > "$out/torch-vmmbuf-mempool-vs-torch-mempool-diff.md"
 fi
 for cfg in $configs; do
   [ "$cfg" = native ] && continue
-  python3 "$here/peer/compare.py" "$base" "$out/$suite-$cfg.log" --names native "$cfg" \
+  python3 "$here/pytest/compare.py" "$base" "$out/$suite-$cfg.log" --names native "$cfg" \
     > "$out/$suite-$cfg-diff.md"
   head -n 8 "$out/$suite-$cfg-diff.md"
 done

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Tensors placed across vmmbuf's chunks, gathered by NCCL with the memory
-registered (issue 40): the two layouts that stopped FSDP with
+registered: the two layouts that stopped FSDP with
 ``register_nccl``, run as a torchrun worker on every rank.
 
-  torchrun --nproc_per_node 2 scripts/nccl_straddle.py --case join
-  torchrun --nproc_per_node 2 scripts/nccl_straddle.py --case reuse
+  torchrun --nproc_per_node 2 scripts/bench/nccl_straddle.py --case join
+  torchrun --nproc_per_node 2 scripts/bench/nccl_straddle.py --case reuse
 
 ``join``: rank 1 frees two chunks' worth of tensors, so that (before the
 fix) the free block joined across the chunks and the next all-gather output

@@ -2,7 +2,7 @@
 """What one tensor allocation and free cost the CPU through PyTorch, per
 allocator, each in its own process, interleaved over rounds:
 
-    python3 scripts/torch_alloc_cost.py [--allocs native,expandable,vmmbuf] [--rounds 3]
+    python3 scripts/bench/torch_alloc_cost.py [--allocs native,expandable,vmmbuf] [--rounds 3]
 
 The pattern is a training step's (benches/hot_path.rs in vmmbuf-torch draws
 the same): sizes from 48 shapes, 512 B to 24 MiB, small ones more often, 40

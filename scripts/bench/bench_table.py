@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Ratio tables for BENCHMARKS.md from one criterion run.
 
-Usage: scripts/bench_table.py DIR   (DIR holds criterion's output, e.g. the
+Usage: scripts/bench/bench_table.py DIR   (DIR holds criterion's output, e.g. the
 `criterion/` folder unpacked from the GPU runner's criterion.tgz)
 Prints markdown: each benchmark's median (criterion's point estimate of the
 median) and the ratios the issue's targets are stated in.

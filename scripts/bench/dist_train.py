@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """DDP and FSDP (fully_shard) training on two GPUs, one process per GPU,
-under one allocator per launch, compared on the same machine (issue 24):
+under one allocator per launch, compared on the same machine:
 
   native       PyTorch's caching allocator
   expandable   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -52,10 +52,10 @@ under one allocator per launch, compared on the same machine (issue 24):
                what the steps need and never grows during them (a
                diagnosis: what growth costs; only when named in --allocs)
 
-    python3 scripts/dist_train.py --all [--modes ddp,fsdp] [--allocs native,...] [--rounds 2] [--steps 30] [--budget SECS]
+    python3 scripts/bench/dist_train.py --all [--modes ddp,fsdp] [--allocs native,...] [--rounds 2] [--steps 30] [--budget SECS]
                                     [--nproc 2] [--out runs.json]
-    python3 scripts/dist_train.py --probe-register     # register_mem_pool on a vmmbuf pool
-    torchrun --nproc_per_node 2 scripts/dist_train.py --worker --mode fsdp --alloc vmmbuf --profile
+    python3 scripts/bench/dist_train.py --probe-register     # register_mem_pool on a vmmbuf pool
+    torchrun --nproc_per_node 2 scripts/bench/dist_train.py --worker --mode fsdp --alloc vmmbuf --profile
       (DIST_RESULT_DIR=dir: where each rank writes its result; --profile:
        torch.profiler tables of the last 5 steps on rank 0)
 

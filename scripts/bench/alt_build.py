@@ -1,5 +1,5 @@
 """Another build of vmmbuf in the same interleaved rounds (`vmmbuf-alt` in
-scripts/dist_train.py and scripts/torch_alloc_cost.py): the package in the
+scripts/bench/dist_train.py and scripts/bench/torch_alloc_cost.py): the package in the
 directory DIST_ALT_PATH names (`pip install --target DIR <wheel>`)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Comparing two allocators step by step, for scripts/dist_train.py and
-scripts/torch_allocators.py: every run draws the same shapes in the same
+"""Comparing two allocators step by step, for scripts/bench/dist_train.py and
+scripts/bench/torch_allocators.py: every run draws the same shapes in the same
 order (one seed), and a step's time moves with its shape (up to 2x), which a
 median over steps mixes with the allocator. So step i of one run is compared
 with step i of the reference's run in the same round."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plots grow_step medians from one criterion run: scripts/bench_plot.py DIR OUT.png"""
+"""Plots grow_step medians from one criterion run: scripts/bench/bench_plot.py DIR OUT.png"""
 import json
 import pathlib
 import sys

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """An RL post-training loop on PyTorch, with the training state put to
 sleep during each rollout, measured side by side for several ways of
-sleeping (issue 22):
+sleeping:
 
-    python3 scripts/rl_loop.py --all [--repeats 2] [--iters 10]   # tables
-    python3 scripts/rl_loop.py --variant vmmbuf --iters 3 --small   # one run
+    python3 scripts/bench/rl_loop.py --all [--repeats 2] [--iters 10]   # tables
+    python3 scripts/bench/rl_loop.py --variant vmmbuf --iters 3 --small   # one run
 
 Per iteration:
   1. train: one step of a decoder-only transformer (fp32 weights, AdamW

@@ -2,10 +2,10 @@
 """Train PyTorch workloads under one allocator per process and compare:
 native caching, expandable_segments:True, backend:cudaMallocAsync, vmmbuf.
 
-    python3 scripts/torch_allocators.py --all [--repeats 3] [--steps 40]   # table
-    python3 scripts/torch_allocators.py --budgets                         # smallest budgets
-    python3 scripts/torch_allocators.py --sleep                           # sleep/wake
-    python3 scripts/torch_allocators.py --alloc vmmbuf --workload conv    # one run, JSON last
+    python3 scripts/bench/torch_allocators.py --all [--repeats 3] [--steps 40]   # table
+    python3 scripts/bench/torch_allocators.py --budgets                         # smallest budgets
+    python3 scripts/bench/torch_allocators.py --sleep                           # sleep/wake
+    python3 scripts/bench/torch_allocators.py --alloc vmmbuf --workload conv    # one run, JSON last
 
 Workloads, written with PyTorch's own modules, same seed everywhere:
   transformer  nn.TransformerEncoder (6 layers, d=512), random sequence

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""An RL step across ranks (issue 40): on every rank an FSDP2 training step
-of the decoder of scripts/rl_loop.py, then the training memory paused on
+"""An RL step across ranks: on every rank an FSDP2 training step
+of the decoder of scripts/bench/rl_loop.py, then the training memory paused on
 all ranks, a generation phase in the memory the pause freed (a KV cache
 filled step by step), the training memory resumed, the next step.
 
-    python3 scripts/rl_ranks.py --all [--nproc 2] [--iters 6] [--variants none,vmmbuf,vmmbuf-nccl,tms]
-    torchrun --nproc_per_node 2 scripts/rl_ranks.py --worker --variant vmmbuf
+    python3 scripts/bench/rl_ranks.py --all [--nproc 2] [--iters 6] [--variants none,vmmbuf,vmmbuf-nccl,tms]
+    torchrun --nproc_per_node 2 scripts/bench/rl_ranks.py --worker --variant vmmbuf
 
 Variants (one torchrun launch each):
   none         no pause: the reference for the losses.

@@ -3,7 +3,7 @@
 freed blocks would serve: a diagnostic for the plug-in's per-call cost
 (issue 40), not a claim about any allocator.
 
-    python3 scripts/trace_reuse.py traces/torch-fsdp-h100.csv.gz [...]
+    python3 scripts/bench/trace_reuse.py traces/torch-fsdp-h100.csv.gz [...]
 
 A freed block of N bytes on stream S is kept, unbounded and uncoalesced; a
 later allocation of exactly N bytes on S takes the most recent one. Such a

@@ -3,7 +3,7 @@
 # vmmbuf_* functions the plug-in library exports (no more, no fewer), it
 # compiles as C and as C++, and a C program built against it alone runs
 # against the library (vmmbuf-torch/tests/c/header_use.c).
-# Usage: scripts/check_c_header.sh LIBRARY [BUILD_DIR]
+# Usage: scripts/check/check_c_header.sh LIBRARY [BUILD_DIR]
 #   LIBRARY: a libvmmbuf_torch.so (cargo's, or the Python package's native
 #   module); with BUILD_DIR, the C program is built there and run against
 #   LIBRARY (which must then be cargo's, without the Python module).

@@ -2,7 +2,7 @@
 """Record the allocations of a real PyTorch training run and write them as a
 vmmbuf trace (CSV: op,id,bytes,stream,time_us), for replay through an Arena.
 
-    python3 scripts/torch_trace.py OUT.csv.gz [--steps N]
+    python3 scripts/bench/torch_trace.py OUT.csv.gz [--steps N]
 
 The workloads are those of torch_allocators.py (--workload transformer: an
 nn.TransformerEncoder on random sequence lengths, where PyTorch's native

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Import circles among vmmbuf's modules (issue 41): every `crate::` path in
+"""Import circles among vmmbuf's modules: every `crate::` path in
 src/ (comments stripped; names the crate root re-exports mapped to the
 module that defines them) is an edge from the module of the file to the
 module it names; `backend::cuda` and `backend::host` count as modules of
@@ -7,7 +7,7 @@ their own. Prints the strongly connected components of more than one
 module (none is the goal) and exits 1 if there is any besides the backend
 module sealing its own children.
 
-Usage: scripts/import_circles.py   (from the repository root)
+Usage: scripts/check/import_circles.py   (from the repository root)
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 """Reverts one stream-order fix in a scratch copy of the tree, so
 that the oracle (tests/all/oracle.rs) can be shown to catch it.
 
-Usage: scripts/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
+Usage: scripts/check/oracle_reverts.py TREE NAME, NAME one of rt3 rt4 rt5 rt6 rt8 (issue
 19), g1 g2 (the CUDA graph pools of issue 23), g3 (RT4-1, issue 38), h1 h2 (map hooks, issue 24;
 no longer faults since issue 40, which reports every chunk as its own range: releasing
 single chunks and cutting at chunk ends is then what the code does anyway),
@@ -11,7 +11,7 @@ d1 (deferred free fences), w1 (a wake around a graph's blocks) or b1
 graphs use, kept by the first alone) or g5 (a free into a graph owing
 nothing on the captured stream).
 Run the oracle there afterwards:
-  cargo test --test all -- oracle_; cargo test --test all -- redteam
+  cargo test --test all -- oracle_; cargo test --test all -- reviewed_defects; cargo test --test all -- capture_frees
 Never run it on the working tree you commit from, and build the scratch
 tree with a target directory of its own (CARGO_TARGET_DIR): in a shared one,
 cargo may take the reverted library as up to date for the other tree.
@@ -106,7 +106,7 @@ elif name == "b1":
     edit("src/arena/mapping.rs", "        self.settle_zone(st, z);\n        let o = self.take(st, z, size, key)?;",
          "        {\n            let State { heap, region, .. } = &mut *st;\n            heap.zones[z].settle_in(|_| true, &region.walls());\n        }\n        let o = self.take(st, z, size, key)?;")
 elif name == "g3":
-    # RT4-1 (issue 38): a block allocated before a capture and freed into
+    # RT4-1: a block allocated before a capture and freed into
     # it owes no fence on its stream: the capture retakes it, and after
     # the release other streams take it, while work queued before the
     # capture may still use it.

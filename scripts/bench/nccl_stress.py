@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """FSDP and DDP with vmmbuf's memory registered with NCCL, under stress
-(issue 40): every rank trains the same model for 200+ steps while it also
+: every rank trains the same model for 200+ steps while it also
 grows at steps of its own (extra tensors of drawn sizes, kept a while) and
 gives free chunks back at steps of its own (``empty_cache``: NCCL
 deregistrations while the other ranks run collectives). Every 10 steps an
@@ -9,7 +9,7 @@ A watchdog on every rank dumps all its threads' stacks and exits 3 when a
 step does not finish within ``--stall`` seconds (each rank's own, so a
 stall in a collective dumps every rank); SIGTERM dumps them too.
 
-    python3 scripts/nccl_stress.py [--nproc 2] [--modes fsdp,ddp] [--steps 220]
+    python3 scripts/bench/nccl_stress.py [--nproc 2] [--modes fsdp,ddp] [--steps 220]
                                    [--stall 120] [--out stress.json]
 
 Per mode it launches ``torch.distributed.run`` twice: with registration
@@ -20,7 +20,7 @@ that failed, registered bytes equal to mapped bytes at the end, no NCCL
 call refused, and deregistrations made. The last line is the result as
 JSON; the exit status is 0 only if every requirement held.
 
-    torchrun --nproc_per_node 2 scripts/nccl_stress.py --worker --mode fsdp --register 1
+    torchrun --nproc_per_node 2 scripts/bench/nccl_stress.py --worker --mode fsdp --register 1
 """
 import argparse
 import json

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A decode loop captured once as a CUDA graph and replayed while its KV
-cache grows (issue 23).
+cache grows.
 
 Each step runs, per layer: q, k, v projections of the hidden state, the new
 k and v appended at the position a device counter holds, attention over the
