@@ -134,6 +134,16 @@ def _announce_captures() -> bool:
     return _captures.hook(torch._C._CUDAGraph, torch.cuda.current_stream, _capturing)
 
 
+def require_device(what: str) -> None:
+    """Raises ``NoDeviceError`` naming the cause (no driver, no device) when
+    vmmbuf cannot allocate on a GPU here; ``what`` names the call refused.
+    Every entry point that needs a GPU asks this first, before PyTorch
+    would raise its own ``RuntimeError``, and before anything is changed."""
+    why = _native.cuda_unavailable()
+    if why is not None:
+        raise NoDeviceError(f"{what}: no CUDA device to allocate on: {why}")
+
+
 def _dev(device: Any) -> int:
     """A CUDA device PyTorch has: None (the current one), an int, "cuda",
     "cuda:N" or a ``torch.device``; anything else is refused in words."""
@@ -170,9 +180,7 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
     device = _check.device(device, torch.cuda.device_count())
     budget = None if budget_bytes is None else _check.integer(
         "budget_bytes", budget_bytes, maximum=_check.MAX_LIMIT)
-    why = _native.cuda_unavailable()
-    if why is not None:
-        raise NoDeviceError(f"vmmbuf.torch.use(): no CUDA device to allocate on: {why}")
+    require_device("vmmbuf.torch.use()")
     if not _PROCESS_WIDE:
         try:
             torch.cuda.memory.change_current_allocator(_allocator())
@@ -204,6 +212,7 @@ def MemPool(**kwargs: Any) -> Any:
     ``torch.cuda.use_mem_pool(pool)``. Keyword arguments go to
     ``torch.cuda.MemPool``. Allocations made in it carry the allocating
     thread's tag (``vmmbuf.tag``)."""
+    require_device("vmmbuf.torch.MemPool()")
     # vmmbuf's state on the device (driver handles, a stream, the tag's
     # arena) is made now, outside any CUDA graph capture: PyTorch asks a
     # pool for its first segment inside a capture when the pool is a
@@ -220,6 +229,7 @@ def pool(tag: str = "", device: Any = None) -> Iterator[Any]:
     ``MemPool`` per tag and device, kept for the process (PyTorch caches
     blocks in it, so a tag's memory is never handed to another tag). Yields
     the pool."""
+    require_device("vmmbuf.torch.pool()")
     d = _dev(device)
     key = (_check.tag("tag", tag), d)
     p = _POOLS.get(key)
@@ -452,6 +462,7 @@ def register_nccl(group: Any = None, device: Any = None,
     whole only; a chunk's free bytes serve only requests that fit in it, so
     where a new chunk would take memory past 1.1x the peak allocated, whole
     free chunks go back first (deregistered, then unmapped)."""
+    require_device("vmmbuf.torch.register_nccl()")
     d = _dev(device)
     if isinstance(group, int) and not isinstance(group, bool):
         return NcclRegistration(d, group, _native.nccl_register(d, group, library))
