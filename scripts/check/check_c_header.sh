@@ -8,7 +8,7 @@
 #   module); with BUILD_DIR, the C program is built there and run against
 #   LIBRARY (which must then be cargo's, without the Python module).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 so=$1
 header=vmmbuf-torch/include/vmmbuf.h
 declared=$(grep -vE '^\s*(/\*|\*)' "$header" | grep -oE '\bvmmbuf_[a-z_]+\(' | tr -d '(' | sort -u)
