@@ -41,7 +41,11 @@ extern "C" int run(const char* path, char* out, size_t n) {
             std::snprintf(out, n, "returned %p", p);
             return 1;
         } catch (const std::exception& e) {
-            seen += std::string("caught: ") + e.what() + "\n";
+            // One line each: with PyTorch loaded, c10's what() carries a
+            // backtrace after the message.
+            std::string what = e.what();
+            what = what.substr(0, what.find('\n'));
+            seen += std::string("caught: ") + what + "\n";
         }
     }
     std::snprintf(out, n, "%s", seen.c_str());
