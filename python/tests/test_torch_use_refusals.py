@@ -60,23 +60,20 @@ def test_the_cause_is_stated_in_words() -> None:
 
 @pytest.mark.skipif(_native.cuda_unavailable() is None, reason="a CUDA device is usable here")
 def test_every_pytorch_entry_point_that_needs_a_gpu_raises_no_device_error() -> None:
-    """``MemPool()``, ``pool()``, ``register_nccl()`` and torch_memory_saver's
-    ``region()`` refuse as ``use()`` does, naming the call and the cause,
-    before PyTorch is asked anything (the stand-in ``torch`` has no CUDA to
-    ask: a call that reached it would fail with AttributeError)."""
+    """``MemPool()``, ``pool()`` (vLLM's ``use_memory_pool`` goes through it)
+    and ``register_nccl()`` refuse as ``use()`` does, naming the call and
+    the cause, before PyTorch is asked anything (the stand-in ``torch`` has
+    no CUDA to ask: a call that reached it would fail with AttributeError).
+    torch_memory_saver's ``region()`` only names a tag: it makes nothing
+    until a tensor is made."""
     code = _FAKE_TORCH + textwrap.dedent("""
         import vmmbuf, vmmbuf.torch as vt
         from vmmbuf.errors import NoDeviceError
-        def region():
-            from vmmbuf.torch_memory_saver import torch_memory_saver
-            with torch_memory_saver.region("w"):
-                pass
         def pool():
             with vt.pool("kv"):
                 pass
         for name, call in [("MemPool", vt.MemPool), ("pool", pool),
-                           ("register_nccl", lambda: vt.register_nccl(12345)),
-                           ("region", region)]:
+                           ("register_nccl", lambda: vt.register_nccl(12345))]:
             try:
                 call()
                 print(name, "ran")
@@ -90,8 +87,7 @@ def test_every_pytorch_entry_point_that_needs_a_gpu_raises_no_device_error() -> 
     print(p.stdout, p.stderr)
     assert p.returncode == 0, p.stderr
     for name, said in [("MemPool", "vmmbuf.torch.MemPool()"), ("pool", "vmmbuf.torch.pool()"),
-                       ("register_nccl", "vmmbuf.torch.register_nccl()"),
-                       ("region", "torch_memory_saver.region()")]:
+                       ("register_nccl", "vmmbuf.torch.register_nccl()")]:
         line = next(x for x in p.stdout.splitlines() if x.startswith(name + " "))
         assert line.startswith(f"{name} refused: {said}: no CUDA device to allocate on: "), line
     assert "stats: {}" in p.stdout, "nothing was made"

@@ -229,9 +229,12 @@ def pool(tag: str = "", device: Any = None) -> Iterator[Any]:
     ``MemPool`` per tag and device, kept for the process (PyTorch caches
     blocks in it, so a tag's memory is never handed to another tag). Yields
     the pool."""
+    # The tag first, then the machine, then the device (which PyTorch can
+    # name only with a driver).
+    name = _check.tag("tag", tag)
     require_device("vmmbuf.torch.pool()")
     d = _dev(device)
-    key = (_check.tag("tag", tag), d)
+    key = (name, d)
     p = _POOLS.get(key)
     if p is None:
         with torch.cuda.device(d):

@@ -148,7 +148,6 @@ class TorchMemorySaver:
             raise InvalidArgumentError(
                 "enable_cpu_backup and enable_disk_backup are mutually exclusive")
         kind = _backup_backend(enable_cpu_backup, cpu_backup_backend)
-        _vtorch.require_device("torch_memory_saver.region()")
         if disk:
             self._disk_dir_for_pause()
             kind = "disk"
