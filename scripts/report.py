@@ -120,6 +120,36 @@ def training() -> Tuple[str, List[Row], Dict[str, Any]]:
     return name, rows, figures
 
 
+# --- moving free chunks: the same script's JSON, against expandable segments ---
+
+def moves() -> Tuple[str, List[Row]]:
+    """Per workload and allocator: memory taken and the summed time of the
+    same steps (after the first 5, round by round) over expandable
+    segments', with the per-step median and quartiles (scripts/bench/
+    paired_steps.py, as torch_allocators.py prints them)."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from paired_steps import step_ratios  # noqa: PLC0415
+
+    name = "torch_allocators-moves-h200.json"
+    data = json.loads((RESULTS / name).read_text())
+    by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
+    for row in data["rows"]:
+        by.setdefault(row["workload"], {})[row["alloc"]] = row["runs"]
+    rows: List[Row] = []
+    for w, runs in by.items():
+        ref = runs["expandable"]
+        for alloc in ("vmmbuf", "vmmbuf-move"):
+            rs = runs[alloc]
+            taken = [r["peak_taken"] / e["peak_taken"] for r, e in zip(rs, ref)]
+            pr = step_ratios(((r["step_ms"], e["step_ms"]) for r, e in zip(rs, ref)), 5)
+            assert pr is not None, (w, alloc)
+            med, lo, hi, summed, n = pr
+            rows.append([w, alloc, f"{min(taken):.3f}-{max(taken):.3f}",
+                         f"{statistics.median(r['utilization'] for r in rs):.3f}",
+                         f"**{summed:.3f}x**", f"{med:.3f} [{lo:.3f}, {hi:.3f}]", str(n)])
+    return name, rows
+
+
 # --- sleep: benches/sleep.rs's steady-state table -----------------------------
 
 def sleep_bench() -> Tuple[str, List[Row], Dict[str, float]]:
@@ -224,6 +254,7 @@ def page() -> str:
     gd_head, gd_rows = printed_table("graph_decode-h100.txt", "| variant | steps/s")
     kv_head, kv_rows = printed_table("kv_cache-h100.txt", "| allocator | method")
     n_head, n_rows = nccl()
+    m_name, m_rows = moves()
     ws = list(t["util"])
     util = lambda i: ", ".join(f"{t['util'][w][i]:.3f}" for w in ws)  # noqa: E731
     vt = r["vtms"]
@@ -288,6 +319,19 @@ def page() -> str:
         md_table(["workload", "PyTorch alone", "expandable segments", "vmmbuf", "peak taken MiB "
                   "(alone / ES / vmmbuf)", "median step ms (alone / ES / vmmbuf)",
                   "vmmbuf step / alone", "vmmbuf taken / ES"], t_rows),
+        "",
+        "### Moving free chunks (an experiment, off by default)",
+        "",
+        "`VMMBUF_TORCH_MOVE_FREE=1` (with 2 MiB chunks) maps whole free chunks a second time "
+        "where the arena grows instead of mapping new memory. Against expandable segments, "
+        "round by round: memory taken, and the summed time of the same steps after the first "
+        "5 (the per-step median and quartiles beside it). It pays where shapes repeat (the "
+        "causal LM: less memory at the same time) and costs where every step brings new "
+        "shapes (the conv net's batch sizes: the free space is rearranged at every step). "
+        + provenance(m_name, idx[m_name]),
+        "",
+        md_table(["workload", "allocator", "taken / expandable", "allocated / taken",
+                  "summed step time / expandable", "per-step median [quartiles]", "steps"], m_rows),
         "",
         "## Sleep and wake",
         "",

@@ -102,8 +102,10 @@ pub struct ArenaDesc {
     /// more than idle (85-211 us a 2 MiB chunk on H100s under training one
     /// chunk a call, 67-84 us batched on H200s). Where shapes change at
     /// every step, the free space is rearranged at every step: less
-    /// memory, a slower step (3-6% less memory than expandable segments, a
-    /// conv net's mean step 1.45-1.66x on H100s: CHANGELOG.md, 0.2.0).
+    /// memory, a slower step (on an H200, against expandable segments: a
+    /// causal LM 0.973x the memory in 1.004x the time, a conv net whose
+    /// batch size changes every step 0.957x in 1.442x; BENCHMARKS.md,
+    /// "Moving free chunks").
     pub move_free_chunks: bool,
 }
 
