@@ -127,7 +127,8 @@ def test_install_replaces_the_three_calls_once_and_resolves_the_device() -> None
     c._cuda_memoryStats(0)
     c._cuda_resetPeakMemoryStats(None)
     c._cuda_resetAccumulatedMemoryStats(None)
-    assert asked == [2, 1, 0] and reset == [2]
+    # The accumulated reset reads device 2's counters (its new start).
+    assert asked == [2, 1, 0, 2] and reset == [2]
     c._cuda_emptyCache()
     assert emptied == ["pytorch", 0, 1, 2], "PyTorch's, then vmmbuf's on every device"
     snap = c._cuda_memorySnapshot(None)
@@ -164,3 +165,36 @@ def test_segments_carry_every_block_in_its_state() -> None:
     for s in segs:
         assert sum(b["size"] for b in s["blocks"]) == s["total_size"], "the blocks tile it"
         assert s["device"] == 3 and s["is_expandable"]
+
+
+def test_allocated_and_freed_totals_count_from_the_last_accumulated_reset() -> None:
+    """The allocated and freed totals are vmmbuf's, under PyTorch's keys
+    (current = allocated - freed, as PyTorch keeps them), and
+    ``reset_accumulated_memory_stats`` starts them again from 0, the event
+    counts with them, while current values and peaks stay."""
+    raw = dict(RAW)
+    raw.update({"allocated_bytes.all.allocated": 10 << 20, "allocated_bytes.all.freed": 7 << 20,
+                "requested_bytes.all.allocated": 9000000, "requested_bytes.all.freed": 6000000})
+
+    class FakeC:
+        pass
+
+    c = FakeC()
+    _torch_stats.install(c, _torch_stats.Source(
+        stats=lambda d: raw, reset_peak=lambda d: None, empty_cache=lambda d: None,
+        snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
+        current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30))
+    flat = _flatten(c._cuda_memoryStats(0))
+    assert flat["allocated_bytes.all.allocated"] - flat["allocated_bytes.all.freed"] \
+        == flat["allocated_bytes.all.current"] == 3 << 20
+    assert (flat["requested_bytes.all.allocated"], flat["requested_bytes.all.freed"]) == (9000000, 6000000)
+    assert (flat["allocation.all.allocated"], flat["allocation.all.freed"]) == (11, 6)
+    c._cuda_resetAccumulatedMemoryStats(0)
+    raw["allocated_bytes.all.allocated"] += 1 << 20   # one more MiB allocated
+    raw["allocated_bytes.all.current"] += 1 << 20
+    raw["num_allocs"] += 1
+    flat = _flatten(c._cuda_memoryStats(None))
+    assert (flat["allocated_bytes.all.allocated"], flat["allocated_bytes.all.freed"]) == (1 << 20, 0)
+    assert (flat["allocation.all.allocated"], flat["num_ooms"], flat["num_alloc_retries"]) == (1, 0, 0)
+    assert flat["allocated_bytes.all.current"] == 4 << 20, "current values stay"
+    assert flat["allocated_bytes.all.peak"] == 7 << 20, "peaks stay"

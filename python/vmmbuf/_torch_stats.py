@@ -13,8 +13,10 @@ vmmbuf's cached memory back on every device): the same nested
 dictionary PyTorch's caching allocator gives (every key
 ``memory_summary`` reads), with vmmbuf's counts under ``all`` and
 ``large_pool`` (vmmbuf keeps no small pool apart in this sense) and zeros
-under ``small_pool``. Cumulative byte totals (``allocated``/``freed`` of
-the byte statistics) are not counted by vmmbuf and read 0.
+under ``small_pool``. The allocated and freed totals of the allocated and
+requested bytes and of the allocation and segment counts are vmmbuf's,
+counted from the last ``reset_accumulated_memory_stats``; those of the
+active, inactive-split and reserved bytes are not counted and read 0.
 
 PyTorch's memory fraction (``torch._C._cuda_setMemoryFraction`` and
 ``_cuda_getMemoryFraction``, under ``torch.cuda.set_per_process_memory_fraction``
@@ -51,13 +53,31 @@ _ARRAYS: Dict[str, _Names] = {
     "segment": (None, None, "num_device_alloc", "num_device_free"),
     "active": ("live_allocations", None, None, None),
     "inactive_split": (None, None, None, None),
-    "allocated_bytes": ("allocated_bytes.all.current", "allocated_bytes.all.peak", None, None),
+    "allocated_bytes": ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+                        "allocated_bytes.all.allocated", "allocated_bytes.all.freed"),
     "reserved_bytes": ("reserved_bytes.all.current", "reserved_bytes.all.peak", None, None),
     "active_bytes": ("active_bytes.all.current", "active_bytes.all.peak", None, None),
     "inactive_split_bytes": (
         "inactive_split_bytes.all.current", "inactive_split_bytes.all.peak", None, None),
-    "requested_bytes": ("requested_bytes.all.current", "requested_bytes.all.peak", None, None),
+    "requested_bytes": ("requested_bytes.all.current", "requested_bytes.all.peak",
+                        "requested_bytes.all.allocated", "requested_bytes.all.freed"),
 }
+
+# vmmbuf's counters that only grow, which PyTorch's
+# ``reset_accumulated_memory_stats`` sets back to 0: every StatArray's
+# allocated and freed, and the event counts.
+ACCUMULATED = tuple(sorted({n for names in _ARRAYS.values() for n in names[2:] if n}
+                           | {"num_alloc_retries", "num_ooms", "num_device_syncs"}))
+
+
+def since(raw: Mapping[str, Any], base: Mapping[str, int]) -> Dict[str, Any]:
+    """``raw`` with each accumulated counter counted from ``base`` (its
+    values when PyTorch's accumulated statistics were last reset)."""
+    out = dict(raw)
+    for k, v in base.items():
+        if k in out:
+            out[k] = max(0, int(out[k] or 0) - v)
+    return out
 
 _FIELDS = ("current", "peak", "allocated", "freed")
 
@@ -169,15 +189,21 @@ def install(torch_c: Any, src: Source) -> None:
         index = getattr(device, "index", device)
         return int(current_device()) if index is None else int(index)
 
+    # Per device, the accumulated counters at PyTorch's last reset of them.
+    bases: Dict[int, Dict[str, int]] = {}
+
     def memory_stats(device: Any) -> Dict[str, Any]:
-        return nested_stats(stats(device_of(device)))
+        d = device_of(device)
+        return nested_stats(since(stats(d), bases.get(d, {})))
 
     def reset_peak_memory_stats(device: Any) -> None:
         reset_peak(device_of(device))
 
     def reset_accumulated_memory_stats(device: Any) -> None:
-        # vmmbuf keeps no cumulative totals that PyTorch's reset would zero.
-        device_of(device)
+        # vmmbuf's counters only grow: the reset is a new starting point.
+        d = device_of(device)
+        raw = stats(d)
+        bases[d] = {k: int(raw.get(k, 0) or 0) for k in ACCUMULATED}
 
     pytorchs_empty_cache = getattr(torch_c, "_cuda_emptyCache", None)
 

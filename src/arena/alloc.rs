@@ -215,6 +215,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             split.change(&region.table, offset, size, true);
         }
         st.stats.num_allocs += 1;
+        st.stats.allocated_bytes_total += size as u64;
+        st.stats.requested_bytes_total += bytes as u64;
         self.shared.count(st);
         uses
     }

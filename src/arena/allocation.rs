@@ -402,6 +402,8 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         st.heap
             .note_freed(self.size, self.requested, graph, &self.uses);
         st.stats.num_frees += 1;
+        st.stats.freed_bytes_total += self.size as u64;
+        st.stats.requested_freed_total += self.requested as u64;
     }
 
     /// The block is held for `graphs` until the last of them is

@@ -149,6 +149,16 @@ pub struct ArenaStats {
     pub num_allocs: u64,
     /// Frees so far.
     pub num_frees: u64,
+    /// Bytes allocated so far, all allocations together (PyTorch's
+    /// `allocated_bytes.all.allocated`); `allocated_bytes.current` is this
+    /// less [`freed_bytes_total`](Self::freed_bytes_total).
+    pub allocated_bytes_total: u64,
+    /// Bytes freed so far (PyTorch's `allocated_bytes.all.freed`).
+    pub freed_bytes_total: u64,
+    /// Bytes requested so far (PyTorch's `requested_bytes.all.allocated`).
+    pub requested_bytes_total: u64,
+    /// Requested bytes freed so far (PyTorch's `requested_bytes.all.freed`).
+    pub requested_freed_total: u64,
     /// Chunks mapped so far for allocations (PyTorch's name: its count of
     /// `cuMemMap` and `cudaMalloc` calls). Flat in a steady state; each is a
     /// driver call an allocation waited for.

@@ -236,6 +236,16 @@ fn stats_have_peaks_and_reset() {
     assert_eq!(st.allocated_bytes.peak, 3 * G + 256 + 256);
     assert_eq!(st.requested_bytes.peak, 3 * G + 1 + 100);
     assert_eq!(st.allocated_bytes.current, 256);
+    // So far: both allocated, the first freed (PyTorch's allocated and
+    // freed totals; reset_peak leaves them).
+    assert_eq!(
+        (st.allocated_bytes_total, st.freed_bytes_total),
+        ((3 * G + 256 + 256) as u64, (3 * G + 256) as u64)
+    );
+    assert_eq!(
+        (st.requested_bytes_total, st.requested_freed_total),
+        ((3 * G + 1 + 100) as u64, (3 * G + 1) as u64)
+    );
     a.reset_peak();
     assert_eq!(a.stats().allocated_bytes.peak, 256);
     assert!(st.fragmentation >= 0.0 && st.fragmentation < 1.0);

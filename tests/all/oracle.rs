@@ -655,6 +655,16 @@ fn check_stats(
         a.current <= a.peak && act.current <= act.peak && r.current <= r.peak + s.discarded_bytes
     );
     prop_assert!(s.inactive_split_bytes.current <= r.current - a.current);
+    // PyTorch's accounting identity: current = allocated - freed so far.
+    prop_assert_eq!(
+        s.allocated_bytes_total - s.freed_bytes_total,
+        a.current as u64,
+        "allocated so far - freed so far = allocated now"
+    );
+    prop_assert_eq!(
+        s.requested_bytes_total - s.requested_freed_total,
+        s.requested_bytes.current as u64
+    );
     if nothing_live {
         prop_assert_eq!(a.current, 0);
         prop_assert_eq!(

@@ -116,6 +116,15 @@ fn torchs_keys(m: &mut Json, s: &vmmbuf::stats::ArenaStats) {
         m.insert(format!("{name}.all.current"), v.current.into());
         m.insert(format!("{name}.all.peak"), v.peak.into());
     }
+    // What PyTorch counts as allocated and freed so far (bytes).
+    for (name, v) in [
+        ("allocated_bytes.all.allocated", s.allocated_bytes_total),
+        ("allocated_bytes.all.freed", s.freed_bytes_total),
+        ("requested_bytes.all.allocated", s.requested_bytes_total),
+        ("requested_bytes.all.freed", s.requested_freed_total),
+    ] {
+        m.insert(name.into(), v.into());
+    }
     for (name, v) in [
         ("num_alloc_retries", s.num_alloc_retries),
         ("num_ooms", s.num_ooms),

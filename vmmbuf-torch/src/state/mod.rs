@@ -483,6 +483,10 @@ impl Device {
             sum.num_ooms += s.num_ooms;
             sum.num_allocs += s.num_allocs;
             sum.num_frees += s.num_frees;
+            sum.allocated_bytes_total += s.allocated_bytes_total;
+            sum.freed_bytes_total += s.freed_bytes_total;
+            sum.requested_bytes_total += s.requested_bytes_total;
+            sum.requested_freed_total += s.requested_freed_total;
             sum.num_device_alloc += s.num_device_alloc;
             sum.num_device_free += s.num_device_free;
             sum.num_grows_past_pending += s.num_grows_past_pending;
