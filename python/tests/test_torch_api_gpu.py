@@ -34,6 +34,14 @@ st = torch.cuda.memory_stats()
 vs = vt.memory_stats()
 out["stats_agree"] = all(st[k] == vs[k] for k in vs if k.endswith((".current", ".peak")))
 out["summary"] = "Allocated memory" in torch.cuda.memory_summary()
+out["totals"] = [st["allocated_bytes.all.allocated"], st["allocated_bytes.all.freed"],
+                 st["allocated_bytes.all.current"]]
+torch.cuda.reset_accumulated_memory_stats()
+z = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+del z
+st = torch.cuda.memory_stats()
+out["totals_after_reset"] = [st["allocated_bytes.all.allocated"], st["allocated_bytes.all.freed"],
+                             st["num_alloc_retries"], st["allocation.all.allocated"]]
 print("RESULT " + json.dumps(out))
 """
 
@@ -50,6 +58,11 @@ def test_pytorchs_statistics_calls_answer_with_vmmbufs_numbers(torch_gpu) -> Non
     assert r["allocated"] <= r["reserved_after_empty"] < r["reserved"], r
     assert r["reserved_after_empty"] == r["vmmbuf_reserved_after_empty"], r
     assert r["stats_agree"] and r["summary"], r
+    # PyTorch's totals: current = allocated - freed; the 20 MiB freed; a
+    # reset of the accumulated statistics starts them again.
+    allocated, freed, current = r["totals"]
+    assert allocated - freed == current and freed >= 20 * mib and allocated >= 25 * mib, r
+    assert r["totals_after_reset"] == [mib, mib, 0, 1], r
 
 
 _AFTER_A_TENSOR = r"""
