@@ -24,12 +24,22 @@ thread_local! {
     static LAST_WAS_OOM: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Keeps `what: error` as this thread's last error and logs it.
+/// Keeps `what: error` as this thread's last error and logs it: a failure
+/// that is not out of memory (see [`fail_out_of_memory`]). Every failure
+/// passes here, a caught panic included, so the out-of-memory mark never
+/// outlives the failure it was made for.
 pub(crate) fn fail(what: &str, error: &dyn std::fmt::Display) {
     tracing::warn!(%error, "vmmbuf-torch: {what} failed");
     let text = format!("{what}: {error}").replace('\0', " ");
     // A thread being torn down keeps no last error (the failure is logged).
     let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = CString::new(text).ok());
+    let _ = LAST_WAS_OOM.try_with(|o| o.set(false));
+}
+
+/// [`fail`] for an allocation that ran out of memory.
+fn fail_out_of_memory(what: &str, error: &dyn std::fmt::Display) {
+    fail(what, error);
+    let _ = LAST_WAS_OOM.try_with(|o| o.set(true));
 }
 
 /// Runs `f`, turning a panic into `fallback` (logged). The caller's
@@ -69,7 +79,6 @@ fn unpanicked<T>(what: &str, fallback: T, f: impl FnOnce() -> T) -> T {
 pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
     lazy_guard("vmmbuf_malloc", std::ptr::null_mut(), || {
         let Ok(size) = usize::try_from(size) else {
-            let _ = LAST_WAS_OOM.try_with(|o| o.set(false));
             fail("vmmbuf_malloc", &format!("a negative size {size}"));
             return std::ptr::null_mut();
         };
@@ -82,14 +91,12 @@ pub extern "C" fn vmmbuf_malloc(size: isize, device: c_int, stream: *mut c_void)
             Ok(p) => p as usize as *mut c_void,
             Err(e) => {
                 let call = format!("vmmbuf_malloc({size}, device {device})");
-                let words = pytorch_words(size, device, &e);
-                let _ = LAST_WAS_OOM.try_with(|o| o.set(words.is_some()));
-                match words {
+                match pytorch_words(size, device, &e) {
                     Some(w) => {
                         let held = state::allocated_and_reserved(device)
                             .map(|(a, r)| in_use_words(a, r))
                             .unwrap_or_default();
-                        fail(&format!("{w}{held} {call}"), &e)
+                        fail_out_of_memory(&format!("{w}{held} {call}"), &e)
                     }
                     None => fail(&call, &e),
                 }
