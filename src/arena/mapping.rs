@@ -714,11 +714,9 @@ impl<B: Backend> Shared<B> {
             total_bytes: device.map(|d| d.1),
             reserved_bytes: st.region.table.mapped_bytes(),
             // The tighter of the arena's own budget and the shared one.
-            // (A shared budget of usize::MAX is one not set yet.)
-            budget_bytes: match (self.budget, st.region.budget().map(|b| b.limit())) {
-                (a, Some(usize::MAX)) | (a, None) => a,
+            budget_bytes: match (self.budget, st.region.budget().and_then(|b| b.limit_set())) {
                 (Some(a), Some(b)) => Some(a.min(b)),
-                (None, b) => b,
+                (a, b) => a.or(b),
             },
             never_fits,
             during_capture: false,

@@ -29,6 +29,17 @@ impl Budget {
         self.limit.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// A budget with no limit yet (`usize::MAX`), for one that may be set
+    /// later ([`set_limit`](Self::set_limit)).
+    pub fn unlimited() -> Arc<Self> {
+        Self::new(usize::MAX)
+    }
+
+    /// The limit, `None` while there is none ([`unlimited`](Self::unlimited)).
+    pub fn limit_set(&self) -> Option<usize> {
+        Some(self.limit()).filter(|&l| l != usize::MAX)
+    }
+
     /// Sets the limit to `limit` bytes, at any time. What is mapped stays
     /// mapped, a new limit below it included: mapping more fails until
     /// enough goes back (as PyTorch's `set_per_process_memory_fraction`

@@ -161,10 +161,7 @@ fn memory_keys(m: &mut Json, d: &Device, s: &vmmbuf::stats::ArenaStats) {
         m.insert(name.into(), v.into());
     }
     m.insert("fragmentation".into(), s.fragmentation.into());
-    m.insert(
-        "budget_bytes".into(),
-        Some(d.budget.limit()).filter(|&b| b != usize::MAX).into(),
-    );
+    m.insert("budget_bytes".into(), d.budget.limit_set().into());
     let mut sleeping: Vec<(&str, SleepMode)> = d
         .arenas
         .iter()
@@ -251,7 +248,7 @@ pub(crate) fn set_budget(dev: c_int, bytes: usize) -> Result<()> {
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) fn budget(dev: c_int) -> Option<usize> {
     match existing(dev) {
-        Some(d) => Some(d.lock().budget.limit()).filter(|&b| b != usize::MAX),
+        Some(d) => d.lock().budget.limit_set(),
         None => registry().read().budgets.get(&dev).copied(),
     }
 }

@@ -235,7 +235,7 @@ pub(crate) struct Device {
     backend: Arc<CudaBackend>,
     /// Foreign streams (PyTorch's, CuPy's), wrapped (not owned) once each.
     streams: QuickMap<usize, Arc<CudaStream>>,
-    /// The device's budget, shared by all its tags' arenas (`usize::MAX`
+    /// The device's budget, shared by all its tags' arenas ([`Budget::unlimited`]
     /// while none is set).
     budget: Arc<Budget>,
     /// Live allocations by address.
@@ -354,7 +354,10 @@ fn device(device: c_int) -> Result<&'static Mutex<Device>> {
         backend,
         // Every device has one, unlimited until set: a budget set later
         // (PyTorch's memory fraction) reaches every arena at once.
-        budget: Budget::new(r.budgets.get(&device).copied().unwrap_or(usize::MAX)),
+        budget: r
+            .budgets
+            .get(&device)
+            .map_or_else(Budget::unlimited, |&b| Budget::new(b)),
         streams: QuickMap::default(),
         live: QuickMap::default(),
         recorded: QuickMap::default(),
