@@ -93,12 +93,17 @@ def ms(x: float) -> str:
 
 # --- training: scripts/bench/torch_allocators.py's JSON ----------------------------
 
+def runs_by_workload(name: str) -> Dict[str, Dict[str, List[Dict[str, Any]]]]:
+    """A torch_allocators.py result file's runs, by workload and allocator."""
+    by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
+    for row in json.loads((RESULTS / name).read_text())["rows"]:
+        by.setdefault(row["workload"], {})[row["alloc"]] = row["runs"]
+    return by
+
+
 def training() -> Tuple[str, List[Row], Dict[str, Any]]:
     name = "torch_allocators-h200.json"
-    data = json.loads((RESULTS / name).read_text())
-    by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
-    for row in data["rows"]:
-        by.setdefault(row["workload"], {})[row["alloc"]] = row["runs"]
+    by = runs_by_workload(name)
     labels = {"transformer": "Transformer encoder, random lengths",
               "conv": "conv net, random batches", "causal-lm": "causal LM, random batch and length"}
     rows: List[Row] = []
@@ -131,10 +136,7 @@ def moves() -> Tuple[str, List[Row]]:
     from paired_steps import step_ratios  # noqa: PLC0415
 
     name = "torch_allocators-moves-h200.json"
-    data = json.loads((RESULTS / name).read_text())
-    by: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
-    for row in data["rows"]:
-        by.setdefault(row["workload"], {})[row["alloc"]] = row["runs"]
+    by = runs_by_workload(name)
     rows: List[Row] = []
     for w, runs in by.items():
         ref = runs["expandable"]
@@ -196,6 +198,10 @@ def rl_loop() -> Tuple[str, List[Row], Dict[str, Tuple[float, float, float, floa
 
 
 # --- several GPUs: scripts/bench/dist_train.py's printed summary ---------------------
+
+DIST_HEADER = ["mode", "allocator", "pooled median ms", "vs expandable", "rounds below 1",
+               "utilization"]
+
 
 def dist_train(name: str) -> Tuple[List[Row], Dict[str, Any]]:
     text = (RESULTS / name).read_text()
@@ -359,18 +365,15 @@ def page() -> str:
         "",
         "FSDP, 2 GPUs: " + provenance("dist_train-fsdp-h200x2.txt", idx["dist_train-fsdp-h200x2.txt"]),
         "",
-        md_table(["mode", "allocator", "pooled median ms", "vs expandable", "rounds below 1",
-                  "utilization"], f2_rows),
+        md_table(DIST_HEADER, f2_rows),
         "",
         "FSDP, 4 GPUs: " + provenance("dist_train-fsdp-h200x4.txt", idx["dist_train-fsdp-h200x4.txt"]),
         "",
-        md_table(["mode", "allocator", "pooled median ms", "vs expandable", "rounds below 1",
-                  "utilization"], f4_rows),
+        md_table(DIST_HEADER, f4_rows),
         "",
         "DDP, 4 GPUs: " + provenance("dist_train-ddp-h200x4.txt", idx["dist_train-ddp-h200x4.txt"]),
         "",
-        md_table(["mode", "allocator", "pooled median ms", "vs expandable", "rounds below 1",
-                  "utilization"], d4_rows),
+        md_table(DIST_HEADER, d4_rows),
         "",
         "NCCL bus bandwidth (GB/s, medians of 7 interleaved rounds) over an arena registered "
         "as it grows: " + provenance("nccl-h200x2.txt", idx["nccl-h200x2.txt"]),
@@ -426,7 +429,6 @@ def plots() -> None:
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(out / "footprint.png")
-    _, rows, _ = growth()
     fig, ax = plt.subplots(figsize=(5, 3), dpi=80)
     c = criterion((RESULTS / "grow-h200.txt").read_text())
     sizes = ("64MiB", "1GiB", "8GiB")
