@@ -75,6 +75,61 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         Ok(freed)
     }
 
+    /// Takes again, at `address`, a block that CUDA graphs hold (an
+    /// allocation made in a capture, or freed into one, then freed): it
+    /// lives again, for `bytes` on `stream`, as it was. For a caller that
+    /// keeps a graph pool's state itself: PyTorch's CUDA graph trees
+    /// restore a pool's checkpoint, and the outputs of the graphs replayed
+    /// since live again at the addresses those graphs write. The caller
+    /// knows the bytes are the ones it wants (a replay wrote them); the
+    /// arena keeps its rule: at the next free the block is held again for
+    /// the graphs that held it (those still alive; with none, it goes back
+    /// to the free blocks), and that free waits for the uses its earlier
+    /// life left on the block as well as for the new ones.
+    ///
+    /// Fails, changing nothing, if no graph holds a block starting at
+    /// `address` of at least `bytes`, or while the arena sleeps.
+    pub fn retake(&self, address: u64, bytes: usize, stream: &S) -> Result<Allocation<B, S>> {
+        let size = self.rounded(bytes)?;
+        let key = stream.key();
+        let mut st = self.shared.state.lock();
+        st.region.check_poison()?;
+        if st.asleep.is_some() {
+            return Err(Error::invalid(format!(
+                "retake of {address:#x}: the arena is asleep (wake it first)"
+            )));
+        }
+        let h = address
+            .checked_sub(self.shared.base)
+            .and_then(|o| usize::try_from(o).ok())
+            .and_then(|o| st.heap.graphs.retake(o, size).map(|h| (o, h)));
+        let Some((offset, h)) = h else {
+            return Err(Error::invalid(format!(
+                "retake of {bytes} bytes at {address:#x}: no block of that size that graphs hold starts there"
+            )));
+        };
+        let uses = self.note_live(&mut st, offset, h.size, bytes, key, None, true);
+        if let Some(l) = st.heap.live.get_mut(&offset) {
+            l.retaken = Some(Box::new(super::Retaken {
+                graphs: h.graphs,
+                fences: h.fences,
+            }));
+        }
+        drop(st);
+        let id = self.trace_alloc(bytes, key);
+        Ok(Allocation {
+            id,
+            arena: self.shared.clone(),
+            offset,
+            size: h.size,
+            requested: bytes,
+            stream: stream.clone(),
+            extra: Mutex::new(Vec::new()),
+            uses,
+            how: allocation::Freeing::Fence,
+        })
+    }
+
     /// The graph pools alive: each one's id, bytes held free and live
     /// allocations.
     pub fn graph_pools(&self) -> Vec<(GraphPoolId, usize, usize)> {

@@ -294,7 +294,10 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         let mut st = self.arena.state.lock();
         // The graph it came from, unless that graph was released since (it
         // is an ordinary allocation then, whatever pool has the id now).
-        let graph = st.heap.live.remove(&self.offset).and_then(|l| l.graph);
+        let (graph, retaken) = match st.heap.live.remove(&self.offset) {
+            Some(l) => (l.graph, l.retaken),
+            None => (None, None),
+        };
         let into = match self.how {
             Freeing::IntoGraph(g) => Some(g),
             _ => None,
@@ -304,11 +307,17 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         // The graphs that keep the block (see `graph`'s rule): the one it
         // came from while that graph lives, and the one whose capture
         // frees it; with none, it goes back.
-        let graphs: Vec<GraphPoolId> = graph
+        let mut graphs: Vec<GraphPoolId> = graph
             .filter(|&g| st.heap.graphs.contains(g))
             .into_iter()
             .chain(into)
             .collect();
+        // Retaken from graphs: held for them again, behind its earlier
+        // life's fences too.
+        if let Some(r) = retaken {
+            graphs.extend(r.graphs.into_iter().filter(|&g| st.heap.graphs.contains(g)));
+            fences.merge(r.fences);
+        }
         if graphs.is_empty() {
             self.give_back(&mut st, owed_on, fences);
         } else {

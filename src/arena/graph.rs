@@ -165,6 +165,32 @@ impl<F> Graphs<F> {
         Some(o)
     }
 
+    /// The block held at exactly `offset`, of at least `size` bytes, taken
+    /// out to live again (see [`Arena::retake`](crate::Arena::retake)): the
+    /// graphs that held it and its fences come with it. A larger unfenced
+    /// block (blocks of one capture joined) leaves its remainder held; a
+    /// fenced one comes whole. `None` if no block starts there or it is
+    /// too small.
+    pub(super) fn retake(&mut self, offset: usize, size: usize) -> Option<Held<F>> {
+        if self.held.get(&offset)?.size < size {
+            return None;
+        }
+        let mut h = self.held.remove(&offset).expect("found");
+        if h.size > size && h.fences.is_empty() {
+            self.held.insert(
+                offset + size,
+                Held {
+                    size: h.size - size,
+                    graphs: h.graphs.clone(),
+                    reuse: h.reuse,
+                    fences: FenceSet::default(),
+                },
+            );
+            h.size = size;
+        }
+        Some(h)
+    }
+
     /// Holds `h` at `offset` (its graphs become known), joined with
     /// touching blocks it [joins](Held::joins), within `zone` (the free
     /// index's zones never share a block).

@@ -145,6 +145,7 @@ impl<F> Heap<F> {
                 stream,
                 uses: uses.clone(),
                 graph,
+                retaken: None,
             },
         );
         if let Some(g) = graph {

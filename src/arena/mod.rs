@@ -176,6 +176,17 @@ struct Live<F> {
     /// The graph whose pool it came from: its block stays the graph's when
     /// freed.
     graph: Option<GraphPoolId>,
+    /// Taken again from the graphs that held it ([`Arena::retake`]): those
+    /// graphs, and the fences its earlier life left on the block. Its free
+    /// keeps the block for them again (those still alive) and carries the
+    /// fences on.
+    retaken: Option<Box<Retaken<F>>>,
+}
+
+/// What a retaken block brings from its earlier life (see [`Live::retaken`]).
+struct Retaken<F> {
+    graphs: Vec<GraphPoolId>,
+    fences: crate::order::FenceSet<Mark<F>>,
 }
 
 struct State<B: Backend> {

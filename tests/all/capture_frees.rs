@@ -3,7 +3,8 @@
 //! (RT4-2), frees on a stream that cannot take a fence now (a capture
 //! invalidated, a fence that fails) and on a stream already destroyed. Each
 //! test checks which stream may take the freed bytes, when, and that none
-//! are lost.
+//! are lost. And a graph's output taken again after its free (PyTorch's
+//! CUDA graph trees restore a pool's checkpoint so).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,6 +20,7 @@ crate::register! {
         a_deferred_free_is_covered_at_the_streams_next_call,
         a_free_whose_fence_fails_is_owed_not_lost,
         a_destroyed_streams_free_waits_for_a_device_synchronisation,
+        a_retaken_graph_output_waits_for_its_earlier_uses_and_goes_back_to_its_graph,
     ],
     gpu: [
         cuda_frees_in_every_capture_state_wait_for_the_pre_capture_work,
@@ -323,4 +325,52 @@ fn cuda_frees_in_every_capture_state_wait_for_the_pre_capture_work() {
     let st = arena.stats();
     assert_eq!(st.active_bytes.current, 0);
     assert_eq!(st.reserved_bytes.current, 0, "every chunk back to the pool");
+}
+
+/// `Arena::retake`: a graph's output, freed with work still queued on two
+/// streams, lives again at its address for a third; freed again, the
+/// block is its graph's once more, and after the graph's release no
+/// stream gets it before the work of its first life has finished.
+fn a_retaken_graph_output_waits_for_its_earlier_uses_and_goes_back_to_its_graph() {
+    let (_fb, arena) = arena(2);
+    let (s1, s2, s3) = (Ctl::new(1), Ctl::new(2), Ctl::new(3));
+    let g = GraphPoolId(11);
+    let out = arena.alloc_in_graph(G, &s1, g).unwrap();
+    let at = out.address();
+    let other = arena.alloc(G, &s1).unwrap();
+    assert!(
+        arena.retake(at, G, &s3).is_err(),
+        "a live allocation is not retaken"
+    );
+    out.record_stream(&s2);
+    drop(out);
+    assert_eq!(arena.graph_pools(), vec![(g, G, 0)], "held for its graph");
+    let again = arena.retake(at, G, &s3).expect("the held output");
+    assert_eq!((again.address(), again.len()), (at, G));
+    assert_eq!(arena.graph_pools(), vec![(g, 0, 0)], "live again");
+    assert!(arena.retake(at, G, &s3).is_err(), "retaken twice");
+    assert_eq!(arena.stats().allocated_bytes.current, 2 * G);
+    drop(again);
+    assert_eq!(arena.graph_pools(), vec![(g, G, 0)], "its graph's again");
+    assert_eq!(arena.release_graph(g).unwrap(), G);
+    drop(other);
+    s1.finish();
+    s3.finish();
+    // Free now, but s2's work from the output's first life is pending.
+    let first = arena.alloc(G, &s3).unwrap();
+    assert_ne!(first.address(), at, "s3 got bytes s2's work still uses");
+    assert!(
+        arena.alloc(G, &s3).is_err(),
+        "only the retaken block is left"
+    );
+    s2.finish();
+    let last = arena.alloc(G, &s3).expect("once s2's work has finished");
+    assert_eq!(last.address(), at);
+    drop((first, last));
+    s3.finish();
+    assert_eq!(arena.stats().allocated_bytes.current, 0);
+    assert!(
+        arena.retake(at + 1, G, &s3).is_err() && arena.retake(0, G, &s3).is_err(),
+        "no block held there"
+    );
 }

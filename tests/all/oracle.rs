@@ -89,10 +89,12 @@ crate::register! {
         oracle_arena_wait_before_grow,
         oracle_arena_move_free_chunks,
         oracle_arena_tight_budget,
+        oracle_arena_graph_trees,
         oracle_buffers_map_hook,
         oracle_catches_a_release_under_running_work,
         oracle_case_1,
         oracle_case_graph_1,
+        oracle_case_retake_1,
         oracle_case_rt4_1,
         oracle_case_captured_stream_1,
         oracle_case_graph_shared_1,
@@ -578,6 +580,13 @@ enum AOp {
     ReleaseGraph {
         which: usize,
     },
+    /// A graph's output, freed since, lives again at its address for
+    /// stream `s` (`Arena::retake`), as PyTorch's CUDA graph trees restore
+    /// a pool's checkpoint: a replay's outputs live again.
+    Retake {
+        which: usize,
+        s: usize,
+    },
 }
 
 /// A capture under way: the stream, the graph's pool, the ranges its work
@@ -599,6 +608,12 @@ struct Graph {
 const STREAMS: usize = 3;
 
 fn aop() -> impl Strategy<Value = AOp> {
+    aop_with(1)
+}
+
+/// [`aop`], with captures, replays and retakes `g` times as likely (the
+/// life of CUDA graph trees' outputs).
+fn aop_with(g: u32) -> impl Strategy<Value = AOp> {
     prop_oneof![
         6 => (1..48usize, 0..STREAMS).prop_map(|(units, s)| AOp::Alloc { units, s }),
         1 => (0..STREAMS).prop_map(|s| AOp::Miss { s }),
@@ -613,11 +628,12 @@ fn aop() -> impl Strategy<Value = AOp> {
         1 => Just(AOp::Restore),
         2 => any::<bool>().prop_map(|stash| AOp::SleepUnmapping { stash }),
         1 => (any::<bool>(), any::<bool>()).prop_map(|(zero, restore)| AOp::Wake { zero, restore }),
-        1 => (0..STREAMS, any::<bool>()).prop_map(|(s, reuse)| AOp::CaptureBegin { s, reuse }),
+        g => (0..STREAMS, any::<bool>()).prop_map(|(s, reuse)| AOp::CaptureBegin { s, reuse }),
         1 => Just(AOp::CaptureInvalidate),
-        1 => Just(AOp::CaptureEnd),
-        2 => (0..8usize, 0..STREAMS).prop_map(|(which, s)| AOp::Replay { which, s }),
+        g => Just(AOp::CaptureEnd),
+        2 * g => (0..8usize, 0..STREAMS).prop_map(|(which, s)| AOp::Replay { which, s }),
         1 => (0..8usize).prop_map(|which| AOp::ReleaseGraph { which }),
+        2 * g => (0..16usize, 0..STREAMS).prop_map(|(which, s)| AOp::Retake { which, s }),
     ]
 }
 
@@ -773,6 +789,13 @@ fn run_arena_moving(
     // The streams `record_stream` will name for each live allocation at its
     // free (allocation id -> streams).
     let mut recorded: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+    // Blocks graphs hold since their allocation (a graph's output, or one
+    // retaken) was freed: (graph, address, bytes, sure). `sure`: freed
+    // where no capture may take it again and join it, so a retake of it
+    // must succeed while its graph lives and the arena is awake.
+    let mut outputs_freed: Vec<(GraphPoolId, u64, usize, bool)> = Vec::new();
+    // Retaken allocations (id -> the graph that held them).
+    let mut retaken: BTreeMap<u64, GraphPoolId> = BTreeMap::new();
     // `for_graph`: a capture's own hand-out may overlap its own bytes
     // (the capture takes them again), never another graph's.
     let not_graphs = |owned: &Vec<(GraphPoolId, u64, usize)>,
@@ -846,6 +869,9 @@ fn run_arena_moving(
                     if let Some(g) = a.graph() {
                         graph_owned.push((g, a.address(), a.capacity()));
                     }
+                    // A capture took a block of its own again: not retakable.
+                    let (x, n) = (a.address(), a.capacity() as u64);
+                    outputs_freed.retain(|o| o.1 + o.2 as u64 <= x || x + n <= o.1);
                     model.lock().check(
                         a.address(),
                         a.capacity(),
@@ -948,6 +974,19 @@ fn run_arena_moving(
             AOp::Free { which } if !live.is_empty() => {
                 let (a, s, id) = live.remove(which % live.len());
                 pinned.retain(|p| p.1 != id);
+                // A graph's output (or a retaken one): held for its graph
+                // after the free. Freed into its own graph on its captured
+                // stream, the capture may take it again (not sure).
+                let alive = |g: GraphPoolId| {
+                    graphs.iter().any(|x| x.id == g)
+                        || capturing.as_ref().is_some_and(|c| c.id == g)
+                };
+                if let Some(g) = a.graph().or(retaken.remove(&id)).filter(|&g| alive(g)) {
+                    let into_own = capturing
+                        .as_ref()
+                        .is_some_and(|c| c.s == s && !c.invalid && c.id == g);
+                    outputs_freed.push((g, a.address(), a.len(), !into_own));
+                }
                 // The streams `record_stream` named: each not captured gets
                 // its fence; one being captured makes the block the
                 // graph's, as the plug-in's free does.
@@ -1034,6 +1073,7 @@ fn run_arena_moving(
                         streams[c.s].broken.store(false, Ordering::SeqCst);
                         graph_owned.retain(|o| o.0 != c.id);
                         pinned.retain(|p| p.0 != c.id);
+                        outputs_freed.retain(|o| o.0 != c.id);
                         arena.release_graph(c.id).unwrap();
                         released.push(c.id);
                     } else {
@@ -1063,6 +1103,7 @@ fn run_arena_moving(
             AOp::ReleaseGraph { which } if !graphs.is_empty() => {
                 let n = graphs.len();
                 let g = graphs.remove(which % n);
+                outputs_freed.retain(|o| o.0 != g.id);
                 graph_owned.retain(|o| o.0 != g.id);
                 pinned.retain(|p| p.0 != g.id);
                 released.push(g.id);
@@ -1115,6 +1156,41 @@ fn run_arena_moving(
                 }
                 drop(b);
                 t.join().unwrap();
+            }
+            AOp::Retake { which, s } if capturing.is_none() && !outputs_freed.is_empty() => {
+                let (g, at, len, sure) = outputs_freed.remove(which % outputs_freed.len());
+                let asleep = arena.sleep_mode().is_some();
+                match arena.retake(at, len, &streams[s]) {
+                    Ok(a) => {
+                        prop_assert_eq!(a.address(), at, "retaken elsewhere");
+                        prop_assert!(!asleep, "retaken while asleep");
+                        for (b, _, id) in &live {
+                            let (x, y) = (a.address(), b.address());
+                            prop_assert!(
+                                x + a.capacity() as u64 <= y || y + b.capacity() as u64 <= x,
+                                "retaken {:#x} overlaps live alloc {}",
+                                x,
+                                id
+                            );
+                        }
+                        next_id += 1;
+                        retaken.insert(next_id, g);
+                        live.push((a, s, next_id));
+                        used_on.entry(next_id).or_default().insert(s);
+                    }
+                    Err(e) => {
+                        prop_assert!(
+                            matches!(e, Error::InvalidArgument(_)),
+                            "retake failed: {}",
+                            e
+                        );
+                        prop_assert!(
+                            !sure || asleep,
+                            "a held output of a live graph could not be retaken: {}",
+                            e
+                        );
+                    }
+                }
             }
             AOp::Complete { s, n } => streams[s].q.complete_more(n),
             AOp::CompleteAll => streams.iter().for_each(|s| s.q.complete_all()),
@@ -1374,6 +1450,20 @@ fn oracle_arena_tight_budget() {
         |(ops, keep_mapped, deferred, wait)| {
             run_arena_moving(ops, keep_mapped, false, deferred, wait, false, Some(24 * G))
         },
+    );
+}
+
+/// Captures, replays and retakes of freed graph outputs four times as
+/// often (PyTorch's CUDA graph trees restore a pool's checkpoint so): a
+/// retaken output overlaps nothing live, its next free holds it for its
+/// graph again, and no hand-out after its graph's release comes before the
+/// work of any of its lives.
+fn oracle_arena_graph_trees() {
+    let ops = prop::collection::vec(aop_with(4), 1..160);
+    run_property(
+        "arena with graph outputs retaken",
+        (ops, any::<bool>(), any::<bool>()),
+        |(ops, keep_mapped, deferred)| run_arena(ops, keep_mapped, false, deferred),
     );
 }
 
@@ -1681,6 +1771,32 @@ fn oracle_case_graph_1() {
         eprintln!("  without a hook (deferred fences: {deferred}): no violation");
         run_arena(ops.clone(), false, true, deferred).unwrap();
     }
+}
+
+/// A graph's output used on another stream, freed, retaken (as CUDA graph
+/// trees restore a checkpoint) and freed again: after the graph's release
+/// no stream gets it before that first use has finished. Fails if the
+/// retake drops the fences of the block's first life.
+fn oracle_case_retake_1() {
+    use AOp::*;
+    let ops = vec![
+        CaptureBegin { s: 0, reuse: false },
+        Alloc { units: 1, s: 0 },
+        CaptureEnd,
+        Use {
+            which: 0,
+            s: 1,
+            record_use: true,
+        },
+        Free { which: 0 },
+        Retake { which: 0, s: 2 },
+        Free { which: 0 },
+        Complete { s: 0, n: 4 },
+        Complete { s: 2, n: 4 },
+        ReleaseGraph { which: 0 },
+        Alloc { units: 1, s: 2 },
+    ];
+    run_in_every_mode(&ops, false);
 }
 
 /// `ops` on an arena in both mapping modes, with deferred free fences and
