@@ -39,10 +39,13 @@ under way, instead of at every malloc and free. A capture begun some other
 way (``cudaStreamBeginCapture`` from another library on a stream where
 vmmbuf allocates) is then not seen, as PyTorch's own cache does not see it;
 ``VMMBUF_TORCH_ANNOUNCE_CAPTURES=0`` makes every call ask.
-Process-wide, PyTorch's CUDA graph trees raise "pluggable does not yet
-support checkPoolLiveAllocations" (PyTorch routes that check to no
-pluggable allocator); set ``torch._inductor.config.triton.cudagraph_trees
-= False`` and the compiled graphs run on vmmbuf's memory.
+Process-wide, ``torch.compile(mode="reduce-overhead")``'s CUDA graph trees
+work too: vmmbuf answers the pool calls PyTorch routes to no pluggable
+allocator (the live-allocation check, the pool checkpoint and its restore;
+see :mod:`vmmbuf._torch_graphs`). A later graph of a tree does not reuse
+the memory of an earlier one's dead outputs while the earlier graph lives,
+as PyTorch's private pool would (vmmbuf's graph rule): more memory, never
+an overwrite.
 
 NCCL: with ``VMMBUF_TORCH_NCCL_READY=1`` (set before the first CUDA
 allocation) vmmbuf makes its chunks as ``ncclMemAlloc`` does, and
@@ -73,7 +76,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _captures, _check, _native, _torch_stats, library_path, stats
+from . import _captures, _check, _native, _torch_graphs, _torch_stats, library_path, stats
 from .errors import InvalidArgumentError, NoDeviceError, UnsupportedError, VmmbufError
 
 _ALLOCATORS: Dict[str, Any] = {}
@@ -199,7 +202,49 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
         budget=_native.budget, current_device=torch.cuda.current_device,
         device_count=torch.cuda.device_count,
         total_memory=lambda d: int(torch.cuda.mem_get_info(d)[1])))
+    _torch_graphs.install(torch._C, _graph_source())
+    _torch_graphs.hook_captures(torch._C._CUDAGraph, torch.cuda.current_stream,
+                                torch.cuda.graph_pool_handle, _note_capture)
     _PROCESS_WIDE = True
+
+
+def _note_capture(stream: Any, pool: Any) -> None:
+    """Tells the plug-in which PyTorch pool the capture just begun on
+    ``stream`` allocates into (see :mod:`vmmbuf._torch_graphs`)."""
+    _native.torch_capture_pool(int(stream.device.index), int(stream.cuda_stream),
+                               (int(pool[0]), int(pool[1])))
+
+
+def _storage_deleters() -> _torch_graphs.StorageDeleters:
+    """Finds where this PyTorch keeps a storage's deleter, from a storage
+    vmmbuf allocates and one made over the same address owning nothing."""
+    t = torch.empty(1, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+    owning = t.untyped_storage()
+    borrowed = torch._C._construct_storage_from_data_pointer(owning.data_ptr(), t.device, 1)
+    return _torch_graphs.StorageDeleters(owning._cdata, owning.data_ptr(), borrowed._cdata,
+                                         torch._C._has_Standard_Deleter)
+
+
+def _graph_source() -> _torch_graphs.Source:
+    """The plug-in and PyTorch, as :mod:`vmmbuf._torch_graphs` asks them."""
+    found: List[_torch_graphs.StorageDeleters] = []
+
+    def deleters() -> _torch_graphs.StorageDeleters:
+        if not found:
+            found.append(_storage_deleters())
+        return found[0]
+
+    def raw_alloc(device: int, nbytes: int) -> int:
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device).cuda_stream
+            return int(torch._C._cuda_cudaCachingAllocator_raw_alloc(nbytes, stream))
+
+    return _torch_graphs.Source(
+        live=_native.torch_pool_live, pool_begin=_native.torch_pool_begin,
+        pool_end=_native.torch_pool_end,
+        retake_next=lambda a, p: _native.torch_retake_next(a, p), raw_alloc=raw_alloc,
+        raw_delete=torch._C._cuda_cudaCachingAllocator_raw_delete,
+        free_and_disown=torch._C._free_And_Remove_DeleterFn, deleters=deleters)
 
 
 def is_process_wide() -> bool:

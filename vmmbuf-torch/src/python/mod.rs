@@ -156,6 +156,50 @@ fn record_stream_fn() -> u64 {
     crate::capi::vmmbuf_record_stream as *const () as usize as u64
 }
 
+/// This thread allocates into PyTorch's pool `pool` on `device` until
+/// [`torch_pool_end`] (PyTorch's `beginAllocateCurrentThreadToPool`, which
+/// it does not pass to a pluggable allocator).
+#[pyfunction]
+fn torch_pool_begin(device: c_int, pool: (u64, u64)) {
+    state::pools::begin(device, pool)
+}
+
+/// This thread stops allocating into `pool` on `device`.
+#[pyfunction]
+fn torch_pool_end(device: c_int, pool: (u64, u64)) {
+    state::pools::end(device, pool)
+}
+
+/// The capture under way on `stream` allocates into PyTorch's pool
+/// `pool`; False if the stream is not being captured.
+#[pyfunction]
+fn torch_capture_pool(
+    py: Python<'_>,
+    device: c_int,
+    stream: usize,
+    pool: (u64, u64),
+) -> PyResult<bool> {
+    detached(py, || {
+        state::pools::capture_pool(device, stream_ptr(stream), pool)
+    })
+    .map_err(to_py)
+}
+
+/// The live allocations of PyTorch's pool `pool` on `device`: (address,
+/// bytes asked), by address.
+#[pyfunction]
+fn torch_pool_live(py: Python<'_>, device: c_int, pool: (u64, u64)) -> Vec<(u64, usize)> {
+    detached(py, || state::pools::live(device, pool))
+}
+
+/// This thread's next allocation takes again the block CUDA graphs hold at
+/// `address`, into PyTorch's pool `pool` (`address` None withdraws it).
+#[pyfunction]
+#[pyo3(signature = (address, pool=(0, 0)))]
+fn torch_retake_next(address: Option<u64>, pool: (u64, u64)) {
+    state::pools::retake_next(address.map(|a| (a, pool)))
+}
+
 /// The device's statistics as JSON with PyTorch's key names; None before
 /// its first allocation.
 #[pyfunction]
@@ -401,6 +445,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tags, m)?)?;
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_pool_begin, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_pool_end, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_capture_pool, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_pool_live, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_retake_next, m)?)?;
     m.add_function(wrap_pyfunction!(read_backup, m)?)?;
     m.add_function(wrap_pyfunction!(backup_address, m)?)?;
     m.add_function(wrap_pyfunction!(tms_kinds, m)?)?;

@@ -17,6 +17,15 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     d.release_graphs();
     let tag = tag();
     let s = d.stream(stream);
+    // PyTorch's graph trees restore a pool's checkpoint: a block graphs
+    // hold lives again (see `pools`).
+    if let Some((at, pool)) = pools::take_retake() {
+        let a = d.retake(at, size, &s)?;
+        let p = a.address();
+        d.live.insert(p as usize, a);
+        d.note_pool(p, size, pool);
+        return Ok(p);
+    }
     // Captured into a CUDA graph: the memory is the graph's until CUDA
     // destroys it (the graph replays the captured work at these addresses).
     let graph = match capture(&s)? {
@@ -54,6 +63,9 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     };
     let p = a.address();
     d.live.insert(p as usize, a);
+    if let Some(pool) = d.pool_for(dev, graph) {
+        d.note_pool(p, size, pool);
+    }
     Ok(p)
 }
 
@@ -235,6 +247,7 @@ pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
         None => None,
     };
     let (a, _) = d.take_live(ptr, dev)?;
+    d.forget_pool(ptr);
     // Each other stream not captured gets a fence of its own, at the free
     // or (an ordinary free) with the free's. (Its capture invalidated, the
     // fence fails and the free is owed there instead: nothing is lost.) One
@@ -333,6 +346,7 @@ pub(crate) fn free_stream_destroyed(ptr: u64, dev: c_int) -> Result<()> {
     // The streams record_stream named need nothing more: the device
     // synchronisation this free waits for covers them too.
     let (a, _recorded) = d.take_live(ptr, dev)?;
+    d.forget_pool(ptr);
     a.free_stream_destroyed();
     Ok(())
 }

@@ -25,6 +25,7 @@ use vmmbuf::{
 mod alloc;
 mod budget;
 mod nccl;
+pub(crate) mod pools;
 mod preload;
 mod sleep;
 
@@ -253,6 +254,9 @@ pub(crate) struct Device {
     /// here, on a driver thread that may not call CUDA): released into the
     /// arenas at the next call.
     released: Arc<Mutex<Vec<GraphPoolId>>>,
+    /// Which live allocations are in which of PyTorch's private pools (see
+    /// [`pools`]).
+    pools: pools::Pools,
     /// Chunks made as `ncclMemAlloc` makes them (`VMMBUF_TORCH_NCCL_READY=1`
     /// when the device was first used).
     nccl_ready: bool,
@@ -364,6 +368,7 @@ fn device(device: c_int) -> Result<&'static Mutex<Device>> {
         preparing: None,
         graphs: HashSet::new(),
         released: Arc::default(),
+        pools: pools::Pools::default(),
         nccl_ready,
         nccl: None,
     })));
@@ -417,6 +422,7 @@ impl Device {
         let gone = std::mem::take(&mut *self.released.lock());
         for id in gone {
             self.graphs.remove(&id);
+            self.forget_graph(id);
             for a in self.arenas.values() {
                 if let Err(e) = a.release_graph(id) {
                     tracing::warn!(error = %e, %id, "vmmbuf-torch: releasing a graph's memory failed");

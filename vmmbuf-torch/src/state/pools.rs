@@ -1,0 +1,202 @@
+//! PyTorch's private memory pools, as its CUDA graph trees see them.
+//!
+//! Process-wide, vmmbuf is PyTorch's whole allocator, and PyTorch does not
+//! route its pool calls to a pluggable allocator. Graph trees
+//! (`torch.compile(mode="reduce-overhead")`) need three answers about a
+//! pool: which allocations live in it (`checkPoolLiveAllocations`), a
+//! checkpoint of that (`getCheckpointState`), and the checkpoint made true
+//! again (`setCheckpointPoolState`: the outputs of the graphs replayed
+//! since live again at their addresses). The Python package answers them
+//! from what is kept here:
+//!
+//! - which allocations were made into which pool: those of a capture whose
+//!   pool the package named ([`capture_pool`], from its `capture_begin`
+//!   hook), and those of a thread between `beginAllocateCurrentThreadToPool`
+//!   and `endAllocateToPool` ([`begin`], [`end`]: graph trees' warm-up);
+//! - a retake request ([`retake_next`]): the thread's next allocation takes
+//!   the block graphs hold at that address again ([`vmmbuf::Arena::retake`])
+//!   instead of new memory, so that it goes through PyTorch's own
+//!   allocation call (which keeps its own record of it).
+//!
+//! Membership is bookkeeping only: where memory comes from and when it is
+//! reused follow vmmbuf's rules for graphs (a graph's blocks stay its own
+//! until CUDA destroys it), which are stricter than a private pool's.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+
+use vmmbuf::{Error, GraphPoolId, Result};
+
+use super::{device, existing, CudaAllocation, Device};
+
+/// PyTorch's id of a memory pool (`MempoolId_t`, a pair).
+pub(crate) type PoolId = (u64, u64);
+
+/// A device's pool bookkeeping (see the module).
+#[derive(Default)]
+pub(super) struct Pools {
+    /// Live allocations made into a pool: address -> (pool, bytes asked).
+    members: HashMap<usize, (PoolId, usize)>,
+    /// The pool each graph's capture allocates into.
+    of_graph: HashMap<GraphPoolId, PoolId>,
+}
+
+thread_local! {
+    /// The pool this thread allocates into, on which device.
+    static THREAD_POOL: Cell<Option<(c_int, PoolId)>> = const { Cell::new(None) };
+    /// The block this thread's next allocation takes again, and its pool.
+    static RETAKE: Cell<Option<(u64, PoolId)>> = const { Cell::new(None) };
+}
+
+/// This thread allocates into `pool` on `dev` (outside captures too) until
+/// [`end`], as PyTorch's `beginAllocateCurrentThreadToPool`.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn begin(dev: c_int, pool: PoolId) {
+    THREAD_POOL.with(|t| t.set(Some((dev, pool))));
+}
+
+/// This thread no longer allocates into `pool` on `dev` (another pool
+/// begun since stays).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn end(dev: c_int, pool: PoolId) {
+    THREAD_POOL.with(|t| {
+        if t.get() == Some((dev, pool)) {
+            t.set(None)
+        }
+    });
+}
+
+/// The capture under way on `stream` allocates into `pool`. False if the
+/// stream is not being captured (nothing is noted).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn capture_pool(dev: c_int, stream: *mut c_void, pool: PoolId) -> Result<bool> {
+    let d = device(dev)?;
+    let mut d = d.lock();
+    let s = d.stream(stream);
+    let Some(c) = vmmbuf::cuda::capture_state(&s)?.into_active() else {
+        return Ok(false);
+    };
+    let g = d.graph_pool(&c)?;
+    d.pools.of_graph.insert(g, pool);
+    Ok(true)
+}
+
+/// The live allocations of `pool` on `dev`: (address, bytes asked), by
+/// address.
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn live(dev: c_int, pool: PoolId) -> Vec<(u64, usize)> {
+    let Some(d) = existing(dev) else {
+        return Vec::new();
+    };
+    let d = d.lock();
+    let mut v: Vec<(u64, usize)> = d
+        .pools
+        .members
+        .iter()
+        .filter(|(_, m)| m.0 == pool)
+        .map(|(&a, m)| (a as u64, m.1))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// This thread's next allocation takes the block graphs hold at `address`
+/// again, into `pool` (`None` withdraws the request).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn retake_next(request: Option<(u64, PoolId)>) {
+    RETAKE.with(|r| r.set(request));
+}
+
+/// The retake request of this thread, withdrawn.
+pub(super) fn take_retake() -> Option<(u64, PoolId)> {
+    RETAKE.with(|r| r.take())
+}
+
+impl Device {
+    /// The block graphs hold at `address`, live again for `size` bytes on
+    /// stream `s`, from whichever of the device's arenas has it.
+    pub(super) fn retake(
+        &self,
+        address: u64,
+        size: usize,
+        s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<CudaAllocation> {
+        let mut last = None;
+        for a in self.arenas.values() {
+            match a.retake(address, size, s) {
+                Ok(x) => return Ok(x),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            Error::InvalidArgument(format!("retake of {address:#x}: no arena on this device"))
+        }))
+    }
+
+    /// The pool a new allocation on `dev` goes into: its capture's
+    /// (`graph`), else the thread's, if any.
+    pub(super) fn pool_for(&self, dev: c_int, graph: Option<GraphPoolId>) -> Option<PoolId> {
+        if self.pools.of_graph.is_empty() && THREAD_POOL.with(Cell::get).is_none() {
+            return None;
+        }
+        graph
+            .and_then(|g| self.pools.of_graph.get(&g).copied())
+            .or_else(|| {
+                THREAD_POOL
+                    .with(Cell::get)
+                    .and_then(|(d, p)| (d == dev).then_some(p))
+            })
+    }
+
+    /// Notes the allocation at `address` of `size` bytes asked in `pool`.
+    pub(super) fn note_pool(&mut self, address: u64, size: usize, pool: PoolId) {
+        self.pools.members.insert(address as usize, (pool, size));
+    }
+
+    /// The allocation at `address` was freed: it leaves its pool.
+    pub(super) fn forget_pool(&mut self, address: u64) {
+        if !self.pools.members.is_empty() {
+            self.pools.members.remove(&(address as usize));
+        }
+    }
+
+    /// Graph `g` is gone: its capture's pool is forgotten.
+    pub(super) fn forget_graph(&mut self, g: GraphPoolId) {
+        self.pools.of_graph.remove(&g);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_threads_pool_begins_and_ends_on_its_device_only() {
+        begin(0, (1, 7));
+        assert_eq!(THREAD_POOL.with(Cell::get), Some((0, (1, 7))));
+        end(1, (1, 7));
+        assert!(
+            THREAD_POOL.with(Cell::get).is_some(),
+            "another device's end"
+        );
+        end(0, (1, 8));
+        assert!(THREAD_POOL.with(Cell::get).is_some(), "another pool's end");
+        end(0, (1, 7));
+        assert_eq!(THREAD_POOL.with(Cell::get), None);
+        let other = std::thread::spawn(|| THREAD_POOL.with(Cell::get));
+        begin(0, (2, 0));
+        assert_eq!(other.join().unwrap(), None, "per thread");
+        end(0, (2, 0));
+    }
+
+    #[test]
+    fn a_retake_request_is_taken_once() {
+        retake_next(Some((0x1000, (0, 3))));
+        assert_eq!(take_retake(), Some((0x1000, (0, 3))));
+        assert_eq!(take_retake(), None);
+        retake_next(Some((0x2000, (0, 3))));
+        retake_next(None);
+        assert_eq!(take_retake(), None, "withdrawn");
+    }
+}
