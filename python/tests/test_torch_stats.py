@@ -198,3 +198,40 @@ def test_allocated_and_freed_totals_count_from_the_last_accumulated_reset() -> N
     assert (flat["allocation.all.allocated"], flat["num_ooms"], flat["num_alloc_retries"]) == (1, 0, 0)
     assert flat["allocated_bytes.all.current"] == 4 << 20, "current values stay"
     assert flat["allocated_bytes.all.peak"] == 7 << 20, "peaks stay"
+
+
+def test_active_totals_follow_the_allocations_and_torch_accelerator_is_answered() -> None:
+    """The active bytes' totals: allocated bytes became active; the bytes
+    no longer active are those less the active bytes' growth since the
+    last reset (PyTorch's test_memory_stats: +1024 active, 0 freed; after
+    the free, 1024 freed). ``torch.accelerator``'s calls are answered too."""
+    raw = dict(RAW)
+    raw.update({"allocated_bytes.all.allocated": 10 << 20, "allocated_bytes.all.freed": 7 << 20,
+                "active_bytes.all.current": 3 << 20})
+    emptied: list = []
+
+    class FakeC:
+        _accelerator_getDeviceStats = None
+        _accelerator_resetPeakStats = None
+        _accelerator_resetAccumulatedStats = None
+        _accelerator_emptyCache = None
+
+    c = FakeC()
+    _torch_stats.install(c, _torch_stats.Source(
+        stats=lambda d: raw, reset_peak=lambda d: None, empty_cache=emptied.append,
+        snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
+        current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30))
+    flat = _flatten(c._accelerator_getDeviceStats(None))
+    assert (flat["active_bytes.all.allocated"], flat["active_bytes.all.freed"]) \
+        == (10 << 20, 7 << 20), "since the start: everything allocated less what is active"
+    c._accelerator_resetAccumulatedStats(0)
+    raw["allocated_bytes.all.allocated"] += 1024
+    raw["active_bytes.all.current"] += 1024
+    flat = _flatten(c._accelerator_getDeviceStats(0))
+    assert (flat["active_bytes.all.allocated"], flat["active_bytes.all.freed"]) == (1024, 0)
+    assert flat["active_bytes.all.current"] == (3 << 20) + 1024, "current values stay"
+    raw["active_bytes.all.current"] -= 1024     # freed, and its streams passed it
+    flat = _flatten(c._accelerator_getDeviceStats(0))
+    assert (flat["active_bytes.all.allocated"], flat["active_bytes.all.freed"]) == (1024, 1024)
+    c._accelerator_emptyCache()
+    assert emptied == [0]

@@ -51,12 +51,13 @@ _Names = Tuple[Optional[str], Optional[str], Optional[str], Optional[str]]
 _ARRAYS: Dict[str, _Names] = {
     "allocation": ("live_allocations", None, "num_allocs", "num_frees"),
     "segment": (None, None, "num_device_alloc", "num_device_free"),
-    "active": ("live_allocations", None, None, None),
+    "active": ("live_allocations", None, "num_allocs", "num_frees"),
     "inactive_split": (None, None, None, None),
     "allocated_bytes": ("allocated_bytes.all.current", "allocated_bytes.all.peak",
                         "allocated_bytes.all.allocated", "allocated_bytes.all.freed"),
     "reserved_bytes": ("reserved_bytes.all.current", "reserved_bytes.all.peak", None, None),
-    "active_bytes": ("active_bytes.all.current", "active_bytes.all.peak", None, None),
+    "active_bytes": ("active_bytes.all.current", "active_bytes.all.peak",
+                     "active_bytes.all.allocated", "active_bytes.all.freed"),
     "inactive_split_bytes": (
         "inactive_split_bytes.all.current", "inactive_split_bytes.all.peak", None, None),
     "requested_bytes": ("requested_bytes.all.current", "requested_bytes.all.peak",
@@ -65,18 +66,31 @@ _ARRAYS: Dict[str, _Names] = {
 
 # vmmbuf's counters that only grow, which PyTorch's
 # ``reset_accumulated_memory_stats`` sets back to 0: every StatArray's
-# allocated and freed, and the event counts.
-ACCUMULATED = tuple(sorted({n for names in _ARRAYS.values() for n in names[2:] if n}
+# allocated and freed (but the active bytes', which :func:`since` derives),
+# and the event counts.
+_DERIVED = ("active_bytes.all.allocated", "active_bytes.all.freed")
+ACCUMULATED = tuple(sorted({n for names in _ARRAYS.values() for n in names[2:]
+                            if n and n not in _DERIVED}
                            | {"num_alloc_retries", "num_ooms", "num_device_syncs"}))
 
 
 def since(raw: Mapping[str, Any], base: Mapping[str, int]) -> Dict[str, Any]:
     """``raw`` with each accumulated counter counted from ``base`` (its
-    values when PyTorch's accumulated statistics were last reset)."""
+    values when PyTorch's accumulated statistics were last reset), and the
+    active bytes' totals: a block is active from its allocation until its
+    free has passed every stream that used it, so the bytes that became
+    active are the allocated ones, and those that stopped being active are
+    those less the growth of the active bytes since the reset (``base``'s
+    ``active_bytes.all.current``, 0 before any reset)."""
     out = dict(raw)
     for k, v in base.items():
-        if k in out:
+        if k in out and k in ACCUMULATED:
             out[k] = max(0, int(out[k] or 0) - v)
+    became = int(out.get("allocated_bytes.all.allocated", 0) or 0)
+    grew = int(out.get("active_bytes.all.current", 0) or 0) - int(
+        base.get("active_bytes.all.current", 0))
+    out["active_bytes.all.allocated"] = became
+    out["active_bytes.all.freed"] = max(0, became - grew)
     return out
 
 _FIELDS = ("current", "peak", "allocated", "freed")
@@ -203,7 +217,8 @@ def install(torch_c: Any, src: Source) -> None:
         # vmmbuf's counters only grow: the reset is a new starting point.
         d = device_of(device)
         raw = stats(d)
-        bases[d] = {k: int(raw.get(k, 0) or 0) for k in ACCUMULATED}
+        bases[d] = {k: int(raw.get(k, 0) or 0)
+                    for k in ACCUMULATED + ("active_bytes.all.current",)}
 
     pytorchs_empty_cache = getattr(torch_c, "_cuda_emptyCache", None)
 
@@ -258,4 +273,12 @@ def install(torch_c: Any, src: Source) -> None:
     torch_c._cuda_memoryStats = memory_stats
     torch_c._cuda_resetPeakMemoryStats = reset_peak_memory_stats
     torch_c._cuda_resetAccumulatedMemoryStats = reset_accumulated_memory_stats
+    # torch.accelerator's memory calls reach the same allocator through
+    # calls of their own, which a pluggable allocator refuses as well.
+    for name, answer in (("_accelerator_getDeviceStats", memory_stats),
+                         ("_accelerator_resetPeakStats", reset_peak_memory_stats),
+                         ("_accelerator_resetAccumulatedStats", reset_accumulated_memory_stats),
+                         ("_accelerator_emptyCache", empty_cache_everywhere)):
+        if hasattr(torch_c, name):
+            setattr(torch_c, name, answer)
     torch_c._vmmbuf_stats_installed = True

@@ -79,9 +79,16 @@ done
 wait
 base="$out/$suite-native.log"
 if [ "$suite" = torch ]; then
-  python3 "$here/pytest/compare.py" "$out/torch-torch-mempool.log" "$out/torch-vmmbuf-mempool.log" \
-    --names torch-mempool vmmbuf-mempool > "$out/torch-vmmbuf-mempool-vs-torch-mempool-diff.md"
+  # The control is PyTorch's own MemPool: against it, the vmmbuf MemPool
+  # and vmmbuf process-wide (PyTorch's default mode under vmmbuf).
+  for cfg in vmmbuf-mempool vmmbuf; do
+    [ -f "$out/torch-torch-mempool.log" ] && [ -f "$out/torch-$cfg.log" ] || continue
+    python3 "$here/pytest/compare.py" "$out/torch-torch-mempool.log" "$out/torch-$cfg.log" \
+      --names torch-mempool "$cfg" > "$out/torch-$cfg-vs-torch-mempool-diff.md"
+    head -n 8 "$out/torch-$cfg-vs-torch-mempool-diff.md"
+  done
 fi
+[ -f "$base" ] || exit 0
 for cfg in $configs; do
   [ "$cfg" = native ] && continue
   python3 "$here/pytest/compare.py" "$base" "$out/$suite-$cfg.log" --names native "$cfg" \
