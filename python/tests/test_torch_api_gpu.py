@@ -140,6 +140,8 @@ GiB = 1 << 30
 keep = torch.arange(1 << 20, device="cuda", dtype=torch.int64)   # must survive
 base = torch.cuda.memory_allocated()
 free0, total = torch.cuda.mem_get_info()
+told = []
+torch._C._cuda_attach_out_of_memory_observer(lambda *a: told.append(list(a)))
 
 def step(batch):
     # batch GiB in 1 GiB tensors: an out-of-memory midway leaves the ones
@@ -160,7 +162,7 @@ while batch >= 1:
 out = {"batch": batch, "last": last, "caught": caught, "free0": free0, "total": total,
        "keep_intact": bool(torch.equal(keep, torch.arange(1 << 20, device="cuda"))),
        "allocated_after": torch.cuda.memory_allocated(), "base": base,
-       "num_ooms": torch.cuda.memory_stats()["num_ooms"],
+       "num_ooms": torch.cuda.memory_stats()["num_ooms"], "told": told,
        "vmmbuf_num_ooms": vt.memory_stats()["num_ooms"]}
 print("RESULT " + json.dumps(out))
 """
@@ -193,6 +195,11 @@ def test_out_of_memory_is_torchs_and_a_batch_size_finder_goes_on(torch_gpu) -> N
     assert r["keep_intact"], "the tensor kept across the failures"
     assert r["allocated_after"] == r["base"], "every failed try's tensors went back"
     assert r["num_ooms"] == r["vmmbuf_num_ooms"] >= len(r["caught"]), r
+    # PyTorch's out-of-memory observers heard of each, in PyTorch's terms:
+    # (device, bytes asked, the most the process may have, bytes free).
+    assert len(r["told"]) == len(r["caught"]), r["told"]
+    for device, asked, most, free in r["told"]:
+        assert (device, asked, most) == (0, gib, r["total"]) and 0 <= free < 2 * gib, r["told"]
 
 
 _FRACTION = r"""

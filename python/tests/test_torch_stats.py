@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
+import pytest
+
 from vmmbuf import _torch_stats
 
 RAW = {
@@ -235,3 +237,49 @@ def test_active_totals_follow_the_allocations_and_torch_accelerator_is_answered(
     assert (flat["active_bytes.all.allocated"], flat["active_bytes.all.freed"]) == (1024, 1024)
     c._accelerator_emptyCache()
     assert emptied == [0]
+
+
+def test_out_of_memory_observers_go_to_vmmbuf_when_given_somewhere_to_go() -> None:
+    attached: list = []
+
+    class FakeC:
+        @staticmethod
+        def _cuda_attach_out_of_memory_observer(cb: Any) -> None:
+            raise RuntimeError("CUDAPluggableAllocator does not yet support attachOutOfMemoryObserver")
+
+    def source(attach: Any) -> _torch_stats.Source:
+        return _torch_stats.Source(
+            stats=lambda d: RAW, reset_peak=lambda d: None, empty_cache=lambda d: None,
+            snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
+            current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30,
+            attach_oom_observer=attach)
+
+    kept = FakeC()
+    _torch_stats.install(kept, source(None))
+    with pytest.raises(RuntimeError, match="does not yet support"):
+        kept._cuda_attach_out_of_memory_observer(print)
+    c = FakeC()
+    _torch_stats.install(c, source(attached.append))
+    c._cuda_attach_out_of_memory_observer(print)
+    assert attached == [print]
+
+
+def test_a_snapshot_of_one_pool_asks_for_that_pools_segments() -> None:
+    """PyTorch asks ``_cuda_memorySnapshot((id, id, include_traces))``, the
+    pool (0, 0) or None for every segment."""
+    asked: list = []
+
+    class FakeC:
+        pass
+
+    c = FakeC()
+    _torch_stats.install(c, _torch_stats.Source(
+        stats=lambda d: RAW, reset_peak=lambda d: None, empty_cache=lambda d: None,
+        snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
+        current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30,
+        label_segments=lambda segs, pool: asked.append(pool) or segs))
+    c._cuda_memorySnapshot((0, 0, True))
+    c._cuda_memorySnapshot(None)
+    c._cuda_memorySnapshot((0, 5, False))
+    c._cuda_memorySnapshot(mempool_id=(3, 0))
+    assert asked == [None, None, (0, 5), (3, 0)]

@@ -23,6 +23,9 @@ PyTorch's memory fraction (``torch._C._cuda_setMemoryFraction`` and
 and ``get_per_process_memory_fraction``) is vmmbuf's device budget: the
 fraction times the device's total memory caps what vmmbuf maps, all tags
 together, and an allocation past it raises ``torch.OutOfMemoryError``.
+Out-of-memory observers (``torch._C._cuda_attach_out_of_memory_observer``)
+are told of each allocation vmmbuf refuses for want of memory, before
+PyTorch raises it, with PyTorch's arguments.
 
 The memory snapshot (``torch._C._cuda_memorySnapshot``, under
 ``torch.cuda.memory_snapshot``, ``torch.cuda.memory._snapshot`` and
@@ -173,8 +176,9 @@ class Source:
     """vmmbuf's side of the answers, one function each, by device index:
     its statistics, peak reset, cache release, snapshot (JSON) and budget
     (set, and read: None while none is set); the device PyTorch means by
-    None, how many devices the device-wide calls go over, and a device's
-    total memory (what PyTorch's memory fraction is a fraction of)."""
+    None, how many devices the device-wide calls go over, a device's
+    total memory (what PyTorch's memory fraction is a fraction of), and
+    where out-of-memory observers go (None: PyTorch's own call stays)."""
 
     stats: Callable[[int], Mapping[str, Any]]
     reset_peak: Callable[[int], None]
@@ -185,6 +189,10 @@ class Source:
     current_device: Callable[[], int]
     device_count: Callable[[], int]
     total_memory: Callable[[int], int]
+    attach_oom_observer: Optional[Callable[[Callable[..., Any]], None]] = None
+    #: (segments, the pool asked for or None) -> the segments with their
+    #: pools' ids, only the pool's if one is asked for (None: all as they are).
+    label_segments: Optional[Callable[[List[Dict[str, Any]], Any], List[Dict[str, Any]]]] = None
 
 
 def install(torch_c: Any, src: Source) -> None:
@@ -230,12 +238,20 @@ def install(torch_c: Any, src: Source) -> None:
         for d in range(int(device_count())):
             empty_cache(d)
 
-    def memory_snapshot(*_args: Any, **_kwargs: Any) -> Dict[str, Any]:
+    def memory_snapshot(*args: Any, **kwargs: Any) -> Dict[str, Any]:
+        # PyTorch passes the pool asked for first, as (id, id, include
+        # traces); None or the pool (0, 0): every segment.
+        asked = args[0] if args else kwargs.get("mempool_id")
+        mempool_id = None if asked is None else (int(asked[0]), int(asked[1]))
+        if mempool_id == (0, 0):
+            mempool_id = None
         n = int(device_count())
         segments: List[Dict[str, Any]] = []
         for d in range(n):
             raw = snapshot_json(d)
             segments += pytorch_segments(json.loads(raw) if raw else [], d)
+        if src.label_segments is not None:
+            segments = src.label_segments(segments, mempool_id)
         return pytorch_snapshot(segments, n)
 
     def accepting(pytorchs: Callable[..., Any]) -> Callable[..., None]:
@@ -273,6 +289,10 @@ def install(torch_c: Any, src: Source) -> None:
     torch_c._cuda_memoryStats = memory_stats
     torch_c._cuda_resetPeakMemoryStats = reset_peak_memory_stats
     torch_c._cuda_resetAccumulatedMemoryStats = reset_accumulated_memory_stats
+    if src.attach_oom_observer is not None:
+        # Called as PyTorch calls its observers: (device, bytes asked, the
+        # most the process may have, the device's free bytes).
+        torch_c._cuda_attach_out_of_memory_observer = src.attach_oom_observer
     # torch.accelerator's memory calls reach the same allocator through
     # calls of their own, which a pluggable allocator refuses as well.
     for name, answer in (("_accelerator_getDeviceStats", memory_stats),

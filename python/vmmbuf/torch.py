@@ -76,7 +76,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _captures, _check, _native, _torch_graphs, _torch_stats, library_path, stats
+from . import (_captures, _check, _native, _torch_graphs, _torch_mempool, _torch_stats,
+               library_path, stats)
 from .errors import InvalidArgumentError, NoDeviceError, UnsupportedError, VmmbufError
 
 _ALLOCATORS: Dict[str, Any] = {}
@@ -196,12 +197,21 @@ def use(budget_bytes: Optional[int] = None, device: int = 0) -> None:
         _native.set_budget(device, budget)
     if _PROCESS_WIDE:
         return
+    _torch_mempool.install(torch, _torch_mempool.Natives(
+        new_id=torch.cuda.graph_pool_handle, get_tag=_native.get_tag, set_tag=_native.set_tag,
+        pool_begin=_native.torch_pool_begin, pool_end=_native.torch_pool_end,
+        empty_tags=lambda d, tags: _native.empty_cache(d, only=tags),
+        current_device=torch.cuda.current_device))
     _torch_stats.install(torch._C, _torch_stats.Source(
-        stats=stats, reset_peak=_native.reset_peak, empty_cache=_native.empty_cache,
+        stats=stats, reset_peak=_native.reset_peak,
+        # A live MemPool keeps its cache, as PyTorch's does, until its end.
+        empty_cache=lambda d: _native.empty_cache(d, skip=_torch_mempool.live_tags()),
         snapshot_json=_native.snapshot_json, set_budget=_native.set_budget,
         budget=_native.budget, current_device=torch.cuda.current_device,
         device_count=torch.cuda.device_count,
-        total_memory=lambda d: int(torch.cuda.mem_get_info(d)[1])))
+        total_memory=lambda d: int(torch.cuda.mem_get_info(d)[1]),
+        attach_oom_observer=_native.attach_oom_observer,
+        label_segments=_torch_mempool.label_segments))
     _torch_graphs.install(torch._C, _graph_source())
     _torch_graphs.hook_captures(torch._C._CUDAGraph, torch.cuda.current_stream,
                                 torch.cuda.graph_pool_handle, _note_capture)
@@ -258,6 +268,10 @@ def MemPool(**kwargs: Any) -> Any:
     ``torch.cuda.MemPool``. Allocations made in it carry the allocating
     thread's tag (``vmmbuf.tag``)."""
     require_device("vmmbuf.torch.MemPool()")
+    if _PROCESS_WIDE:
+        # PyTorch makes no MemPool under a process-wide pluggable allocator:
+        # vmmbuf's own, a tag of its own (see vmmbuf._torch_mempool).
+        return _torch_mempool.WidePool(**kwargs)
     # vmmbuf's state on the device (driver handles, a stream, the tag's
     # arena) is made now, outside any CUDA graph capture: PyTorch asks a
     # pool for its first segment inside a capture when the pool is a
@@ -273,12 +287,21 @@ def pool(tag: str = "", device: Any = None) -> Iterator[Any]:
     """Allocations made inside come from vmmbuf and carry ``tag``: one
     ``MemPool`` per tag and device, kept for the process (PyTorch caches
     blocks in it, so a tag's memory is never handed to another tag). Yields
-    the pool."""
+    the pool. Process-wide (``use()``), every allocation comes from vmmbuf
+    already: the scope only tags them, and yields None."""
     # The tag first, then the machine, then the device (which PyTorch can
     # name only with a driver).
     name = _check.tag("tag", tag)
     require_device("vmmbuf.torch.pool()")
     d = _dev(device)
+    if _PROCESS_WIDE:
+        prev = _native.get_tag()
+        _native.set_tag(name)
+        try:
+            yield None
+        finally:
+            _native.set_tag(prev)
+        return
     key = (name, d)
     p = _POOLS.get(key)
     if p is None:

@@ -191,12 +191,18 @@ pub extern "C-unwind" fn vmmbuf_torch_malloc(
 ) -> *mut c_void {
     let p = vmmbuf_malloc(size, device, stream);
     if p.is_null() && size != 0 {
+        let oom = LAST_WAS_OOM.try_with(Cell::get).unwrap_or(false);
+        if oom {
+            // PyTorch's out-of-memory observers hear of it first, as its
+            // own allocator tells them before it raises.
+            notify_out_of_memory(device, size as usize);
+        }
         // No Rust value that needs dropping lives in this frame: the
         // exception unwinds straight through it to the C++ caller.
         // SAFETY: a NUL-terminated string or null; the callee copies it
         // before throwing.
         unsafe {
-            if LAST_WAS_OOM.try_with(Cell::get).unwrap_or(false) {
+            if oom {
                 vmmbuf_throw_out_of_memory(vmmbuf_last_error());
             } else {
                 vmmbuf_throw_error(vmmbuf_last_error());
@@ -204,6 +210,26 @@ pub extern "C-unwind" fn vmmbuf_torch_malloc(
         }
     }
     p
+}
+
+/// Who hears of an allocation [`vmmbuf_torch_malloc`] refuses for want of
+/// memory, before PyTorch raises it: `(device, bytes asked)`. The Python
+/// module sets it once PyTorch's `_cuda_attach_out_of_memory_observer` has
+/// an observer (its observers are Python callables).
+static OOM_HOOK: std::sync::OnceLock<fn(c_int, usize)> = std::sync::OnceLock::new();
+
+/// Sets the out-of-memory hook (the first one set stays).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn set_oom_hook(hook: fn(c_int, usize)) {
+    let _ = OOM_HOOK.set(hook);
+}
+
+/// Tells the out-of-memory hook, if one is set; a panic in it is logged,
+/// never unwound into the C++ caller.
+fn notify_out_of_memory(device: c_int, size: usize) {
+    if let Some(hook) = OOM_HOOK.get() {
+        unpanicked("an out-of-memory observer", (), || hook(device, size));
+    }
 }
 
 /// Frees `ptr` in stream order on `stream` (the stream PyTorch names; if it

@@ -200,6 +200,39 @@ fn torch_retake_next(address: Option<u64>, pool: (u64, u64)) {
     state::pools::retake_next(address.map(|a| (a, pool)))
 }
 
+/// PyTorch's out-of-memory observers (`torch._C._cuda_attach_out_of_memory_observer`),
+/// called as PyTorch calls them: `(device, bytes asked, the most the
+/// process may have, the device's free bytes)`.
+static OOM_OBSERVERS: parking_lot::Mutex<Vec<Py<PyAny>>> = parking_lot::Mutex::new(Vec::new());
+
+/// Adds an out-of-memory observer: told of every allocation the
+/// process-wide plug-in refuses for want of memory, before PyTorch raises
+/// `torch.OutOfMemoryError`.
+#[pyfunction]
+fn attach_oom_observer(observer: Py<PyAny>) {
+    OOM_OBSERVERS.lock().push(observer);
+    crate::capi::set_oom_hook(tell_oom_observers);
+}
+
+/// Calls every observer with the interpreter held (the allocation may come
+/// from a thread that does not hold it); an observer's exception is
+/// printed, as PyTorch prints it, and the others still run.
+fn tell_oom_observers(device: c_int, size: usize) {
+    let (limit, free) = state::oom_figures(device);
+    Python::attach(|py| {
+        let observers: Vec<Py<PyAny>> = OOM_OBSERVERS
+            .lock()
+            .iter()
+            .map(|o| o.clone_ref(py))
+            .collect();
+        for o in observers {
+            if let Err(e) = o.call1(py, (device, size, limit, free)) {
+                e.print(py);
+            }
+        }
+    });
+}
+
 /// The device's statistics as JSON with PyTorch's key names; None before
 /// its first allocation.
 #[pyfunction]
@@ -232,10 +265,24 @@ fn budget(py: Python<'_>, device: c_int) -> Option<usize> {
     detached(py, || state::budget(device))
 }
 
-/// Gives the device's cached memory back to the driver.
+/// Gives the device's cached memory back to the driver: every tag's, or
+/// only those in `only`, and none in `skip`.
 #[pyfunction]
-fn empty_cache(py: Python<'_>, device: c_int) -> PyResult<()> {
-    detached(py, || state::empty_cache(device)).map_err(to_py)
+#[pyo3(signature = (device, only=None, skip=None))]
+fn empty_cache(
+    py: Python<'_>,
+    device: c_int,
+    only: Option<Vec<String>>,
+    skip: Option<Vec<String>>,
+) -> PyResult<()> {
+    let skip = skip.unwrap_or_default();
+    detached(py, || {
+        state::empty_cache_of(device, |tag| {
+            only.as_ref().is_none_or(|o| o.iter().any(|t| t == tag))
+                && !skip.iter().any(|t| t == tag)
+        })
+    })
+    .map_err(to_py)
 }
 
 /// CUDA devices this process can use (0 without a driver).
@@ -445,6 +492,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tags, m)?)?;
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
+    m.add_function(wrap_pyfunction!(attach_oom_observer, m)?)?;
     m.add_function(wrap_pyfunction!(torch_pool_begin, m)?)?;
     m.add_function(wrap_pyfunction!(torch_pool_end, m)?)?;
     m.add_function(wrap_pyfunction!(torch_capture_pool, m)?)?;

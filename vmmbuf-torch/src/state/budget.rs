@@ -253,13 +253,38 @@ pub(crate) fn budget(dev: c_int) -> Option<usize> {
     }
 }
 
+/// What PyTorch's out-of-memory observers are told of the device besides
+/// the request: the most the process may have (the budget, or the device's
+/// total memory) and the device's free memory, in bytes (0 where unknown).
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub(crate) fn oom_figures(dev: c_int) -> (usize, usize) {
+    let Some(d) = existing(dev) else {
+        return (0, 0);
+    };
+    let (limit, backend) = {
+        let d = d.lock();
+        (d.budget.limit_set(), d.backend.clone())
+    };
+    let (free, total) = vmmbuf::Backend::device_memory(&*backend).unwrap_or((0, 0));
+    (limit.unwrap_or(total), free)
+}
+
 /// Gives the device's cached memory back to the driver.
 pub(crate) fn empty_cache(dev: c_int) -> Result<()> {
+    empty_cache_of(dev, |_| true)
+}
+
+/// Gives the cached memory of the device's tags that `which` picks back to
+/// the driver (a PyTorch `MemPool` keeps its cache until its end).
+pub(crate) fn empty_cache_of(dev: c_int, which: impl Fn(&str) -> bool) -> Result<()> {
     match existing(dev) {
         Some(d) => {
             let mut d = d.lock();
             d.release_graphs();
-            d.arenas.values().try_for_each(|a| a.empty_cache())
+            d.arenas
+                .iter()
+                .filter(|(tag, _)| which(tag))
+                .try_for_each(|(_, a)| a.empty_cache())
         }
         None => Ok(()),
     }
