@@ -30,6 +30,10 @@ case "${1:-}" in
       --repeats "${REPEATS:-3}" --steps "${STEPS:-40}" --json "$OUT/torch_allocators.json" \
       > "$OUT/torch_allocators.txt" 2>&1
     echo "training: exit $?"; grep -v '^{\|^losses' "$OUT/torch_allocators.txt" | tail -n 40 ;;
+  compile)
+    CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s TERM "${SECS:-560}" python3 -u scripts/bench/compile_graphs.py \
+      --rounds "${REPEATS:-2}" --steps "${STEPS:-30}" > "$OUT/compile_graphs-h200.txt"
+    echo "compile: exit $?"; grep '^|' "$OUT/compile_graphs-h200.txt" ;;
   rl)
     tms
     CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s TERM "${SECS:-500}" python3 -u scripts/bench/rl_loop.py --all \
@@ -55,5 +59,5 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=${GPU:-0} timeout -s TERM "${SECS:-240}" python3 scripts/bench/torch_alloc_cost.py \
       --allocs "${ALLOCS:-native,expandable,vmmbuf}" --rounds "${ROUNDS:-6}" > "$OUT/torch_alloc_cost.txt" 2>&1
     echo "cost: exit $?"; cat "$OUT/torch_alloc_cost.txt" ;;
-  *) echo "usage: $0 training | rl | dist N | rl-ranks N | nccl N | cost" >&2; exit 2 ;;
+  *) echo "usage: $0 training | compile | rl | dist N | rl-ranks N | nccl N | cost" >&2; exit 2 ;;
 esac
