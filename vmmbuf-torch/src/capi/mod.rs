@@ -226,6 +226,7 @@ pub(crate) fn set_oom_hook(hook: fn(c_int, usize)) {
 
 /// Tells the out-of-memory hook, if one is set; a panic in it is logged,
 /// never unwound into the C++ caller.
+#[cfg(target_os = "linux")]
 fn notify_out_of_memory(device: c_int, size: usize) {
     if let Some(hook) = OOM_HOOK.get() {
         unpanicked("an out-of-memory observer", (), || hook(device, size));
