@@ -228,7 +228,9 @@ def _on_a_stand_in_torch(monkeypatch: pytest.MonkeyPatch) -> Tuple[Any, Any, Any
     cuda = types.SimpleNamespace(device_count=lambda: 2, current_device=lambda: 0)
     fake = types.SimpleNamespace(cuda=cuda, device=Device)
     monkeypatch.setitem(sys.modules, "torch", fake)
-    for name in ("vmmbuf.torch", "vmmbuf.torch_memory_saver", "vmmbuf.vllm"):
+    tms_parts = ("_backups", "_hooks", "_saver")
+    for name in ("vmmbuf.torch", "vmmbuf.torch_memory_saver", "vmmbuf.vllm",
+                 *(f"vmmbuf.torch_memory_saver.{p}" for p in tms_parts)):
         # setitem, then delitem: afterwards the entry is put back as it was,
         # or removed if there was none (delitem alone of a missing entry
         # would leave the modules made here over the stand-in to later tests).
@@ -506,7 +508,7 @@ def test_a_pinned_backup_is_prepared_in_the_background_as_its_region_ends(
     import time
 
     _, tms, _ = _on_a_stand_in_torch(monkeypatch)
-    monkeypatch.setattr(tms, "_allocating_as",
+    monkeypatch.setattr(tms._saver, "_allocating_as",
                         lambda *a, **k: contextlib.nullcontext())
     calls: List[Any] = []
     release = threading.Event()
@@ -574,7 +576,7 @@ def test_a_resume_keeps_the_pinned_memory_for_the_next_pause_while_prepare_backu
     import contextlib
 
     _, tms, _ = _on_a_stand_in_torch(monkeypatch)
-    monkeypatch.setattr(tms, "_allocating_as",
+    monkeypatch.setattr(tms._saver, "_allocating_as",
                         lambda *a, **k: contextlib.nullcontext())
     calls: List[Any] = []
     monkeypatch.setattr(tms._native, "prepare_sleep", lambda tag, wait, mode: 1 << 20)

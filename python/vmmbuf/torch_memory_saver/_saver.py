@@ -1,49 +1,5 @@
-"""torch_memory_saver's interface on vmmbuf: switch by changing the import::
-
-    # from torch_memory_saver import torch_memory_saver
-    from vmmbuf.torch_memory_saver import torch_memory_saver
-
-    with torch_memory_saver.region(tag="weights", enable_cpu_backup=True):
-        model = build().cuda()
-    torch_memory_saver.pause("weights")     # device memory given back
-    torch_memory_saver.resume("weights")    # same addresses
-
-``region`` allocates from a vmmbuf ``MemPool`` per tag (or, after
-``vmmbuf.torch.use()``, from vmmbuf process-wide) and tags what it
-allocates. ``pause`` gives the tag's device memory back, every tensor
-keeping its address: with ``enable_cpu_backup=True`` the contents are copied
-to a pinned host stash and the tensors' ranges are unmapped until
-``resume`` copies them back (torch_memory_saver's behaviour, at copy speed:
-``vmmbuf.sleep(tag, reachable=False)``); without it they are discarded, as
-torch_memory_saver discards them, and ``resume`` maps fresh memory
-(contents undefined). Touching a paused tensor faults, as it does under
-torch_memory_saver; ``TorchMemorySaver(reachable=True)`` instead moves the
-contents to pinned host memory at the same addresses, where kernels and the
-CPU can still read them (a little slower). A region with a pinned backup
-has that host memory pinned on a thread of its own as it ends
-(``prepare_backup``), so the first pause copies without pinning first, and
-a resume keeps the pinned memory (not the contents) for the next pause; with
-``prepare_backup = False`` it goes back after each resume, unless
-``retain_cpu_backup = True`` (as in torch_memory_saver, where keeping the
-backup saves re-pinning at every pause).
-``disable()`` inside a region makes tensors that are not pausable; regions
-nest; a tag may have regions with and without a backup; ``cuda_graph()``
-(after ``vmmbuf.torch.use()``) makes a graph whose memory pauses. With
-``TMS_INIT_ENABLE=1`` in the environment at import (and
-``TMS_INIT_ENABLE_CPU_BACKUP=1`` to keep the contents), every allocation of
-the process is pausable under the tag ``"default"``, as in
-torch_memory_saver's preload mode (vmmbuf becomes the process's allocator:
-import it before the first CUDA tensor); its ``resume`` then maps back
-the free memory the pause gave back too, as torch_memory_saver's does
-(``restore_free``).
-``hook_mode = "preload"`` is torch_memory_saver's LD_PRELOAD mode: in a
-process started inside ``configure_subprocess()``, vmmbuf's preload library
-answers the CUDA runtime's ``cudaMalloc``/``cudaFree`` for the whole
-process, so what any library allocates inside a region pauses too.
-``get_cpu_backup(tensor)`` reads a paused tensor's backup.
-``sleep``/``wake`` are the same as
-``pause``/``resume``.
-"""
+"""torch_memory_saver's ``TorchMemorySaver`` on vmmbuf: regions, pause and
+resume, backups read back, and the settings (see the package)."""
 
 from __future__ import annotations
 
@@ -51,30 +7,19 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _check, _native
-from . import tag as _tagged
-from .errors import InvalidArgumentError, UnsupportedError
-from . import torch as _vtorch
+from .. import _check, _native
+from .. import tag as _tagged
+from .. import torch as _vtorch
+from ..errors import InvalidArgumentError, UnsupportedError
+from ._backups import _KINDS, _PAUSE_MODES, _backup_backend, _disk_file_bytes
+from ._hooks import _PRELOAD_NAME, _allocating_as, _attach_preload
 
 _TAG_DEFAULT = "default"
 
-
-# Region memory is a vmmbuf tag per kind: the region's tag followed by the
-# kind's suffix ("pinned" backups none, "mmap" backups and memory without a
-# backup a mark no user's tag has, starting with a control character), as
-# torch_memory_saver keeps a pool per tag and backup. The table is the
-# native module's, which the C tms_pause reads too, with the sleep each
-# kind's pause takes ("pinned" memory "stash", or "keep" when the saver keeps
-# paused memory reachable; "mmap" "pageable"; "disk" "disk"; the rest
-# "discard").
-_KINDS: Dict[str, str] = {k: suffix for k, suffix, _ in _native.tms_kinds()}
-_PAUSE_MODES: Dict[str, str] = {k: mode for k, _, mode in _native.tms_kinds()}
-# The backends torch_memory_saver's cpu_backup_backend names.
-_BACKENDS = ("pinned", "mmap")
 
 class TorchMemorySaver:
     """torch_memory_saver's ``TorchMemorySaver`` on vmmbuf."""
@@ -474,206 +419,3 @@ class TorchMemorySaver:
     def enabled(self) -> bool:
         """Always True: vmmbuf needs no preload."""
         return True
-
-
-def _backup_backend(enable_cpu_backup: bool, backend: Optional[str],
-                    env: Optional[Dict[str, str]] = None) -> str:
-    """torch_memory_saver's checks of ``cpu_backup_backend``; the kind of
-    memory a region makes (see ``_KINDS``): ``"discard"`` without a CPU
-    backup, else the backend named, or the process default
-    (``TMS_INIT_CPU_BACKUP_BACKEND`` in ``env``, the environment if None,
-    else ``"pinned"``)."""
-    if backend is not None:
-        if not enable_cpu_backup:
-            raise InvalidArgumentError("cpu_backup_backend requires enable_cpu_backup=True")
-        if backend not in _BACKENDS:
-            raise InvalidArgumentError(f"cpu_backup_backend {backend!r}: 'pinned' or 'mmap'")
-    if not enable_cpu_backup:
-        return "discard"
-    if backend:
-        return backend
-    # torch_memory_saver's process default.
-    default = (os.environ if env is None else env).get("TMS_INIT_CPU_BACKUP_BACKEND", "")
-    if default and default not in _BACKENDS:
-        raise InvalidArgumentError(
-            f"TMS_INIT_CPU_BACKUP_BACKEND={default!r}: 'pinned' or 'mmap'")
-    return default or "pinned"
-
-
-def _disk_file_bytes(env: Mapping[str, str]) -> int:
-    """The most bytes one disk backup file holds: torch_memory_saver's
-    ``TMS_DISK_BACKUP_CHUNK_MB`` (whole MiB, at least 1), 0 (a file per
-    chunk) where it is not set."""
-    text = env.get("TMS_DISK_BACKUP_CHUNK_MB", "")
-    if not text:
-        return 0
-    try:
-        mib = int(text)
-    except ValueError:
-        mib = 0
-    if mib < 1:
-        raise InvalidArgumentError(
-            f"TMS_DISK_BACKUP_CHUNK_MB={text!r}: a whole number of MiB, at least 1")
-    return mib << 20
-
-
-@contextlib.contextmanager
-def _allocating_as(tag: str, preload: bool = False,
-                   pools: Optional[Dict[Tuple[str, int], Any]] = None) -> Iterator[None]:
-    """Allocations of this block carry the vmmbuf tag ``tag``: through the
-    thread's tag where vmmbuf is the process's allocator; where it answers
-    the CUDA runtime's allocations (``preload``), through the thread's tag
-    and, given ``pools``, a PyTorch pool of the tag's own (made once per
-    tag and device, kept in ``pools``), as torch_memory_saver's preload mode
-    does: PyTorch's allocator then never carves a tensor made outside the
-    region from a segment the region's ``cudaMalloc`` made (which a pause
-    takes away); else a vmmbuf pool."""
-    if _vtorch.is_process_wide():
-        with _tagged(tag):
-            yield
-    elif preload:
-        if pools is None:
-            with _tagged(tag):
-                yield
-            return
-        key = (tag, torch.cuda.current_device())
-        pool = pools.get(key)
-        if pool is None:
-            pool = pools[key] = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(pool), _tagged(tag):
-            yield
-    else:
-        with _vtorch.pool(tag):
-            yield
-
-
-# The preload library's file name starts with this (preload_library_path).
-_PRELOAD_NAME = "libvmmbuf_preload-"
-
-
-def preload_library_path() -> str:
-    """Where vmmbuf's preload library is: written once from the package into
-    a per-user cache folder (``$XDG_CACHE_HOME/vmmbuf``, else
-    ``~/.cache/vmmbuf``), under a name that changes with its contents."""
-    data = _native.preload_library()
-    if data is None:
-        raise UnsupportedError("hook_mode='preload' is built on Linux only")
-    import hashlib
-    import tempfile
-
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "vmmbuf")
-    path = os.path.join(folder, f"{_PRELOAD_NAME}{hashlib.sha256(data).hexdigest()[:16]}.so")
-    if not os.path.exists(path):
-        os.makedirs(folder, exist_ok=True)
-        # Written whole under another name, then renamed: a process that
-        # starts meanwhile never loads half a file.
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.part")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-    return path
-
-
-@contextlib.contextmanager
-def configure_subprocess() -> Iterator[None]:
-    """torch_memory_saver's ``configure_subprocess()``: processes started
-    inside the block load vmmbuf's preload library (``LD_PRELOAD``, put
-    first, the entries already there kept), for ``hook_mode='preload'``
-    in them."""
-    path = preload_library_path()
-    before = os.environ.get("LD_PRELOAD")
-    os.environ["LD_PRELOAD"] = path if not before else f"{path}:{before}"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = before
-
-
-def _attach_preload() -> None:
-    """Points the preload library of this process at vmmbuf's native
-    module; refused in words unless this process was started with it."""
-    import ctypes
-
-    from . import library_path
-
-    path = preload_library_path()
-    try:
-        lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    except OSError as e:
-        raise UnsupportedError(
-            "hook_mode='preload' needs this process started with vmmbuf's preload library "
-            "(LD_PRELOAD): start it inside vmmbuf.torch_memory_saver.configure_subprocess()") from e
-    lib.vmmbuf_preload_attach.argtypes = [ctypes.c_char_p]
-    lib.vmmbuf_preload_attach.restype = ctypes.c_int
-    if lib.vmmbuf_preload_attach(library_path().encode()) != 0:
-        raise UnsupportedError("the preload library found no vmmbuf native module to answer it")
-
-
-torch_memory_saver = TorchMemorySaver()
-memory_saver = torch_memory_saver
-
-
-def _init_enable(saver: TorchMemorySaver, env: Dict[str, str]) -> bool:
-    """torch_memory_saver's ``TMS_INIT_ENABLE=1``: every allocation of the
-    process is pausable from the start, under the tag ``"default"`` (its
-    contents kept at a pause with ``TMS_INIT_ENABLE_CPU_BACKUP=1``, dropped
-    otherwise): vmmbuf becomes the process's allocator (before the first
-    CUDA tensor, else an error says so) and every thread that sets no tag
-    allocates under it; ``region`` and ``disable`` scope others. Returns
-    whether it applied."""
-    if env.get("TMS_INIT_ENABLE", "0") != "1":
-        return False
-    backup = env.get("TMS_INIT_ENABLE_CPU_BACKUP", "0") == "1"
-    _vtorch.use()
-    _native.set_tms_restore_free(saver._restores())
-    _native.set_default_tag(saver._note(_TAG_DEFAULT, _backup_backend(backup, None, env)))
-    if _PRELOAD_NAME in env.get("LD_PRELOAD", ""):
-        # Started with vmmbuf's preload library (torch_memory_saver's
-        # preload mode): what other libraries cudaMalloc is pausable too.
-        try:
-            saver.hook_mode = "preload"
-        except UnsupportedError as e:
-            # Another build's library (its name has another hash): PyTorch's
-            # allocations are vmmbuf's still; other libraries' are not.
-            warnings.warn(f"TMS_INIT_ENABLE: preload mode is off: {e}", RuntimeWarning,
-                          stacklevel=2)
-    return True
-
-
-_init_enable(torch_memory_saver, dict(os.environ))
-
-
-def region(tag: str = _TAG_DEFAULT, enable_cpu_backup: bool = False,
-           enable_disk_backup: bool = False,
-           cpu_backup_backend: Optional[str] = None) -> "contextlib.AbstractContextManager[None]":
-    """``torch_memory_saver.region``."""
-    return torch_memory_saver.region(tag, enable_cpu_backup, enable_disk_backup,
-                                     cpu_backup_backend)
-
-
-def pause(tag: Optional[str] = None) -> int:
-    """``torch_memory_saver.pause``."""
-    return torch_memory_saver.pause(tag)
-
-
-def resume(tag: Optional[str] = None) -> int:
-    """``torch_memory_saver.resume``."""
-    return torch_memory_saver.resume(tag)
-
-
-sleep = pause
-wake = resume
-
-__all__ = ["TorchMemorySaver", "torch_memory_saver", "memory_saver", "region", "pause",
-           "configure_subprocess", "preload_library_path",
-           "resume", "sleep", "wake"]
