@@ -418,7 +418,7 @@ fn owned_typed_tensors_behave_as_cudarc_slices() {
 /// request served from free memory still succeeds; 0 turns it off. On a
 /// backend emulating GPU 0 whose free bytes the test sets.
 fn a_device_margin_refuses_growth_that_leaves_less_free() {
-    use crate::fault::{DoneStream, FaultBackend};
+    use crate::failing_backend::{DoneStream, FaultBackend};
     let fb = FaultBackend::emulating_gpu(crate::common::host());
     let g = fb.granularity(vmmbuf::Location::Device(0)).unwrap();
     let arena: Arena<FaultBackend<vmmbuf::HostBackend>, DoneStream> =
@@ -455,7 +455,7 @@ fn a_device_margin_refuses_growth_that_leaves_less_free() {
 /// the other arena's allocation fits. Found on 4x
 /// H200 when deferred fences became the plug-in's default.
 fn a_deferred_free_goes_back_to_another_arena_of_the_budget() {
-    use crate::fault::{DoneStream, FaultBackend};
+    use crate::failing_backend::{DoneStream, FaultBackend};
     let fb = FaultBackend::emulating_gpu(crate::common::host());
     let g = fb.granularity(vmmbuf::Location::Device(0)).unwrap();
     let budget = vmmbuf::Budget::new(4 * g);

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use vmmbuf::{Arena, ArenaDesc, GraphPoolId, HostBackend};
 
-use crate::fault::{Ctl, FaultBackend};
+use crate::failing_backend::{Ctl, FaultBackend};
 
 crate::register! {
     host: [

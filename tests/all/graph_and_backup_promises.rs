@@ -12,7 +12,7 @@ use vmmbuf::{
 };
 
 use crate::common::random_bytes;
-use crate::fault::{Ctl, DoneStream as Q, FaultBackend, TestFence};
+use crate::failing_backend::{Ctl, DoneStream as Q, FaultBackend, TestFence};
 
 crate::register! {
     host: [

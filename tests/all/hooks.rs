@@ -15,7 +15,7 @@ use vmmbuf::{
 };
 
 use crate::common::{host, random_bytes};
-use crate::fault::FaultBackend;
+use crate::failing_backend::FaultBackend;
 
 crate::register! {
     host: [
@@ -30,7 +30,7 @@ crate::register! {
 type Fb = FaultBackend<HostBackend>;
 
 // A stream of the emulated GPU; its work has always finished.
-use crate::fault::DoneStream as Q;
+use crate::failing_backend::DoneStream as Q;
 
 /// A hook that writes its calls into the backend's log (so they interleave
 /// with the driver's maps and unmaps) and records them.

@@ -13,7 +13,7 @@ use vmmbuf::{
     HostBackend,
 };
 
-use crate::fault::{FaultBackend, TestFence};
+use crate::failing_backend::{FaultBackend, TestFence};
 
 crate::register! {
     host: [
@@ -761,9 +761,9 @@ fn four_free_in_eight(
     g: usize,
 ) -> (
     Arc<Fb>,
-    Arena<Fb, crate::fault::DoneStream>,
-    crate::fault::DoneStream,
-    Vec<(Allocation<Fb, crate::fault::DoneStream>, Vec<u8>)>,
+    Arena<Fb, crate::failing_backend::DoneStream>,
+    crate::failing_backend::DoneStream,
+    Vec<(Allocation<Fb, crate::failing_backend::DoneStream>, Vec<u8>)>,
 ) {
     let fb = FaultBackend::new(HostBackend::mapping_chunks_twice(g, 0).unwrap());
     let mut desc = ArenaDesc::new(256 * g)
@@ -771,7 +771,7 @@ fn four_free_in_eight(
         .move_free_chunks(true);
     desc.release_before_map = false;
     let arena = Arena::new(fb.clone(), desc).unwrap();
-    let s = crate::fault::DoneStream(1);
+    let s = crate::failing_backend::DoneStream(1);
     let mut all: Vec<_> = (0..8u8)
         .map(|i| {
             let mut a = arena.alloc(g, &s).unwrap();
@@ -789,9 +789,9 @@ fn four_free_in_eight(
 /// Fills `big` with bytes drawn from `seed`, then checks that every live
 /// allocation still holds its bytes and `big` reads back what was written.
 fn write_and_check(
-    big: &mut Allocation<Fb, crate::fault::DoneStream>,
+    big: &mut Allocation<Fb, crate::failing_backend::DoneStream>,
     seed: u8,
-    live: &[(Allocation<Fb, crate::fault::DoneStream>, Vec<u8>)],
+    live: &[(Allocation<Fb, crate::failing_backend::DoneStream>, Vec<u8>)],
     what: &str,
 ) {
     let want: Vec<u8> = (0..big.len())
@@ -858,7 +858,7 @@ fn every_failed_call_of_a_moving_growth_is_undone() {
         fb.fail_nth(0);
         let faulted = fb.injected() > injected;
         if let Err(e) = &r {
-            assert!(crate::fault::injected(e), "k={k}: {e}");
+            assert!(crate::failing_backend::injected(e), "k={k}: {e}");
         }
         let mut big = match r {
             Ok(a) => a,

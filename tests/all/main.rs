@@ -6,11 +6,12 @@
 
 mod arena;
 mod bad_input;
+mod buffer;
 mod capture_frees;
 mod common;
 mod cuda_only;
-mod fault;
-mod faults;
+mod failed_calls;
+mod failing_backend;
 mod fuzz;
 mod graph_and_backup_promises;
 mod hooks;
@@ -31,7 +32,6 @@ mod sleep;
 mod soak;
 mod soundness;
 mod stream_order;
-mod suite;
 
 fn main() {
     let args = libtest_mimic::Arguments::from_args();
@@ -46,8 +46,9 @@ fn main() {
     let trials = [
         arena::trials(),
         bad_input::trials(),
+        buffer::trials(),
         cuda_only::trials(),
-        faults::trials(),
+        failed_calls::trials(),
         fuzz::trials(),
         graph_and_backup_promises::trials(),
         hooks::trials(),
@@ -68,7 +69,6 @@ fn main() {
         soak::trials(),
         soundness::trials(),
         stream_order::trials(),
-        suite::trials(),
     ]
     .into_iter()
     .flatten()

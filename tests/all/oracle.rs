@@ -31,7 +31,7 @@ use vmmbuf::{
     SleepDesc, SleepMode, WakeDesc,
 };
 
-use crate::fault::FaultBackend;
+use crate::failing_backend::FaultBackend;
 use vmmbuf::hook::{MapHook, MappedRange, RecordingHook};
 
 /// A map hook checked by the model: when it is told a range is unmapping,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, gpu, random_bytes};
 use crate::cuda_only::Kernels;
-use crate::fault::{fail_each_call, FaultBackend};
+use crate::failing_backend::{fail_each_call, FaultBackend};
 use vmmbuf::migration::{MigrationPlan, MigrationPolicy};
 use vmmbuf::{
     Access, Backend, BufferDesc, CudaBackend, Error, GrowableBuffer, GrowthPolicy, Location,

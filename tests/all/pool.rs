@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, random_bytes};
-use crate::fault::{FaultBackend, TestFence};
+use crate::failing_backend::{FaultBackend, TestFence};
 use vmmbuf::{Backend, BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, PoolDesc};
 
 crate::register! {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, random_bytes};
-use crate::fault::TestFence;
+use crate::failing_backend::TestFence;
 use vmmbuf::{Backend, BufferDesc, Error, GrowableBuffer, GrowthPolicy};
 
 crate::register! {

@@ -16,7 +16,7 @@ use vmmbuf::{
     GrowableBuffer, GrowthPolicy, HostBackend, PoolDesc,
 };
 
-use crate::fault::{FaultBackend, TestFence};
+use crate::failing_backend::{FaultBackend, TestFence};
 use crate::share::{head, record, send_raw};
 
 crate::register! {

@@ -735,8 +735,8 @@ fn a_buffer_shared_by_fabric_handles_keeps_every_byte() {
     use std::sync::atomic::Ordering;
     use vmmbuf::ipc::HandleKind;
     let fds = open_fds();
-    let ex_backend = crate::fault::FaultBackend::new(crate::common::host());
-    let im_backend = crate::fault::FaultBackend::new(crate::common::host());
+    let ex_backend = crate::failing_backend::FaultBackend::new(crate::common::host());
+    let im_backend = crate::failing_backend::FaultBackend::new(crate::common::host());
     let g = ex_backend.granularity(ex_backend.home()).unwrap();
     let mut buf = GrowableBuffer::new(
         ex_backend.clone(),
@@ -767,10 +767,10 @@ fn a_buffer_shared_by_fabric_handles_keeps_every_byte() {
 
     ex_backend.fabric.store(true, Ordering::SeqCst);
     im_backend.fabric.store(true, Ordering::SeqCst);
-    let made = crate::fault::fabric_handles_made();
+    let made = crate::failing_backend::fabric_handles_made();
     assert_eq!(buf.publish(&mut ex).unwrap(), 1);
     assert_eq!(
-        crate::fault::fabric_handles_made() - made,
+        crate::failing_backend::fabric_handles_made() - made,
         4,
         "each of the 4 chunks went as a fabric handle"
     );

@@ -12,7 +12,7 @@ use vmmbuf::{
 
 use crate::common::{gpu, host, random_bytes};
 use crate::cuda_only::{pattern, Kernels};
-use crate::fault::{fail_each_call, injected, FaultBackend};
+use crate::failing_backend::{fail_each_call, injected, FaultBackend};
 
 crate::register! {
     host: [
@@ -38,7 +38,7 @@ crate::register! {
 type Fb = FaultBackend<HostBackend>;
 
 // A stream of the emulated GPU; its work has always finished.
-use crate::fault::DoneStream as Q;
+use crate::failing_backend::DoneStream as Q;
 
 type EmuArena = Arena<Fb, Q>;
 type Live = Vec<(Allocation<Fb, Q>, Vec<u8>)>;

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use crate::common::{contents, host, random_bytes};
-use crate::fault::{FaultBackend, TestFence};
+use crate::failing_backend::{FaultBackend, TestFence};
 use vmmbuf::migration::MigrationPolicy;
 use vmmbuf::{
     Access, Backend, BufferDesc, ChunkPool, Error, GrowableBuffer, GrowthPolicy, HostBackend,

@@ -1,5 +1,7 @@
-//! The backend-generic suite: every function here runs on the host backend
-//! and on CUDA.
+//! A growable buffer's basic behaviours, on the host backend and on CUDA:
+//! growth keeps data and base, truncation and trimming, the growth
+//! policies' chunk sizes, concurrent growth, the reservation as a hard
+//! limit, statistics, drop, and claims.
 
 use std::sync::Arc;
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::common::{assert_consistent, contents, random_bytes};
-use crate::fault::{fail_each_call, FaultBackend, TestFence};
+use crate::failing_backend::{fail_each_call, FaultBackend, TestFence};
 use vmmbuf::{Backend, BufferDesc, ChunkPool, GrowableBuffer, GrowthPolicy, PoolDesc};
 
 crate::register! {
@@ -44,7 +44,7 @@ fn every_failed_grow_call_is_undone<B: Backend>(real: Arc<B>) {
             |buf| buf.grow_to(9 * g + 1), // Exact: 3 granules mapped, 10 needed
             |buf, k, r| {
                 let e = r.unwrap_err();
-                assert!(crate::fault::injected(&e), "{e}");
+                assert!(crate::failing_backend::injected(&e), "{e}");
                 assert_eq!(
                     before,
                     (
