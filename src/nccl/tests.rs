@@ -192,166 +192,172 @@ fn a_null_or_repeated_communicator_is_refused() {
     assert!(add(&hook, 7).is_ok(), "added again once removed");
 }
 
-/// Tells the NCCL hook of a host-backed arena's ranges as device ranges:
-/// the arena's growth, release, sleep and wake run as on a GPU, and the
-/// hook registers what it is told.
-struct AsDevice(Arc<NcclHook>);
+/// Ranks on the host backend (Linux only).
+#[cfg(target_os = "linux")]
+mod ranks {
+    use super::*;
 
-impl MapHook for AsDevice {
-    fn mapped(&self, r: MappedRange) {
-        self.0.mapped(dev(r.addr, r.bytes));
-    }
-    fn unmapping(&self, r: MappedRange) {
-        self.0.unmapping(dev(r.addr, r.bytes));
-    }
-}
+    /// Tells the NCCL hook of a host-backed arena's ranges as device ranges:
+    /// the arena's growth, release, sleep and wake run as on a GPU, and the
+    /// hook registers what it is told.
+    struct AsDevice(Arc<NcclHook>);
 
-/// A registrar call: 'r' (register) or 'd', the address relative to the
-/// arena's base, the bytes ('d': 0).
-type Call = (char, u64, usize);
-
-/// One rank's run: an arena registered with a communicator grows, frees,
-/// gives memory back, sleeps (in every mode) and wakes, the calls drawn
-/// from `seed`. After every step: what is registered is exactly what is
-/// mapped, each range once; no range is registered while it is, nor
-/// deregistered while it is not; a growth only registers (the new ranges)
-/// and a sleep leaves nothing registered. Returns the registrar's calls,
-/// addresses relative to the arena's base, and (growths, sleeps) seen.
-fn rank_run(seed: u64) -> (Vec<Call>, (u32, u32)) {
-    use crate::host::HostStream;
-    use crate::{ArenaDesc, HostBackend, SleepDesc, WakeDesc};
-
-    let rec = Arc::new(Recorder::default());
-    let hook = Arc::new(NcclHook::with(rec.clone()));
-    add(&hook, 0x10).unwrap();
-    let desc = ArenaDesc::new(256 << 20).max_chunk_bytes(4 << 20);
-    let arena: crate::host::HostArena = crate::Arena::new(HostBackend::new(), desc).unwrap();
-    arena
-        .set_map_hook(Some(Arc::new(AsDevice(hook.clone()))))
-        .unwrap();
-    let s = HostStream(1);
-    let base = arena.base();
-    let mut x = seed;
-    let mut draw = |n: u64| {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x % n
-    };
-    let mut live = Vec::new();
-    let mut seen = (0u32, 0u32);
-    for step in 0..120 {
-        let before = rec.calls.lock().len();
-        let mapped_before = hook.counts().mapped_ranges;
-        let what = draw(8);
-        match what {
-            0..=3 => match arena.alloc(((draw(512) as usize) + 1) << 12, &s) {
-                Ok(a) => live.push(a),
-                Err(e) => panic!("step {step}: {e}"),
-            },
-            4 if !live.is_empty() => drop(live.swap_remove(draw(live.len() as u64) as usize)),
-            5 => {
-                arena.release_cached().unwrap();
-            }
-            6 => {
-                // The sleeps that give device memory back (a kept sleep
-                // moves it to the host, which this stand-in cannot tell
-                // from a GPU's).
-                let (desc, mode) = match draw(2) {
-                    0 => (SleepDesc::stash(), "stash"),
-                    _ => (SleepDesc::discard(), "discard"),
-                };
-                arena.sleep(std::slice::from_ref(&s), &desc).unwrap();
-                let n = hook.counts();
-                assert_eq!(
-                    (n.registered_bytes, rec.open.lock().len()),
-                    (0, 0),
-                    "step {step}: registered while asleep ({mode})"
-                );
-                seen.1 += 1;
-                arena
-                    .wake(std::slice::from_ref(&s), &WakeDesc::default())
-                    .unwrap();
-                let n = hook.counts();
-                assert!(
-                    live.is_empty() || n.registered_bytes > 0,
-                    "step {step}: the live allocations' memory is mapped and registered again"
-                );
-            }
-            _ => arena.empty_cache().unwrap(),
+    impl MapHook for AsDevice {
+        fn mapped(&self, r: MappedRange) {
+            self.0.mapped(dev(r.addr, r.bytes));
         }
-        let calls = rec.calls.lock().clone();
-        let new = &calls[before..];
-        // What is registered is exactly the device ranges mapped now, one
-        // registration each.
-        let n = hook.counts();
-        let open: Vec<u64> = rec.open.lock().values().map(|&(_, a)| a).collect();
-        let mut unique = open.clone();
-        unique.sort_unstable();
-        unique.dedup();
-        assert_eq!(
-            unique.len(),
-            open.len(),
-            "step {step}: a range registered twice"
-        );
-        assert_eq!(open.len(), n.mapped_ranges, "step {step}: {n:?}");
-        assert_eq!(n.registered_bytes, n.mapped_bytes, "step {step}: {n:?}");
-        if what <= 3 && n.mapped_ranges > mapped_before {
-            seen.0 += 1;
-            assert!(
-                new.iter().all(|c| c.0 == 'r'),
-                "step {step}: a growth deregistered: {new:?}"
-            );
+        fn unmapping(&self, r: MappedRange) {
+            self.0.unmapping(dev(r.addr, r.bytes));
+        }
+    }
+
+    /// A registrar call: 'r' (register) or 'd', the address relative to the
+    /// arena's base, the bytes ('d': 0).
+    type Call = (char, u64, usize);
+
+    /// One rank's run: an arena registered with a communicator grows, frees,
+    /// gives memory back, sleeps (in every mode) and wakes, the calls drawn
+    /// from `seed`. After every step: what is registered is exactly what is
+    /// mapped, each range once; no range is registered while it is, nor
+    /// deregistered while it is not; a growth only registers (the new ranges)
+    /// and a sleep leaves nothing registered. Returns the registrar's calls,
+    /// addresses relative to the arena's base, and (growths, sleeps) seen.
+    fn rank_run(seed: u64) -> (Vec<Call>, (u32, u32)) {
+        use crate::host::HostStream;
+        use crate::{ArenaDesc, HostBackend, SleepDesc, WakeDesc};
+
+        let rec = Arc::new(Recorder::default());
+        let hook = Arc::new(NcclHook::with(rec.clone()));
+        add(&hook, 0x10).unwrap();
+        let desc = ArenaDesc::new(256 << 20).max_chunk_bytes(4 << 20);
+        let arena: crate::host::HostArena = crate::Arena::new(HostBackend::new(), desc).unwrap();
+        arena
+            .set_map_hook(Some(Arc::new(AsDevice(hook.clone()))))
+            .unwrap();
+        let s = HostStream(1);
+        let base = arena.base();
+        let mut x = seed;
+        let mut draw = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut live = Vec::new();
+        let mut seen = (0u32, 0u32);
+        for step in 0..120 {
+            let before = rec.calls.lock().len();
+            let mapped_before = hook.counts().mapped_ranges;
+            let what = draw(8);
+            match what {
+                0..=3 => match arena.alloc(((draw(512) as usize) + 1) << 12, &s) {
+                    Ok(a) => live.push(a),
+                    Err(e) => panic!("step {step}: {e}"),
+                },
+                4 if !live.is_empty() => drop(live.swap_remove(draw(live.len() as u64) as usize)),
+                5 => {
+                    arena.release_cached().unwrap();
+                }
+                6 => {
+                    // The sleeps that give device memory back (a kept sleep
+                    // moves it to the host, which this stand-in cannot tell
+                    // from a GPU's).
+                    let (desc, mode) = match draw(2) {
+                        0 => (SleepDesc::stash(), "stash"),
+                        _ => (SleepDesc::discard(), "discard"),
+                    };
+                    arena.sleep(std::slice::from_ref(&s), &desc).unwrap();
+                    let n = hook.counts();
+                    assert_eq!(
+                        (n.registered_bytes, rec.open.lock().len()),
+                        (0, 0),
+                        "step {step}: registered while asleep ({mode})"
+                    );
+                    seen.1 += 1;
+                    arena
+                        .wake(std::slice::from_ref(&s), &WakeDesc::default())
+                        .unwrap();
+                    let n = hook.counts();
+                    assert!(
+                        live.is_empty() || n.registered_bytes > 0,
+                        "step {step}: the live allocations' memory is mapped and registered again"
+                    );
+                }
+                _ => arena.empty_cache().unwrap(),
+            }
+            let calls = rec.calls.lock().clone();
+            let new = &calls[before..];
+            // What is registered is exactly the device ranges mapped now, one
+            // registration each.
+            let n = hook.counts();
+            let open: Vec<u64> = rec.open.lock().values().map(|&(_, a)| a).collect();
+            let mut unique = open.clone();
+            unique.sort_unstable();
+            unique.dedup();
             assert_eq!(
-                new.len(),
-                n.mapped_ranges - mapped_before,
-                "step {step}: only the new ranges"
+                unique.len(),
+                open.len(),
+                "step {step}: a range registered twice"
             );
+            assert_eq!(open.len(), n.mapped_ranges, "step {step}: {n:?}");
+            assert_eq!(n.registered_bytes, n.mapped_bytes, "step {step}: {n:?}");
+            if what <= 3 && n.mapped_ranges > mapped_before {
+                seen.0 += 1;
+                assert!(
+                    new.iter().all(|c| c.0 == 'r'),
+                    "step {step}: a growth deregistered: {new:?}"
+                );
+                assert_eq!(
+                    new.len(),
+                    n.mapped_ranges - mapped_before,
+                    "step {step}: only the new ranges"
+                );
+            }
         }
-    }
-    drop(live);
-    drop(arena);
-    assert_eq!(
-        hook.counts().registered_bytes,
-        0,
-        "the arena's end deregisters all"
-    );
-    // Never twice: replayed call by call, a registration names a range not
-    // registered, a deregistration one that is.
-    let calls = rec.calls.lock().clone();
-    let mut open = std::collections::BTreeSet::new();
-    for c in &calls {
-        match c.0 {
-            'r' => assert!(open.insert(c.2), "registered twice: {c:?}"),
-            _ => assert!(open.remove(&c.2), "deregistered unregistered: {c:?}"),
+        drop(live);
+        drop(arena);
+        assert_eq!(
+            hook.counts().registered_bytes,
+            0,
+            "the arena's end deregisters all"
+        );
+        // Never twice: replayed call by call, a registration names a range not
+        // registered, a deregistration one that is.
+        let calls = rec.calls.lock().clone();
+        let mut open = std::collections::BTreeSet::new();
+        for c in &calls {
+            match c.0 {
+                'r' => assert!(open.insert(c.2), "registered twice: {c:?}"),
+                _ => assert!(open.remove(&c.2), "deregistered unregistered: {c:?}"),
+            }
         }
+        assert!(open.is_empty());
+        let rel = calls.iter().map(|c| (c.0, c.2 - base, c.3)).collect();
+        (rel, seen)
     }
-    assert!(open.is_empty());
-    let rel = calls.iter().map(|c| (c.0, c.2 - base, c.3)).collect();
-    (rel, seen)
-}
 
-/// Ranks making the same calls register the same ranges in the same order
-/// (registration is symmetric by construction: each rank follows its own
-/// mappings, and equal calls map equal ranges), through growth, release,
-/// sleep and wake; over several draws.
-#[test]
-fn ranks_that_grow_sleep_and_wake_alike_register_alike_once_each() {
-    let mut total = (0, 0);
-    for seed in [
-        0x9E37_79B9_7F4A_7C15u64,
-        0x1234_5678_9ABC_DEF1,
-        0x0F0F_F0F0_3C3C_C3C3,
-    ] {
-        let (a, seen) = rank_run(seed);
-        let (b, _) = rank_run(seed);
-        assert!(!a.is_empty());
-        assert_eq!(a, b, "seed {seed:#x}: the ranks' registrations differ");
-        total.0 += seen.0;
-        total.1 += seen.1;
+    /// Ranks making the same calls register the same ranges in the same order
+    /// (registration is symmetric by construction: each rank follows its own
+    /// mappings, and equal calls map equal ranges), through growth, release,
+    /// sleep and wake; over several draws.
+    #[test]
+    fn ranks_that_grow_sleep_and_wake_alike_register_alike_once_each() {
+        let mut total = (0, 0);
+        for seed in [
+            0x9E37_79B9_7F4A_7C15u64,
+            0x1234_5678_9ABC_DEF1,
+            0x0F0F_F0F0_3C3C_C3C3,
+        ] {
+            let (a, seen) = rank_run(seed);
+            let (b, _) = rank_run(seed);
+            assert!(!a.is_empty());
+            assert_eq!(a, b, "seed {seed:#x}: the ranks' registrations differ");
+            total.0 += seen.0;
+            total.1 += seen.1;
+        }
+        assert!(
+            total.0 > 5 && total.1 > 5,
+            "growths and sleeps drawn: {total:?}"
+        );
     }
-    assert!(
-        total.0 > 5 && total.1 > 5,
-        "growths and sleeps drawn: {total:?}"
-    );
 }
