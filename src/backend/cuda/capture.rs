@@ -166,7 +166,7 @@ impl CaptureState {
 pub fn capture_state(stream: &CudaStream) -> Result<CaptureState> {
     // The calling thread may have no current context (PyTorch's autograd
     // threads): the stream's own.
-    super::probe::before_switch();
+    super::driver::before_switch();
     stream
         .context()
         .bind_to_thread()

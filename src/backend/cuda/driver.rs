@@ -19,12 +19,14 @@ use crate::error::{Error, Result};
 use crate::location::Access;
 
 mod graph;
+mod switch;
 // Exporting and importing chunks: inter-process sharing, Unix only.
 #[cfg(unix)]
 mod handles;
 pub(crate) use graph::*;
 #[cfg(unix)]
 pub(crate) use handles::*;
+pub(crate) use switch::{before_switch, LAZY};
 
 /// Turns a driver result into vmmbuf's error, naming the call. Out of memory
 /// is [`Error::OutOfMemory`] (transient), with the bytes the call asked for.
@@ -52,7 +54,7 @@ fn check(call: &'static str, r: sys::CUresult, requested_bytes: usize) -> Result
 /// free memory, a free's fence) make no mode switch at all. A mode that
 /// cannot be switched is logged and the call made in the thread's mode.
 fn relaxed<T>(f: impl FnOnce() -> T) -> T {
-    super::probe::before_switch();
+    before_switch();
     // The guard puts the thread's mode back when it drops, after `f`.
     let _mode = RelaxedMode::new()
         .map_err(
@@ -153,20 +155,20 @@ pub(crate) unsafe fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) ->
 
 /// `cuCtxCreate` on the primary context, through cudarc.
 pub(crate) fn context(ordinal: u32) -> Result<Arc<CudaContext>> {
-    super::probe::before_switch();
+    before_switch();
     CudaContext::new(ordinal as usize).map_err(cudarc_err("cuDevicePrimaryCtxRetain"))
 }
 
 /// `cuDeviceGetAttribute` for a context's device.
 pub(crate) fn context_attribute(ctx: &CudaContext, attr: sys::CUdevice_attribute) -> Result<i32> {
-    super::probe::before_switch();
+    before_switch();
     ctx.attribute(attr)
         .map_err(cudarc_err("cuDeviceGetAttribute"))
 }
 
 /// `cuCtxSetCurrent`: makes `ctx` current on this thread.
 pub(crate) fn bind(ctx: &CudaContext) -> Result<()> {
-    super::probe::before_switch();
+    before_switch();
     ctx.bind_to_thread().map_err(cudarc_err("cuCtxSetCurrent"))
 }
 
@@ -235,7 +237,7 @@ pub(crate) fn event_wait(event: &CudaEvent) -> Result<()> {
 
 /// `cuEventRecord` of an existing event on `stream`.
 pub(crate) fn event_record(event: &CudaEvent, stream: &CudaStream) -> Result<()> {
-    super::probe::before_switch();
+    before_switch();
     event.record(stream).map_err(cudarc_err("cuEventRecord"))
 }
 

@@ -31,7 +31,7 @@ impl Drop for CudaFence {
             }
         }
         // cudarc binds the event's context to destroy it.
-        super::probe::before_switch();
+        super::driver::before_switch();
         drop(e);
     }
 }

@@ -85,7 +85,7 @@ impl Registrar for NcclLib {
     fn register(&self, comm: usize, addr: u64, bytes: usize) -> std::result::Result<usize, String> {
         let mut handle: *mut std::ffi::c_void = std::ptr::null_mut();
         // NCCL may set its communicator's device (and so the context).
-        super::probe::before_switch();
+        super::driver::before_switch();
         // SAFETY: FFI: `comm` is a live communicator of this NCCL (the
         // caller of `add` promised it and removes it before destroying it);
         // `addr..addr + bytes` is device memory mapped now (the arena calls
@@ -99,7 +99,7 @@ impl Registrar for NcclLib {
 
     fn deregister(&self, comm: usize, handle: usize) -> std::result::Result<(), String> {
         // NCCL may set its communicator's device (and so the context).
-        super::probe::before_switch();
+        super::driver::before_switch();
         // SAFETY: FFI: a handle this communicator's ncclCommRegister gave,
         // undone once (the hook drops it from its table here).
         let res = unsafe { (self.deregister)(comm as *mut _, handle as *mut _) };

@@ -4,7 +4,8 @@
 
 use cudarc::driver::sys;
 
-use super::{driver, CudaBackend};
+use super::driver::{self, LAZY};
+use super::CudaBackend;
 use crate::error::Result;
 use crate::location::Location;
 
@@ -262,31 +263,6 @@ impl Drop for KeepCurrentContext {
     }
 }
 
-thread_local! {
-    /// This thread's lazy guard (see [`KeepCurrentContext::lazy`]): `None`
-    /// when none is armed; `Some(None)` armed, nothing switched yet;
-    /// `Some(Some(ctx))` the caller's context, saved before vmmbuf's first
-    /// switch.
-    static LAZY: std::cell::Cell<Option<Option<usize>>> = const { std::cell::Cell::new(None) };
-}
-
-/// Called by every place in vmmbuf that may change this thread's current
-/// context, before it may: while a lazy guard is armed and has saved
-/// nothing yet, the context current now (the caller's, since nothing has
-/// switched it) is saved for the guard to put back.
-pub(crate) fn before_switch() {
-    let _ = LAZY.try_with(|l| {
-        if l.get() == Some(None) && driver::driver_present() {
-            match driver::current_raw() {
-                Ok(c) => l.set(Some(Some(c as usize))),
-                Err(e) => {
-                    tracing::warn!(error = %e, "vmmbuf: reading the current CUDA context failed")
-                }
-            }
-        }
-    });
-}
-
 /// A [`KeepCurrentContext::lazy`] guard: puts back the caller's context
 /// if vmmbuf read it before switching, and nothing otherwise.
 #[must_use = "the context is put back when the guard is dropped"]
@@ -327,7 +303,8 @@ pub fn current_device() -> Result<Option<u32>> {
 
 #[cfg(test)]
 mod lazy_tests {
-    use super::{before_switch, KeepCurrentContext, LAZY};
+    use super::KeepCurrentContext;
+    use crate::backend::cuda::driver::{before_switch, LAZY};
 
     /// The lazy guard's bookkeeping, without a driver call where nothing
     /// switches: armed by the outer guard only, disarmed at its drop, a
@@ -441,7 +418,7 @@ mod lazy_tests {
         );
         assert!(
             missing.is_empty(),
-            "context switches without probe::before_switch first:\n{}",
+            "context switches without driver::before_switch first:\n{}",
             missing.join("\n")
         );
     }
