@@ -84,8 +84,9 @@
 //! `unsafe` is denied crate-wide and allowed only where memory meets the
 //! driver or becomes a Rust slice: the two backends (`backend/cuda/`,
 //! `backend/host.rs`), the pageable sleep's host buffer
-//! (`backend/pages.rs`) and the buffer's two view files (`buffer/host_view.rs`,
-//! `buffer/cuda_view.rs`). The chunk table, the growth plan, the pool and the
+//! (`backend/pages.rs`), the buffer's CPU views (`buffer/host_view.rs`) and
+//! the CUDA-only pieces (`cuda/`: typed tensors, cudarc views of arena
+//! allocations and of buffers). The chunk table, the growth plan, the pool and the
 //! statistics are safe code, tested without a GPU.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
@@ -155,26 +156,7 @@ pub mod backends {
     pub use crate::backend::{HostMapped, PoolSlot};
 }
 
-/// CUDA: the backend's tokens, cudarc interop (typed views, a non-owning
-/// `CudaSlice`, owned tensors), arenas for cudarc's streams, graph capture
-/// (which capture a stream is in, relaxed mode, a graph's release), and the
-/// probe.
-pub mod cuda {
-    pub use crate::arena::tensor::CudaTensor;
-    pub use crate::arena::{CudaAllocation, CudaArena};
-    pub use crate::backend::cuda::capture::{
-        capture_begins, capture_ends, capture_of, capture_state, captures_underway, Capture,
-        CaptureState, RelaxedCapture,
-    };
-    pub use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
-    pub use crate::backend::cuda::probe::{
-        current_device, device_count, probe, DeviceProbe, KeepCurrentContext,
-        LazyKeepCurrentContext, Probe,
-    };
-    pub use crate::backend::cuda::{
-        ChunkKind, CudaBackend, CudaBackendDesc, CudaChunk, CudaFence, CudaReservation,
-    };
-}
+pub mod cuda;
 
 /// The host backend (Linux): the host's own virtual memory, the same code
 /// paths as CUDA's, for machines without a GPU and for tests.

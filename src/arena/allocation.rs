@@ -146,6 +146,17 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         f(&self.arena.backend, res, o)
     }
 
+    /// cudarc's copies of host memory (an offloaded arena) run on the CPU
+    /// inside the driver: host-placed chunks need the host's access entry.
+    pub(crate) fn grant_cpu(&self) -> Result<()> {
+        self.with_cpu_access(0, self.size, |_, _, _| Ok(()))
+    }
+
+    /// The list views record their uses in.
+    pub(crate) fn uses_ref(&self) -> &Uses<B::Fence> {
+        &self.uses
+    }
+
     fn check(&self, at: usize, n: usize) -> Result<()> {
         match at.checked_add(n) {
             Some(end) if end <= self.requested => Ok(()),

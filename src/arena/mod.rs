@@ -5,7 +5,6 @@
 mod alloc;
 mod allocation;
 mod blocks;
-mod cuda_view;
 mod desc;
 mod graph;
 mod heap;
@@ -13,7 +12,6 @@ mod mapping;
 mod owed;
 mod sleep;
 mod stats;
-pub(crate) mod tensor;
 mod trace;
 
 pub use allocation::Allocation;
@@ -22,8 +20,6 @@ pub use graph::GraphPoolId;
 pub use sleep::{SleepDesc, SleepMode, SleepReport, WakeDesc};
 use stats::SplitCount;
 pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
-
-pub use cuda_view::{CudaAllocation, CudaArena};
 
 pub use trace::{
     parse_trace, replay_trace, replay_trace_with, ReplayReport, TraceEvent, TRACE_HEADER,

@@ -168,7 +168,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// Gives the driver the host's access entry for the host-placed chunks
     /// in `[offset, offset + bytes)` that migration left without one, so
     /// that the CPU may touch them: what a CPU view does first.
-    pub(super) fn grant_cpu(&self, offset: usize, bytes: usize) -> Result<()> {
+    pub(crate) fn grant_cpu(&self, offset: usize, bytes: usize) -> Result<()> {
         let backend = self.backend().clone();
         let mut guard = self.inner.lock();
         let g = &mut *guard;
@@ -178,7 +178,7 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Checks that `[offset, offset + bytes)` is in use and that every chunk
     /// it touches grants `who` at least `need`.
-    pub(super) fn check_access(
+    pub(crate) fn check_access(
         &self,
         who: Location,
         need: Access,
@@ -189,5 +189,20 @@ impl<B: Backend> GrowableBuffer<B> {
         g.check_poison()?;
         g.region.table.check_in_use(offset, bytes)?;
         g.region.table.check_access(offset, bytes, who, need)
+    }
+
+    /// The runs of one placement `[offset, offset + bytes)` spans:
+    /// `(offset, bytes, placement)` each, clipped to the range.
+    pub(crate) fn placement_runs(
+        &self,
+        offset: usize,
+        bytes: usize,
+    ) -> Vec<(usize, usize, Location)> {
+        self.inner.lock().region.table.placement_runs(offset, bytes)
+    }
+
+    /// The list views record their uses in.
+    pub(crate) fn uses_ref(&self) -> &crate::backend::Uses<B::Fence> {
+        &self.uses
     }
 }

@@ -2,13 +2,12 @@
 //!
 //! This file holds the type, its construction, getters and drop; each job
 //! has its own child file: `grow.rs`, `shrink.rs`, `migrate.rs`,
-//! `access.rs`, `host_view.rs` (CPU reads, writes and slices),
-//! `cuda_view.rs` (cudarc views) and `share.rs` (publishing to other
-//! processes). The chunk table, the growth plan and the
+//! `access.rs`, `host_view.rs` (CPU reads, writes and slices) and
+//! `share.rs` (publishing to other processes); its cudarc views are in
+//! `cuda/buffer_view.rs`. The chunk table, the growth plan and the
 //! pool are separate, pure modules; only the backend touches memory.
 
 mod access;
-mod cuda_view;
 mod grow;
 mod host_view;
 mod migrate;

@@ -1,6 +1,6 @@
 //! cudarc interop types: typed views that cudarc's copies and kernel launches
 //! accept, and a non-owning `CudaSlice` for APIs that take nothing else. The
-//! buffer hands them out (`buffer/cuda_view.rs`); their trait impls, which
+//! buffer and the arena hand them out (`cuda/buffer_view.rs`, `cuda/arena_view.rs`); their trait impls, which
 //! promise cudarc a valid device range, live here with the backend.
 //!
 //! # Stream order

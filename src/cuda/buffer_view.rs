@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::GrowableBuffer;
 use crate::backend::cuda::interop::{Element, SliceRef, View, ViewMut};
+use crate::buffer::GrowableBuffer;
 use crate::error::{Error, Result};
 use crate::location::{Access, Location};
 use crate::CudaBackend;
@@ -44,12 +44,7 @@ impl GrowableBuffer<CudaBackend> {
         // A copy over a range that spans a host-placed chunk and a GPU chunk
         // crashes the driver (SIGSEGV in 580.159.04, either direction), and a
         // view is handed to cudarc's copies: refuse it.
-        let runs = self
-            .inner
-            .lock()
-            .region
-            .table
-            .placement_runs(offset_bytes, bytes);
+        let runs = self.placement_runs(offset_bytes, bytes);
         if runs.len() > 1 {
             return Err(Error::MixedPlacement {
                 offset: offset_bytes,
@@ -79,7 +74,7 @@ impl GrowableBuffer<CudaBackend> {
         len: usize,
     ) -> Result<View<'_, T>> {
         let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::Read)?;
-        Ok(View::new(ptr, len, stream.clone(), &self.uses))
+        Ok(View::new(ptr, len, stream.clone(), self.uses_ref()))
     }
 
     /// A mutable view; see [`view`](Self::view). Needs read-write access.
@@ -90,7 +85,7 @@ impl GrowableBuffer<CudaBackend> {
         len: usize,
     ) -> Result<ViewMut<'_, T>> {
         let ptr = self.typed_range::<T>(stream, offset_bytes, len, Access::ReadWrite)?;
-        Ok(ViewMut::new(ptr, len, stream.clone(), &self.uses))
+        Ok(ViewMut::new(ptr, len, stream.clone(), self.uses_ref()))
     }
 
     /// A non-owning cudarc `CudaSlice<T>` over the range; see [`SliceRef`].
@@ -104,6 +99,6 @@ impl GrowableBuffer<CudaBackend> {
         // SAFETY: `ptr` starts `len` mapped, in-use elements of this buffer
         // (checked above), which the returned borrow of `self` keeps from
         // shrinking, migrating or dropping.
-        Ok(unsafe { SliceRef::from_raw(stream, ptr, len, &self.uses) })
+        Ok(unsafe { SliceRef::from_raw(stream, ptr, len, self.uses_ref()) })
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 
-use super::Allocation;
+use crate::arena::Allocation;
 use crate::backend::cuda::interop::{Element, View, ViewMut};
 use crate::error::{Error, Result};
 use crate::CudaBackend;
@@ -18,7 +18,7 @@ pub type CudaAllocation = Allocation<CudaBackend, Arc<CudaStream>>;
 /// An arena on one GPU, for cudarc's streams: owned typed tensors come from
 /// [`alloc_tensor`](CudaArena::alloc_tensor) and
 /// [`alloc_zeros`](CudaArena::alloc_zeros).
-pub type CudaArena = super::Arena<CudaBackend, Arc<CudaStream>>;
+pub type CudaArena = crate::Arena<CudaBackend, Arc<CudaStream>>;
 
 impl Allocation<CudaBackend, Arc<CudaStream>> {
     /// The allocation as `len()/size_of::<T>()` elements of `T`, for cudarc
@@ -30,7 +30,7 @@ impl Allocation<CudaBackend, Arc<CudaStream>> {
             self.address(),
             self.elements::<T>()?,
             stream.clone(),
-            &self.uses,
+            self.uses_ref(),
         ))
     }
 
@@ -39,18 +39,12 @@ impl Allocation<CudaBackend, Arc<CudaStream>> {
     pub fn view_mut<T: Element>(&mut self, stream: &Arc<CudaStream>) -> Result<ViewMut<'_, T>> {
         let n = self.elements::<T>()?;
         self.grant_cpu()?;
-        Ok(ViewMut::new(self.address(), n, stream.clone(), &self.uses))
-    }
-
-    /// cudarc's copies of host memory (an offloaded arena) run on the CPU
-    /// inside the driver: host-placed chunks need the host's access entry.
-    pub(crate) fn grant_cpu(&self) -> Result<()> {
-        self.with_cpu_access(0, self.size, |_, _, _| Ok(()))
-    }
-
-    /// The list views record their uses in.
-    pub(crate) fn uses_ref(&self) -> &crate::backend::Uses<crate::cuda::CudaFence> {
-        &self.uses
+        Ok(ViewMut::new(
+            self.address(),
+            n,
+            stream.clone(),
+            self.uses_ref(),
+        ))
     }
 
     fn elements<T>(&self) -> Result<usize> {
