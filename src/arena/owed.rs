@@ -181,7 +181,7 @@ impl<F> Owed<F> {
     /// (an older one stands for nothing here; a younger one passes after
     /// it), and not if `not_yet` knows it has not passed. Once it has, so
     /// have the covers before it (one stream, in order): they go.
-    pub(super) fn done_in<B: Backend<Fence = F>>(
+    pub(super) fn done_in<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         key: StreamKey,
@@ -209,7 +209,7 @@ impl<F> Owed<F> {
     /// Waits until the free numbered `seq` on `key` has passed: on the
     /// first cover numbered above it, or, if none was recorded yet, on the
     /// whole device.
-    pub(super) fn wait<B: Backend<Fence = F>>(
+    pub(super) fn wait<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         key: StreamKey,
@@ -238,7 +238,7 @@ impl<F> Owed<F> {
     /// under way ([`Error::CaptureUnderway`](crate::Error::CaptureUnderway)):
     /// CUDA would refuse the synchronisation and invalidate the capture.
     /// This is the arena's one device synchronisation.
-    pub(super) fn synchronize<B: Backend<Fence = F>>(&mut self, backend: &B) -> Result<()> {
+    pub(super) fn synchronize<B: Fences<Fence = F>>(&mut self, backend: &B) -> Result<()> {
         if backend.capture_underway() {
             return Err(crate::Error::CaptureUnderway {
                 what: "waiting for the frees whose fence is not recorded yet",
@@ -264,7 +264,7 @@ impl<F> Owed<F> {
 
     /// Whether one mark has passed, within a pass over many (`not_yet`:
     /// what the pass has seen not passed, which is not asked again).
-    pub(super) fn stamp_done<B: Backend<Fence = F>>(
+    pub(super) fn stamp_done<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         x: &Stamped<Mark<F>>,
@@ -277,7 +277,7 @@ impl<F> Owed<F> {
     }
 
     /// Waits for every mark of `set`.
-    pub(super) fn wait_set<B: Backend<Fence = F>>(
+    pub(super) fn wait_set<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         set: &FenceSet<Mark<F>>,
@@ -289,6 +289,38 @@ impl<F> Owed<F> {
             }
         }
         Ok(())
+    }
+}
+
+/// What the frees owed ask of a backend, and nothing more: whether a fence
+/// has passed, a wait for one, whether a CUDA graph capture may be under
+/// way, and a device synchronisation. Every [`Backend`] is one.
+pub(super) trait Fences {
+    /// The backend's fence.
+    type Fence;
+    /// Whether `fence` has passed (an error counts as not yet).
+    fn fence_done(&self, fence: &Self::Fence) -> Result<bool>;
+    /// Waits until `fence` has passed.
+    fn wait(&self, fence: &Self::Fence) -> Result<()>;
+    /// Whether a capture may be under way (no synchronisation then).
+    fn capture_underway(&self) -> bool;
+    /// Waits for all the device's work.
+    fn synchronize(&self) -> Result<()>;
+}
+
+impl<B: Backend> Fences for B {
+    type Fence = B::Fence;
+    fn fence_done(&self, fence: &B::Fence) -> Result<bool> {
+        Backend::fence_done(self, fence)
+    }
+    fn wait(&self, fence: &B::Fence) -> Result<()> {
+        Backend::wait(self, fence)
+    }
+    fn capture_underway(&self) -> bool {
+        Backend::capture_underway(self)
+    }
+    fn synchronize(&self) -> Result<()> {
+        Backend::synchronize(self)
     }
 }
 
