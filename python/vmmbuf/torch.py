@@ -17,10 +17,14 @@ allocates so ``vmmbuf.sleep("weights")`` moves exactly that.
 
 In a ``MemPool`` scope PyTorch's caching allocator sits on top: it asks
 vmmbuf for segments and caches blocks in them, and ``torch.cuda.memory_stats``
-works as usual. Process-wide, ``torch.cuda.memory_stats`` and
-``max_memory_allocated`` raise under any pluggable allocator (PyTorch's
-rule); use ``vmmbuf.torch.memory_stats`` and friends, which give the same
-key names from vmmbuf's arenas in either mode.
+works as usual. Process-wide, PyTorch's own calls would raise under a
+pluggable allocator; ``use()`` answers them with vmmbuf's numbers
+(``torch.cuda.memory_stats``, ``max_memory_allocated``, the snapshot, the
+memory fraction, out-of-memory observers: :mod:`vmmbuf._torch_stats`),
+makes ``torch.cuda.MemPool`` a vmmbuf tag (:mod:`vmmbuf._torch_mempool`)
+and answers CUDA graph trees' pool calls (:mod:`vmmbuf._torch_graphs`).
+``vmmbuf.torch.memory_stats`` and friends give the same key names from
+vmmbuf's arenas in either mode.
 
 CUDA graphs (``torch.cuda.graph``): in either mode, what a capture
 allocates, and what is freed while a stream is captured, stays the graph's
