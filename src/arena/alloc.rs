@@ -116,18 +116,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             }));
         }
         drop(st);
-        let id = self.trace_alloc(bytes, key);
-        Ok(Allocation {
-            id,
-            arena: self.shared.clone(),
-            offset,
-            size: h.size,
-            requested: bytes,
-            stream: stream.clone(),
-            extra: Mutex::new(Vec::new()),
-            uses,
-            how: allocation::Freeing::Fence,
-        })
+        Ok(self.handle(offset, h.size, bytes, stream, uses))
     }
 
     /// The graph pools alive: each one's id, bytes held free and live
@@ -153,9 +142,22 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let (offset, from_held) = self.place(&mut st, size, bytes, key, graph)?;
         let uses = self.note_live(&mut st, offset, size, bytes, key, graph, from_held);
         drop(st);
-        let id = self.trace_alloc(bytes, key);
-        Ok(Allocation {
-            id,
+        Ok(self.handle(offset, size, bytes, stream, uses))
+    }
+
+    /// The handle of the allocation just noted live at `offset` (`size`
+    /// bytes held, `bytes` asked for on `stream`), with its id in the trace
+    /// being recorded. Called without the arena's lock.
+    fn handle(
+        &self,
+        offset: usize,
+        size: usize,
+        bytes: usize,
+        stream: &S,
+        uses: Arc<Uses<B::Fence>>,
+    ) -> Allocation<B, S> {
+        Allocation {
+            id: self.trace_alloc(bytes, stream.key()),
             arena: self.shared.clone(),
             offset,
             size,
@@ -164,7 +166,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             extra: Mutex::new(Vec::new()),
             uses,
             how: allocation::Freeing::Fence,
-        })
+        }
     }
 
     /// `bytes` rounded up to the alignment; 0 and overflow refused.
