@@ -68,8 +68,16 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 .filter(|&k| h.fences.only_on(k));
             st.give_back_block(o, h.size, stream, h.fences);
         }
-        for l in st.heap.live.values_mut().filter(|l| l.graph == Some(graph)) {
-            l.graph = None;
+        // Its live allocations (those it made, and those retaken from its
+        // blocks) are ordinary ones from now on: a new graph given its id
+        // is another graph.
+        for l in st.heap.live.values_mut() {
+            if l.graph == Some(graph) {
+                l.graph = None;
+            }
+            if let Some(r) = l.retaken.as_mut() {
+                r.graphs.retain(|&g| g != graph);
+            }
         }
         self.shared.count(&mut st);
         Ok(freed)

@@ -21,6 +21,7 @@ crate::register! {
         a_free_whose_fence_fails_is_owed_not_lost,
         a_destroyed_streams_free_waits_for_a_device_synchronisation,
         a_retaken_graph_output_waits_for_its_earlier_uses_and_goes_back_to_its_graph,
+        a_retaken_output_of_a_released_graph_is_not_kept_for_a_new_graph_of_its_id,
     ],
     gpu: [
         cuda_frees_in_every_capture_state_wait_for_the_pre_capture_work,
@@ -373,4 +374,40 @@ fn a_retaken_graph_output_waits_for_its_earlier_uses_and_goes_back_to_its_graph(
         arena.retake(at + 1, G, &s3).is_err() && arena.retake(0, G, &s3).is_err(),
         "no block held there"
     );
+}
+
+/// A graph's output retaken, then the graph released and its id used again
+/// by a new capture: the retaken allocation is an ordinary one now (as any
+/// allocation of a released graph), and its free does not keep the block
+/// for the new graph of the same id.
+fn a_retaken_output_of_a_released_graph_is_not_kept_for_a_new_graph_of_its_id() {
+    let (_fb, arena) = arena(4);
+    let s1 = Ctl::new(1);
+    let g = GraphPoolId(12);
+    let out = arena.alloc_in_graph(G, &s1, g).unwrap();
+    let at = out.address();
+    drop(out);
+    let again = arena.retake(at, G, &s1).expect("the held output");
+    assert_eq!(
+        arena.release_graph(g).unwrap(),
+        0,
+        "nothing held: it is live"
+    );
+    // The id comes back with a new capture, which allocates.
+    let new = arena.alloc_in_graph(G, &s1, g).unwrap();
+    assert_eq!(arena.graph_pools(), vec![(g, 0, 1)]);
+    drop(again);
+    assert_eq!(
+        arena.graph_pools(),
+        vec![(g, 0, 1)],
+        "the old graph's block was kept for the new graph of its id"
+    );
+    drop(new);
+    assert_eq!(
+        arena.release_graph(g).unwrap(),
+        G,
+        "only the new graph's block"
+    );
+    s1.finish();
+    assert_eq!(arena.stats().allocated_bytes.current, 0);
 }

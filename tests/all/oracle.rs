@@ -95,6 +95,7 @@ crate::register! {
         oracle_case_1,
         oracle_case_graph_1,
         oracle_case_retake_1,
+        oracle_case_retake_2,
         oracle_case_rt4_1,
         oracle_case_captured_stream_1,
         oracle_case_graph_shared_1,
@@ -1074,6 +1075,7 @@ fn run_arena_moving(
                         graph_owned.retain(|o| o.0 != c.id);
                         pinned.retain(|p| p.0 != c.id);
                         outputs_freed.retain(|o| o.0 != c.id);
+                        retaken.retain(|_, x| *x != c.id);
                         arena.release_graph(c.id).unwrap();
                         released.push(c.id);
                     } else {
@@ -1104,6 +1106,8 @@ fn run_arena_moving(
                 let n = graphs.len();
                 let g = graphs.remove(which % n);
                 outputs_freed.retain(|o| o.0 != g.id);
+                // Retaken from it: ordinary allocations from now on.
+                retaken.retain(|_, x| *x != g.id);
                 graph_owned.retain(|o| o.0 != g.id);
                 pinned.retain(|p| p.0 != g.id);
                 released.push(g.id);
@@ -1795,6 +1799,31 @@ fn oracle_case_retake_1() {
         Complete { s: 2, n: 4 },
         ReleaseGraph { which: 0 },
         Alloc { units: 1, s: 2 },
+    ];
+    run_in_every_mode(&ops, false);
+}
+
+/// Found by the graph-trees property: an output retaken, its graph
+/// released and the id taken by a new capture; the retaken allocation is
+/// an ordinary one from the release (not held for the new graph of that
+/// id), so its free gives the block back and a retake of it is refused.
+fn oracle_case_retake_2() {
+    use AOp::*;
+    let ops = vec![
+        CaptureBegin { s: 0, reuse: false },
+        Alloc { units: 1, s: 0 },
+        CaptureEnd,
+        Free { which: 0 },
+        Retake { which: 0, s: 1 },
+        Alloc { units: 1, s: 0 },
+        Alloc { units: 1, s: 0 },
+        ReleaseGraph { which: 0 },
+        CaptureBegin { s: 0, reuse: true },
+        Alloc { units: 1, s: 0 },
+        Alloc { units: 1, s: 1 },
+        Free { which: 0 },
+        CaptureEnd,
+        Retake { which: 0, s: 0 },
     ];
     run_in_every_mode(&ops, false);
 }
