@@ -633,10 +633,17 @@ impl<B: Backend> Shared<B> {
     }
 
     /// Waits for the uses recorded on live allocations (views,
-    /// `record_use`): before their chunks move.
-    pub(super) fn wait_live_uses(&self, st: &State<B>) -> Result<()> {
-        for l in st.heap.live.values() {
-            l.uses.each(|fence| self.backend.wait(fence))?;
+    /// `record_use`) and, for one retaken from graphs
+    /// ([`Arena::retake`](crate::Arena::retake)), for the uses its block's
+    /// earlier life left: before their chunks move.
+    pub(super) fn wait_live_uses(&self, st: &mut State<B>) -> Result<()> {
+        let backend = &*self.backend;
+        let Heap { live, owed, .. } = &mut st.heap;
+        for l in live.values() {
+            l.uses.each(|fence| backend.wait(fence))?;
+            if let Some(r) = &l.retaken {
+                owed.wait_set(backend, &r.fences)?;
+            }
         }
         Ok(())
     }

@@ -96,6 +96,7 @@ crate::register! {
         oracle_case_graph_1,
         oracle_case_retake_1,
         oracle_case_retake_2,
+        oracle_case_retake_3,
         oracle_case_rt4_1,
         oracle_case_captured_stream_1,
         oracle_case_graph_shared_1,
@@ -1826,6 +1827,33 @@ fn oracle_case_retake_2() {
         Retake { which: 0, s: 0 },
     ];
     run_in_every_mode(&ops, false);
+}
+
+/// Found by the graph-trees property: a graph's output used on its stream,
+/// freed (its free owed there, with deferred fences), retaken on another
+/// stream, then offloaded: the offload must wait for the work of the
+/// block's earlier life before it moves the chunk, though no stream it is
+/// given used the retaken allocation.
+fn oracle_case_retake_3() {
+    use AOp::*;
+    let ops = vec![
+        CaptureBegin { s: 1, reuse: false },
+        Alloc { units: 1, s: 1 },
+        CaptureEnd,
+        Use {
+            which: 0,
+            s: 1,
+            record_use: false,
+        },
+        Free { which: 0 },
+        Retake { which: 0, s: 0 },
+        Offload,
+    ];
+    run_in_every_mode(&ops, false);
+    run_in_every_mode(
+        &[&ops[..ops.len() - 1], &[SleepUnmapping { stash: false }]].concat(),
+        false,
+    );
 }
 
 /// `ops` on an arena in both mapping modes, with deferred free fences and
