@@ -36,6 +36,17 @@ def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
+def _source(raw: Dict[str, Any], **changes: Any) -> _torch_stats.Source:
+    """A stand-in for vmmbuf's side: device 0 of one, 1 GiB, statistics
+    ``raw``, every other call doing nothing; ``changes`` replaces some."""
+    calls: Dict[str, Any] = dict(
+        stats=lambda d: raw, reset_peak=lambda d: None, empty_cache=lambda d: None,
+        snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
+        current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30)
+    calls.update(changes)
+    return _torch_stats.Source(**calls)
+
+
 def test_the_nested_statistics_carry_vmmbufs_numbers_under_pytorchs_keys() -> None:
     flat = _flatten(_torch_stats.nested_stats(RAW))
     assert flat["allocated_bytes.all.current"] == 3 << 20
@@ -182,10 +193,7 @@ def test_allocated_and_freed_totals_count_from_the_last_accumulated_reset() -> N
         pass
 
     c = FakeC()
-    _torch_stats.install(c, _torch_stats.Source(
-        stats=lambda d: raw, reset_peak=lambda d: None, empty_cache=lambda d: None,
-        snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
-        current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30))
+    _torch_stats.install(c, _source(raw))
     flat = _flatten(c._cuda_memoryStats(0))
     assert flat["allocated_bytes.all.allocated"] - flat["allocated_bytes.all.freed"] \
         == flat["allocated_bytes.all.current"] == 3 << 20
@@ -219,10 +227,7 @@ def test_active_totals_follow_the_allocations_and_torch_accelerator_is_answered(
         _accelerator_emptyCache = None
 
     c = FakeC()
-    _torch_stats.install(c, _torch_stats.Source(
-        stats=lambda d: raw, reset_peak=lambda d: None, empty_cache=emptied.append,
-        snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
-        current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30))
+    _torch_stats.install(c, _source(raw, empty_cache=emptied.append))
     flat = _flatten(c._accelerator_getDeviceStats(None))
     assert (flat["active_bytes.all.allocated"], flat["active_bytes.all.freed"]) \
         == (10 << 20, 7 << 20), "since the start: everything allocated less what is active"
@@ -248,11 +253,7 @@ def test_out_of_memory_observers_go_to_vmmbuf_when_given_somewhere_to_go() -> No
             raise RuntimeError("CUDAPluggableAllocator does not yet support attachOutOfMemoryObserver")
 
     def source(attach: Any) -> _torch_stats.Source:
-        return _torch_stats.Source(
-            stats=lambda d: RAW, reset_peak=lambda d: None, empty_cache=lambda d: None,
-            snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
-            current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30,
-            attach_oom_observer=attach)
+        return _source(RAW, attach_oom_observer=attach)
 
     kept = FakeC()
     _torch_stats.install(kept, source(None))
@@ -273,11 +274,8 @@ def test_a_snapshot_of_one_pool_asks_for_that_pools_segments() -> None:
         pass
 
     c = FakeC()
-    _torch_stats.install(c, _torch_stats.Source(
-        stats=lambda d: RAW, reset_peak=lambda d: None, empty_cache=lambda d: None,
-        snapshot_json=lambda d: None, set_budget=lambda d, b: None, budget=lambda d: None,
-        current_device=lambda: 0, device_count=lambda: 1, total_memory=lambda d: 1 << 30,
-        label_segments=lambda segs, pool: asked.append(pool) or segs))
+    _torch_stats.install(c, _source(
+        RAW, label_segments=lambda segs, pool: asked.append(pool) or segs))
     c._cuda_memorySnapshot((0, 0, True))
     c._cuda_memorySnapshot(None)
     c._cuda_memorySnapshot((0, 5, False))
