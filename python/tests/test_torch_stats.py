@@ -172,9 +172,10 @@ def test_segments_carry_every_block_in_its_state() -> None:
     segs = _torch_stats.pytorch_segments(arenas, 3)
     assert [(s["address"] - (1 << 40), s["total_size"]) for s in segs] == [(0, g), (4 * g, 2 * g)]
     assert [b["state"] for b in segs[0]["blocks"]] == ["active_allocated", "active_awaiting_free"]
-    assert [b["state"] for b in segs[1]["blocks"]] == ["active_allocated", "inactive"]
+    assert [b["state"] for b in segs[1]["blocks"]] == ["inactive", "inactive"], (
+        "a free block graphs hold is a private pool's free block")
     assert segs[0]["active_size"] == g and segs[0]["allocated_size"] == 512
-    assert segs[1]["allocated_size"] == g, "a graph's block is allocated for everyone else"
+    assert segs[1]["allocated_size"] == 0 and segs[1]["active_size"] == 0
     for s in segs:
         assert sum(b["size"] for b in s["blocks"]) == s["total_size"], "the blocks tile it"
         assert s["device"] == 3 and s["is_expandable"]

@@ -129,7 +129,9 @@ def nested_stats(raw: Mapping[str, Any]) -> Dict[str, Any]:
 def pytorch_segments(arenas: Any, device: int) -> List[Dict[str, Any]]:
     """PyTorch's snapshot segments from vmmbuf's arenas of one device (the
     parsed ``_native.snapshot_json(device)``): a segment per mapped run,
-    with the blocks that start in it, in address order."""
+    with the blocks that start in it, in address order. A free block that
+    CUDA graphs hold is inactive, as a free block of PyTorch's private pool
+    is (no other allocation takes it until the graphs are gone)."""
     out: List[Dict[str, Any]] = []
     for arena in arenas or []:
         base = int(arena["base"])
@@ -138,8 +140,8 @@ def pytorch_segments(arenas: Any, device: int) -> List[Dict[str, Any]]:
         for off, size in segs:
             inside = [b for b in blocks if off <= int(b[0]) < off + size]
             bl: List[Dict[str, Any]] = []
-            for o, n, allocated, requested, pending, graph in inside:
-                state = ("active_allocated" if allocated or graph
+            for o, n, allocated, requested, pending, _graph in inside:
+                state = ("active_allocated" if allocated
                          else "active_awaiting_free" if pending else "inactive")
                 bl.append({"address": base + int(o), "size": int(n),
                            "requested_size": int(requested) if allocated else 0,

@@ -739,17 +739,14 @@ impl<B: Backend> Shared<B> {
         let (allocated, requested) = (st.heap.allocated, st.heap.requested);
         let mapped = st.region.table.mapped_bytes();
         let pending: usize = st.heap.zones.iter().map(|z| z.pending_bytes()).sum();
-        let graph: usize = if st.heap.graphs.is_empty() {
-            0
-        } else {
-            st.heap.graphs.held_bytes()
-        };
         let split = st.split.inactive_split();
         let s = &mut st.stats;
         s.allocated_bytes.set(allocated);
         s.requested_bytes.set(requested);
         s.reserved_bytes.set(mapped);
-        s.active_bytes.set(allocated + pending + graph);
+        // Blocks graphs hold free are not active: a private pool's free
+        // blocks are not in PyTorch's count either.
+        s.active_bytes.set(allocated + pending);
         s.inactive_split_bytes.set(split);
     }
 

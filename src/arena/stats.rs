@@ -130,7 +130,9 @@ pub struct ArenaStats {
     pub requested_bytes: StatValue,
     /// Bytes mapped (device memory taken by this arena, pool not counted).
     pub reserved_bytes: StatValue,
-    /// Allocated bytes plus freed bytes whose stream uses have not passed.
+    /// Allocated bytes plus freed bytes whose stream uses have not passed
+    /// (free blocks that CUDA graphs hold are not active, as in PyTorch,
+    /// where they are a private pool's free blocks: see `graph_bytes`).
     /// At every operation, and for the peaks too: allocated <= active <=
     /// reserved (plus the discarded bytes while asleep). A read settles the frees that have passed, so after every
     /// allocation is freed and its streams are synchronised it reads 0.
