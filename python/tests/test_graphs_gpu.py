@@ -123,6 +123,72 @@ def test_graph_capture_and_replay_in_a_mempool(torch_gpu):
     assert r["reserved_after"] == 0, r
 
 
+# Two captures into one pool on one stream, as PyTorch's `pool=`: the
+# second takes the block the first freed (PyTorch's private pool does), and
+# the pool's memory stays until its last graph is gone; with sharing off,
+# each graph keeps its own.
+_SHARED_POOL = """
+    import json, time, torch, vmmbuf, vmmbuf.torch as vt
+    vt.use()
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    s = torch.cuda.Stream()
+    pool = torch.cuda.graph_pool_handle()
+    g0, g1 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g0, pool=pool, stream=s):
+        t = x * 2
+        p0 = t.data_ptr()
+        y0 = t + 1
+        del t                  # freed in g0's capture: the pool's again
+    with torch.cuda.graph(g1, pool=pool, stream=s):
+        u = x * 3
+        p1 = u.data_ptr()
+        y1 = u + 1
+        del u
+    pools = vmmbuf.stats(0)["graph_pools"]
+    x.copy_(torch.randn(x.shape, device="cuda"))
+    g0.replay()                # in capture order, as the contract asks
+    g1.replay()
+    torch.cuda.synchronize()
+    ok = bool(torch.equal(y0, x * 2 + 1)) and bool(torch.equal(y1, x * 3 + 1))
+
+    def pools_now(want):
+        for _ in range(300):
+            n = vmmbuf.stats(0)["graph_pools"]
+            if n == want:
+                break
+            time.sleep(0.01)
+        return n
+
+    del g0
+    torch.cuda.synchronize()
+    time.sleep(0.5)            # CUDA runs the destroyed graph's callback meanwhile
+    mid = pools_now(1)
+    bytes_mid = vmmbuf.stats(0)["graph_bytes"]
+    del g1
+    torch.cuda.synchronize()
+    end = pools_now(0)
+    print(json.dumps(dict(reused=p1 == p0, pools=pools, ok=ok, mid=mid,
+                          bytes_mid=bytes_mid, end=end,
+                          bytes_end=vmmbuf.stats(0)["graph_bytes"])))
+"""
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "VMMBUF_TORCH_SHARE_GRAPH_POOLS=0"])
+def test_graphs_captured_into_one_pool_share_its_blocks(torch_gpu, share):
+    env = {} if share else {"VMMBUF_TORCH_SHARE_GRAPH_POOLS": "0"}
+    r = json.loads(run_script(_SHARED_POOL, env=env).strip().splitlines()[-1])
+    assert r["ok"], f"a replay in capture order computed wrong values: {r}"
+    assert r["reused"] == share, r
+    if share:
+        assert r["pools"] == 1, r
+        # One graph of the pool alive: its blocks stay the pool's.
+        assert r["mid"] == 1 and r["bytes_mid"] >= 4 << 20, r
+    else:
+        assert r["pools"] == 2, r
+        assert r["mid"] == 1, r
+    assert r["end"] == 0 and r["bytes_end"] == 0, r
+
+
 _COMPILE = """
     import json, torch, vmmbuf, vmmbuf.torch as vt
     MODE = {mode!r}

@@ -32,6 +32,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// newly mapped memory: never a block another use may still touch when
     /// the graph replays, on whatever stream that is.
     ///
+    /// Several graphs captured in turn may share one `graph` id (a PyTorch
+    /// pool shared by captures); a later capture then takes the blocks an
+    /// earlier one freed on `stream`, which is sound only if the caller
+    /// replays them in capture order and never concurrently (PyTorch's
+    /// contract for a pool shared with `pool=`).
+    ///
     /// No fence is recorded or waited for on `stream`. Fences of earlier
     /// frees are queried (`cuEventQuery`), which a capture in CUDA's global
     /// mode forbids on any thread: the CUDA backend makes that query, and

@@ -25,6 +25,17 @@
 //! again by h's later allocations on that stream (the graph orders them as
 //! the stream did). A block two graphs reference is never retaken: the
 //! other graph's replays write it too.
+//!
+//! # One pool, several graphs
+//! A [`GraphPoolId`] may name several graphs captured one after another,
+//! as a PyTorch private pool shared by captures does (`pool=` in
+//! `torch.cuda.graph`, CUDA graph trees): to the arena they are one graph
+//! whose captures came in turns, so a later capture on a stream takes the
+//! blocks an earlier one freed there. That is sound only under PyTorch's
+//! contract for a shared pool, which the caller takes on by sharing an id:
+//! the graphs are replayed in the order they were captured and never
+//! concurrently. The memory stays held until the id's release, which the
+//! caller makes once the last of its graphs is gone.
 #![deny(unsafe_code)]
 
 use std::collections::BTreeMap;
@@ -82,6 +93,7 @@ impl<F> Default for Graphs<F> {
 
 impl<F> Graphs<F> {
     /// Whether no graph is known.
+    #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
         self.live.is_empty()
     }

@@ -4,7 +4,7 @@
 //! [`vmmbuf::Result`]; the C ABI turns errors into null or -1 and a log line,
 //! the Python module into exceptions.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, OnceLock};
 
@@ -54,6 +54,10 @@ fn arena_desc() -> ArenaDesc {
     // chunks, equal on one chunk). VMMBUF_TORCH_MAX_CHUNK_BYTES
     // sets another largest chunk.
     desc = desc.max_chunk_bytes(DEFAULT_MAX_CHUNK);
+    // Blocks of at least 512 bytes, as PyTorch's (`kMinBlockSize`): its
+    // statistics count a small tensor as 512 bytes, and code and tests
+    // that check them expect that.
+    desc = desc.alignment(512);
     // Deferred free fences (issue 40): a free on the allocation's own
     // stream records no event; a later call on that stream records one
     // for many (`ArenaDesc::defer_free_fences`; empty_cache, a sleep or
@@ -247,12 +251,16 @@ pub(crate) struct Device {
     /// Host pieces being created ahead of a sleep (`prepare_sleep`): a
     /// sleep waits for them rather than pin the same pages again.
     preparing: Option<std::thread::JoinHandle<Result<usize>>>,
-    /// The CUDA graphs captured with this device's memory whose release
-    /// callback is armed (see [`Device::graph_pool`]).
-    graphs: HashSet<GraphPoolId>,
-    /// Graphs CUDA has destroyed (their user objects' destructors put them
-    /// here, on a driver thread that may not call CUDA): released into the
-    /// arenas at the next call.
+    /// The graph pools of this device's memory: how many CUDA graphs not
+    /// yet destroyed allocate into each (see [`Device::graph_pool`]).
+    graphs: HashMap<GraphPoolId, usize>,
+    /// The captures whose release callback is armed, by CUDA's capture id
+    /// ([`Capture::pool`]): the graph pools each allocated into, the one it
+    /// allocates into now last.
+    captures: HashMap<GraphPoolId, Vec<GraphPoolId>>,
+    /// Captures whose graphs CUDA has destroyed (their user objects'
+    /// destructors put them here, on a driver thread that may not call
+    /// CUDA): their pools are let go of at the next call.
     released: Arc<Mutex<Vec<GraphPoolId>>>,
     /// Which live allocations are in which of PyTorch's private pools (see
     /// [`pools`]).
@@ -366,7 +374,8 @@ fn device(device: c_int) -> Result<&'static Mutex<Device>> {
         live: QuickMap::default(),
         recorded: QuickMap::default(),
         preparing: None,
-        graphs: HashSet::new(),
+        graphs: HashMap::new(),
+        captures: HashMap::new(),
         released: Arc::default(),
         pools: pools::Pools::default(),
         nccl_ready,
@@ -398,34 +407,61 @@ fn all_devices() -> Vec<(c_int, &'static Mutex<Device>)> {
 }
 
 impl Device {
-    /// The pool of the graph `c` is capturing into: the first time, a
-    /// callback is armed that CUDA runs once the graph and its executables
-    /// are destroyed and their launches done; the pool is then released
-    /// (see [`Device::release_graphs`]).
+    /// The graph pool the capture `c` allocates into: the one PyTorch's
+    /// pool names ([`Device::share_pool`]), else one of the capture's own
+    /// (CUDA's capture id). The first time, a callback is armed that CUDA
+    /// runs once the graph and its executables are destroyed and their
+    /// launches done (see [`Device::release_graphs`]).
     fn graph_pool(&mut self, c: &Capture) -> Result<GraphPoolId> {
-        let id = c.pool();
-        if !self.graphs.contains(&id) {
-            let released = self.released.clone();
-            c.on_release(move || released.lock().push(id))?;
-            self.graphs.insert(id);
+        let key = c.pool();
+        if let Some(g) = self.captures.get(&key).and_then(|v| v.last()) {
+            return Ok(*g);
         }
-        Ok(id)
+        self.join_pool(c, key)?;
+        Ok(key)
     }
 
-    /// Releases the pools of the graphs CUDA has destroyed since the last
-    /// call, in every arena (a capture may have used several tags).
+    /// The capture `c` allocates into graph pool `g` from now on: armed
+    /// the first time, and counted once among `g`'s graphs.
+    fn join_pool(&mut self, c: &Capture, g: GraphPoolId) -> Result<()> {
+        let key = c.pool();
+        match self.captures.get_mut(&key) {
+            Some(v) if v.last() == Some(&g) => return Ok(()),
+            Some(v) => v.push(g),
+            None => {
+                let released = self.released.clone();
+                c.on_release(move || released.lock().push(key))?;
+                self.captures.insert(key, vec![g]);
+            }
+        }
+        *self.graphs.entry(g).or_default() += 1;
+        Ok(())
+    }
+
+    /// Lets go of the graphs CUDA has destroyed since the last call: a
+    /// graph pool none of whose graphs is left is released in every arena
+    /// (a capture may have used several tags).
     fn release_graphs(&mut self) {
-        if self.graphs.is_empty() {
+        if self.captures.is_empty() {
             // No graph pool: nothing to release (and no lock taken).
             return;
         }
         let gone = std::mem::take(&mut *self.released.lock());
-        for id in gone {
-            self.graphs.remove(&id);
-            self.forget_graph(id);
-            for a in self.arenas.values() {
-                if let Err(e) = a.release_graph(id) {
-                    tracing::warn!(error = %e, %id, "vmmbuf-torch: releasing a graph's memory failed");
+        for key in gone {
+            for g in self.captures.remove(&key).unwrap_or_default() {
+                let Some(n) = self.graphs.get_mut(&g) else {
+                    continue;
+                };
+                *n -= 1;
+                if *n > 0 {
+                    continue;
+                }
+                self.graphs.remove(&g);
+                self.forget_graph(g);
+                for a in self.arenas.values() {
+                    if let Err(e) = a.release_graph(g) {
+                        tracing::warn!(error = %e, %g, "vmmbuf-torch: releasing a graph's memory failed");
+                    }
                 }
             }
         }

@@ -18,9 +18,16 @@
 //!   instead of new memory, so that it goes through PyTorch's own
 //!   allocation call (which keeps its own record of it).
 //!
-//! Membership is bookkeeping only: where memory comes from and when it is
-//! reused follow vmmbuf's rules for graphs (a graph's blocks stay its own
-//! until CUDA destroys it), which are stricter than a private pool's.
+//! Captures that name one pool share one vmmbuf graph pool, as they share
+//! PyTorch's private pool ([`capture_pool`]): a block freed during one
+//! capture may be taken by a later capture into the same pool on the same
+//! stream. That is PyTorch's contract for a shared pool (the graphs are
+//! replayed in the order they were captured, never concurrently), which
+//! graph trees and `make_graphed_callables` rely on to save memory; the
+//! memory still stays mapped until every graph of the pool is destroyed.
+//! `VMMBUF_TORCH_SHARE_GRAPH_POOLS=0` gives every capture a pool of its own
+//! instead (no graph ever takes another's blocks, at the cost of the memory
+//! sharing saves).
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -38,8 +45,24 @@ pub(crate) type PoolId = (u64, u64);
 pub(super) struct Pools {
     /// Live allocations made into a pool: address -> (pool, bytes asked).
     members: HashMap<usize, (PoolId, usize)>,
-    /// The pool each graph's capture allocates into.
+    /// The PyTorch pool each graph pool is.
     of_graph: HashMap<GraphPoolId, PoolId>,
+    /// The graph pool of each PyTorch pool that captures share.
+    shared: HashMap<PoolId, GraphPoolId>,
+}
+
+/// Whether captures into one PyTorch pool share one graph pool (see the
+/// module; `VMMBUF_TORCH_SHARE_GRAPH_POOLS=0` says no).
+fn sharing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VMMBUF_TORCH_SHARE_GRAPH_POOLS").as_deref() != Ok("0"))
+}
+
+/// A graph pool id no capture has: CUDA's capture ids count up from 1, so
+/// ids with the top bit set are free for pools that captures share.
+fn new_shared_id() -> GraphPoolId {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    GraphPoolId(1 << 63 | NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 thread_local! {
@@ -67,8 +90,10 @@ pub(crate) fn end(dev: c_int, pool: PoolId) {
     });
 }
 
-/// The capture under way on `stream` allocates into `pool`. False if the
-/// stream is not being captured (nothing is noted).
+/// The capture under way on `stream` allocates into PyTorch's `pool`: the
+/// graph pool the pool's other captures not yet destroyed allocate into,
+/// or a new one (see the module). False if the stream is not being
+/// captured (nothing is noted).
 #[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) fn capture_pool(dev: c_int, stream: *mut c_void, pool: PoolId) -> Result<bool> {
     let d = device(dev)?;
@@ -77,7 +102,17 @@ pub(crate) fn capture_pool(dev: c_int, stream: *mut c_void, pool: PoolId) -> Res
     let Some(c) = vmmbuf::cuda::capture_state(&s)?.into_active() else {
         return Ok(false);
     };
-    let g = d.graph_pool(&c)?;
+    let g = match sharing() {
+        true => match d.pools.shared.get(&pool) {
+            Some(&g) => g,
+            None => new_shared_id(),
+        },
+        false => d.graph_pool(&c)?,
+    };
+    d.join_pool(&c, g)?;
+    if sharing() {
+        d.pools.shared.insert(pool, g);
+    }
     d.pools.of_graph.insert(g, pool);
     Ok(true)
 }
@@ -161,9 +196,15 @@ impl Device {
         }
     }
 
-    /// Graph `g` is gone: its capture's pool is forgotten.
+    /// Graph pool `g` is gone (every graph of it destroyed): the PyTorch
+    /// pool it was is forgotten; a later capture into that pool starts a
+    /// new graph pool, as PyTorch makes a new private pool.
     pub(super) fn forget_graph(&mut self, g: GraphPoolId) {
-        self.pools.of_graph.remove(&g);
+        if let Some(p) = self.pools.of_graph.remove(&g) {
+            if self.pools.shared.get(&p) == Some(&g) {
+                self.pools.shared.remove(&p);
+            }
+        }
     }
 }
 

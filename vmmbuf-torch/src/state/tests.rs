@@ -113,6 +113,15 @@ fn captures_are_asked_about_until_announced_and_while_one_is_under_way() {
 /// set its budget before its first allocation.
 #[test]
 fn a_free_whose_capture_steps_fail_leaves_the_allocation_live() {
+    in_child("capture_steps_child", "capture steps: checked");
+}
+
+/// Runs the ignored test `child` of this module in a child process (the
+/// plug-in's device is process-wide, and other tests set its budget
+/// before its first allocation) and asserts that it passed, saying
+/// `marker`. Needs a GPU: skips with the reason without one, fails then
+/// under `VMMBUF_REQUIRE_GPU=1`.
+fn in_child(child: &str, marker: &str) {
     if let Err(e) = vmmbuf::CudaBackend::new(0) {
         assert!(
             std::env::var("VMMBUF_REQUIRE_GPU").as_deref() != Ok("1"),
@@ -124,7 +133,7 @@ fn a_free_whose_capture_steps_fail_leaves_the_allocation_live() {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "state::tests::capture_steps_child",
+            &format!("state::tests::{child}"),
             "--ignored",
             "--nocapture",
         ])
@@ -133,9 +142,91 @@ fn a_free_whose_capture_steps_fail_leaves_the_allocation_live() {
     let said =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(
-        out.status.success() && said.contains("capture steps: checked"),
+        out.status.success() && said.contains(marker),
         "the child failed: {said}"
     );
+}
+
+/// Captures that name one PyTorch pool share its blocks, as PyTorch's
+/// private pool: a later capture on the same stream takes what an earlier
+/// one freed, a capture into another pool does not, and the memory stays
+/// the pool's until its last graph is destroyed.
+#[test]
+fn captures_into_one_pool_share_its_blocks_until_its_last_graph_goes() {
+    in_child("shared_pools_child", "shared pools: checked");
+}
+
+/// The body of [`captures_into_one_pool_share_its_blocks_until_its_last_graph_goes`].
+#[test]
+#[ignore = "run by captures_into_one_pool_share_its_blocks_until_its_last_graph_goes in a child process"]
+fn shared_pools_child() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let raw = s.cu_stream().cast::<std::ffi::c_void>();
+    let (p, q) = ((0, 9001), (0, 9002));
+    // The device made before any capture (making it creates a stream,
+    // which CUDA refuses during one).
+    let warm = super::malloc(512, 0, raw).unwrap();
+    super::free(warm, 0, raw).unwrap();
+    // One capture into `pool`: takes `bytes` and frees them at once (a
+    // temporary of the graph); the address.
+    let capture = |pool, bytes| {
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        assert!(super::pools::capture_pool(0, raw, pool).unwrap());
+        let at = super::malloc(bytes, 0, raw).unwrap();
+        super::free(at, 0, raw).unwrap();
+        let g = s
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+            .unwrap();
+        (at, g)
+    };
+    let (a, g1) = capture(p, 3 << 20);
+    let (b, g2) = capture(p, 3 << 20);
+    let (c, g3) = capture(q, 3 << 20);
+    assert_eq!(
+        b, a,
+        "the second capture into the pool took the first's block"
+    );
+    assert_ne!(c, a, "a capture into another pool took the pool's block");
+    let dev = super::existing(0).unwrap();
+    // The pools left once CUDA has run the destroyed graphs' callbacks
+    // (on a thread of its own, soon after the destruction).
+    let pools_after = |g: Option<cudarc::driver::CudaGraph>, want: usize| {
+        drop(g);
+        ctx.synchronize().unwrap();
+        let start = std::time::Instant::now();
+        loop {
+            let mut d = dev.lock();
+            d.release_graphs();
+            let n = d.graphs.len();
+            drop(d);
+            if n == want || start.elapsed() > std::time::Duration::from_secs(5) {
+                return n;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    };
+    assert_eq!(pools_after(None, 2), 2, "two pools");
+    assert_eq!(pools_after(g1, 2), 2, "the pool lives while one graph does");
+    // The bytes each graph pool of the default arena holds.
+    let held = || {
+        let d = dev.lock();
+        let mut v: Vec<usize> = d.arenas[""].graph_pools().iter().map(|p| p.1).collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(
+        held(),
+        [3 << 20, 3 << 20],
+        "each pool holds its one block, one graph of the shared pool gone"
+    );
+    assert_eq!(pools_after(g2, 1), 1, "the pool went with its last graph");
+    assert_eq!(held(), [3 << 20], "the shared pool's block went back");
+    assert_eq!(pools_after(g3, 0), 0);
+    assert!(held().is_empty());
+    eprintln!("shared pools: checked");
 }
 
 /// The body of [`a_free_whose_capture_steps_fail_leaves_the_allocation_live`].
