@@ -12,7 +12,10 @@
 #             torch  PyTorch's test/test_cuda.py (PEER_DIR/test_cuda.py): without
 #                    vmmbuf, vmmbuf process-wide, every test in a vmmbuf MemPool,
 #                    and every test in a MemPool of PyTorch's own (the control
-#                    for the vmmbuf MemPool: its differences are compared too)
+#                    for the vmmbuf MemPool: its differences are compared too);
+#                    torch-expandable (PyTorch alone with expandable segments,
+#                    not run unless named in PEER_CONFIGS) tells which of
+#                    vmmbuf's differences expandable segments share
 #   PEER_DIR  the suite's files, fetched from its public repository into a
 #             git-ignored folder (never committed)
 #   OUT_DIR   where the logs and the differences go
@@ -50,13 +53,14 @@ if [ -z "$files" ]; then
   case "$suite" in cupy) files=tests/cupy_tests/cuda_tests ;; torch) files=test_cuda.py ;; tms) files=test ;; esac
 fi
 run_one() { # CONFIG [CUDA_VISIBLE_DEVICES]
-  local cfg=$1 log="$out/$suite-$1.log" start rc pp=
+  local cfg=$1 log="$out/$suite-$1.log" start rc pp= conf=
+  [ "$cfg" = torch-expandable ] && conf=PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   # torch_memory_saver's suite imports the package by name: the real one
   # or vmmbuf's shim comes first on the path.
   [ "$suite" = tms ] && { [ "$cfg" = native ] && pp=$out/tms-native-pkg || pp=$out/tms-shim-pkg; }
   echo "== $suite under $cfg${2:+ on GPUs $2}: $files" | tee "$log"
   start=$(date +%s)
-  (cd "$dir" && env ${2:+CUDA_VISIBLE_DEVICES=$2} ${pp:+PYTHONPATH=$pp:$PYTHONPATH} PEER_ALLOCATOR=$cfg timeout -k 10 "$secs" \
+  (cd "$dir" && env ${2:+CUDA_VISIBLE_DEVICES=$2} $conf ${pp:+PYTHONPATH=$pp:$PYTHONPATH} PEER_ALLOCATOR=$cfg timeout -k 10 "$secs" \
       python -m pytest -v -p peer_allocator \
       -p no:cacheprovider -o console_output_style=classic --timeout "${PEER_TIMEOUT:-120}" \
       --continue-on-collection-errors ${PEER_XDIST:+-n "$PEER_XDIST"} \
@@ -81,7 +85,7 @@ base="$out/$suite-native.log"
 if [ "$suite" = torch ]; then
   # The control is PyTorch's own MemPool: against it, the vmmbuf MemPool
   # and vmmbuf process-wide (PyTorch's default mode under vmmbuf).
-  for cfg in vmmbuf-mempool vmmbuf; do
+  for cfg in vmmbuf-mempool vmmbuf torch-expandable; do
     [ -f "$out/torch-torch-mempool.log" ] && [ -f "$out/torch-$cfg.log" ] || continue
     python3 "$here/pytest/compare.py" "$out/torch-torch-mempool.log" "$out/torch-$cfg.log" \
       --names torch-mempool "$cfg" > "$out/torch-$cfg-vs-torch-mempool-diff.md"
