@@ -393,10 +393,8 @@ def page() -> str:
         "",
         "`torch.compile(mode=\"reduce-overhead\")` training a Transformer encoder (6 layers, "
         "d=512, batch 32, sequence 256, fixed shapes) for 30 steps, one process per run, "
-        "2 interleaved rounds; vmmbuf process-wide. The tree's graphs do not reuse each "
-        "other's blocks under vmmbuf while they live (a live graph's memory is never "
-        "another's), where PyTorch's shared pool does; the memory above PyTorch's is not yet "
-        "split by cause. "
+        "2 interleaved rounds; vmmbuf process-wide. The tree's graphs share one pool, as "
+        "under PyTorch: a later capture takes the blocks an earlier one freed. "
         + provenance("compile_graphs-h200.txt", idx["compile_graphs-h200.txt"]),
         "",
         md_table(cg_head, cg_rows),
