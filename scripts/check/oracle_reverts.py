@@ -41,7 +41,7 @@ ADD_IF_ABSENT_NEW = '''    /// (revert) Adds `f` only if its stream has no fence
 if name == "rt3":
     # coalesce keeps the left (pending) block's fence per stream, as the
     # position-based merge did (the left block's fences are made to win).
-    edit("src/arena/blocks/store.rs", "            self.link(left, merge(l, r, self.join_settled()));",
+    edit("src/arena/heap/blocks/store.rs", "            self.link(left, merge(l, r, self.join_settled()));",
          """            let mut l = l;
             if !l.settled() {
                 for f in l.fences.iter_mut() {
@@ -80,8 +80,8 @@ elif name == "g1":
 elif name == "g2":
     # A graph's allocation, freed after the capture, goes back to the free
     # index instead of staying the graph's until its release.
-    edit("src/arena/allocation.rs", "match graph.filter(|g| st.heap.graphs.contains_key(g)).or(into) {",
-         "match into {")
+    edit("src/arena/heap/held.rs", "            .filter(|&g| self.graphs.contains(g))\n            .into_iter()\n            .collect();",
+         "            .filter(|_| false)\n            .into_iter()\n            .collect();")
 elif name == "h1":
     # With a map hook, the arena releases single free chunks instead of
     # whole reported ranges (a neighbour's use may be in flight).
@@ -92,7 +92,7 @@ elif name == "h2":
          "let keep_to = keep_to;")
 elif name == "d1":
     # A deferred free asks the oldest cover, even one recorded before it.
-    edit("src/arena/owed.rs", "let Some(i) = d.covers.iter().position(|c| c.seq > seq) else {",
+    edit("src/arena/heap/owed.rs", "let Some(i) = d.covers.iter().position(|c| c.seq > seq) else {",
          "let Some(i) = d.covers.iter().position(|_| true) else {")
 elif name == "w1":
     # A wake counts only the graph-held ranges that start in a run.
@@ -101,10 +101,14 @@ elif name == "w1":
 elif name == "b1":
     # Waiting before growth takes another stream's pending block as settled
     # without waiting for its fences.
-    edit("src/arena/mapping.rs", "        if let Err(e) = owed.wait_set(backend, &f.fences) {",
-         "        let _ = (&f, &owed);\n        if let Err(e) = Ok::<(), crate::Error>(()) {")
+    edit("src/arena/heap/owing.rs", "        Some(owed.wait_set(backend, &f.fences))",
+         "        let _ = (&f, &owed, backend);\n        Some(Ok(()))")
+    edit("src/arena/heap/mod.rs", "    // ---- Free blocks.\n",
+         "    // ---- Free blocks.\n\n    /// (revert) Settles zone `z` as if every fence had passed.\n"
+         "    pub(super) fn settle_as_passed(&mut self, z: usize, walls: &impl Walls) {\n"
+         "        self.zones[z].settle_in(|_| true, walls);\n    }\n")
     edit("src/arena/mapping.rs", "        self.settle_zone(st, z);\n        let o = self.take(st, z, size, key)?;",
-         "        {\n            let State { heap, region, .. } = &mut *st;\n            heap.zones[z].settle_in(|_| true, &region.walls());\n        }\n        let o = self.take(st, z, size, key)?;")
+         "        {\n            let State { heap, region, .. } = &mut *st;\n            heap.settle_as_passed(z, &region.walls());\n        }\n        let o = self.take(st, z, size, key)?;")
 elif name == "g3":
     # RT4-1: a block allocated before a capture and freed into
     # it owes no fence on its stream: the capture retakes it, and after
@@ -118,13 +122,13 @@ elif name == "g4":
     # another's is kept by the first graph alone, and goes back when that
     # graph is released while the second still replays over it.
     edit("src/arena/allocation.rs",
-         "            .into_iter()\n            .chain(into)\n            .collect();",
-         "            .or(into)\n            .into_iter()\n            .collect();")
+         "        graphs.extend(into);",
+         "        if graphs.is_empty() {\n            graphs.extend(into);\n        }")
 elif name == "g5":
     # A free into a graph owes nothing on a captured stream whose work,
     # queued before the capture, used the block.
     edit("src/arena/allocation.rs",
-         "            fences.add(owed_mark(s.key()));\n            st.heap.owed.owe_wanted(s.key());",
+         "            fences.add(owed_mark(s.key()));\n            st.heap.owe_wanted(s.key());",
          "            let _ = s;")
 else:
     sys.exit(f"unknown revert {name}")

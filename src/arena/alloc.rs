@@ -60,30 +60,18 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// pools free nothing.
     pub fn release_graph(&self, graph: GraphPoolId) -> Result<usize> {
         let mut st = self.shared.state.lock();
-        let Some(gone) = st.heap.graphs.release(graph) else {
+        let Some(gone) = st.heap.release_graph(graph) else {
             return Ok(0);
         };
         let mut freed = 0;
-        for (o, h) in gone {
-            freed += h.size;
-            let stream = h
-                .fences
+        for (o, size, fences) in gone {
+            freed += size;
+            let stream = fences
                 .iter()
                 .next()
                 .map(|f| f.key)
-                .filter(|&k| h.fences.only_on(k));
-            st.give_back_block(o, h.size, stream, h.fences);
-        }
-        // Its live allocations (those it made, and those retaken from its
-        // blocks) are ordinary ones from now on: a new graph given its id
-        // is another graph.
-        for l in st.heap.live.values_mut() {
-            if l.graph == Some(graph) {
-                l.graph = None;
-            }
-            if let Some(r) = l.retaken.as_mut() {
-                r.graphs.retain(|&g| g != graph);
-            }
+                .filter(|&k| fences.only_on(k));
+            st.give_back_block(o, size, stream, fences);
         }
         self.shared.count(&mut st);
         Ok(freed)
@@ -113,31 +101,25 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 "retake of {address:#x}: the arena is asleep (wake it first)"
             )));
         }
-        let h = address
+        let taken = address
             .checked_sub(self.shared.base)
             .and_then(|o| usize::try_from(o).ok())
-            .and_then(|o| st.heap.graphs.retake(o, size).map(|h| (o, h)));
-        let Some((offset, h)) = h else {
+            .and_then(|o| st.heap.retake(o, size, bytes, key).map(|t| (o, t)));
+        let Some((offset, (size, uses))) = taken else {
             return Err(Error::invalid(format!(
                 "retake of {bytes} bytes at {address:#x}: no block of that size that graphs hold starts there"
             )));
         };
-        let uses = self.note_live(&mut st, offset, h.size, bytes, key, None, true);
-        if let Some(l) = st.heap.live.get_mut(&offset) {
-            l.retaken = Some(Box::new(super::Retaken {
-                graphs: h.graphs,
-                fences: h.fences,
-            }));
-        }
+        self.count_alloc(&mut st, offset, size, bytes, true);
         drop(st);
-        Ok(self.handle(offset, h.size, bytes, stream, uses))
+        Ok(self.handle(offset, size, bytes, stream, uses))
     }
 
     /// The graph pools alive: each one's id, bytes held free and live
     /// allocations.
     pub fn graph_pools(&self) -> Vec<(GraphPoolId, usize, usize)> {
         let st = self.shared.state.lock();
-        st.heap.graphs.pools()
+        st.heap.graph_pools()
     }
 
     fn alloc_inner(
@@ -200,7 +182,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         if self.shared.defer_free_fences {
             self.shared.note_stream(key);
         }
-        if st.heap.owed.needs_cover(key) {
+        if st.heap.needs_cover(key) {
             self.shared.cover(st, stream);
         }
     }
@@ -220,7 +202,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         key: StreamKey,
         graph: Option<GraphPoolId>,
     ) -> Result<(usize, bool)> {
-        if let Some(o) = graph.and_then(|g| st.heap.graphs.take(g, size, key)) {
+        if let Some(o) = graph.and_then(|g| st.heap.take_for_graph(g, size, key)) {
             return Ok((o, true));
         }
         let find_key = if graph.is_some() { GRAPH_KEY } else { key };
@@ -280,7 +262,21 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         from_held: bool,
     ) -> Arc<Uses<B::Fence>> {
         let uses = st.heap.note_live(offset, size, bytes, key, graph);
-        // A graph's held bytes count as allocated in the split already.
+        self.count_alloc(st, offset, size, bytes, from_held);
+        uses
+    }
+
+    /// Counts an allocation of `size` bytes (`bytes` asked for) at
+    /// `offset`, noted live in the heap; `from_held`: a block graphs held,
+    /// which counts as allocated in the split already.
+    fn count_alloc(
+        &self,
+        st: &mut State<B>,
+        offset: usize,
+        size: usize,
+        bytes: usize,
+        from_held: bool,
+    ) {
         if !from_held {
             let State { split, region, .. } = &mut *st;
             split.change(&region.table, offset, size, true);
@@ -289,7 +285,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         st.stats.allocated_bytes_total += size as u64;
         st.stats.requested_bytes_total += bytes as u64;
         self.shared.count(st);
-        uses
     }
 
     /// The allocation's id in the trace being recorded (0 with none).

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::graph::{GraphPoolId, Held};
+use super::graph::GraphPoolId;
 use super::{ArenaStream, Mark, Shared, State};
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
@@ -186,7 +186,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
     /// ordinary allocation).
     pub fn graph(&self) -> Option<GraphPoolId> {
         let st = self.arena.state.lock();
-        st.heap.live.get(&self.offset).and_then(|l| l.graph)
+        st.heap.graph_of(self.offset)
     }
 
     /// Frees it while its stream (and every stream it was recorded on) is
@@ -305,10 +305,8 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         let mut st = self.arena.state.lock();
         // The graph it came from, unless that graph was released since (it
         // is an ordinary allocation then, whatever pool has the id now).
-        let (graph, retaken) = match st.heap.live.remove(&self.offset) {
-            Some(l) => (l.graph, l.retaken),
-            None => (None, None),
-        };
+        let freed = st.heap.take_live(self.offset);
+        let graph = freed.graph;
         let into = match self.how {
             Freeing::IntoGraph(g) => Some(g),
             _ => None,
@@ -316,19 +314,12 @@ impl<B: Backend, S: ArenaStream<B>> Drop for Allocation<B, S> {
         self.owe(&mut st, graph, owed_on, failed, &mut fences);
         self.settle_accounts(&mut st, graph);
         // The graphs that keep the block (see `graph`'s rule): the one it
-        // came from while that graph lives, and the one whose capture
-        // frees it; with none, it goes back.
-        let mut graphs: Vec<GraphPoolId> = graph
-            .filter(|&g| st.heap.graphs.contains(g))
-            .into_iter()
-            .chain(into)
-            .collect();
-        // Retaken from graphs: held for them again, behind its earlier
-        // life's fences too.
-        if let Some(r) = retaken {
-            graphs.extend(r.graphs.into_iter().filter(|&g| st.heap.graphs.contains(g)));
-            fences.merge(r.fences);
-        }
+        // came from while that graph lives (and, retaken from graphs, those
+        // still alive, behind its earlier life's fences too), and the one
+        // whose capture frees it; with none, it goes back.
+        let mut graphs = freed.keepers;
+        graphs.extend(into);
+        fences.merge(freed.fences);
         if graphs.is_empty() {
             self.give_back(&mut st, owed_on, fences);
         } else {
@@ -392,7 +383,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         // Captured streams whose earlier work may use it: owed there.
         for (s, _) in self.extra.lock().iter().filter(|e| e.1) {
             fences.add(owed_mark(s.key()));
-            st.heap.owed.owe_wanted(s.key());
+            st.heap.owe_wanted(s.key());
         }
         let owe_own = match self.how {
             Freeing::Fence => None,
@@ -404,12 +395,12 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
             fences.add(owed_mark(key));
         }
         for key in owe_own.into_iter().chain(failed) {
-            st.heap.owed.owe_wanted(key);
+            st.heap.owe_wanted(key);
         }
         if let Some(key) = owed_on {
-            st.heap.owed.owe(key);
+            st.heap.owe(key);
         }
-        if self.how == Freeing::Fence && st.heap.owed.needs_cover(own_key) {
+        if self.how == Freeing::Fence && st.heap.needs_cover(own_key) {
             self.arena.cover(st, &self.stream);
         }
     }
@@ -439,17 +430,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         fences: FenceSet<Mark<B::Fence>>,
     ) {
         let reuse = (retakable && fences.is_empty()).then_some(self.stream.key());
-        let zone = st.zone_range(self.offset);
-        st.heap.graphs.put(
-            self.offset,
-            Held {
-                size: self.size,
-                graphs,
-                reuse,
-                fences,
-            },
-            zone,
-        );
+        st.heap.hold(self.offset, self.size, graphs, reuse, fences);
     }
 
     /// The block goes back to the arena's free blocks, behind `fences`
@@ -470,9 +451,7 @@ impl<B: Backend, S: ArenaStream<B>> Allocation<B, S> {
         // free would keep all of it from the other streams until its
         // stream's next call: covered now instead.
         if let Some(key) = owed_on {
-            let z = st.heap.zone_of_offset(self.offset);
-            let joined = st.heap.zones[z].size_at(self.offset);
-            if joined >= super::owed::JOINED_BYTES && st.heap.owed.needs_any_cover(key) {
+            if st.heap.cover_now_after(self.offset, key) {
                 self.arena.cover(st, &self.stream);
             }
         }

@@ -4,7 +4,7 @@
 //! lowest hole that fits (pooled ones first); and how whole free chunks go
 //! back to the pool. Every function runs under the arena's lock.
 
-use super::blocks::{Free, StreamKey};
+use super::blocks::StreamKey;
 use super::heap::Heap;
 use super::{ArenaStream, Shared, State};
 use crate::backend::Backend;
@@ -30,7 +30,7 @@ impl<B: Backend> Shared<B> {
         // A miss: streams with frees owed record their covers at their next
         // call, so that their blocks may settle for the others.
         if self.defer_free_fences {
-            st.heap.owed.want_all_but(key);
+            st.heap.want_covers_but(key);
         }
         self.settle_zone(st, z);
         if let Some(o) = self.take(st, z, size, key) {
@@ -38,7 +38,7 @@ impl<B: Backend> Shared<B> {
         }
         let coalesced = {
             let State { heap, region, .. } = &mut *st;
-            heap.zones[z].coalesce_in(key, &region.walls())
+            heap.coalesce(z, key, &region.walls())
         };
         if coalesced > 0 {
             if let Some(o) = self.take(st, z, size, key) {
@@ -52,9 +52,7 @@ impl<B: Backend> Shared<B> {
         }
         // Growth. Counted apart when another stream's pending block could
         // have served (the GPU's lag made this memory).
-        let past_pending = st.heap.zones[z]
-            .iter()
-            .any(|(_, f)| f.size >= size && !f.usable_by(key));
+        let past_pending = st.heap.pending_fits(z, size, key);
         let before = st.region.table.mapped_bytes();
         let got = if st.region.has_hook() {
             // With a map hook, a request that needs new memory gets a
@@ -64,8 +62,8 @@ impl<B: Backend> Shared<B> {
             self.map_whole(st, z, size, key)
         } else {
             self.map_for(st, z, size, key).and_then(|()| {
-                st.heap.zones[z]
-                    .take(size, key)
+                st.heap
+                    .take(z, size, key)
                     .ok_or_else(|| Error::invalid("mapped memory did not make a block (a bug)"))
             })
         };
@@ -78,15 +76,10 @@ impl<B: Backend> Shared<B> {
     }
 
     /// Instead of growing: waits on the CPU for the fences of a pending
-    /// free block of another stream that fits `size`, then settles the
-    /// zone and takes a block. Of several, the one whose newest fence has
-    /// the lowest number: on one stream, the one that passes first; numbers
-    /// of different streams are not comparable, so across streams this is
-    /// only a tie-break. A block with a deferred free is a candidate once
-    /// a cover stands for that free (the wait is on the cover's event);
-    /// before, it is left alone: only a device-wide synchronisation could
-    /// wait for it. `None` if there is no such block, or the wait
-    /// failed (logged: the caller grows instead).
+    /// free block of another stream that fits `size` (the heap picks it:
+    /// [`Heap::wait_for_pending`]), then settles the zone and takes a
+    /// block. `None` if there is no such block, or the wait failed
+    /// (logged: the caller grows instead).
     fn wait_for_pending(
         &self,
         st: &mut State<B>,
@@ -94,21 +87,7 @@ impl<B: Backend> Shared<B> {
         size: usize,
         key: StreamKey,
     ) -> Option<usize> {
-        use super::owed::Mark;
-        let backend = &*self.backend;
-        let Heap { zones, owed, .. } = &mut st.heap;
-        let (_, f) = zones[z]
-            .iter()
-            .filter(|(_, f)| {
-                f.size >= size
-                    && !f.usable_by(key)
-                    && f.fences.iter().all(|x| match x.fence {
-                        Mark::Fence(_) => true,
-                        Mark::Owed => owed.covered(x.key, x.seq),
-                    })
-            })
-            .min_by_key(|(_, f)| f.fences.iter().map(|x| x.seq).max())?;
-        if let Err(e) = owed.wait_set(backend, &f.fences) {
+        if let Err(e) = st.heap.wait_for_pending(&*self.backend, z, size, key)? {
             tracing::warn!(error = %e, "vmmbuf arena: waiting for a pending free failed; growing instead");
             return None;
         }
@@ -125,7 +104,7 @@ impl<B: Backend> Shared<B> {
         let (at, need, _) = self.map_at(st, z, size, key, true)?;
         if need > size {
             let State { heap, region, .. } = &mut *st;
-            heap.zones[z].insert_fresh_in(at + size, need - size, key, &region.walls());
+            heap.insert_fresh_for(z, at + size, need - size, key, &region.walls());
         }
         Ok(at)
     }
@@ -139,11 +118,11 @@ impl<B: Backend> Shared<B> {
         // With a hook, growth never extends a free block (each request
         // that grows gets chunks of its own): nothing to spare.
         if self.release_before_map || st.region.has_hook() {
-            return st.heap.zones[z].take(size, key);
+            return st.heap.take(z, size, key);
         }
         let State { heap, region, .. } = st;
         let table = &region.table;
-        heap.zones[z].take_sparing(size, key, |end| {
+        heap.take_sparing(z, size, key, |end| {
             end < table.reserved() && table.chunk_at(end).is_none()
         })
     }
@@ -163,7 +142,7 @@ impl<B: Backend> Shared<B> {
         // already (`move_free_for`).
         if need > moved {
             let State { heap, region, .. } = &mut *st;
-            heap.zones[z].insert_fresh_in(at + moved, need - moved, key, &region.walls());
+            heap.insert_fresh_for(z, at + moved, need - moved, key, &region.walls());
         }
         Ok(())
     }
@@ -185,11 +164,7 @@ impl<B: Backend> Shared<B> {
         self.release_before_mapping(st, size, whole)?;
         let g = self.granularity;
         let reserved = st.region.table.reserved();
-        let zone = if z == 0 {
-            0..st.heap.small_end
-        } else {
-            st.heap.small_end..reserved
-        };
+        let zone = st.heap.zone_range(z, reserved);
         self.reap_ghosts(st, false)?;
         let mut regions = st.region.without_ghosts(st.region.table.gaps(zone));
         // Discarded ranges stay unmapped until the wake.
@@ -197,8 +172,9 @@ impl<B: Backend> Shared<B> {
             regions = a.exclude(regions);
         }
         let mut fits = regions.into_iter().filter_map(|h| {
-            let before = st.heap.zones[z]
-                .ending_at(h.start)
+            let before = st
+                .heap
+                .free_ending_at(z, h.start)
                 .filter(|(_, f)| !whole && (f.settled() || f.stream == Some(key)))
                 .map_or(0, |(_, f)| f.size);
             let need = round_up(size.saturating_sub(before), g)?;
@@ -248,26 +224,14 @@ impl<B: Backend> Shared<B> {
         Ok((at, need, moved))
     }
 
-    /// How many of `need` bytes to map for a request of `size` should be
-    /// moved free memory: all of them, or with
-    /// [`ArenaDesc::release_over_percent`](super::ArenaDesc::release_over_percent)
-    /// only what mapping them would take past that share of the peak
-    /// allocated (each move costs a mapping now and an unmapping later).
-    fn move_at_most(&self, st: &State<B>, size: usize, need: usize) -> usize {
-        let Some(p) = self.release_over_percent else {
-            return need;
-        };
-        let over = self.past_share(st, size, need, f64::from(p) / 100.0);
-        round_up(over, self.granularity).map_or(need, |o| o.min(need))
-    }
-
     /// The bytes by which mapping `want` more for a request of `size` would
     /// take the arena past `share` times its peak allocated (the request
     /// counted): 0 if it stays within.
-    fn past_share(&self, st: &State<B>, size: usize, want: usize, share: f64) -> usize {
+    pub(super) fn past_share(&self, st: &State<B>, size: usize, want: usize, share: f64) -> usize {
         let live = st
             .heap
-            .allocated
+            .allocated()
+            .0
             .saturating_add(size)
             .max(st.stats.allocated_bytes.peak);
         st.region
@@ -275,195 +239,6 @@ impl<B: Backend> Shared<B> {
             .mapped_bytes()
             .saturating_add(want)
             .saturating_sub((share * live as f64) as usize)
-    }
-
-    /// Moves whole free chunks that `key` may take now (settled, or freed
-    /// on `key` alone) to `[at, at + need)`, from its start, as far as they
-    /// fit (none inside `keep`, the free block the request extends), and
-    /// puts them in zone `z`'s index there: a settled chunk's old
-    /// address is unmapped at once, a pending one's stays mapped (a ghost)
-    /// until a fence recorded on `key` after now has passed, and the moved
-    /// memory is `key`'s alone until then (a mark owed on `key`, which
-    /// `key`'s next call covers). Returns the bytes moved. On an error the
-    /// chunk being moved stays where it was, free, and what moved before
-    /// stays moved.
-    fn move_free_for(
-        &self,
-        st: &mut State<B>,
-        z: usize,
-        keep: std::ops::Range<usize>,
-        at: usize,
-        need: usize,
-        key: StreamKey,
-    ) -> Result<usize> {
-        if need == 0 || st.asleep.is_some() || st.region.has_hook() {
-            return Ok(0);
-        }
-        let placement = st.placement;
-        // Pending memory moved after the free block the request extends
-        // joins it only as `key`'s pending block too: that block is marked
-        // as the moved memory is, which it must allow.
-        let pending_ok = keep.is_empty()
-            || st.heap.zones[st.heap.zone_of_offset(keep.start)].covers_for(
-                keep.start,
-                keep.len(),
-                key,
-            );
-        // The chunks inside free blocks `key` may take, by offset.
-        let mut donors: Vec<(usize, usize)> = Vec::new();
-        for zz in 0..st.heap.zones.len() {
-            for (o, f) in st.heap.zones[zz].iter() {
-                if !(f.settled() || (pending_ok && f.stream == Some(key) && f.fences.only_on(key)))
-                {
-                    continue;
-                }
-                donors.extend(
-                    st.region
-                        .table
-                        .overlapping(o..o + f.size)
-                        .filter(|(co, e)| {
-                            *co >= o
-                                && co + e.bytes <= o + f.size
-                                && e.placement == placement
-                                && (co + e.bytes <= keep.start || *co >= keep.end)
-                        })
-                        .map(|(co, e)| (co, e.bytes)),
-                );
-            }
-        }
-        if donors.is_empty() {
-            return Ok(0);
-        }
-        // One number for the whole move: every use of a pending donor was
-        // queued on `key` before it.
-        let seq = crate::order::stamp(key);
-        let marks = || {
-            let mut set = crate::order::FenceSet::default();
-            set.add(super::owed::owed_at(key, seq));
-            set
-        };
-        // Free memory that is `key`'s alone until that number has passed.
-        let pending = |size| Free {
-            size,
-            stream: Some(key),
-            fences: marks(),
-        };
-        // The donors taken, in order: (offset, bytes, zone, settled).
-        let mut plan: Vec<(usize, usize, usize, bool)> = Vec::new();
-        let mut planned = 0;
-        for (o, b) in donors {
-            if planned + b > need {
-                continue;
-            }
-            let zz = st.heap.zone_of_offset(o);
-            if st.heap.zone_of_offset(o + b - 1) != zz {
-                continue;
-            }
-            let Some(settled) = st.heap.zones[zz].carve_for(o, b, key, marks) else {
-                continue;
-            };
-            plan.push((o, b, zz, settled));
-            planned += b;
-            if planned == need {
-                break;
-            }
-        }
-        // One batch: adjacent destinations share their access call, and
-        // adjacent settled donors their unmap.
-        let mut to = at;
-        let moves: Vec<_> = plan
-            .iter()
-            .map(|&(o, b, _, settled)| {
-                let m = (o, to, (!settled).then_some((key, seq)));
-                to += b;
-                m
-            })
-            .collect();
-        let (n, err) = timed(&mut st.stats.move_ns, || st.region.move_chunks(&moves));
-        let State {
-            heap,
-            region,
-            stats,
-            ..
-        } = &mut *st;
-        // Those not moved: back where they were, free as they were (or later).
-        let mut owed = false;
-        for &(o, b, zz, settled) in &plan[n..] {
-            if settled {
-                heap.zones[zz].insert_fresh_in(o, b, key, &region.walls());
-            } else {
-                heap.insert_free(o, pending(b), &region.walls());
-                owed = true;
-            }
-        }
-        // Nothing may still use a settled donor's old address.
-        let gone: Vec<usize> = plan[..n].iter().filter(|p| p.3).map(|p| p.0).collect();
-        if timed(&mut stats.move_ns, || region.unmap_ghosts(&gone)).is_err() {
-            // Left as ghosts with no mark: the next reap tries again.
-            tracing::warn!(
-                "vmmbuf arena: unmapping moved chunks' old addresses failed; tried again later"
-            );
-        }
-        let mut moved = 0;
-        for (&(_, b, _, settled), &(_, to, _)) in plan[..n].iter().zip(&moves) {
-            if settled {
-                heap.zones[z].insert_fresh_in(to, b, key, &region.walls());
-            } else {
-                heap.insert_free(to, pending(b), &region.walls());
-                owed = true;
-            }
-            stats.num_chunks_moved += 1;
-            moved += b;
-        }
-        if n > 0 {
-            stats.num_moving_growths += 1;
-        }
-        if owed {
-            st.heap.owed.owe_wanted(key);
-            if !keep.is_empty() {
-                // The block the request extends, `key`'s pending block now,
-                // so that it joins the moved memory.
-                let zk = st.heap.zone_of_offset(keep.start);
-                if st.heap.zones[zk]
-                    .carve_for(keep.start, keep.len(), key, marks)
-                    .is_some()
-                {
-                    let State { heap, region, .. } = &mut *st;
-                    heap.insert_free(keep.start, pending(keep.len()), &region.walls());
-                }
-            }
-        }
-        match err {
-            Some(e) => Err(e),
-            None => Ok(moved),
-        }
-    }
-
-    /// Unmaps the old addresses of moved chunks
-    /// ([`move_free_for`](Self::move_free_for)) whose mark has passed; with
-    /// `wait`, of all of them, waiting for their marks (a device
-    /// synchronisation where a mark has no fence yet).
-    pub(super) fn reap_ghosts(&self, st: &mut State<B>, wait: bool) -> Result<()> {
-        if st.region.ghosts().next().is_none() {
-            return Ok(());
-        }
-        let backend = &*self.backend;
-        let ghosts: Vec<_> = st.region.ghost_marks().collect();
-        let mut not_yet = crate::order::NotYet::default();
-        let mut passed = Vec::with_capacity(ghosts.len());
-        for (o, mark) in ghosts {
-            if let Some((key, seq)) = mark {
-                if !st.heap.owed.done_in(backend, key, seq, &mut not_yet) {
-                    if !wait {
-                        continue;
-                    }
-                    st.heap.owed.wait(backend, key, seq)?;
-                }
-            }
-            passed.push(o);
-        }
-        // One unmap for each run of adjacent ones.
-        timed(&mut st.stats.move_ns, || st.region.unmap_ghosts(&passed))
     }
 
     /// Whole free chunks go to the pool before a mapping, which takes from
@@ -570,19 +345,7 @@ impl<B: Backend> Shared<B> {
     /// streams' work only, never the whole device), so that all of them
     /// settle.
     pub(super) fn wait_pending_frees(&self, st: &mut State<B>) -> Result<()> {
-        let backend = &*self.backend;
-        let Heap {
-            zones,
-            graphs,
-            owed,
-            ..
-        } = &mut st.heap;
-        for (_, f) in zones.iter().flat_map(|z| z.iter()) {
-            owed.wait_set(backend, &f.fences)?;
-        }
-        for (_, h) in graphs.blocks() {
-            owed.wait_set(backend, &h.fences)?;
-        }
+        st.heap.wait_pending(&*self.backend)?;
         self.reap_ghosts(st, true)
     }
 
@@ -612,7 +375,7 @@ impl<B: Backend> Shared<B> {
     /// cover or a device synchronisation (logged).
     pub(super) fn cover<S: ArenaStream<B>>(&self, st: &mut State<B>, stream: &S) {
         match crate::order::record(stream.key(), || stream.fence(&*self.backend)) {
-            Ok(c) => st.heap.owed.cover(c),
+            Ok(c) => st.heap.cover(c),
             Err(e) => {
                 tracing::warn!(error = %e, "vmmbuf arena: recording a deferred free fence failed; those frees wait for a later one")
             }
@@ -622,14 +385,8 @@ impl<B: Backend> Shared<B> {
     /// Settles zone `z`'s frees whose fences (recorded or owed) have
     /// passed. Returns how many settled.
     pub(super) fn settle_zone(&self, st: &mut State<B>, z: usize) -> usize {
-        let backend = &*self.backend;
         let State { heap, region, .. } = st;
-        let Heap { zones, owed, .. } = heap;
-        let mut not_yet = crate::order::NotYet::default();
-        zones[z].settle_in(
-            |x| owed.stamp_done(backend, x, &mut not_yet),
-            &region.walls(),
-        )
+        heap.settle(z, &*self.backend, &region.walls())
     }
 
     /// Waits for the uses recorded on live allocations (views,
@@ -637,15 +394,7 @@ impl<B: Backend> Shared<B> {
     /// ([`Arena::retake`](crate::Arena::retake)), for the uses its block's
     /// earlier life left: before their chunks move.
     pub(super) fn wait_live_uses(&self, st: &mut State<B>) -> Result<()> {
-        let backend = &*self.backend;
-        let Heap { live, owed, .. } = &mut st.heap;
-        for l in live.values() {
-            l.uses.each(|fence| backend.wait(fence))?;
-            if let Some(r) = &l.retaken {
-                owed.wait_set(backend, &r.fences)?;
-            }
-        }
-        Ok(())
+        st.heap.wait_live_uses(&*self.backend)
     }
 
     /// Unmaps every chunk that lies wholly inside a settled free block and
@@ -658,7 +407,7 @@ impl<B: Backend> Shared<B> {
     /// ranges given back, `(offset, bytes)`.
     pub(super) fn release_free_ranges(&self, st: &mut State<B>) -> Result<Vec<(usize, usize)>> {
         self.reap_ghosts(st, false)?;
-        for z in 0..st.heap.zones.len() {
+        for z in 0..2 {
             self.settle_zone(st, z);
         }
         // Whole free chunks; with a map hook, whole reported ranges (a
@@ -675,11 +424,7 @@ impl<B: Backend> Shared<B> {
             })
             .collect();
         whole.dedup();
-        whole.retain(|&(o, b)| {
-            st.heap
-                .zone_pieces(o, b)
-                .all(|(z, at, n)| st.heap.zones[z].covers(at, n, true))
-        });
+        whole.retain(|&(o, b)| st.heap.covers(o, b, true));
         let mut released = Vec::with_capacity(whole.len());
         for (o, b) in whole {
             // Settled: the uses of these bytes have passed, no wait needed.
@@ -687,9 +432,7 @@ impl<B: Backend> Shared<B> {
                 let _ = self.pool.give(e.placement, e.bytes, e.chunk);
             }
             // A range a hook was told of at once may cross the zones' border.
-            for (z, at, n) in st.heap.zone_pieces(o, b).collect::<Vec<_>>() {
-                st.heap.zones[z].carve(at, n);
-            }
+            st.heap.carve(o, b);
             released.push((o, b));
             st.stats.num_device_free += 1;
         }
@@ -706,11 +449,13 @@ impl<B: Backend> Shared<B> {
     ) -> Error {
         // What the request needs mapped at least, against what could ever be.
         let need = round_up(requested, self.granularity).unwrap_or(usize::MAX);
-        let zone = if Heap::<B::Fence>::zone_of_size(requested) == 0 {
-            st.heap.small_end
-        } else {
-            st.region.table.reserved() - st.heap.small_end
-        };
+        let zone = st
+            .heap
+            .zone_range(
+                Heap::<B::Fence>::zone_of_size(requested),
+                st.region.table.reserved(),
+            )
+            .len();
         let never_fits = need > zone
             || self.budget.is_some_and(|b| need > b)
             || st.region.budget().is_some_and(|b| need > b.limit())
@@ -736,9 +481,9 @@ impl<B: Backend> Shared<B> {
     /// ([`refresh`](Self::refresh)): an allocator call under a training
     /// step's cold caches then touches fewer lines.
     pub(super) fn count(&self, st: &mut State<B>) {
-        let (allocated, requested) = (st.heap.allocated, st.heap.requested);
+        let (allocated, requested) = st.heap.allocated();
         let mapped = st.region.table.mapped_bytes();
-        let pending: usize = st.heap.zones.iter().map(|z| z.pending_bytes()).sum();
+        let pending = st.heap.pending_bytes();
         let split = st.split.inactive_split();
         let s = &mut st.stats;
         s.allocated_bytes.set(allocated);
@@ -755,7 +500,7 @@ impl<B: Backend> Shared<B> {
         let mapped = st.region.table.mapped_bytes();
         let split = st.split.inactive_split();
         let s = &mut st.stats;
-        s.graph_bytes = st.heap.graphs.held_bytes();
+        s.graph_bytes = st.heap.held_bytes();
         s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
         s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
         s.pageable_bytes = st.asleep.as_ref().map_or(0, |a| a.pageable_bytes())
@@ -770,8 +515,8 @@ impl<B: Backend> Shared<B> {
     /// Settles the frees whose fences have passed, then counts; and reads
     /// what only a read needs (pool, placement, device syncs).
     pub(super) fn refresh(&self, st: &mut State<B>) {
-        for z in 0..st.heap.zones.len() {
-            if st.heap.zones[z].any_pending() {
+        for z in 0..2 {
+            if st.heap.any_pending(z) {
                 self.settle_zone(st, z);
             }
         }
@@ -794,16 +539,13 @@ impl<B: Backend> Drop for Shared<B> {
         let st = self.state.get_mut();
         let backend = &*self.backend;
         let mut waited = true;
-        let Heap { zones, owed, .. } = &mut st.heap;
-        for (_, f) in zones.iter().flat_map(|z| z.iter()) {
-            if let Err(e) = owed.wait_set(backend, &f.fences) {
-                tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");
-                waited = false;
-            }
+        for e in st.heap.wait_free_blocks(backend) {
+            tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");
+            waited = false;
         }
         // The old addresses of moved chunks (the region unmaps them).
         for (key, seq) in st.region.ghost_marks().filter_map(|(_, m)| m) {
-            if let Err(e) = owed.wait(backend, key, seq) {
+            if let Err(e) = st.heap.wait_mark(backend, key, seq) {
                 tracing::error!(error = %e, "vmmbuf arena: waiting for a moved chunk's old uses in drop failed; nothing is unmapped");
                 waited = false;
             }
@@ -825,7 +567,7 @@ impl<B: Backend> Drop for Shared<B> {
 }
 
 /// `f`'s result, its nanoseconds added to `ns` (saturating).
-fn timed<T>(ns: &mut u64, f: impl FnOnce() -> T) -> T {
+pub(super) fn timed<T>(ns: &mut u64, f: impl FnOnce() -> T) -> T {
     let started = std::time::Instant::now();
     let r = f();
     let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);

@@ -4,12 +4,11 @@
 
 mod alloc;
 mod allocation;
-mod blocks;
 mod desc;
-mod graph;
 mod heap;
+use heap::{blocks, graph, owed};
 mod mapping;
-mod owed;
+mod moves;
 mod sleep;
 mod stats;
 mod trace;
@@ -81,15 +80,6 @@ impl ArenaStream<crate::HostBackend> for HostStream {
 const GRAPH_KEY: StreamKey = (u64::MAX, u64::MAX);
 
 impl<B: Backend> State<B> {
-    /// The offsets of the zone `offset` lies in.
-    fn zone_range(&self, offset: usize) -> std::ops::Range<usize> {
-        if offset < self.heap.small_end {
-            0..self.heap.small_end
-        } else {
-            self.heap.small_end..self.region.table.reserved()
-        }
-    }
-
     /// Bookkeeping of a free of `[offset, offset + size)`.
     fn note_free(&mut self, offset: usize, size: usize) {
         self.split.change(&self.region.table, offset, size, false);
@@ -143,7 +133,7 @@ impl<B: Backend> State<B> {
                 // for a device synchronisation instead (owed on a key no
                 // stream has), which covers the same work.
                 let gone = allocation::GONE_KEY;
-                self.heap.owed.owe_wanted(gone);
+                self.heap.owe_wanted(gone);
                 let mut f = crate::order::FenceSet::default();
                 f.add(owed::owed_at(gone, crate::order::stamp(gone)));
                 f
@@ -160,29 +150,6 @@ impl<B: Backend> State<B> {
             );
         }
     }
-}
-
-struct Live<F> {
-    size: usize,
-    requested: usize,
-    stream: StreamKey,
-    /// The allocation's recorded uses (views, `record_use`): offload and
-    /// restore wait for them.
-    uses: Arc<Uses<F>>,
-    /// The graph whose pool it came from: its block stays the graph's when
-    /// freed.
-    graph: Option<GraphPoolId>,
-    /// Taken again from the graphs that held it ([`Arena::retake`]): those
-    /// graphs, and the fences its earlier life left on the block. Its free
-    /// keeps the block for them again (those still alive) and carries the
-    /// fences on.
-    retaken: Option<Box<Retaken<F>>>,
-}
-
-/// What a retaken block brings from its earlier life (see [`Live::retaken`]).
-struct Retaken<F> {
-    graphs: Vec<GraphPoolId>,
-    fences: crate::order::FenceSet<Mark<F>>,
 }
 
 struct State<B: Backend> {
@@ -445,9 +412,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         // split at them (or, pending, kept from every stream until settled).
         let st = &mut *st;
         let walls = st.region.walls();
-        for z in &mut st.heap.zones {
-            z.rewall(&walls);
-        }
+        st.heap.rewall(&walls);
         Ok(())
     }
 
@@ -503,7 +468,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// the bytes handed over.
     pub fn release_all_cached(&self) -> Result<usize> {
         let mut st = self.shared.state.lock();
-        st.heap.owed.synchronize(&*self.shared.backend)?;
+        st.heap.synchronize(&*self.shared.backend)?;
         let n = self.shared.release_free_chunks(&mut st)?;
         self.shared.count(&mut st);
         Ok(n)
@@ -525,8 +490,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         // settle here: the device is synchronised instead (as PyTorch's
         // empty_cache does).
         // Not while a capture may be under way: what has passed goes back.
-        if st.heap.owed.any_uncovered() && !self.shared.backend.capture_underway() {
-            st.heap.owed.synchronize(&*self.shared.backend)?;
+        if st.heap.any_uncovered() && !self.shared.backend.capture_underway() {
+            st.heap.synchronize(&*self.shared.backend)?;
         }
         self.shared.release_free_chunks(&mut st)?;
         self.shared.refresh(&mut st);
@@ -650,7 +615,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     fn taken(&self) -> (usize, usize) {
         let st = self.shared.state.lock();
         (
-            st.heap.allocated,
+            st.heap.allocated().0,
             st.region.table.mapped_bytes() + self.shared.pool.stats().pooled_bytes,
         )
     }
@@ -682,36 +647,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut st = self.shared.state.lock();
         self.shared.refresh(&mut st);
         let segments = st.region.table.runs();
-        let mut blocks: Vec<BlockInfo> = st
-            .heap
-            .live
-            .iter()
-            .map(|(&o, l)| BlockInfo {
-                offset: o,
-                bytes: l.size,
-                allocated: true,
-                requested_bytes: l.requested,
-                stream: Some(l.stream),
-                graph: l.graph,
-            })
-            .chain(st.heap.free_blocks().map(|(o, f)| BlockInfo {
-                offset: o,
-                bytes: f.size,
-                allocated: false,
-                requested_bytes: 0,
-                stream: if f.settled() { None } else { f.stream },
-                graph: None,
-            }))
-            .chain(st.heap.graphs.blocks().map(|(o, h)| BlockInfo {
-                offset: o,
-                bytes: h.size,
-                allocated: false,
-                requested_bytes: 0,
-                stream: None,
-                graph: h.graphs.first().copied(),
-            }))
-            .collect();
-        blocks.sort_by_key(|b| b.offset);
+        let blocks = st.heap.blocks();
         ArenaSnapshot {
             base: self.shared.base,
             segments,

@@ -227,7 +227,7 @@ fn stash_parts<B: Backend>(st: &State<B>, piece: usize) -> Vec<(usize, usize)> {
         .table
         .runs_without(|o, e| covers(&free, o, e.bytes));
     runs.iter()
-        .flat_map(|&(o, b)| pieces(o, b, piece, st.heap.small_end))
+        .flat_map(|&(o, b)| pieces(o, b, piece, st.heap.zone_border()))
         .collect()
 }
 
@@ -432,7 +432,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     |_, e| e.placement == Location::Host,
                     sh.placement,
                     asleep.piece,
-                    st.heap.small_end,
+                    st.heap.zone_border(),
                 );
                 r.chunks_before = count_in(&st.region.table, &groups);
                 sh.mover().run_groups(&mut st.region, &groups).map(|m| {
@@ -515,7 +515,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     |o, e| e.placement != Location::Host && !covers(&free, o, e.bytes),
                     Location::Host,
                     piece,
-                    st.heap.small_end,
+                    st.heap.zone_border(),
                 )
                 .iter()
                 .map(|g| g.bytes)

@@ -337,7 +337,7 @@ fn a_run_across_the_zones_border_sleeps_and_wakes_whole() {
         // mapped in the large zone.
         drop(a.alloc(3 << 20, &s).unwrap());
         let mut large = a.alloc(3 << 19, &s).unwrap();
-        let border = a.shared.state.lock().heap.small_end;
+        let border = a.shared.state.lock().heap.zone_border();
         assert_eq!(
             large.address() - a.base(),
             border as u64,
@@ -374,11 +374,7 @@ fn a_run_across_the_zones_border_sleeps_and_wakes_whole() {
         let again = a.alloc(3 << 19, &s).unwrap();
         assert_eq!(a.stats().reserved_bytes.current, reserved, "{mode}");
         assert!(again.address() - a.base() > border as u64);
-        let st = a.shared.state.lock();
-        for z in &st.heap.zones {
-            z.check().unwrap();
-        }
-        drop(st);
+        a.shared.state.lock().heap.check().unwrap();
         drop((small, large, extra, again));
     }
 }

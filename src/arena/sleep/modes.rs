@@ -27,7 +27,7 @@ impl<B: Backend> Shared<B> {
             backend.wait(&f.fence)?;
         }
         for f in fences {
-            st.heap.owed.cover_passed(f);
+            st.heap.cover_passed(f);
         }
         self.wait_live_uses(st)?;
         self.wait_pending_frees(st)?;
@@ -58,10 +58,7 @@ impl<B: Backend> Shared<B> {
     pub(super) fn rebuild_split(&self, st: &mut State<B>) {
         // What graphs hold free counts as allocated, as it does elsewhere.
         let held: Vec<(usize, usize)> = st.heap.graph_held().collect();
-        st.split = SplitCount::rebuild(
-            &st.region.table,
-            st.heap.live.iter().map(|(&o, l)| (o, l.size)).chain(held),
-        );
+        st.split = SplitCount::rebuild(&st.region.table, st.heap.live_ranges().chain(held));
     }
 
     /// A kept sleep: device chunks to host pieces, with the data.
@@ -76,7 +73,7 @@ impl<B: Backend> Shared<B> {
             |_, e| e.placement != Location::Host,
             Location::Host,
             piece,
-            st.heap.small_end,
+            st.heap.zone_border(),
         );
         r.chunks_before = count_in(&st.region.table, &groups);
         r.migration = self.mover().run_groups(&mut st.region, &groups)?;
@@ -131,7 +128,7 @@ impl<B: Backend> Shared<B> {
         let runs = st.region.table.runs();
         let parts: Vec<(usize, usize)> = runs
             .iter()
-            .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.heap.small_end))
+            .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.heap.zone_border()))
             .collect();
         self.stage_stash(st, &parts, r)?;
         let stash = st.stash.as_mut().expect("staged above");
@@ -472,9 +469,7 @@ impl<B: Backend> Shared<B> {
             }
             let _ = self.pool.give(e.placement, e.bytes, e.chunk);
         }
-        for z in &mut st.heap.zones {
-            z.remove_within(o..o + b);
-        }
+        st.heap.remove_free_within(o..o + b);
         Ok(unmapped)
     }
 
@@ -489,7 +484,7 @@ impl<B: Backend> Shared<B> {
         r: &mut SleepReport,
     ) -> Result<()> {
         for fences in &asleep.frees {
-            st.heap.owed.wait_set(&*self.backend, fences)?;
+            st.heap.wait_fences(&*self.backend, fences)?;
         }
         let total: usize = asleep.runs.iter().map(|r| r.1).sum();
         let Some(mut hold) = st.region.hold(total) else {
@@ -540,7 +535,7 @@ impl<B: Backend> Shared<B> {
                 // Piece by piece: each piece's copy back runs while the
                 // next one is created and mapped (a map hook is told of
                 // each chunk as it is mapped, as at any mapping).
-                for (po, pb) in pieces(o, b, asleep.piece, st.heap.small_end) {
+                for (po, pb) in pieces(o, b, asleep.piece, st.heap.zone_border()) {
                     let t = Instant::now();
                     let acquired = self.map_fresh(st, po, &[pb])?;
                     r.migration.acquire_time += acquired;
@@ -557,7 +552,7 @@ impl<B: Backend> Shared<B> {
                 }
                 continue;
             }
-            let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.heap.small_end)
+            let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.heap.zone_border())
                 .iter()
                 .map(|p| p.1)
                 .collect();
@@ -602,7 +597,7 @@ impl<B: Backend> Shared<B> {
             // has reached the device: the device is waited for, so that
             // every stream sees the data.
             let t = Instant::now();
-            st.heap.owed.synchronize(backend)?;
+            st.heap.synchronize(backend)?;
             r.migration.copy_time += t.elapsed();
         }
         Ok(())
@@ -628,7 +623,7 @@ impl<B: Backend> Shared<B> {
             let Some(hold) = st.region.hold(b) else {
                 break;
             };
-            let parts = pieces(o, b, usize::MAX, st.heap.small_end);
+            let parts = pieces(o, b, usize::MAX, st.heap.zone_border());
             let sizes: Vec<usize> = parts.iter().map(|p| p.1).collect();
             if let Err(e) = self.map_fresh(st, o, &sizes) {
                 tracing::debug!(offset = o, bytes = b, error = %e, "vmmbuf: free memory not restored");
@@ -667,8 +662,7 @@ impl<B: Backend> Shared<B> {
     /// for before the wake).
     fn free_runs(&self, st: &mut State<B>, asleep: &Asleep<Mark<B::Fence>>) {
         // Live allocations in address order (the map is not ordered).
-        let mut by_offset: Vec<(usize, usize)> =
-            st.heap.live.iter().map(|(&x, l)| (x, l.size)).collect();
+        let mut by_offset: Vec<(usize, usize)> = st.heap.live_ranges().collect();
         by_offset.sort_unstable();
         for &(o, b) in &asleep.runs {
             let mut at = o;

@@ -46,18 +46,18 @@ pub use crate::graph_id::GraphPoolId;
 
 /// One block graphs hold, freed by its user.
 #[derive(Debug)]
-pub(super) struct Held<F> {
-    pub(super) size: usize,
+pub(in crate::arena) struct Held<F> {
+    pub(in crate::arena) size: usize,
     /// The graphs that may replay over it: sorted, never empty.
-    pub(super) graphs: Vec<GraphPoolId>,
+    pub(in crate::arena) graphs: Vec<GraphPoolId>,
     /// The captured stream that may take it again within the capture: set
     /// for a block freed while its one stream was being captured (and no
     /// fence recorded) into the one graph that references it; `None` once
     /// anything else used it.
-    pub(super) reuse: Option<StreamKey>,
+    pub(in crate::arena) reuse: Option<StreamKey>,
     /// Fences of uses made outside the capture (a graph's output freed
     /// after the capture): passed on to the free index at the release.
-    pub(super) fences: FenceSet<F>,
+    pub(in crate::arena) fences: FenceSet<F>,
 }
 
 impl<F> Held<F> {
@@ -74,7 +74,7 @@ impl<F> Held<F> {
 
 /// The blocks graphs hold, and the graphs known: see the module's rule.
 #[derive(Debug)]
-pub(super) struct Graphs<F> {
+pub(in crate::arena) struct Graphs<F> {
     /// Held blocks by offset; each lists the graphs that reference it.
     held: BTreeMap<usize, Held<F>>,
     /// Every graph known (allocated for, or freed into, and not released):
@@ -94,22 +94,22 @@ impl<F> Default for Graphs<F> {
 impl<F> Graphs<F> {
     /// Whether no graph is known.
     #[cfg(test)]
-    pub(super) fn is_empty(&self) -> bool {
+    pub(in crate::arena) fn is_empty(&self) -> bool {
         self.live.is_empty()
     }
 
     /// Whether graph `g` is known (not released since it was last used).
-    pub(super) fn contains(&self, g: GraphPoolId) -> bool {
+    pub(in crate::arena) fn contains(&self, g: GraphPoolId) -> bool {
         self.live.contains_key(&g)
     }
 
     /// An allocation of `g`'s capture lives.
-    pub(super) fn note_live(&mut self, g: GraphPoolId) {
+    pub(in crate::arena) fn note_live(&mut self, g: GraphPoolId) {
         *self.live.entry(g).or_default() += 1;
     }
 
     /// An allocation of `g`'s capture was freed.
-    pub(super) fn note_freed(&mut self, g: GraphPoolId) {
+    pub(in crate::arena) fn note_freed(&mut self, g: GraphPoolId) {
         if let Some(n) = self.live.get_mut(&g) {
             *n -= 1;
         }
@@ -117,18 +117,18 @@ impl<F> Graphs<F> {
 
     /// Live allocations of `g`'s capture.
     #[cfg(test)]
-    pub(super) fn live_of(&self, g: GraphPoolId) -> usize {
+    pub(in crate::arena) fn live_of(&self, g: GraphPoolId) -> usize {
         self.live.get(&g).copied().unwrap_or(0)
     }
 
     /// Bytes held free for the graphs (each block once).
-    pub(super) fn held_bytes(&self) -> usize {
+    pub(in crate::arena) fn held_bytes(&self) -> usize {
         self.held.values().map(|h| h.size).sum()
     }
 
     /// The graphs known: each one's id, the bytes of the blocks it
     /// references and its live allocations.
-    pub(super) fn pools(&self) -> Vec<(GraphPoolId, usize, usize)> {
+    pub(in crate::arena) fn pools(&self) -> Vec<(GraphPoolId, usize, usize)> {
         self.live
             .iter()
             .map(|(&g, &live)| {
@@ -144,19 +144,24 @@ impl<F> Graphs<F> {
     }
 
     /// Every held block, `(offset, block)`.
-    pub(super) fn blocks(&self) -> impl Iterator<Item = (usize, &Held<F>)> + '_ {
+    pub(in crate::arena) fn blocks(&self) -> impl Iterator<Item = (usize, &Held<F>)> + '_ {
         self.held.iter().map(|(&o, h)| (o, h))
     }
 
     /// The ranges held, `(offset, bytes)`.
-    pub(super) fn ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+    pub(in crate::arena) fn ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         self.held.iter().map(|(&o, h)| (o, h.size))
     }
 
     /// The best-fitting block of at least `size` bytes that the capture of
     /// stream `key` into `g` may take again (only `g` references it); its
     /// remainder stays held.
-    pub(super) fn take(&mut self, g: GraphPoolId, size: usize, key: StreamKey) -> Option<usize> {
+    pub(in crate::arena) fn take(
+        &mut self,
+        g: GraphPoolId,
+        size: usize,
+        key: StreamKey,
+    ) -> Option<usize> {
         let (&o, _) = self
             .held
             .iter()
@@ -183,7 +188,7 @@ impl<F> Graphs<F> {
     /// block (blocks of one capture joined) leaves its remainder held; a
     /// fenced one comes whole. `None` if no block starts there or it is
     /// too small.
-    pub(super) fn retake(&mut self, offset: usize, size: usize) -> Option<Held<F>> {
+    pub(in crate::arena) fn retake(&mut self, offset: usize, size: usize) -> Option<Held<F>> {
         if self.held.get(&offset)?.size < size {
             return None;
         }
@@ -206,7 +211,12 @@ impl<F> Graphs<F> {
     /// Holds `h` at `offset` (its graphs become known), joined with
     /// touching blocks it [joins](Held::joins), within `zone` (the free
     /// index's zones never share a block).
-    pub(super) fn put(&mut self, mut offset: usize, mut h: Held<F>, zone: std::ops::Range<usize>) {
+    pub(in crate::arena) fn put(
+        &mut self,
+        mut offset: usize,
+        mut h: Held<F>,
+        zone: std::ops::Range<usize>,
+    ) {
         debug_assert!(!h.graphs.is_empty(), "a held block names its graphs");
         h.graphs.sort_unstable();
         h.graphs.dedup();
@@ -237,7 +247,7 @@ impl<F> Graphs<F> {
     /// Graph `g` is gone: its reference leaves every block; the blocks no
     /// other graph references are returned, `(offset, block)`, for the
     /// free index. `None` if `g` was not known.
-    pub(super) fn release(&mut self, g: GraphPoolId) -> Option<Vec<(usize, Held<F>)>> {
+    pub(in crate::arena) fn release(&mut self, g: GraphPoolId) -> Option<Vec<(usize, Held<F>)>> {
         self.live.remove(&g)?;
         let mut gone = Vec::new();
         let touched: Vec<usize> = self

@@ -27,7 +27,7 @@ use crate::error::Result;
 use crate::order::{FenceSet, NotYet, Stamped, StreamKey};
 
 /// Frees owed on one stream before the next call on it records a cover.
-pub(super) const BATCH: usize = 32;
+pub(in crate::arena) const BATCH: usize = 32;
 
 /// A free block of at least this many bytes that an owed free joined is
 /// covered at once (`Allocation`'s drop): all of it would otherwise wait for
@@ -35,7 +35,7 @@ pub(super) const BATCH: usize = 32;
 /// FSDP's trace, 16 MiB (with a cover also at every 16 MiB owed) recorded
 /// a fence for 2 frees in 5; 64 MiB alone, 1 in 5, with the same memory
 /// taken (`lag::two_streams_with_a_lagging_gpu_cost_little`).
-pub(super) const JOINED_BYTES: usize = 64 << 20;
+pub(in crate::arena) const JOINED_BYTES: usize = 64 << 20;
 
 /// Covers kept per stream: a newer one replaces the newest, which stands
 /// for nothing the newer one does not (recorded later on the same stream,
@@ -66,7 +66,7 @@ pub(crate) fn owed_at<F>(key: StreamKey, seq: u64) -> Stamped<Mark<F>> {
 
 /// Every stream's debts.
 #[derive(Debug)]
-pub(super) struct Owed<F> {
+pub(in crate::arena) struct Owed<F> {
     /// Consulted at every alloc and free of an arena that defers, so keyed
     /// with the quick hasher (with SipHash, hashing was 9% of the
     /// instructions of a replay of the FSDP trace).
@@ -107,14 +107,14 @@ impl<F> Default for Debt<F> {
 
 impl<F> Owed<F> {
     /// Counts a free owed on `key` (numbered by the caller).
-    pub(super) fn owe(&mut self, key: StreamKey) {
+    pub(in crate::arena) fn owe(&mut self, key: StreamKey) {
         self.streams.entry(key).or_default().uncovered += 1;
     }
 
     /// Counts a free owed on `key` that no batch should wait for: the next
     /// call on `key` covers it (a free whose fence could not be recorded,
     /// or made while the stream could take none).
-    pub(super) fn owe_wanted(&mut self, key: StreamKey) {
+    pub(in crate::arena) fn owe_wanted(&mut self, key: StreamKey) {
         let d = self.streams.entry(key).or_default();
         d.uncovered += 1;
         d.wanted = true;
@@ -122,7 +122,7 @@ impl<F> Owed<F> {
 
     /// Whether a call on `key` should record a cover now.
     #[inline]
-    pub(super) fn needs_cover(&self, key: StreamKey) -> bool {
+    pub(in crate::arena) fn needs_cover(&self, key: StreamKey) -> bool {
         // Most arenas never owe a free: no lookup then.
         !self.streams.is_empty()
             && self
@@ -134,19 +134,19 @@ impl<F> Owed<F> {
     /// Whether a wait for the free numbered `seq` on `key` needs no device
     /// synchronisation: it has passed, or a cover numbered above it was
     /// recorded (a wait on that one event suffices).
-    pub(super) fn covered(&self, key: StreamKey, seq: u64) -> bool {
+    pub(in crate::arena) fn covered(&self, key: StreamKey, seq: u64) -> bool {
         self.streams
             .get(&key)
             .is_some_and(|d| d.passed_below > seq || d.covers.back().is_some_and(|c| c.seq > seq))
     }
 
     /// Whether `key` owes any free no cover stands for yet.
-    pub(super) fn needs_any_cover(&self, key: StreamKey) -> bool {
+    pub(in crate::arena) fn needs_any_cover(&self, key: StreamKey) -> bool {
         self.streams.get(&key).is_some_and(|d| d.uncovered > 0)
     }
 
     /// Keeps `cover`, recorded on its stream after the frees owed there.
-    pub(super) fn cover(&mut self, cover: Stamped<F>) {
+    pub(in crate::arena) fn cover(&mut self, cover: Stamped<F>) {
         let d = self.streams.entry(cover.key).or_default();
         d.uncovered = 0;
         d.wanted = false;
@@ -158,7 +158,7 @@ impl<F> Owed<F> {
 
     /// `cover`, recorded on its stream after the frees owed there, has
     /// been waited for: they have passed.
-    pub(super) fn cover_passed(&mut self, cover: Stamped<F>) {
+    pub(in crate::arena) fn cover_passed(&mut self, cover: Stamped<F>) {
         let d = self.streams.entry(cover.key).or_default();
         d.uncovered = 0;
         d.wanted = false;
@@ -168,7 +168,7 @@ impl<F> Owed<F> {
 
     /// A stream other than `key` found no block: every stream with frees
     /// owed covers them at its next call.
-    pub(super) fn want_all_but(&mut self, key: StreamKey) {
+    pub(in crate::arena) fn want_all_but(&mut self, key: StreamKey) {
         for (k, d) in &mut self.streams {
             if *k != key && d.uncovered > 0 {
                 d.wanted = true;
@@ -181,7 +181,7 @@ impl<F> Owed<F> {
     /// (an older one stands for nothing here; a younger one passes after
     /// it), and not if `not_yet` knows it has not passed. Once it has, so
     /// have the covers before it (one stream, in order): they go.
-    pub(super) fn done_in<B: Fences<Fence = F>>(
+    pub(in crate::arena) fn done_in<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         key: StreamKey,
@@ -209,7 +209,7 @@ impl<F> Owed<F> {
     /// Waits until the free numbered `seq` on `key` has passed: on the
     /// first cover numbered above it, or, if none was recorded yet, on the
     /// whole device.
-    pub(super) fn wait<B: Fences<Fence = F>>(
+    pub(in crate::arena) fn wait<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         key: StreamKey,
@@ -229,7 +229,7 @@ impl<F> Owed<F> {
     }
 
     /// Whether some stream owes frees no cover stands for yet.
-    pub(super) fn any_uncovered(&self) -> bool {
+    pub(in crate::arena) fn any_uncovered(&self) -> bool {
         self.streams.values().any(|d| d.uncovered > 0)
     }
 
@@ -238,7 +238,10 @@ impl<F> Owed<F> {
     /// under way ([`Error::CaptureUnderway`](crate::Error::CaptureUnderway)):
     /// CUDA would refuse the synchronisation and invalidate the capture.
     /// This is the arena's one device synchronisation.
-    pub(super) fn synchronize<B: Fences<Fence = F>>(&mut self, backend: &B) -> Result<()> {
+    pub(in crate::arena) fn synchronize<B: Fences<Fence = F>>(
+        &mut self,
+        backend: &B,
+    ) -> Result<()> {
         if backend.capture_underway() {
             return Err(crate::Error::CaptureUnderway {
                 what: "waiting for the frees whose fence is not recorded yet",
@@ -264,7 +267,7 @@ impl<F> Owed<F> {
 
     /// Whether one mark has passed, within a pass over many (`not_yet`:
     /// what the pass has seen not passed, which is not asked again).
-    pub(super) fn stamp_done<B: Fences<Fence = F>>(
+    pub(in crate::arena) fn stamp_done<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         x: &Stamped<Mark<F>>,
@@ -277,7 +280,7 @@ impl<F> Owed<F> {
     }
 
     /// Waits for every mark of `set`.
-    pub(super) fn wait_set<B: Fences<Fence = F>>(
+    pub(in crate::arena) fn wait_set<B: Fences<Fence = F>>(
         &mut self,
         backend: &B,
         set: &FenceSet<Mark<F>>,
@@ -295,7 +298,7 @@ impl<F> Owed<F> {
 /// What the frees owed ask of a backend, and nothing more: whether a fence
 /// has passed, a wait for one, whether a CUDA graph capture may be under
 /// way, and a device synchronisation. Every [`Backend`] is one.
-pub(super) trait Fences {
+pub(in crate::arena) trait Fences {
     /// The backend's fence.
     type Fence;
     /// Whether `fence` has passed (an error counts as not yet).
