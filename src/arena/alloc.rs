@@ -96,7 +96,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let key = stream.key();
         let mut st = self.shared.state.lock();
         st.region.check_poison()?;
-        if st.asleep.is_some() {
+        if st.sleep.is_asleep() {
             return Err(Error::invalid(format!(
                 "retake of {address:#x}: the arena is asleep (wake it first)"
             )));

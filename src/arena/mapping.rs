@@ -166,11 +166,10 @@ impl<B: Backend> Shared<B> {
         let reserved = st.region.table.reserved();
         let zone = st.heap.zone_range(z, reserved);
         self.reap_ghosts(st, false)?;
-        let mut regions = st.region.without_ghosts(st.region.table.gaps(zone));
         // Discarded ranges stay unmapped until the wake.
-        if let Some(a) = &st.asleep {
-            regions = a.exclude(regions);
-        }
+        let regions = st
+            .sleep
+            .exclude(st.region.without_ghosts(st.region.table.gaps(zone)));
         let mut fits = regions.into_iter().filter_map(|h| {
             let before = st
                 .heap
@@ -501,10 +500,7 @@ impl<B: Backend> Shared<B> {
         let split = st.split.inactive_split();
         let s = &mut st.stats;
         s.graph_bytes = st.heap.held_bytes();
-        s.discarded_bytes = st.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
-        s.stash_bytes = st.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
-        s.pageable_bytes = st.asleep.as_ref().map_or(0, |a| a.pageable_bytes())
-            + super::sleep::pages_bytes(&st.kept_pages);
+        (s.discarded_bytes, s.stash_bytes, s.pageable_bytes) = st.sleep.held_bytes();
         s.fragmentation = if mapped == 0 {
             0.0
         } else {
@@ -558,11 +554,9 @@ impl<B: Backend> Drop for Shared<B> {
             let _ = pool.give(placement, bytes, chunk);
         });
         // The stash: its copies were waited for when they were made.
-        if let Some(stash) = st.stash.as_mut() {
-            stash.close(true, |chunk, bytes, placement| {
-                let _ = pool.give(placement, bytes, chunk);
-            });
-        }
+        st.sleep.close(|chunk, bytes, placement| {
+            let _ = pool.give(placement, bytes, chunk);
+        });
     }
 }
 

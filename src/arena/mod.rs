@@ -38,7 +38,7 @@ use crate::region::Region;
 use blocks::{Free, StreamKey};
 use heap::Heap;
 use owed::Mark;
-use sleep::Asleep;
+use sleep::SleepState;
 
 /// A queue of work an allocation belongs to: for CUDA an `Arc<CudaStream>`;
 /// for the host backend a [`HostStream`].
@@ -100,7 +100,7 @@ impl<B: Backend> State<B> {
         fences: crate::order::FenceSet<Mark<B::Fence>>,
     ) {
         self.note_free(offset, size);
-        let awake = self.asleep.as_ref().map(|a| a.awake_parts(offset, size));
+        let awake = self.sleep.awake_parts(offset, size);
         if awake
             .as_ref()
             .is_none_or(|a| a.len() == 1 && a[0] == (offset..offset + size))
@@ -118,12 +118,11 @@ impl<B: Backend> State<B> {
             return;
         }
         let awake = awake.expect("asleep");
-        let asleep = self.asleep.as_mut().expect("a discarded part");
         let mut fences = Some(fences);
         if awake.is_empty() {
-            asleep.note_free(offset, size, fences.take());
+            self.sleep.note_free(offset, size, fences.take());
         } else {
-            asleep.note_free(offset, size, Some(Default::default()));
+            self.sleep.note_free(offset, size, Some(Default::default()));
         }
         for (i, r) in awake.iter().enumerate() {
             let f = if i + 1 == awake.len() {
@@ -168,19 +167,9 @@ struct State<B: Backend> {
     /// [`ArenaDesc::peer_access`] or after [`Arena::grant_peer_access`],
     /// the peers.
     access: Vec<AccessDesc>,
-    /// Set while the arena sleeps.
-    asleep: Option<Asleep<Mark<B::Fence>>>,
-    /// Where [`SleepMode::Stash`] keeps the data: host pieces mapped at the
-    /// arena's own offsets in a reservation of their own, kept from one
-    /// sleep to the next.
-    stash: Option<Region<B>>,
-    /// A pageable sleep's copies kept past its wake
-    /// ([`WakeDesc::keep_backup`]), `(offset, buffer)` in address order:
-    /// readable until the next sleep, which writes into them again.
-    kept_pages: Vec<(usize, crate::backend::pages::PageableBuf)>,
-    /// Whether the last wake kept the host copy (the stash or
-    /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
-    backup_kept: bool,
+    /// What the sleep keeps: what is asleep, the stash, the backups kept
+    /// past a wake (see [`sleep`]).
+    sleep: SleepState<B>,
 }
 
 struct Shared<B: Backend> {
@@ -375,10 +364,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                     stats: ArenaStats::default(),
                     placement,
                     access,
-                    asleep: None,
-                    stash: None,
-                    kept_pages: Vec::new(),
-                    backup_kept: false,
+                    sleep: SleepState::default(),
                 }),
                 trace: Mutex::new(None),
                 tracing: std::sync::atomic::AtomicBool::new(false),

@@ -49,7 +49,7 @@ impl<B: Backend> Shared<B> {
         need: usize,
         key: StreamKey,
     ) -> Result<usize> {
-        if need == 0 || st.asleep.is_some() || st.region.has_hook() {
+        if need == 0 || st.sleep.is_asleep() || st.region.has_hook() {
             return Ok(0);
         }
         let placement = st.placement;

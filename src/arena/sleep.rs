@@ -141,6 +141,103 @@ impl<F> Asleep<F> {
     }
 }
 
+/// What the arena's sleep keeps, owned here: the rest of the arena asks
+/// through its verbs (is it asleep, which free bytes are awake, what it
+/// holds where).
+pub(super) struct SleepState<B: Backend> {
+    /// Set while the arena sleeps.
+    asleep: Option<Asleep<Mark<B::Fence>>>,
+    /// Where [`SleepMode::Stash`] keeps the data: host pieces mapped at the
+    /// arena's own offsets in a reservation of their own, kept from one
+    /// sleep to the next.
+    stash: Option<crate::region::Region<B>>,
+    /// A pageable sleep's copies kept past its wake
+    /// ([`WakeDesc::keep_backup`]), `(offset, buffer)` in address order:
+    /// readable until the next sleep, which writes into them again.
+    kept_pages: Vec<(usize, crate::backend::pages::PageableBuf)>,
+    /// Whether the last wake kept the host copy (the stash or
+    /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
+    backup_kept: bool,
+}
+
+impl<B: Backend> Default for SleepState<B> {
+    fn default() -> Self {
+        Self {
+            asleep: None,
+            stash: None,
+            kept_pages: Vec::new(),
+            backup_kept: false,
+        }
+    }
+}
+
+impl<B: Backend> SleepState<B> {
+    /// Whether the arena sleeps.
+    pub(super) fn is_asleep(&self) -> bool {
+        self.asleep.is_some()
+    }
+
+    /// The unmapped `regions` where growth may map: a discarded range stays
+    /// unmapped until the wake.
+    pub(super) fn exclude(
+        &self,
+        regions: Vec<std::ops::Range<usize>>,
+    ) -> Vec<std::ops::Range<usize>> {
+        match &self.asleep {
+            Some(a) => a.exclude(regions),
+            None => regions,
+        }
+    }
+
+    /// While asleep, the parts of a freed block `[offset, offset + size)`
+    /// that are mapped (the rest was given back by the sleep); `None`
+    /// awake.
+    pub(super) fn awake_parts(
+        &self,
+        offset: usize,
+        size: usize,
+    ) -> Option<Vec<std::ops::Range<usize>>> {
+        self.asleep.as_ref().map(|a| a.awake_parts(offset, size))
+    }
+
+    /// A free made while asleep, of a block whose memory the sleep gave
+    /// back (in part): its fences, waited for before the wake.
+    pub(super) fn note_free(
+        &mut self,
+        offset: usize,
+        size: usize,
+        fences: Option<FenceSet<Mark<B::Fence>>>,
+    ) {
+        if let Some(a) = self.asleep.as_mut() {
+            a.note_free(offset, size, fences);
+        }
+    }
+
+    /// `(discarded, stash, pageable)` bytes: given back while asleep, in
+    /// the stash's pinned pieces, and in pageable copies.
+    pub(super) fn held_bytes(&self) -> (usize, usize, usize) {
+        let discarded = self.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
+        let stash = self.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
+        let pageable =
+            self.asleep.as_ref().map_or(0, |a| a.pageable_bytes()) + pages_bytes(&self.kept_pages);
+        (discarded, stash, pageable)
+    }
+
+    /// The stash's pieces go to `give` (the arena's drop: their copies were
+    /// waited for when they were made).
+    pub(super) fn close(&mut self, give: impl FnMut(B::Chunk, usize, Location)) {
+        if let Some(stash) = self.stash.as_mut() {
+            stash.close(true, give);
+        }
+    }
+
+    /// The stash's chunk count (tests).
+    #[cfg(all(test, target_os = "linux"))]
+    pub(super) fn stash_pieces(&self) -> usize {
+        self.stash.as_ref().map_or(0, |x| x.table.chunk_count())
+    }
+}
+
 /// Groups the table's chunks that `select` picks into pieces of at most
 /// `max_piece` bytes (a bigger chunk is a group of its own): adjacent
 /// chunks of one placement, access and CPU grant, never across `split_at`
@@ -233,7 +330,8 @@ fn stash_parts<B: Backend>(st: &State<B>, piece: usize) -> Vec<(usize, usize)> {
 
 /// Whether the stash holds a piece of exactly `n` bytes at `o`.
 fn stash_holds<B: Backend>(st: &State<B>, o: usize, n: usize) -> bool {
-    st.stash
+    st.sleep
+        .stash
         .as_ref()
         .is_some_and(|x| x.table.get(o).is_some_and(|e| e.bytes == n))
 }
@@ -267,7 +365,7 @@ fn pieces(offset: usize, bytes: usize, max_piece: usize, split_at: usize) -> Vec
 }
 
 /// Bytes of a pageable or disk sleep's copies, `(offset, buffer)`.
-pub(super) fn pages_bytes(pages: &[(usize, crate::backend::pages::PageableBuf)]) -> usize {
+fn pages_bytes(pages: &[(usize, crate::backend::pages::PageableBuf)]) -> usize {
     pages.iter().map(|p| p.1.len()).sum()
 }
 
@@ -330,7 +428,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut guard = sh.state.lock();
         let st = &mut *guard;
         st.region.check_poison()?;
-        if let Some(a) = &st.asleep {
+        if let Some(a) = &st.sleep.asleep {
             if a.mode != desc.mode {
                 return Err(Error::invalid(format!(
                     "the arena sleeps in {} mode: wake it before a {} sleep",
@@ -349,14 +447,15 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         // A backup kept past the last wake is not readable once a sleep has
         // begun: the sleep copies into it afresh (a pageable one reuses its
         // buffers).
-        st.backup_kept = false;
+        st.sleep.backup_kept = false;
         r.wait_time = t.elapsed();
         let _span = tracing::debug_span!("vmmbuf.arena.sleep", mode = %desc.mode).entered();
         match desc.mode {
             SleepMode::Keep => {
                 sh.sleep_keep(st, piece, &mut r)?;
                 r.device_bytes = device_before;
-                st.asleep
+                st.sleep
+                    .asleep
                     .get_or_insert_with(|| Asleep::new(SleepMode::Keep, piece));
             }
             SleepMode::Discard | SleepMode::Stash | SleepMode::Pageable | SleepMode::Disk => {
@@ -368,7 +467,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 r.device_bytes = device_before;
             }
         }
-        if let Some(a) = st.asleep.as_mut() {
+        if let Some(a) = st.sleep.asleep.as_mut() {
             a.freed.extend(freed);
         }
         sh.rebuild_split(st);
@@ -410,7 +509,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let mut guard = sh.state.lock();
         let st = &mut *guard;
         st.region.check_poison()?;
-        let Some(asleep) = st.asleep.take() else {
+        let Some(asleep) = st.sleep.asleep.take() else {
             return Ok(SleepReport::default());
         };
         let mut r = SleepReport {
@@ -421,7 +520,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let waited = sh.quiesce(st, streams);
         r.wait_time = t.elapsed();
         if let Err(e) = waited {
-            st.asleep = Some(asleep);
+            st.sleep.asleep = Some(asleep);
             return Err(e);
         }
         let _span = tracing::debug_span!("vmmbuf.arena.wake", mode = %asleep.mode).entered();
@@ -457,7 +556,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             }
         };
         if let Err(e) = res {
-            st.asleep = Some(asleep);
+            st.sleep.asleep = Some(asleep);
             sh.count(st);
             return Err(e);
         }
@@ -535,7 +634,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 let mut st = sh.state.lock();
                 st.region.check_poison()?;
                 // Asleep, or a kept backup to leave as it is.
-                if st.asleep.is_some() || st.backup_kept {
+                if st.sleep.asleep.is_some() || st.sleep.backup_kept {
                     break;
                 }
                 let mut bytes = 0;
@@ -580,6 +679,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn release_stash(&self) -> Result<usize> {
         let mut st = self.shared.state.lock();
         if st
+            .sleep
             .asleep
             .as_ref()
             .is_some_and(|a| a.mode == SleepMode::Stash)
@@ -589,8 +689,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             ));
         }
         // A pageable copy kept past a wake goes back to the system too.
-        let kept = pages_bytes(&std::mem::take(&mut st.kept_pages));
-        st.backup_kept = false;
+        let kept = pages_bytes(&std::mem::take(&mut st.sleep.kept_pages));
+        st.sleep.backup_kept = false;
         let n = kept + self.shared.drop_stash(&mut st)?;
         self.shared.count(&mut st);
         Ok(n)
@@ -615,7 +715,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
 
     /// How the arena sleeps now; `None` while awake.
     pub fn sleep_mode(&self) -> Option<SleepMode> {
-        self.shared.state.lock().asleep.as_ref().map(|a| a.mode)
+        self.shared
+            .state
+            .lock()
+            .sleep
+            .asleep
+            .as_ref()
+            .map(|a| a.mode)
     }
 
     /// [`sleep`](Self::sleep) keeping the data, with the default pieces:

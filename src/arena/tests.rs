@@ -521,7 +521,7 @@ fn a_prepared_stash_is_staged_in_batches_and_the_sleep_maps_nothing() {
     assert_eq!(a.pool().stats().pooled_host_bytes, 0);
     let stash_pieces = || {
         let st = a.shared.state.lock();
-        st.stash.as_ref().map_or(0, |x| x.table.chunk_count())
+        st.sleep.stash_pieces()
     };
     let pieces = stash_pieces();
     let hits = a.pool().stats().hits;

@@ -106,13 +106,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
 
 /// The backup readable now: a sleep's, or one a wake kept.
 fn source<B: Backend>(st: &mut State<B>) -> Option<Source<'_, B>> {
-    let State {
+    let SleepState {
         asleep,
         stash,
         kept_pages,
         backup_kept,
-        ..
-    } = st;
+    } = &mut st.sleep;
     match asleep.as_ref().map(|a| a.mode) {
         Some(m) if m.pages() => asleep.as_ref().map(|a| Source::Pages(&a.paged)),
         Some(SleepMode::Stash) => stash.as_mut().map(Source::Stash),

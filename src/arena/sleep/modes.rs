@@ -93,7 +93,11 @@ impl<B: Backend> Shared<B> {
         piece: usize,
         r: &mut SleepReport,
     ) -> Result<()> {
-        let mut asleep = st.asleep.take().unwrap_or_else(|| Asleep::new(mode, piece));
+        let mut asleep = st
+            .sleep
+            .asleep
+            .take()
+            .unwrap_or_else(|| Asleep::new(mode, piece));
         r.chunks_before = st.region.table.chunk_count();
         let had = asleep.runs.len();
         let t = Instant::now();
@@ -107,7 +111,7 @@ impl<B: Backend> Shared<B> {
         }
         r.bytes = asleep.runs.iter().map(|x| x.1).sum();
         if res.is_ok() || !asleep.runs.is_empty() || had > 0 {
-            st.asleep = Some(asleep);
+            st.sleep.asleep = Some(asleep);
         }
         res.map(|_| ())
     }
@@ -131,7 +135,7 @@ impl<B: Backend> Shared<B> {
             .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.heap.zone_border()))
             .collect();
         self.stage_stash(st, &parts, r)?;
-        let stash = st.stash.as_mut().expect("staged above");
+        let stash = st.sleep.stash.as_mut().expect("staged above");
         // One copy per piece (all device memory on one side, all host
         // memory on the other), each followed by a fence.
         let t = Instant::now();
@@ -221,15 +225,15 @@ impl<B: Backend> Shared<B> {
         parts: &[(usize, usize)],
         r: &mut SleepReport,
     ) -> Result<()> {
-        if st.stash.is_none() {
-            st.stash = Some(crate::region::Region::reserve(
+        if st.sleep.stash.is_none() {
+            st.sleep.stash = Some(crate::region::Region::reserve(
                 &self.backend,
                 st.region.table.reserved(),
                 self.granularity,
                 self.granularity,
             )?);
         }
-        let stash = st.stash.as_mut().expect("made above");
+        let stash = st.sleep.stash.as_mut().expect("made above");
         self.fit_stash(stash, parts, r)
     }
 
@@ -367,7 +371,7 @@ impl<B: Backend> Shared<B> {
         let t = Instant::now();
         // The buffers a wake kept (WakeDesc::keep_backup) serve again where
         // a part is the same, at the same host address.
-        let mut spare = std::mem::take(&mut st.kept_pages);
+        let mut spare = std::mem::take(&mut st.sleep.kept_pages);
         let mut copies = Vec::with_capacity(parts.len());
         for &(o, b) in &parts {
             let mut buf = match spare.iter().position(|x| x.0 == o && x.1.len() == b) {
@@ -413,11 +417,15 @@ impl<B: Backend> Shared<B> {
         asleep: Asleep<Mark<B::Fence>>,
     ) {
         let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
-        st.backup_kept = keep;
+        st.sleep.backup_kept = keep;
         if keep && asleep.mode.pages() {
-            st.kept_pages = asleep.paged;
+            st.sleep.kept_pages = asleep.paged;
         }
-        let stash_bytes = st.stash.as_ref().map_or(0, |s| s.table.mapped_bytes());
+        let stash_bytes = st
+            .sleep
+            .stash
+            .as_ref()
+            .map_or(0, |s| s.table.mapped_bytes());
         if stash_bytes > self.pool.desc().max_host_bytes && !keep {
             let _ = self.drop_stash(st);
         }
@@ -426,7 +434,7 @@ impl<B: Backend> Shared<B> {
     /// Gives the stash's pieces to the pool (the caller has made sure the
     /// arena does not sleep stashed).
     pub(super) fn drop_stash(&self, st: &mut State<B>) -> Result<usize> {
-        let Some(stash) = st.stash.as_mut() else {
+        let Some(stash) = st.sleep.stash.as_mut() else {
             return Ok(0);
         };
         let mut gone = 0;
@@ -543,7 +551,7 @@ impl<B: Backend> Shared<B> {
                     hold.keep_part(pb);
                     mapped.push((po, pb));
                     r.chunks_after += 1;
-                    let stash = st.stash.as_ref().ok_or_else(|| {
+                    let stash = st.sleep.stash.as_ref().ok_or_else(|| {
                         Error::invalid("a stashed arena without its stash (a bug)")
                     })?;
                     let t = Instant::now();
