@@ -14,9 +14,21 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::hook::{MapHook, MappedRange};
-use crate::location::{AccessDesc, Location};
+use crate::location::{AccessDesc, Grants, Location};
 use crate::pool::{Budget, BudgetHold};
 use crate::table::{ChunkTable, Entry};
+
+/// A failed mapping's error, and the chunks that came back unmapped (none
+/// if the undo failed too and they were quarantined).
+pub(crate) type Failed<C> = (Error, Vec<NewChunk<C>>);
+
+/// A chunk a swap unmapped: its offset and table entry.
+#[cfg(unix)]
+pub(crate) type Removed<C> = (usize, Entry<C>);
+
+/// A chunk to map a second time ([`Region::move_chunks`]): `(from, to,
+/// the mark its old address waits for before it is unmapped)`.
+pub(crate) type Move = (usize, usize, Option<(crate::StreamKey, u64)>);
 
 /// A chunk about to be mapped: the chunk, its bytes and where it lives.
 pub(crate) struct NewChunk<C> {
@@ -297,22 +309,47 @@ impl<B: Backend> Region<B> {
         self.poisoned.get_or_insert(what);
     }
 
+    /// Widens every mapped chunk's access with the entries of `extra` it
+    /// lacks (a peer device, say), one driver call per chunk, as PyTorch's
+    /// `ExpandableSegment::addPeer` does for its mapped handles; later
+    /// mappings are the caller's to widen. Work queued on the chunks is
+    /// not waited for: access only grows. Returns how many chunks it
+    /// granted. On an error the chunks before it keep the new access, and
+    /// a second call grants the rest.
+    pub(crate) fn grant(&mut self, extra: &[AccessDesc]) -> Result<usize> {
+        self.check_poison()?;
+        let lacking: Vec<_> = self
+            .table
+            .iter()
+            .filter_map(|(o, e)| {
+                let list = crate::location::with_entries(&e.access, extra);
+                (list.len() > e.access.len()).then_some((o, e.bytes, e.placement, e.cpu, list))
+            })
+            .collect();
+        let granted = lacking.len();
+        let backend = self.backend.clone();
+        let (res, table) = self.parts();
+        for (o, bytes, placement, cpu, list) in lacking {
+            let driver = crate::location::driver_access_for(&list, placement, cpu);
+            backend.set_access(res, o, bytes, &driver)?;
+            table.record_access(o, list.into(), cpu);
+        }
+        Ok(granted)
+    }
+
     /// Maps `chunks` in order from `at`, grants each run of one placement
-    /// the driver list `driver(placement)`, and records them in the table
-    /// with `recorded(placement)` as their access and `cpu(placement)` as
-    /// whether the host's entry went to the driver. All or nothing: on an
+    /// the driver's list of `grants`, and records them in the table with
+    /// what `grants` records as their access and whether the host's entry
+    /// went to the driver. All or nothing: on an
     /// error the chunks come back unmapped, for the caller to pool or
     /// release; if the undo fails too the region is poisoned, the chunks are
     /// quarantined and none come back.
-    #[allow(clippy::type_complexity)]
     pub(crate) fn map_batch(
         &mut self,
         at: usize,
         chunks: Vec<NewChunk<B::Chunk>>,
-        driver: impl Fn(Location) -> Vec<AccessDesc>,
-        recorded: impl Fn(Location) -> Arc<[AccessDesc]>,
-        cpu: impl Fn(Location) -> bool,
-    ) -> std::result::Result<(), (Error, Vec<NewChunk<B::Chunk>>)> {
+        grants: &Grants,
+    ) -> std::result::Result<(), Failed<B::Chunk>> {
         let backend = self.backend.clone();
         let res = self
             .res
@@ -328,7 +365,7 @@ impl<B: Backend> Region<B> {
             let mut run_at = at;
             for run in chunks.chunk_by(|a, b| a.placement == b.placement) {
                 let run_bytes: usize = run.iter().map(|c| c.bytes).sum();
-                backend.set_access(res, run_at, run_bytes, &driver(run[0].placement))?;
+                backend.set_access(res, run_at, run_bytes, &grants.driver(run[0].placement))?;
                 run_at += run_bytes;
             }
             Ok(())
@@ -350,8 +387,8 @@ impl<B: Backend> Region<B> {
         let mut o = at;
         for c in chunks {
             let mut entry = Entry::new(c.chunk, c.bytes, c.placement);
-            entry.access = recorded(c.placement);
-            entry.cpu = cpu(c.placement);
+            entry.access = grants.recorded(c.placement);
+            entry.cpu = grants.cpu();
             self.table
                 .insert(o, entry)
                 .expect("mapped where the table had a hole");
@@ -363,39 +400,35 @@ impl<B: Backend> Region<B> {
     }
 
     /// Unmaps the chunks at the offsets `gone` (the caller has waited for
-    /// their uses) and maps `fresh` (offset, chunk) each with the driver list
-    /// `driver(placement)`, recording `recorded(placement)` as its access.
+    /// their uses) and maps `fresh` (offset, chunk) each with the driver's
+    /// list of `grants`, recording what `grants` records as its access.
     /// All or nothing: on an error what was unmapped is mapped back with its
     /// access and what was mapped is unmapped, and the fresh chunks come back
     /// to the caller; if that undo fails the region is poisoned and the fresh
     /// chunks are quarantined (none come back). On success, returns the
     /// entries that went. The table's length is the caller's.
-    #[allow(clippy::type_complexity)]
     #[cfg(unix)]
     pub(crate) fn swap(
         &mut self,
         gone: &[usize],
         fresh: Vec<(usize, NewChunk<B::Chunk>)>,
-        driver: impl Fn(Location) -> Vec<AccessDesc>,
-        recorded: impl Fn(Location) -> Arc<[AccessDesc]>,
-    ) -> std::result::Result<Vec<(usize, Entry<B::Chunk>)>, (Error, Vec<NewChunk<B::Chunk>>)> {
+        grants: &Grants,
+    ) -> std::result::Result<Vec<Removed<B::Chunk>>, Failed<B::Chunk>> {
         let mut touched: Vec<(usize, usize)> = gone
             .iter()
             .filter_map(|&o| self.table.get(o).map(|e| (o, e.bytes)))
             .collect();
         touched.extend(fresh.iter().map(|(o, c)| (*o, c.bytes)));
-        self.with_spans_cut(&touched, |r| r.swap_unhooked(gone, fresh, driver, recorded))
+        self.with_spans_cut(&touched, |r| r.swap_unhooked(gone, fresh, grants))
     }
 
-    #[allow(clippy::type_complexity)]
     #[cfg(unix)]
     fn swap_unhooked(
         &mut self,
         gone: &[usize],
         fresh: Vec<(usize, NewChunk<B::Chunk>)>,
-        driver: impl Fn(Location) -> Vec<AccessDesc>,
-        recorded: impl Fn(Location) -> Arc<[AccessDesc]>,
-    ) -> std::result::Result<Vec<(usize, Entry<B::Chunk>)>, (Error, Vec<NewChunk<B::Chunk>>)> {
+        grants: &Grants,
+    ) -> std::result::Result<Vec<Removed<B::Chunk>>, Failed<B::Chunk>> {
         let backend = self.backend.clone();
         let res = self
             .res
@@ -413,7 +446,7 @@ impl<B: Backend> Region<B> {
             for (o, c) in &fresh {
                 backend.map(res, *o, &c.chunk)?;
                 mapped.push((*o, c.bytes));
-                backend.set_access(res, *o, c.bytes, &driver(c.placement))?;
+                backend.set_access(res, *o, c.bytes, &grants.driver(c.placement))?;
             }
             Ok::<(), Error>(())
         })();
@@ -444,7 +477,7 @@ impl<B: Backend> Region<B> {
         }
         for (o, c) in fresh {
             let mut entry = Entry::new(c.chunk, c.bytes, c.placement);
-            entry.access = recorded(c.placement);
+            entry.access = grants.recorded(c.placement);
             table
                 .insert(o, entry)
                 .expect("mapped where the table had a hole");
@@ -467,11 +500,7 @@ impl<B: Backend> Region<B> {
     ///
     /// Returns how many of `moves`, from the first, moved, and the error
     /// that stopped the others, which are as they were.
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn move_chunks(
-        &mut self,
-        moves: &[(usize, usize, Option<(crate::StreamKey, u64)>)],
-    ) -> (usize, Option<Error>) {
+    pub(crate) fn move_chunks(&mut self, moves: &[Move]) -> (usize, Option<Error>) {
         if let Err(e) = self.check_poison() {
             return (0, Some(e));
         }

@@ -12,7 +12,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::location::{Access, AccessDesc, Location};
+use crate::location::{driver_access_for, Access, AccessDesc, Location};
 use crate::report::ChunkInfo;
 
 /// One mapped chunk.
@@ -64,32 +64,6 @@ impl<C> Entry<C> {
     pub(crate) fn driver_access(&self) -> Vec<AccessDesc> {
         driver_access_for(&self.access, self.placement, self.cpu)
     }
-}
-
-/// Whether a chunk mapped at `placement`, on a backend whose home is `home`,
-/// gets the host's access entry at once (`Entry::cpu`): not for host memory
-/// beside a GPU, where the entry costs ~40 ms per GiB and only the CPU needs
-/// it (a CPU view or a synchronous copy grants it then).
-pub(crate) fn cpu_at_once(home: Location, placement: Location) -> bool {
-    placement != Location::Host || home == Location::Host
-}
-
-/// `list` as the driver takes it for a chunk placed at `placement`.
-pub(crate) fn driver_access(list: &[AccessDesc], placement: Location) -> Vec<AccessDesc> {
-    driver_access_for(list, placement, true)
-}
-
-/// `list` as the driver takes it for a chunk placed at `placement`, with the
-/// host's entry only if `cpu` (and the chunk is in host memory).
-pub(crate) fn driver_access_for(
-    list: &[AccessDesc],
-    placement: Location,
-    cpu: bool,
-) -> Vec<AccessDesc> {
-    list.iter()
-        .filter(|d| d.location != Location::Host || (placement == Location::Host && cpu))
-        .copied()
-        .collect()
 }
 
 /// Derived figures of a table, as plain data.
@@ -587,7 +561,7 @@ impl<C> ChunkTable<C> {
                 placement: e.placement,
                 // What the chunk grants: a host-placed chunk's CPU entry is
                 // given to the driver on the first CPU view, not before.
-                access: driver_access(&e.access, e.placement)
+                access: crate::location::driver_access(&e.access, e.placement)
                     .iter()
                     .map(|d| (d.location, d.access))
                     .collect(),

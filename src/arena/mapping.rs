@@ -10,10 +10,10 @@ use super::{ArenaStream, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
+use crate::location::{cpu_at_once, Grants};
 use crate::plan::round_up;
 use crate::pool::ChunkSource;
 use crate::region::NewChunk;
-use crate::table::{cpu_at_once, driver_access_for};
 
 /// See `map_at`: how far past its peak allocated an arena with a map hook
 /// maps before it gives whole free chunks back to map a new one.
@@ -311,8 +311,7 @@ impl<B: Backend> Shared<B> {
         let wants: Vec<(Location, usize)> = sizes.iter().map(|&n| (placement, n)).collect();
         let chunks = self.pool.take_many(false, &wants)?;
         let acquired = t.elapsed();
-        let cpu = cpu_at_once(self.backend.home(), placement);
-        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = st.access.as_slice().into();
+        let grants = Grants::new(&st.access, cpu_at_once(self.backend.home(), placement));
         let new: Vec<NewChunk<B::Chunk>> = chunks
             .into_iter()
             .zip(sizes)
@@ -322,20 +321,12 @@ impl<B: Backend> Shared<B> {
                 placement,
             })
             .collect();
-        st.region
-            .map_batch(
-                at,
-                new,
-                |p| driver_access_for(&st.access, p, cpu),
-                |_| recorded.clone(),
-                |_| cpu,
-            )
-            .map_err(|(e, back)| {
-                for c in back {
-                    let _ = self.pool.give(c.placement, c.bytes, c.chunk);
-                }
-                e
-            })?;
+        st.region.map_batch(at, new, &grants).map_err(|(e, back)| {
+            for c in back {
+                let _ = self.pool.give(c.placement, c.bytes, c.chunk);
+            }
+            e
+        })?;
         st.stats.num_device_alloc += sizes.len() as u64;
         Ok(acquired)
     }

@@ -510,43 +510,10 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             .into_iter()
             .map(|d| AccessDesc::new(Location::Device(d), Access::ReadWrite))
             .collect();
-        // `list` with the peers it lacks added.
-        let with_peers = |list: &[AccessDesc]| -> Vec<AccessDesc> {
-            let mut v = list.to_vec();
-            v.extend(
-                peers
-                    .iter()
-                    .filter(|p| !list.iter().any(|a| a.location == p.location)),
-            );
-            v
-        };
         let mut st = self.shared.state.lock();
         st.region.check_poison()?;
-        st.access = with_peers(&st.access);
-        // The chunks some peer lacks (offset, size, placement, host entry
-        // given), with their lists widened.
-        let lacking: Vec<_> = st
-            .region
-            .table
-            .iter()
-            .filter_map(|(o, e)| {
-                let list = with_peers(&e.access);
-                (list.len() > e.access.len()).then_some((o, e.bytes, e.placement, e.cpu, list))
-            })
-            .collect();
-        let granted = lacking.len();
-        let backend = self.shared.backend.clone();
-        let (res, table) = st.region.parts();
-        for (o, bytes, placement, cpu, list) in lacking {
-            backend.set_access(
-                res,
-                o,
-                bytes,
-                &crate::table::driver_access_for(&list, placement, cpu),
-            )?;
-            table.record_access(o, list.into(), cpu);
-        }
-        Ok(granted)
+        st.access = crate::location::with_entries(&st.access, &peers);
+        st.region.grant(&peers)
     }
 
     /// Whether every chunk the arena maps from now on is mapped for its

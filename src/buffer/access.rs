@@ -7,8 +7,8 @@ use super::migrate::check_range;
 use super::GrowableBuffer;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::location::driver_access;
 use crate::location::{Access, AccessDesc, Location};
-use crate::table::driver_access;
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Sets `location`'s access to the chunks touching `range` (rounded out

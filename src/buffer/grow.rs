@@ -6,10 +6,10 @@ use std::time::Instant;
 use super::{GrowableBuffer, Inner};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::location::Grants;
 use crate::plan::{plan_growth, round_up, GrowthRequest};
 use crate::pool::{ChunkSource, Driver};
 use crate::region::NewChunk;
-use crate::table::driver_access;
 
 impl<B: Backend> GrowableBuffer<B> {
     /// Grows the length to `bytes`, mapping chunks as the policy says. Keeps
@@ -195,14 +195,9 @@ impl<B: Backend> GrowableBuffer<B> {
         let hits_before = hits();
         let chunks = self.take_planned(&plan)?;
         let n = chunks.len();
-        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = self.grants.as_slice().into();
-        let mapped = g.region.map_batch(
-            at,
-            chunks,
-            |p| driver_access(&self.grants, p),
-            |_| recorded.clone(),
-            |_| true,
-        );
+        let mapped = g
+            .region
+            .map_batch(at, chunks, &Grants::new(&self.grants, true));
         if let Err((e, back)) = mapped {
             // Unmapped again (or, if that failed, quarantined by the region):
             // what came back goes to the pool or the driver.

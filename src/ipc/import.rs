@@ -12,9 +12,9 @@ use super::wire::{validate, Held, Plan};
 use super::ChunkHandle;
 use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
+use crate::location::Grants;
 use crate::location::{Access, AccessDesc, Location};
 use crate::region::{NewChunk, Region};
-use crate::table::driver_access;
 
 /// A buffer another process shares: the importer's side.
 ///
@@ -200,12 +200,8 @@ impl<B: Backend> SharedBuffer<B> {
                 (f.offset, c)
             })
             .collect();
-        let swapped = self.region.swap(
-            &plan.gone,
-            fresh,
-            |p| driver_access(grants, p),
-            |p| driver_access(grants, p).into(),
-        );
+        let grants = Grants::new(grants, true).recording_driver_lists();
+        let swapped = self.region.swap(&plan.gone, fresh, &grants);
         let removed = match swapped {
             Ok(removed) => removed,
             Err((e, back)) => {

@@ -19,7 +19,8 @@ use crate::region::Region;
 mod pipeline;
 mod plan;
 
-use crate::table::{driver_access_for, ChunkTable};
+use crate::location::driver_access_for;
+use crate::table::ChunkTable;
 pub use plan::{MigrationPlan, MigrationPolicy};
 
 /// What a migration did, and where its time went.

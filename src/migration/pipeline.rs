@@ -25,8 +25,9 @@ use std::time::Instant;
 use super::{Group, MigrationReport, MoveFailure, Mover, Swapped};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::location::{cpu_at_once, driver_access_for};
 use crate::location::{Access, AccessDesc, Location};
-use crate::table::{cpu_at_once, driver_access_for, ChunkTable, Entry};
+use crate::table::{ChunkTable, Entry};
 
 /// Moves each group to its location, keeping data and addresses (see the
 /// module docs). The users of those chunks must have finished. All or

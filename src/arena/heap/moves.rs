@@ -16,9 +16,7 @@ pub(in crate::arena) struct MovePlan {
     donors: Vec<(usize, usize, usize, bool)>,
 }
 
-/// A move for the region: `(from, to, the mark a pending donor's old
-/// address waits for)`.
-pub(in crate::arena) type Move = (usize, usize, Option<(StreamKey, u64)>);
+use crate::region::Move;
 
 impl MovePlan {
     /// Whether nothing is to move.

@@ -290,19 +290,16 @@ impl<B: Backend> Shared<B> {
         let chunks = self.pool.take_many(false, &wants)?;
         r.migration.acquire_time += t.elapsed();
         let t = Instant::now();
-        let rw = [crate::location::AccessDesc::new(
-            backend.home(),
-            crate::location::Access::ReadWrite,
-        )];
-        // The host's descriptor is recorded but not given at the mapping:
-        // `migration::grant_cpu` gives it before the CPU reads the stash
-        // (`Arena::backup_address`), as for an arena's own host chunks.
-        let recorded: std::sync::Arc<[crate::location::AccessDesc]> = [
-            rw[0],
-            crate::location::AccessDesc::new(Location::Host, crate::location::Access::ReadWrite),
-        ]
-        .as_slice()
-        .into();
+        // The host's descriptor is recorded but not given at the mapping
+        // (not at once: `cpu` false): `migration::grant_cpu` gives it
+        // before the CPU reads the stash (`Arena::backup_address`), as for
+        // an arena's own host chunks.
+        let rw = |at| crate::location::AccessDesc::new(at, crate::location::Access::ReadWrite);
+        let home = backend.home();
+        let grants = match home {
+            Location::Host => crate::location::Grants::new(&[rw(home)], true),
+            _ => crate::location::Grants::new(&[rw(home), rw(Location::Host)], false),
+        };
         let mut todo = missing.iter().zip(chunks);
         while let Some((&(o, n), chunk)) = todo.next() {
             let new = vec![NewChunk {
@@ -310,9 +307,7 @@ impl<B: Backend> Shared<B> {
                 bytes: n,
                 placement: Location::Host,
             }];
-            if let Err((e, back)) =
-                stash.map_batch(o, new, |_| rw.to_vec(), |_| recorded.clone(), |_| false)
-            {
+            if let Err((e, back)) = stash.map_batch(o, new, &grants) {
                 for c in back {
                     let _ = self.pool.give(c.placement, c.bytes, c.chunk);
                 }
