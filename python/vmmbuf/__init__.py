@@ -180,9 +180,10 @@ def _mode(mode: Optional[str], discard: bool, reachable: bool) -> str:
     implied = "discard" if discard else ("keep" if reachable else "stash")
     if mode is None:
         return implied
-    if mode not in ("keep", "stash", "discard", "pageable", "disk"):
+    modes = _native.sleep_modes()
+    if mode not in modes:
         raise InvalidArgumentError(
-            f"mode {mode!r}: 'keep', 'stash', 'discard', 'pageable' or 'disk'")
+            f"mode {mode!r}: one of " + ", ".join(repr(m) for m in modes))
     if (discard or not reachable) and implied != mode:
         raise InvalidArgumentError(
             f"mode {mode!r} and discard={discard}, reachable={reachable} disagree")

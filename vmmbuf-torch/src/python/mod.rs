@@ -113,6 +113,14 @@ fn set_spill_dir(path: Option<std::path::PathBuf>, file_bytes: usize) {
     state::set_spill_dir(path, file_bytes);
 }
 
+/// The sleep modes' names, in the order of their numbers in the C
+/// interface (`vmmbuf_sleep`'s `mode`): the one list Python checks a mode
+/// against.
+#[pyfunction]
+fn sleep_modes() -> Vec<&'static str> {
+    vmmbuf::SleepMode::ALL.iter().map(|m| m.name()).collect()
+}
+
 /// torch_memory_saver's region memory kinds ("pinned", "mmap", "disk",
 /// "discard"), each with the suffix it adds to the region's tag and the
 /// name of the sleep its pause takes: the one table the C `tms_pause`
@@ -501,6 +509,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_backup, m)?)?;
     m.add_function(wrap_pyfunction!(backup_address, m)?)?;
     m.add_function(wrap_pyfunction!(tms_kinds, m)?)?;
+    m.add_function(wrap_pyfunction!(sleep_modes, m)?)?;
     m.add_function(wrap_pyfunction!(set_spill_dir, m)?)?;
     m.add_function(wrap_pyfunction!(preload_library, m)?)?;
     m.add_function(wrap_pyfunction!(set_preload, m)?)?;
