@@ -84,16 +84,6 @@ fn release_cached_of(arenas: &[TorchArena], all: bool) {
     }
 }
 
-/// `VMMBUF_TORCH_GRAPHS=0`: the process never captures CUDA graphs, so
-/// malloc and free skip the capture query (`cuStreamIsCapturing`, a driver
-/// call PyTorch's own cache does not make on a hit). A capture with it set
-/// is not supported (allocations inside it are ordinary ones, and CUDA may
-/// refuse the frees' fences).
-fn graphs_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VMMBUF_TORCH_GRAPHS").as_deref() != Ok("0"))
-}
-
 /// What the plug-in has been told of CUDA graph captures. Unless told,
 /// malloc and free ask the driver about the stream at every call
 /// (`cuStreamIsCapturing`, 0.4-0.7 us with cold caches, twice a pair).
@@ -160,7 +150,7 @@ pub(crate) static CAPTURES: Captures = Captures::new();
 /// `capture_state`, or `None` without a query when graphs are off or no
 /// announced capture is under way.
 fn capture_state_of(s: &Arc<CudaStream>) -> Result<CaptureState> {
-    if graphs_on() && CAPTURES.may_capture() {
+    if Settings::get().graphs && CAPTURES.may_capture() {
         CAPTURE_QUERIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         capture_state(s)
     } else {
@@ -176,101 +166,147 @@ fn capture(s: &Arc<CudaStream>) -> Result<Option<Capture>> {
 
 /// Frees `ptr` in stream order on `stream` (if it is not the allocation's
 /// own, the free waits for both).
+///
+/// Everything that may fail is done while the allocation is still live (a
+/// failure then changes nothing, and the block is never freed as an
+/// ordinary one when a graph may use it): the streams, their captures, the
+/// graph's pool and a fence on its own stream. Only then does it leave
+/// `live`.
 pub(crate) fn free(ptr: u64, dev: c_int, stream: *mut c_void) -> Result<()> {
     let _t = Timed::start(&FREE_NS);
     let d = existing(dev).ok_or_else(|| unknown_free(ptr, dev))?;
     let mut d = d.lock();
     d.release_graphs();
-    // Everything that may fail is done while the allocation is still live
-    // (a failure then changes nothing, and the block is never freed as an
-    // ordinary one when a graph may use it): the streams, their captures,
-    // the graph's pool and a fence on its own stream. Only then does it
-    // leave `live`.
-    //
-    // Freed while its stream (or another that used it) is captured: no
-    // fence can be recorded there, and the graph may use the bytes in
-    // every replay, so they are the graph's until CUDA destroys it. Each
-    // stream is asked once. A stream whose capture was invalidated takes
-    // no fence either: the free is owed there, and covered at its next
-    // call once the capture has ended. A failed question counts as
-    // "invalidated": a fence is then recorded nowhere it might not belong.
-    let ask = |t: &Arc<CudaStream>| {
-        capture_state_of(t).unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
-            CaptureState::Invalidated
-        })
-    };
-    let key = <Arc<CudaStream> as ArenaStream<CudaBackend>>::key;
-    // The allocation's own stream, read in place (no reference taken: the
-    // free is a hot path).
-    let (own_key, own_handle, own) = {
-        let a = d
-            .live
-            .get(&(ptr as usize))
-            .ok_or_else(|| unknown_free(ptr, dev))?;
-        (key(a.stream()), a.stream().cu_stream(), ask(a.stream()))
-    };
-    // PyTorch frees on the allocation's own stream: then its handle is the
-    // allocation's, and the stream map is not consulted.
-    let s = (!std::ptr::eq(own_handle.cast::<c_void>(), stream)).then(|| d.stream(stream));
-    let recorded = d.recorded.get(&(ptr as usize)).cloned().unwrap_or_default();
-    // The other streams that used the block: the one the free names (if
-    // not its own) and those record_stream named, each once.
-    let mut others: Vec<Arc<CudaStream>> = Vec::new();
-    for t in s.into_iter().chain(recorded) {
-        if key(&t) != own_key && !others.iter().any(|o| key(o) == key(&t)) {
-            others.push(t);
-        }
-    }
-    let others: Vec<(Arc<CudaStream>, CaptureState)> = others
-        .into_iter()
-        .map(|t| {
-            let c = ask(&t);
-            (t, c)
-        })
-        .collect();
-    let plain = |c: &CaptureState| matches!(c, CaptureState::None);
-    // Under a capture: the graph's pool (its release callback registered)
-    // and, its own stream not captured, a real fence there.
-    let into = match own.active().or(others.iter().find_map(|(_, c)| c.active())) {
-        Some(c) => {
-            let g = fail_point(FreeStep::GraphPool).and_then(|()| d.graph_pool(c))?;
-            let fence = match plain(&own) {
-                true => Some(fail_point(FreeStep::Fence).and_then(|()| {
-                    let d = &*d;
-                    d.backend.fence(d.live[&(ptr as usize)].stream())
-                })?),
-                false => None,
-            };
-            Some((g, fence))
-        }
-        None => None,
-    };
+    let streams = d.free_streams(ptr, dev, stream)?;
+    let into = d.free_into(ptr, &streams)?;
     let (a, _) = d.take_live(ptr, dev)?;
     d.forget_pool(ptr);
-    // Each other stream not captured gets a fence of its own, at the free
-    // or (an ordinary free) with the free's. (Its capture invalidated, the
-    // fence fails and the free is owed there instead: nothing is lost.) One
-    // under capture makes the block its graph's, since the graph's replays
-    // may use it, and the free is owed there: work it queued before the
-    // capture may still run.
-    for (t, c) in &others {
-        match c.active() {
-            None => a.record_stream(t),
-            Some(_) => a.record_captured_stream(t),
-        }
-    }
-    match into {
-        Some((g, fence)) => {
-            if let Some(f) = fence {
-                a.record_use(f);
-            }
-            a.free_into_graph(g);
-        }
-        None if plain(&own) => drop(a),
-        None => a.free_deferred(),
-    }
+    streams.finish(a, into);
     Ok(())
+}
+
+/// The streams a free touches, each asked about its capture once: the
+/// allocation's own, and every other that used the block (the one the free
+/// names, if not its own, and those `record_stream` named).
+///
+/// Freed while its stream (or another that used it) is captured, no fence
+/// can be recorded there, and the graph may use the bytes in every replay,
+/// so they are the graph's until CUDA destroys it. A stream whose capture
+/// was invalidated takes no fence either: the free is owed there, and
+/// covered at its next call once the capture has ended. A failed question
+/// counts as "invalidated": a fence is then recorded nowhere it might not
+/// belong.
+struct FreeStreams {
+    own: CaptureState,
+    others: Vec<(Arc<CudaStream>, CaptureState)>,
+}
+
+/// Where a free under a capture goes: the graph's pool, and (its own stream
+/// not captured) a fence recorded there.
+type IntoGraph = Option<(GraphPoolId, Option<vmmbuf::cuda::CudaFence>)>;
+
+impl FreeStreams {
+    /// Frees `a`: each other stream not captured gets a fence of its own,
+    /// at the free or (an ordinary free) with the free's (its capture
+    /// invalidated, the fence fails and the free is owed there instead:
+    /// nothing is lost). One under capture makes the block its graph's,
+    /// since the graph's replays may use it, and the free is owed there:
+    /// work it queued before the capture may still run.
+    fn finish(self, a: CudaAllocation, into: IntoGraph) {
+        for (t, c) in &self.others {
+            match c.active() {
+                None => a.record_stream(t),
+                Some(_) => a.record_captured_stream(t),
+            }
+        }
+        match into {
+            Some((g, fence)) => {
+                if let Some(f) = fence {
+                    a.record_use(f);
+                }
+                a.free_into_graph(g);
+            }
+            None if matches!(self.own, CaptureState::None) => drop(a),
+            None => a.free_deferred(),
+        }
+    }
+}
+
+/// `t`'s capture; a failed question counts as invalidated (see
+/// [`FreeStreams`]).
+fn ask_capture(t: &Arc<CudaStream>) -> CaptureState {
+    capture_state_of(t).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "vmmbuf-torch: asking a stream's capture failed");
+        CaptureState::Invalidated
+    })
+}
+
+/// A stream's key, as the arena tells streams apart.
+fn stream_key(t: &Arc<CudaStream>) -> vmmbuf::StreamKey {
+    <Arc<CudaStream> as ArenaStream<CudaBackend>>::key(t)
+}
+
+impl Device {
+    /// The streams the free of the live allocation at `ptr`, named on
+    /// `stream`, touches (see [`FreeStreams`]).
+    fn free_streams(&mut self, ptr: u64, dev: c_int, stream: *mut c_void) -> Result<FreeStreams> {
+        // The allocation's own stream, read in place (no reference taken:
+        // the free is a hot path).
+        let (own_key, own_handle, own) = {
+            let a = self
+                .live
+                .get(&(ptr as usize))
+                .ok_or_else(|| unknown_free(ptr, dev))?;
+            (
+                stream_key(a.stream()),
+                a.stream().cu_stream(),
+                ask_capture(a.stream()),
+            )
+        };
+        // PyTorch frees on the allocation's own stream: then its handle is
+        // the allocation's, and the stream map is not consulted.
+        let named =
+            (!std::ptr::eq(own_handle.cast::<c_void>(), stream)).then(|| self.stream(stream));
+        let recorded = self
+            .recorded
+            .get(&(ptr as usize))
+            .cloned()
+            .unwrap_or_default();
+        let mut others: Vec<Arc<CudaStream>> = Vec::new();
+        for t in named.into_iter().chain(recorded) {
+            if stream_key(&t) != own_key && !others.iter().any(|o| stream_key(o) == stream_key(&t))
+            {
+                others.push(t);
+            }
+        }
+        let others = others
+            .into_iter()
+            .map(|t| {
+                let c = ask_capture(&t);
+                (t, c)
+            })
+            .collect();
+        Ok(FreeStreams { own, others })
+    }
+
+    /// Under a capture (its own stream's, or another's that used the
+    /// block): the graph's pool (its release callback registered) and, its
+    /// own stream not captured, a real fence there.
+    fn free_into(&mut self, ptr: u64, streams: &FreeStreams) -> Result<IntoGraph> {
+        let captured = streams.own.active();
+        let Some(c) = captured.or(streams.others.iter().find_map(|(_, c)| c.active())) else {
+            return Ok(None);
+        };
+        let g = fail_point(FreeStep::GraphPool).and_then(|()| self.graph_pool(c))?;
+        let fence = match streams.own {
+            CaptureState::None => Some(
+                fail_point(FreeStep::Fence)
+                    .and_then(|()| self.backend.fence(self.live[&(ptr as usize)].stream()))?,
+            ),
+            _ => None,
+        };
+        Ok(Some((g, fence)))
+    }
 }
 
 /// The fallible steps of a free under a capture, for fault injection.

@@ -18,8 +18,8 @@ use vmmbuf::hash::QuickMap;
 use vmmbuf::nccl::NcclHook;
 use vmmbuf::stats::ArenaStats;
 use vmmbuf::{
-    Arena, ArenaDesc, ArenaStream, Budget, ChunkPool, CudaBackend, Error, GraphPoolId, Location,
-    PoolDesc, Result, SleepDesc, SleepMode, WakeDesc,
+    Arena, ArenaStream, Budget, ChunkPool, CudaBackend, Error, GraphPoolId, Location, PoolDesc,
+    Result, SleepDesc, SleepMode, WakeDesc,
 };
 
 mod alloc;
@@ -27,155 +27,15 @@ mod budget;
 mod nccl;
 pub(crate) mod pools;
 mod preload;
+mod settings;
 mod sleep;
-
-/// The plug-in's arena description, from its settings (`VMMBUF_TORCH_*`):
-/// every arena of every device gets this one, plus the device's budget.
-fn arena_desc() -> ArenaDesc {
-    let mut desc = ArenaDesc::new(RESERVE);
-    // Training changes tensor sizes every step: free chunks stay
-    // mapped (given back on a budget, out of memory or empty_cache)
-    // under expandable segments' block rules. On an H100 that kept
-    // the median step within 1.4% of PyTorch's own allocator at
-    // 0.885-0.905 utilization, where unmapping them on every miss
-    // cost 2.5x the step time. VMMBUF_TORCH_RELEASE_BEFORE_MAP=1
-    // turns the unmapping back on (tighter memory, slower).
-    desc.release_before_map =
-        std::env::var("VMMBUF_TORCH_RELEASE_BEFORE_MAP").as_deref() == Ok("1");
-    // Chunks of up to 20 MiB, as expandable segments map their large
-    // pool: growth maps what a request needs (rounded to the 2 MiB
-    // granularity, so no more memory is taken than with 2 MiB
-    // chunks) in a tenth of the mappings, and each mapping costs
-    // ~20 us whatever its size. Under FSDP on one H100 the plug-in's
-    // time per step was 6.1 ms with 2 MiB chunks and 3.7-4.4 ms with
-    // 20 MiB ones (issue 24); large
-    // tensors in larger chunks are also faster for NCCL's peer
-    // copies (all-gather at 0.8x of ncclMemAlloc's speed on 2 MiB
-    // chunks, equal on one chunk). VMMBUF_TORCH_MAX_CHUNK_BYTES
-    // sets another largest chunk.
-    desc = desc.max_chunk_bytes(DEFAULT_MAX_CHUNK);
-    // Blocks of at least 512 bytes, as PyTorch's (`kMinBlockSize`): its
-    // statistics count a small tensor as 512 bytes, and code and tests
-    // that check them expect that.
-    desc = desc.alignment(512);
-    // Deferred free fences (issue 40): a free on the allocation's own
-    // stream records no event; a later call on that stream records one
-    // for many (`ArenaDesc::defer_free_fences`; empty_cache, a sleep or
-    // out of memory then may synchronise the device for frees no later
-    // call covered). On 2x H200 it kept utilization (FSDP 0.947 against
-    // 0.948, DDP 0.944 against 0.942) and cut the plug-in's CPU per step
-    // (DDP malloc 1.27 -> 1.08 ms, free 0.99 -> 0.69; FSDP free 1.69 ->
-    // 1.31; fence queries 17 -> 5 and 27 -> 3). VMMBUF_TORCH_DEFER_FENCES=0
-    // records an event at every free instead.
-    desc = desc.defer_free_fences(std::env::var("VMMBUF_TORCH_DEFER_FENCES").as_deref() != Ok("0"));
-    // A request that would map new memory while another stream's
-    // free block that fits is pending waits for that block on the
-    // CPU instead (`ArenaDesc::wait_before_grow`). Under FSDP on
-    // 2x H200 (issue 24), growing instead left 6 of 11 launches at
-    // 0.79-0.93 utilization on one rank, as the GPU's lag decided;
-    // waiting kept all 11 at or above expandable segments' (0.948,
-    // 0.952), after 0-11 waits a launch and rank, with no step-time
-    // cost the noise could show (per-round ratio median 1.00).
-    // VMMBUF_TORCH_WAIT_BEFORE_GROW=0 grows instead.
-    desc =
-        desc.wait_before_grow(std::env::var("VMMBUF_TORCH_WAIT_BEFORE_GROW").as_deref() != Ok("0"));
-    // Peer access (see `PeerMode`): for this GPU only until the process
-    // allocates on a second one, then for every GPU that can reach it.
-    desc = desc.peer_access(peers_on());
-    // VMMBUF_TORCH_RELEASE_OVER_PERCENT=P (P >= 100; off by default):
-    // whole free chunks go back to the driver before a mapping past P% of
-    // the peak allocated (`ArenaDesc::release_over_percent`), for a
-    // footprint nearer the peak at more driver calls (issue 42).
-    if let Ok(v) = std::env::var("VMMBUF_TORCH_RELEASE_OVER_PERCENT") {
-        match v.parse::<u32>() {
-            Ok(p) if p >= 100 => desc = desc.release_over_percent(p),
-            _ => {
-                tracing::warn!(value = %v, "vmmbuf-torch: VMMBUF_TORCH_RELEASE_OVER_PERCENT is not a percent of at least 100; ignored")
-            }
-        }
-    }
-    // VMMBUF_TORCH_MOVE_FREE=1 (off by default): a growth maps whole free
-    // chunks the requesting stream may take a second time where it grows,
-    // instead of new memory (`ArenaDesc::move_free_chunks`; never with
-    // `register_nccl`'s hook). Replaying four PyTorch traces on the host
-    // with 2 MiB chunks and fences 100 events late: peak reserved
-    // 1.002-1.017x the peak allocated, against 1.029-1.076x with the
-    // defaults, at 1,000-10,000 moves a trace (issue 42). On 4x H100 it
-    // took 2.7-5.6% less memory than expandable segments on four
-    // workloads, but a move cost 85-211 us there (67-84 us on 2x H200
-    // with the calls batched), and where batch shapes
-    // change at every step the moves go on at every step: mean step after
-    // warm-up 1.45-1.66x on the conv net, 1.35-1.79x on vision-res.
-    // Its chunks are 2 MiB unless VMMBUF_TORCH_MAX_CHUNK_BYTES says
-    // otherwise: with 20 MiB ones the same replays read worse than not
-    // moving on the conv net's and FSDP's traces (1.054x and 1.047x).
-    let moving = std::env::var("VMMBUF_TORCH_MOVE_FREE").as_deref() == Ok("1");
-    desc = desc.move_free_chunks(moving);
-    if moving {
-        desc = desc.max_chunk_bytes(2 << 20);
-    }
-    if let Ok(v) = std::env::var("VMMBUF_TORCH_MAX_CHUNK_BYTES") {
-        match v.parse::<usize>() {
-            Ok(n) if n > 0 => desc = desc.max_chunk_bytes(n),
-            _ => {
-                tracing::warn!(value = %v, "vmmbuf-torch: VMMBUF_TORCH_MAX_CHUNK_BYTES is not a byte count; ignored")
-            }
-        }
-    }
-    desc
-}
-
-/// Who the plug-in's chunks are mapped for, from
-/// `VMMBUF_TORCH_PEER_ACCESS`.
-///
-/// Every GPU that can reach a chunk's own must be able to touch it once the
-/// process works with more than one GPU, as every GPU with peer access
-/// enabled reaches cudaMalloc memory: PyTorch's and CuPy's copies between
-/// devices (cudaMemcpyPeer, or a kernel on the other GPU) failed on memory
-/// mapped for its own GPU only (issue 38). But a process that uses one GPU
-/// (a rank of FSDP or DDP, which sees every GPU of the host) only pays for
-/// mapping its chunks for the others: one access descriptor per peer at
-/// every mapping (on 4x H200 under FSDP the plug-in's time per step over a
-/// run was 2.15 ms mapping for the three peers against 1.44 ms without),
-/// and in one 4-round run its steps read 0.973x paired step for step, with
-/// the same shapes (summed time 0.943x), most of it from one round. So it
-/// maps as PyTorch's expandable segments map theirs until peer access is
-/// asked for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PeerMode {
-    /// Unset (the default): for the chunk's own GPU until the process
-    /// first allocates through the plug-in on a second GPU; then every
-    /// arena of every device grants its peers access to the chunks it has
-    /// and maps later ones for them too (`Arena::grant_peer_access`). A
-    /// process that reads vmmbuf memory from another GPU without ever
-    /// allocating there through vmmbuf (PyTorch's own allocator serving
-    /// that GPU, under a `MemPool` scope) sets `1`.
-    Auto,
-    /// `1`: for every GPU that can reach it, from the first chunk.
-    Always,
-    /// `0`: for the chunk's own GPU only.
-    Never,
-}
-
-fn peer_mode() -> PeerMode {
-    static MODE: OnceLock<PeerMode> = OnceLock::new();
-    *MODE.get_or_init(|| match std::env::var("VMMBUF_TORCH_PEER_ACCESS").as_deref() {
-        Ok("1") => PeerMode::Always,
-        Ok("0") => PeerMode::Never,
-        Err(_) | Ok("") => PeerMode::Auto,
-        Ok(v) => {
-            tracing::warn!(value = %v, "vmmbuf-torch: VMMBUF_TORCH_PEER_ACCESS is neither 0 nor 1; peers get access once a second GPU is used");
-            PeerMode::Auto
-        }
-    })
-}
 
 /// Set once the process allocates on a second GPU (`PeerMode::Auto`).
 static SECOND_GPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Whether arenas made now map their chunks for the peers.
 fn peers_on() -> bool {
-    match peer_mode() {
+    match Settings::get().peers {
         PeerMode::Always => true,
         PeerMode::Never => false,
         PeerMode::Auto => SECOND_GPU.load(std::sync::atomic::Ordering::SeqCst),
@@ -219,6 +79,7 @@ pub(crate) use alloc::*;
 pub(crate) use budget::*;
 pub(crate) use nccl::*;
 pub(crate) use preload::*;
+use settings::{PeerMode, Settings};
 pub(crate) use sleep::*;
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
@@ -226,10 +87,6 @@ type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
 /// Address space each tag's arena reserves on a device (no memory until
 /// used).
 const RESERVE: usize = 1 << 40;
-
-/// The largest chunk of a plug-in arena unless `VMMBUF_TORCH_MAX_CHUNK_BYTES`
-/// says otherwise: expandable segments' page for their large pool.
-const DEFAULT_MAX_CHUNK: usize = 20 << 20;
 
 /// One CUDA device's arenas, chunk pool, budget and live allocations.
 pub(crate) struct Device {
@@ -387,7 +244,7 @@ fn device(device: c_int) -> Result<&'static Mutex<Device>> {
     // from another GPU that may follow, wait for the grant). No thread
     // holds one device's lock while it waits for another's, so holding
     // this one while the others are locked in turn cannot deadlock.
-    let second = !r.devices.is_empty() && peer_mode() == PeerMode::Auto;
+    let second = !r.devices.is_empty() && Settings::get().peers == PeerMode::Auto;
     let hold = second.then(|| d.lock());
     r.devices.insert(device, d);
     drop(r);
@@ -470,7 +327,7 @@ impl Device {
     /// The arena of `tag`, created on first use.
     fn arena(&mut self, tag: &str) -> Result<&TorchArena> {
         if !self.arenas.contains_key(tag) {
-            let mut desc = arena_desc();
+            let mut desc = Settings::get().arena_desc(RESERVE, peers_on());
             desc = desc.shared_budget(self.budget.clone());
             let arena = Arena::with_pool(self.pool.clone(), desc)?;
             // VMMBUF_TORCH_TRACE=path records the default arena's allocs and

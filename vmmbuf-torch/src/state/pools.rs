@@ -51,13 +51,6 @@ pub(super) struct Pools {
     shared: HashMap<PoolId, GraphPoolId>,
 }
 
-/// Whether captures into one PyTorch pool share one graph pool (see the
-/// module; `VMMBUF_TORCH_SHARE_GRAPH_POOLS=0` says no).
-fn sharing() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VMMBUF_TORCH_SHARE_GRAPH_POOLS").as_deref() != Ok("0"))
-}
-
 /// A graph pool id no capture has: CUDA's capture ids count up from 1, so
 /// ids with the top bit set are free for pools that captures share.
 fn new_shared_id() -> GraphPoolId {
@@ -102,7 +95,7 @@ pub(crate) fn capture_pool(dev: c_int, stream: *mut c_void, pool: PoolId) -> Res
     let Some(c) = vmmbuf::cuda::capture_state(&s)?.into_active() else {
         return Ok(false);
     };
-    let g = match sharing() {
+    let g = match super::Settings::get().share_graph_pools {
         true => match d.pools.shared.get(&pool) {
             Some(&g) => g,
             None => new_shared_id(),
@@ -110,7 +103,7 @@ pub(crate) fn capture_pool(dev: c_int, stream: *mut c_void, pool: PoolId) -> Res
         false => d.graph_pool(&c)?,
     };
     d.join_pool(&c, g)?;
-    if sharing() {
+    if super::Settings::get().share_graph_pools {
         d.pools.shared.insert(pool, g);
     }
     d.pools.of_graph.insert(g, pool);
