@@ -197,110 +197,120 @@ class Source:
     label_segments: Optional[Callable[[List[Dict[str, Any]], Any], List[Dict[str, Any]]]] = None
 
 
-def install(torch_c: Any, src: Source) -> None:
-    """Puts vmmbuf's answers (``src``) in place of PyTorch's statistics,
-    snapshot, history and memory-fraction calls and its ``empty_cache`` on
-    ``torch_c`` (``torch._C``). Installing twice changes nothing more."""
-    if getattr(torch_c, "_vmmbuf_stats_installed", False):
-        return
-    stats, reset_peak, empty_cache = src.stats, src.reset_peak, src.empty_cache
-    snapshot_json, current_device, device_count = (
-        src.snapshot_json, src.current_device, src.device_count)
+class _Answers:
+    """vmmbuf's answer to each of PyTorch's memory calls, from ``src``;
+    ``pytorchs_empty_cache``: PyTorch's own ``empty_cache``, called first."""
 
-    def device_of(device: Any) -> int:
+    def __init__(self, src: Source, pytorchs_empty_cache: Optional[Callable[[], None]]) -> None:
+        self.src = src
+        self.pytorchs_empty_cache = pytorchs_empty_cache
+        # Per device, the accumulated counters at PyTorch's last reset of them.
+        self.bases: Dict[int, Dict[str, int]] = {}
+
+    def device_of(self, device: Any) -> int:
+        """The index ``device`` names (None or a device without an index:
+        the current one)."""
         if device is None:
-            return int(current_device())
+            return int(self.src.current_device())
         index = getattr(device, "index", device)
-        return int(current_device()) if index is None else int(index)
+        return int(self.src.current_device()) if index is None else int(index)
 
-    # Per device, the accumulated counters at PyTorch's last reset of them.
-    bases: Dict[int, Dict[str, int]] = {}
+    def memory_stats(self, device: Any) -> Dict[str, Any]:
+        d = self.device_of(device)
+        return nested_stats(since(self.src.stats(d), self.bases.get(d, {})))
 
-    def memory_stats(device: Any) -> Dict[str, Any]:
-        d = device_of(device)
-        return nested_stats(since(stats(d), bases.get(d, {})))
+    def reset_peak_memory_stats(self, device: Any) -> None:
+        self.src.reset_peak(self.device_of(device))
 
-    def reset_peak_memory_stats(device: Any) -> None:
-        reset_peak(device_of(device))
-
-    def reset_accumulated_memory_stats(device: Any) -> None:
+    def reset_accumulated_memory_stats(self, device: Any) -> None:
         # vmmbuf's counters only grow: the reset is a new starting point.
-        d = device_of(device)
-        raw = stats(d)
-        bases[d] = {k: int(raw.get(k, 0) or 0)
-                    for k in ACCUMULATED + ("active_bytes.all.current",)}
+        d = self.device_of(device)
+        raw = self.src.stats(d)
+        self.bases[d] = {k: int(raw.get(k, 0) or 0)
+                         for k in ACCUMULATED + ("active_bytes.all.current",)}
 
-    pytorchs_empty_cache = getattr(torch_c, "_cuda_emptyCache", None)
-
-    def empty_cache_everywhere() -> None:
+    def empty_cache_everywhere(self) -> None:
         # PyTorch's own first (what its allocator object keeps), then
         # vmmbuf's on every device.
-        if pytorchs_empty_cache is not None:
-            pytorchs_empty_cache()
-        for d in range(int(device_count())):
-            empty_cache(d)
+        if self.pytorchs_empty_cache is not None:
+            self.pytorchs_empty_cache()
+        for d in range(int(self.src.device_count())):
+            self.src.empty_cache(d)
 
-    def memory_snapshot(*args: Any, **kwargs: Any) -> Dict[str, Any]:
+    def memory_snapshot(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         # PyTorch passes the pool asked for first, as (id, id, include
         # traces); None or the pool (0, 0): every segment.
         asked = args[0] if args else kwargs.get("mempool_id")
         mempool_id = None if asked is None else (int(asked[0]), int(asked[1]))
         if mempool_id == (0, 0):
             mempool_id = None
-        n = int(device_count())
+        n = int(self.src.device_count())
         segments: List[Dict[str, Any]] = []
         for d in range(n):
-            raw = snapshot_json(d)
+            raw = self.src.snapshot_json(d)
             segments += pytorch_segments(json.loads(raw) if raw else [], d)
-        if src.label_segments is not None:
-            segments = src.label_segments(segments, mempool_id)
+        if self.src.label_segments is not None:
+            segments = self.src.label_segments(segments, mempool_id)
         return pytorch_snapshot(segments, n)
 
-    def accepting(pytorchs: Callable[..., Any]) -> Callable[..., None]:
-        def record_memory_history(*args: Any, **kwargs: Any) -> None:
-            # PyTorch's own, where it works (its settings are kept); under
-            # a pluggable allocator it refuses, and vmmbuf keeps no call
-            # history to record into.
-            try:
-                pytorchs(*args, **kwargs)
-            except RuntimeError as e:
-                if "does not yet support" not in str(e):
-                    raise
-        return record_memory_history
+    def set_memory_fraction(self, fraction: float, device: Any) -> None:
+        # PyTorch checks the fraction (0 to 1) before this call, and caps
+        # what its allocator reserves at fraction x the device's total.
+        d = self.device_of(device)
+        self.src.set_budget(d, int(float(fraction) * self.src.total_memory(d)))
 
+    def get_memory_fraction(self, device: Any) -> float:
+        d = self.device_of(device)
+        budget = self.src.budget(d)
+        return 1.0 if budget is None else min(1.0, budget / self.src.total_memory(d))
+
+
+def _accepting(pytorchs: Callable[..., Any]) -> Callable[..., None]:
+    """PyTorch's memory-history call, kept where it works (its settings are
+    kept); under a pluggable allocator it refuses, and vmmbuf keeps no call
+    history to record into: that refusal is swallowed, any other raised."""
+    def record_memory_history(*args: Any, **kwargs: Any) -> None:
+        try:
+            pytorchs(*args, **kwargs)
+        except RuntimeError as e:
+            if "does not yet support" not in str(e):
+                raise
+    return record_memory_history
+
+
+def install(torch_c: Any, src: Source) -> None:
+    """Puts vmmbuf's answers (``src``) in place of PyTorch's statistics,
+    snapshot, history and memory-fraction calls and its ``empty_cache`` on
+    ``torch_c`` (``torch._C``), and torch.accelerator's memory calls, which
+    reach the same allocator through calls of their own (a pluggable
+    allocator refuses them as well). Installing twice changes nothing
+    more."""
+    if getattr(torch_c, "_vmmbuf_stats_installed", False):
+        return
+    a = _Answers(src, getattr(torch_c, "_cuda_emptyCache", None))
     for name in ("_cuda_record_memory_history", "_cuda_record_memory_history_legacy"):
         pytorchs = getattr(torch_c, name, None)
         if pytorchs is not None:
-            setattr(torch_c, name, accepting(pytorchs))
-
-    def set_memory_fraction(fraction: float, device: Any) -> None:
-        # PyTorch checks the fraction (0 to 1) before this call, and caps
-        # what its allocator reserves at fraction x the device's total.
-        d = device_of(device)
-        src.set_budget(d, int(float(fraction) * src.total_memory(d)))
-
-    def get_memory_fraction(device: Any) -> float:
-        d = device_of(device)
-        budget = src.budget(d)
-        return 1.0 if budget is None else min(1.0, budget / src.total_memory(d))
-
-    torch_c._cuda_setMemoryFraction = set_memory_fraction
-    torch_c._cuda_getMemoryFraction = get_memory_fraction
-    torch_c._cuda_emptyCache = empty_cache_everywhere
-    torch_c._cuda_memorySnapshot = memory_snapshot
-    torch_c._cuda_memoryStats = memory_stats
-    torch_c._cuda_resetPeakMemoryStats = reset_peak_memory_stats
-    torch_c._cuda_resetAccumulatedMemoryStats = reset_accumulated_memory_stats
+            setattr(torch_c, name, _accepting(pytorchs))
+    answers: Dict[str, Callable[..., Any]] = {
+        "_cuda_setMemoryFraction": a.set_memory_fraction,
+        "_cuda_getMemoryFraction": a.get_memory_fraction,
+        "_cuda_emptyCache": a.empty_cache_everywhere,
+        "_cuda_memorySnapshot": a.memory_snapshot,
+        "_cuda_memoryStats": a.memory_stats,
+        "_cuda_resetPeakMemoryStats": a.reset_peak_memory_stats,
+        "_cuda_resetAccumulatedMemoryStats": a.reset_accumulated_memory_stats,
+    }
+    for name, answer in answers.items():
+        setattr(torch_c, name, answer)
     if src.attach_oom_observer is not None:
         # Called as PyTorch calls its observers: (device, bytes asked, the
         # most the process may have, the device's free bytes).
         torch_c._cuda_attach_out_of_memory_observer = src.attach_oom_observer
-    # torch.accelerator's memory calls reach the same allocator through
-    # calls of their own, which a pluggable allocator refuses as well.
-    for name, answer in (("_accelerator_getDeviceStats", memory_stats),
-                         ("_accelerator_resetPeakStats", reset_peak_memory_stats),
-                         ("_accelerator_resetAccumulatedStats", reset_accumulated_memory_stats),
-                         ("_accelerator_emptyCache", empty_cache_everywhere)):
+    for name, answer in (("_accelerator_getDeviceStats", a.memory_stats),
+                         ("_accelerator_resetPeakStats", a.reset_peak_memory_stats),
+                         ("_accelerator_resetAccumulatedStats", a.reset_accumulated_memory_stats),
+                         ("_accelerator_emptyCache", a.empty_cache_everywhere)):
         if hasattr(torch_c, name):
             setattr(torch_c, name, answer)
     torch_c._vmmbuf_stats_installed = True
