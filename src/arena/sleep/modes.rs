@@ -518,8 +518,9 @@ impl<B: Backend> Shared<B> {
     }
 
     /// Maps fresh pieces over every run of `asleep`, filled from the stash
-    /// (a stashing sleep) or zeroed (`zero`, a discarding one), and waits
-    /// for those copies; each run mapped goes into `mapped` as it is.
+    /// (a stashing sleep), from pageable copies, or zeroed (`zero`, a
+    /// discarding one), and waits for those copies; each run mapped goes
+    /// into `mapped` as it is.
     fn map_runs(
         &self,
         st: &mut State<B>,
@@ -533,76 +534,83 @@ impl<B: Backend> Shared<B> {
         let from_stash = asleep.mode == SleepMode::Stash;
         let from_pages = asleep.mode.pages();
         let zero = zero && !from_stash && !from_pages;
+        let border = st.heap.zone_border();
         for &(o, b) in &asleep.runs {
+            let pieces = pieces(o, b, asleep.piece, border);
             if from_stash {
                 // Piece by piece: each piece's copy back runs while the
                 // next one is created and mapped (a map hook is told of
                 // each chunk as it is mapped, as at any mapping).
-                for (po, pb) in pieces(o, b, asleep.piece, st.heap.zone_border()) {
-                    let t = Instant::now();
-                    let acquired = self.map_fresh(st, po, &[pb])?;
-                    r.migration.acquire_time += acquired;
-                    r.migration.swap_time += t.elapsed() - acquired;
-                    hold.keep_part(pb);
+                for (po, pb) in pieces {
+                    self.map_pieces(st, po, &[pb], r, hold)?;
                     mapped.push((po, pb));
-                    r.chunks_after += 1;
-                    let stash = st.sleep.stash.as_ref().ok_or_else(|| {
-                        Error::invalid("a stashed arena without its stash (a bug)")
-                    })?;
-                    let t = Instant::now();
-                    backend.copy(st.region.res(), po, stash.res_ref(), po, pb)?;
-                    r.migration.copy_time += t.elapsed();
+                    self.copy_from_stash(st, po, pb, r)?;
                 }
                 continue;
             }
-            let sizes: Vec<usize> = pieces(o, b, asleep.piece, st.heap.zone_border())
-                .iter()
-                .map(|p| p.1)
-                .collect();
-            let t = Instant::now();
-            let acquired = self.map_fresh(st, o, &sizes)?;
-            r.migration.acquire_time += acquired;
-            r.migration.swap_time += t.elapsed() - acquired;
-            let n = sizes.len();
-            hold.keep_part(b);
+            let sizes: Vec<usize> = pieces.iter().map(|p| p.1).collect();
+            self.map_pieces(st, o, &sizes, r, hold)?;
             mapped.push((o, b));
-            r.chunks_after += n;
             if zero {
                 backend.zero(st.region.res(), o, b)?;
             }
             if from_pages {
-                // The copies tile the run.
                 let t = Instant::now();
-                let mut at = o;
-                for (x, buf) in &asleep.paged[asleep.paged.partition_point(|p| p.0 < o)..] {
-                    if *x >= o + b {
-                        break;
-                    }
-                    if *x != at || x + buf.len() > o + b {
-                        break;
-                    }
-                    backend.write(st.region.res(), *x, buf.as_slice())?;
-                    at += buf.len();
-                }
-                if at != o + b {
-                    return Err(Error::invalid("a pageable run without its copy (a bug)"));
-                }
+                write_pages(st, backend, asleep, o, b)?;
                 r.migration.copy_time += t.elapsed();
             }
         }
+        let t = Instant::now();
         if zero || from_stash {
-            let t = Instant::now();
             backend.wait_copies()?;
-            r.migration.copy_time += t.elapsed();
         }
         if from_pages {
             // A copy from pageable memory may return before its transfer
             // has reached the device: the device is waited for, so that
             // every stream sees the data.
-            let t = Instant::now();
             st.heap.synchronize(backend)?;
-            r.migration.copy_time += t.elapsed();
         }
+        r.migration.copy_time += t.elapsed();
+        Ok(())
+    }
+
+    /// Maps fresh pieces of `sizes` from `at` (the budget's `hold` keeps
+    /// their bytes), timed and counted in `r`.
+    fn map_pieces(
+        &self,
+        st: &mut State<B>,
+        at: usize,
+        sizes: &[usize],
+        r: &mut SleepReport,
+        hold: &mut BudgetHold,
+    ) -> Result<()> {
+        let t = Instant::now();
+        let acquired = self.map_fresh(st, at, sizes)?;
+        r.migration.acquire_time += acquired;
+        r.migration.swap_time += t.elapsed() - acquired;
+        hold.keep_part(sizes.iter().sum());
+        r.chunks_after += sizes.len();
+        Ok(())
+    }
+
+    /// Copies `[offset, offset + bytes)` back from the stash (queued: the
+    /// caller waits for the copies).
+    fn copy_from_stash(
+        &self,
+        st: &mut State<B>,
+        offset: usize,
+        bytes: usize,
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let stash = st
+            .sleep
+            .stash
+            .as_ref()
+            .ok_or_else(|| Error::invalid("a stashed arena without its stash (a bug)"))?;
+        let t = Instant::now();
+        self.backend
+            .copy(st.region.res(), offset, stash.res_ref(), offset, bytes)?;
+        r.migration.copy_time += t.elapsed();
         Ok(())
     }
 
@@ -700,4 +708,27 @@ impl<B: Backend> Shared<B> {
             }
         }
     }
+}
+
+/// Writes the run `[o, o + b)` back from `asleep`'s pageable copies, which
+/// tile it; a run without its copies is refused (a bug).
+fn write_pages<B: Backend>(
+    st: &mut State<B>,
+    backend: &B,
+    asleep: &Asleep<Mark<B::Fence>>,
+    o: usize,
+    b: usize,
+) -> Result<()> {
+    let mut at = o;
+    for (x, buf) in &asleep.paged[asleep.paged.partition_point(|p| p.0 < o)..] {
+        if *x >= o + b || *x != at || x + buf.len() > o + b {
+            break;
+        }
+        backend.write(st.region.res(), *x, buf.as_slice())?;
+        at += buf.len();
+    }
+    if at != o + b {
+        return Err(Error::invalid("a pageable run without its copy (a bug)"));
+    }
+    Ok(())
 }
