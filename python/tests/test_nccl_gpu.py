@@ -132,6 +132,16 @@ ONE_RANK = """
 """
 
 
+
+# The two-rank program of the straddle test (a move of scripts/ once left
+# the test pointing at nothing, which only a machine of two GPUs saw).
+_STRADDLE = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "nccl_straddle.py"
+
+
+def test_the_two_rank_program_is_where_the_test_looks() -> None:
+    """Checked without a GPU, so that CI sees a moved script."""
+    assert _STRADDLE.is_file(), _STRADDLE
+
 def _nccl_env(log: Path) -> dict:
     return {"VMMBUF_TORCH_NCCL_READY": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_DEBUG": "INFO",
             "NCCL_DEBUG_SUBSYS": "INIT,REG", "NCCL_DEBUG_FILE": str(log)}
@@ -287,7 +297,7 @@ def test_two_ranks_gather_into_tensors_placed_across_chunks(torch_gpu, tmp_path:
     Chunks of up to 128 MiB, as the layouts were built for; NCCL's Simple
     protocol and ring, where it registers buffers of every size."""
     _two_gpus(torch_gpu)
-    script = Path(__file__).resolve().parents[2] / "scripts" / "nccl_straddle.py"
+    script = _STRADDLE
     n = torch_gpu.cuda.device_count()
     log = tmp_path / "nccl.%p.log"
     env = {**os.environ, **_nccl_env(log), "VMMBUF_TORCH_MAX_CHUNK_BYTES": str(128 << 20),
