@@ -25,7 +25,6 @@ pub(crate) mod host;
 pub(crate) mod host_capture;
 #[cfg(target_os = "linux")]
 pub(crate) mod host_lag;
-mod host_view;
 pub(crate) mod pages;
 
 /// Counts of what a backend has live now, for leak checks.
