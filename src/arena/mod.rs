@@ -49,15 +49,6 @@ pub trait ArenaStream<B: Backend>: Clone + Send + Sync + 'static {
     fn fence(&self, backend: &B) -> Result<B::Fence>;
 }
 
-impl ArenaStream<crate::CudaBackend> for Arc<cudarc::driver::CudaStream> {
-    fn key(&self) -> crate::StreamKey {
-        crate::backend::cuda::stream_key(self)
-    }
-    fn fence(&self, backend: &crate::CudaBackend) -> Result<crate::cuda::CudaFence> {
-        backend.fence(self)
-    }
-}
-
 /// A stream of the host backend: the number tells streams apart (trace
 /// replay keeps their reuse rules). Its fences have passed when made, as the
 /// host has no queued work, unless the backend lags

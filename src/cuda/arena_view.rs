@@ -12,6 +12,16 @@ use crate::backend::cuda::interop::{Element, View, ViewMut};
 use crate::error::{Error, Result};
 use crate::CudaBackend;
 
+/// cudarc's streams are an arena's streams on the CUDA backend.
+impl crate::arena::ArenaStream<CudaBackend> for Arc<CudaStream> {
+    fn key(&self) -> crate::StreamKey {
+        crate::backend::cuda::stream_key(self)
+    }
+    fn fence(&self, backend: &CudaBackend) -> Result<crate::cuda::CudaFence> {
+        backend.fence(self)
+    }
+}
+
 /// An allocation of a CUDA arena.
 pub type CudaAllocation = Allocation<CudaBackend, Arc<CudaStream>>;
 
