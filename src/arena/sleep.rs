@@ -177,6 +177,18 @@ impl<B: Backend> SleepState<B> {
         self.asleep.is_some()
     }
 
+    /// Refuses a sleep in `mode` while the arena sleeps in another (a sleep
+    /// in the same mode takes what was woken or made since).
+    pub(super) fn check_mode(&self, mode: SleepMode) -> Result<()> {
+        match &self.asleep {
+            Some(a) if a.mode != mode => Err(Error::invalid(format!(
+                "the arena sleeps in {} mode: wake it before a {} sleep",
+                a.mode, mode
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// The unmapped `regions` where growth may map: a discarded range stays
     /// unmapped until the wake.
     pub(super) fn exclude(
@@ -425,54 +437,17 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         // What the pool held for the sleep, for its debug line: a pause
         // whose pieces were prepared takes them all from the pool.
         let pool_before = sh.pool.stats();
-        let mut guard = sh.state.lock();
-        let st = &mut *guard;
-        st.region.check_poison()?;
-        if let Some(a) = &st.sleep.asleep {
-            if a.mode != desc.mode {
-                return Err(Error::invalid(format!(
-                    "the arena sleeps in {} mode: wake it before a {} sleep",
-                    a.mode, desc.mode
-                )));
-            }
-        }
         let mut r = SleepReport {
             mode: desc.mode,
             ..SleepReport::default()
         };
-        let device_before = st.region.table.mapped_bytes() - st.region.table.host_bytes();
-        let t = Instant::now();
-        let freed = sh.quiesce(st, streams)?;
-        r.free_bytes = freed.iter().map(|x| x.1).sum();
-        // A backup kept past the last wake is not readable once a sleep has
-        // begun: the sleep copies into it afresh (a pageable one reuses its
-        // buffers).
-        st.sleep.backup_kept = false;
-        r.wait_time = t.elapsed();
-        let _span = tracing::debug_span!("vmmbuf.arena.sleep", mode = %desc.mode).entered();
-        match desc.mode {
-            SleepMode::Keep => {
-                sh.sleep_keep(st, piece, &mut r)?;
-                r.device_bytes = device_before;
-                st.sleep
-                    .asleep
-                    .get_or_insert_with(|| Asleep::new(SleepMode::Keep, piece));
-            }
-            SleepMode::Discard | SleepMode::Stash | SleepMode::Pageable | SleepMode::Disk => {
-                if let Err(e) = sh.sleep_unmapping(st, desc.mode, piece, &mut r) {
-                    sh.rebuild_split(st);
-                    sh.count(st);
-                    return Err(e);
-                }
-                r.device_bytes = device_before;
-            }
+        {
+            let mut guard = sh.state.lock();
+            let st = &mut *guard;
+            st.region.check_poison()?;
+            st.sleep.check_mode(desc.mode)?;
+            sh.sleep_locked(st, streams, desc.mode, piece, &mut r)?;
         }
-        if let Some(a) = st.sleep.asleep.as_mut() {
-            a.freed.extend(freed);
-        }
-        sh.rebuild_split(st);
-        sh.count(st);
-        drop(guard);
         // The device memory left in the pool goes back to the driver; the
         // sleep stands if that fails (logged by the pool).
         let t = Instant::now();

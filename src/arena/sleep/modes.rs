@@ -8,6 +8,47 @@ use super::*;
 use crate::pool::BudgetHold;
 
 impl<B: Backend> Shared<B> {
+    /// A sleep in `mode`, under the arena's lock: the streams' work and the
+    /// pending frees waited for, whole free chunks given back, then what
+    /// `mode` does with the rest (see [`SleepMode`]); its figures in `r`.
+    /// On an error the arena's counts are made true again.
+    pub(super) fn sleep_locked<S: ArenaStream<B>>(
+        &self,
+        st: &mut State<B>,
+        streams: &[S],
+        mode: SleepMode,
+        piece: usize,
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let device_before = st.region.table.mapped_bytes() - st.region.table.host_bytes();
+        let t = Instant::now();
+        let freed = self.quiesce(st, streams)?;
+        r.free_bytes = freed.iter().map(|x| x.1).sum();
+        // A backup kept past the last wake is not readable once a sleep has
+        // begun: the sleep copies into it afresh (a pageable one reuses its
+        // buffers).
+        st.sleep.backup_kept = false;
+        r.wait_time = t.elapsed();
+        let _span = tracing::debug_span!("vmmbuf.arena.sleep", mode = %mode).entered();
+        let done = match mode {
+            SleepMode::Keep => self.sleep_keep(st, piece, r).map(|()| {
+                st.sleep
+                    .asleep
+                    .get_or_insert_with(|| Asleep::new(SleepMode::Keep, piece));
+            }),
+            _ => self.sleep_unmapping(st, mode, piece, r),
+        };
+        if done.is_ok() {
+            r.device_bytes = device_before;
+            if let Some(a) = st.sleep.asleep.as_mut() {
+                a.freed.extend(freed);
+            }
+        }
+        self.rebuild_split(st);
+        self.count(st);
+        done
+    }
+
     /// Waits for `streams`' work, the uses recorded on live allocations and
     /// the pending frees; then gives whole free chunks to the pool and
     /// returns their ranges, `(offset, bytes)`.
