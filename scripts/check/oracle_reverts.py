@@ -96,7 +96,7 @@ elif name == "d1":
          "let Some(i) = d.covers.iter().position(|_| true) else {")
 elif name == "w1":
     # A wake counts only the graph-held ranges that start in a run.
-    edit("src/arena/sleep/modes.rs", "held.extend(st.heap.graph_held().filter_map(cut));",
+    edit("src/arena/sleep/unmapped.rs", "held.extend(st.heap.graph_held().filter_map(cut));",
          "held.extend(st.heap.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
 elif name == "b1":
     # Waiting before growth takes another stream's pending block as settled

@@ -29,8 +29,12 @@ use super::stats::SplitCount;
 
 mod backup;
 mod desc;
+mod keep;
 mod mode;
 mod modes;
+mod pages;
+mod stash;
+mod unmapped;
 
 pub use desc::{SleepDesc, WakeDesc};
 pub use mode::SleepMode;
@@ -500,35 +504,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
         let _span = tracing::debug_span!("vmmbuf.arena.wake", mode = %asleep.mode).entered();
         let res = match asleep.mode {
-            SleepMode::Keep => {
-                let groups = plan_groups(
-                    &st.region.table,
-                    |_, e| e.placement == Location::Host,
-                    sh.placement,
-                    asleep.piece,
-                    st.heap.zone_border(),
-                );
-                r.chunks_before = count_in(&st.region.table, &groups);
-                sh.mover().run_groups(&mut st.region, &groups).map(|m| {
-                    r.migration = m;
-                    r.bytes = m.bytes_moved;
-                    r.chunks_after = groups.len();
-                    r.device_bytes = if sh.placement == Location::Host {
-                        0
-                    } else {
-                        m.bytes_moved
-                    };
-                    st.placement = sh.placement;
-                })
-            }
-            SleepMode::Discard | SleepMode::Stash | SleepMode::Pageable | SleepMode::Disk => {
-                r.chunks_before = 0;
-                sh.wake_discard(st, &asleep, desc.zero, &mut r).map(|()| {
-                    if asleep.mode != SleepMode::Discard {
-                        r.migration.bytes_moved = r.bytes;
-                    }
-                })
-            }
+            SleepMode::Keep => sh.wake_keep(st, &asleep, &mut r),
+            _ => sh.wake_discard(st, &asleep, desc.zero, &mut r).map(|()| {
+                if asleep.mode != SleepMode::Discard {
+                    r.migration.bytes_moved = r.bytes;
+                }
+            }),
         };
         if let Err(e) = res {
             st.sleep.asleep = Some(asleep);
@@ -575,64 +556,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
         let sh = &*self.shared;
         let piece = sh.piece_of(desc)?;
-        let sizes: Vec<usize> = {
-            let st = sh.state.lock();
-            st.region.check_poison()?;
-            if desc.mode == SleepMode::Stash {
-                // The stash keeps the pieces it holds: those need none.
-                stash_missing(&st, piece).iter().map(|p| p.1).collect()
-            } else {
-                // A kept sleep joins whole device chunks (`sleep_keep`).
-                let free = free_ranges(&st);
-                plan_groups(
-                    &st.region.table,
-                    |o, e| e.placement != Location::Host && !covers(&free, o, e.bytes),
-                    Location::Host,
-                    piece,
-                    st.heap.zone_border(),
-                )
-                .iter()
-                .map(|g| g.bytes)
-                .collect()
-            }
-        };
+        let sizes = sh.pieces_to_prepare(desc.mode, piece)?;
         let made = sh.pool.stock(Location::Host, &sizes)?;
-        // A stash's pieces are mapped into it now (the first stashing
-        // sleep then maps nothing: on an H200, mapping and granting 0.95
-        // GiB of pieces took 30 ms of a 60 ms first pause): a GiB at a
-        // time, planned again under the lock each time, so that the lock
-        // is not held for long (the arena's own allocations wait on it).
-        // What changes after, the sleep fits.
-        let mut staged = 0;
-        if desc.mode == SleepMode::Stash {
-            loop {
-                let mut st = sh.state.lock();
-                st.region.check_poison()?;
-                // Asleep, or a kept backup to leave as it is.
-                if st.sleep.asleep.is_some() || st.sleep.backup_kept {
-                    break;
-                }
-                let mut bytes = 0;
-                let batch: Vec<(usize, usize)> = stash_missing(&st, piece)
-                    .into_iter()
-                    .take_while(|p| {
-                        let first = bytes == 0;
-                        bytes += p.1;
-                        first || bytes <= STAGE_BATCH_BYTES
-                    })
-                    .collect();
-                if batch.is_empty() {
-                    break;
-                }
-                staged += batch.len();
-                let mut r = SleepReport::default();
-                sh.stage_stash(&mut st, &batch, &mut r)?;
-                if batch.iter().any(|&(o, n)| !stash_holds(&st, o, n)) {
-                    // No progress to be made (never seen): the sleep fits.
-                    break;
-                }
-            }
-        }
+        let staged = match desc.mode {
+            SleepMode::Stash => sh.stage_all(piece)?,
+            _ => 0,
+        };
         tracing::debug!(
             pieces = sizes.len(),
             bytes = sizes.iter().sum::<usize>(),

@@ -1,0 +1,136 @@
+//! A pageable or disk sleep: every mapped run copied to pageable host
+//! memory (or files) of its own, and what a wake keeps of those copies.
+
+use std::time::Instant;
+
+use super::*;
+
+impl<B: Backend> Shared<B> {
+    /// A pageable sleep: every mapped run copied to pageable host memory of
+    /// its own (see [`SleepMode::Pageable`]; a disk sleep: every chunk to a
+    /// file of the spill directory), then unmapped as a discarding sleep
+    /// unmaps. On an error before the unmapping nothing changed (the copies
+    /// made so far go back to the system); part way through it, the runs
+    /// unmapped so far sleep with their copies.
+    pub(super) fn sleep_pageable(
+        &self,
+        st: &mut State<B>,
+        asleep: &mut Asleep<Mark<B::Fence>>,
+        r: &mut SleepReport,
+    ) -> Result<usize> {
+        let backend = &*self.backend;
+        let runs = st.region.table.runs();
+        let dir = match asleep.mode {
+            SleepMode::Disk => Some(self.spill_dir.lock().clone().ok_or_else(|| {
+                Error::invalid("a disk sleep needs a spill directory (Arena::set_spill_dir)")
+            })?),
+            _ => None,
+        };
+        // One copy per run; in files, one per chunk, or per piece of at
+        // most `spill_file_bytes` of it.
+        let most = match self
+            .spill_file_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => usize::MAX,
+            n => n,
+        };
+        let parts: Vec<(usize, usize)> = match dir {
+            None => runs.clone(),
+            Some(_) => runs
+                .iter()
+                .flat_map(|&(o, b)| {
+                    st.region
+                        .table
+                        .overlapping(o..o + b)
+                        .map(|(k, e)| (k, e.bytes))
+                })
+                .flat_map(|(k, n)| pieces(k, n, most, 0))
+                .collect(),
+        };
+        let t = Instant::now();
+        // The buffers a wake kept (WakeDesc::keep_backup) serve again where
+        // a part is the same, at the same host address.
+        let mut spare = std::mem::take(&mut st.sleep.kept_pages);
+        let mut copies = Vec::with_capacity(parts.len());
+        for &(o, b) in &parts {
+            let mut buf = match spare.iter().position(|x| x.0 == o && x.1.len() == b) {
+                Some(i) => spare.swap_remove(i).1,
+                None => match &dir {
+                    None => crate::backend::pages::PageableBuf::new(b)?,
+                    // A failure names the bytes the whole sleep needs.
+                    Some(d) => {
+                        crate::backend::pages::PageableBuf::in_file(d, b).map_err(|e| match e {
+                            Error::Spill { dir, source, .. } => Error::Spill {
+                                dir,
+                                bytes: parts.iter().map(|p| p.1).sum(),
+                                source,
+                            },
+                            e => e,
+                        })?
+                    }
+                },
+            };
+            backend.read(st.region.res_ref(), o, buf.as_mut_slice())?;
+            copies.push((o, buf));
+        }
+        r.migration.copy_time += t.elapsed();
+        let unmapped = self.unmap_copied(st, asleep, r, &runs, parts.len());
+        // Each copy whose run now sleeps goes with it (all of them, unless
+        // the unmapping failed part way).
+        for (o, buf) in copies {
+            if asleep.discarded(o) {
+                let at = asleep.paged.partition_point(|x| x.0 < o);
+                asleep.paged.insert(at, (o, buf));
+            }
+        }
+        unmapped
+    }
+
+    /// After a wake: whether the backup stays readable (`keep_backup`, for
+    /// a stash or a paged sleep), and a stash above the pool's host bound
+    /// handed to the pool, which sheds what is over (unless kept).
+    pub(super) fn keep_or_shed_backup(
+        &self,
+        st: &mut State<B>,
+        desc: &WakeDesc,
+        asleep: Asleep<Mark<B::Fence>>,
+    ) {
+        let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
+        st.sleep.backup_kept = keep;
+        if keep && asleep.mode.pages() {
+            st.sleep.kept_pages = asleep.paged;
+        }
+        let stash_bytes = st
+            .sleep
+            .stash
+            .as_ref()
+            .map_or(0, |s| s.table.mapped_bytes());
+        if stash_bytes > self.pool.desc().max_host_bytes && !keep {
+            let _ = self.drop_stash(st);
+        }
+    }
+}
+
+/// Writes the run `[o, o + b)` back from `asleep`'s pageable copies, which
+/// tile it; a run without its copies is refused (a bug).
+pub(super) fn write_pages<B: Backend>(
+    st: &mut State<B>,
+    backend: &B,
+    asleep: &Asleep<Mark<B::Fence>>,
+    o: usize,
+    b: usize,
+) -> Result<()> {
+    let mut at = o;
+    for (x, buf) in &asleep.paged[asleep.paged.partition_point(|p| p.0 < o)..] {
+        if *x >= o + b || *x != at || x + buf.len() > o + b {
+            break;
+        }
+        backend.write(st.region.res(), *x, buf.as_slice())?;
+        at += buf.len();
+    }
+    if at != o + b {
+        return Err(Error::invalid("a pageable run without its copy (a bug)"));
+    }
+    Ok(())
+}
