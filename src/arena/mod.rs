@@ -70,7 +70,46 @@ impl ArenaStream<crate::HostBackend> for HostStream {
 /// The key of no stream: a graph's allocation finds settled blocks only.
 const GRAPH_KEY: StreamKey = (u64::MAX, u64::MAX);
 
+/// Who an arena's chunks are mapped for at first: its device (and the
+/// host's entry, recorded, which reaches the driver only when a synchronous
+/// copy needs it, `migration::grant_cpu`: on host-placed chunks it costs ~40
+/// ms per GiB to set, and kernels do not need it), and with `peers` every
+/// device that can reach it.
+fn initial_access<B: Backend>(backend: &B, peers: bool) -> Result<Vec<AccessDesc>> {
+    let mut access = vec![AccessDesc::new(backend.home(), Access::ReadWrite)];
+    if backend.home() != Location::Host {
+        access.push(AccessDesc::new(Location::Host, Access::ReadWrite));
+    }
+    if peers {
+        for d in backend.peers()? {
+            access.push(AccessDesc::new(Location::Device(d), Access::ReadWrite));
+        }
+    }
+    Ok(access)
+}
+
 impl<B: Backend> State<B> {
+    /// A new arena's state over `region` (granularity `g`): an empty heap
+    /// whose small zone is the reservation's first eighth.
+    fn new(
+        region: Region<B>,
+        g: usize,
+        desc: &ArenaDesc,
+        placement: Location,
+        access: Vec<AccessDesc>,
+    ) -> Self {
+        let reserved = region.table.reserved();
+        let small_end = round_up(reserved / 8, g).unwrap_or(reserved).min(reserved);
+        Self {
+            heap: Heap::new(small_end, !desc.release_before_map),
+            region,
+            split: SplitCount::default(),
+            stats: ArenaStats::default(),
+            placement,
+            access,
+            sleep: SleepState::default(),
+        }
+    }
     /// Bookkeeping of a free of `[offset, offset + size)`.
     fn note_free(&mut self, offset: usize, size: usize) {
         self.split.change(&self.region.table, offset, size, false);
@@ -295,31 +334,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         let backend = pool.backend().clone();
         let placement = desc.placement.unwrap_or(backend.home());
         let g = backend.granularity(placement)?;
-        if desc.max_bytes == 0 {
-            return Err(Error::invalid("max_bytes is 0"));
-        }
-        if !desc.alignment.is_power_of_two() || desc.alignment > g {
-            return Err(Error::invalid(format!(
-                "alignment {} is not a power of two up to the granularity {g}",
-                desc.alignment
-            )));
-        }
-        let reserved = round_up(desc.max_bytes, g)
-            .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", desc.max_bytes)))?;
-        let chunk_bytes = round_up(desc.max_chunk_bytes.max(1), g)
-            .ok_or_else(|| Error::invalid("max_chunk_bytes overflows"))?;
-        // The host's entry reaches the driver only when a synchronous copy
-        // needs it (`migration::grant_cpu`): on host-placed chunks it costs
-        // ~40 ms per GiB to set, and kernels do not need it.
-        let mut access = vec![AccessDesc::new(backend.home(), Access::ReadWrite)];
-        if backend.home() != Location::Host {
-            access.push(AccessDesc::new(Location::Host, Access::ReadWrite));
-        }
-        if desc.peer_access {
-            for d in backend.peers()? {
-                access.push(AccessDesc::new(Location::Device(d), Access::ReadWrite));
-            }
-        }
+        let (reserved, chunk_bytes) = desc.sizes(g)?;
+        let access = initial_access(&*backend, desc.peer_access)?;
         let mut region = Region::reserve(&backend, reserved, g, g)?;
         region.set_budget(desc.shared_budget.clone());
         let base = region.base();
@@ -345,18 +361,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 syncs_at_start,
                 spill_dir: Mutex::new(None),
                 spill_file_bytes: std::sync::atomic::AtomicUsize::new(0),
-                state: Mutex::new(State {
-                    heap: Heap::new(
-                        round_up(reserved / 8, g).unwrap_or(reserved).min(reserved),
-                        !desc.release_before_map,
-                    ),
-                    region,
-                    split: SplitCount::default(),
-                    stats: ArenaStats::default(),
-                    placement,
-                    access,
-                    sleep: SleepState::default(),
-                }),
+                state: Mutex::new(State::new(region, g, &desc, placement, access)),
                 trace: Mutex::new(None),
                 tracing: std::sync::atomic::AtomicBool::new(false),
             }),
