@@ -21,10 +21,7 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
     // hold lives again (see `pools`).
     if let Some((at, pool)) = pools::take_retake() {
         let a = d.retake(at, size, &s)?;
-        let p = a.address();
-        d.live.insert(p as usize, a);
-        d.note_pool(p, size, pool);
-        return Ok(p);
+        return Ok(d.note_live(a, size, Some(pool)));
     }
     // Captured into a CUDA graph: the memory is the graph's until CUDA
     // destroys it (the graph replays the captured work at these addresses).
@@ -41,32 +38,36 @@ pub(crate) fn malloc(size: usize, dev: c_int, stream: *mut c_void) -> Result<u64
         // cached memory goes back too, then one more try (an arena gives
         // back only its own before failing).
         Err(e) if e.is_transient() && d.arenas.len() > 1 => {
-            let arenas: Vec<TorchArena> = d.arenas.values().cloned().collect();
-            let (announced, underway) = CAPTURES.state();
-            if graph.is_none() && !(announced && underway > 0) {
-                // After a device synchronisation, as PyTorch's
-                // out-of-memory path synchronises: frees still pending go
-                // too, and those that owe their fence (deferred, the
-                // default), which a tag no call uses again would otherwise
-                // keep for ever. Without the device's lock, which other
-                // threads' calls need meanwhile.
-                drop(d);
-                release_cached_of(&arenas, true);
-                d = dref.lock();
-            } else {
-                // Under a capture nothing synchronises: what has passed.
-                release_cached_of(&arenas, false);
-            }
+            d = make_room_in_every_tag(dref, d, graph.is_some());
             alloc(d.arena(&tag)?)?
         }
         r => r?,
     };
-    let p = a.address();
-    d.live.insert(p as usize, a);
-    if let Some(pool) = d.pool_for(dev, graph) {
-        d.note_pool(p, size, pool);
+    let pool = d.pool_for(dev, graph);
+    Ok(d.note_live(a, size, pool))
+}
+
+/// At the device's budget: every tag's cached memory goes back, after a
+/// device synchronisation (as PyTorch's out-of-memory path synchronises:
+/// frees still pending go too, and those that owe their fence, deferred by
+/// default, which a tag no call uses again would otherwise keep for ever),
+/// without the device's lock, which other threads' calls need meanwhile.
+/// Under a capture (`in_graph`, or one announced under way) nothing
+/// synchronises: only what has passed goes back. The device's lock again.
+fn make_room_in_every_tag(
+    dref: &'static Mutex<Device>,
+    d: parking_lot::MutexGuard<'static, Device>,
+    in_graph: bool,
+) -> parking_lot::MutexGuard<'static, Device> {
+    let arenas: Vec<TorchArena> = d.arenas.values().cloned().collect();
+    let (announced, underway) = CAPTURES.state();
+    if in_graph || (announced && underway > 0) {
+        release_cached_of(&arenas, false);
+        return d;
     }
-    Ok(p)
+    drop(d);
+    release_cached_of(&arenas, true);
+    dref.lock()
 }
 
 /// Gives the cached memory of `arenas` back (`all`: frees that owe their
@@ -247,6 +248,17 @@ fn stream_key(t: &Arc<CudaStream>) -> vmmbuf::StreamKey {
 }
 
 impl Device {
+    /// The allocation `a` (of `size` bytes asked) is live, in PyTorch's
+    /// `pool` if any; its address.
+    fn note_live(&mut self, a: CudaAllocation, size: usize, pool: Option<pools::PoolId>) -> u64 {
+        let p = a.address();
+        self.live.insert(p as usize, a);
+        if let Some(pool) = pool {
+            self.note_pool(p, size, pool);
+        }
+        p
+    }
+
     /// The streams the free of the live allocation at `ptr`, named on
     /// `stream`, touches (see [`FreeStreams`]).
     fn free_streams(&mut self, ptr: u64, dev: c_int, stream: *mut c_void) -> Result<FreeStreams> {
