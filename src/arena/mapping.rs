@@ -162,33 +162,8 @@ impl<B: Backend> Shared<B> {
         whole: bool,
     ) -> Result<(usize, usize, usize)> {
         self.release_before_mapping(st, size, whole)?;
-        let g = self.granularity;
-        let reserved = st.region.table.reserved();
-        let zone = st.heap.zone_range(z, reserved);
         self.reap_ghosts(st, false)?;
-        // Discarded ranges stay unmapped until the wake.
-        let regions = st
-            .sleep
-            .exclude(st.region.without_ghosts(st.region.table.gaps(zone)));
-        let mut fits = regions.into_iter().filter_map(|h| {
-            let before = st
-                .heap
-                .free_ending_at(z, h.start)
-                .filter(|(_, f)| !whole && (f.settled() || f.stream == Some(key)))
-                .map_or(0, |(_, f)| f.size);
-            let need = round_up(size.saturating_sub(before), g)?;
-            (need <= h.end - h.start).then_some((h.start, need, before))
-        });
-        // Moving, the hole whose free block before it leaves the least to
-        // map (each chunk moved costs a mapping now and an unmapping
-        // later: host replays of four traces at a lag of 100 events moved
-        // 4-16% fewer chunks than with the first hole that fits, at the
-        // same peak within 0.001x); otherwise the first.
-        let found = if self.move_free_chunks {
-            fits.min_by_key(|&(at, need, _)| (need, at))
-        } else {
-            fits.next()
-        };
+        let found = self.hole_for(st, z, size, key, whole);
         let (at, need, before) = found.ok_or_else(|| self.out_of_memory(st, size, None))?;
         let moved = if self.move_free_chunks && !whole {
             let most = self.move_at_most(st, size, need);
@@ -199,28 +174,77 @@ impl<B: Backend> Shared<B> {
         if moved == need {
             return Ok((at, need, moved));
         }
-        let (at_fresh, need_fresh) = (at + moved, need - moved);
-        self.check_room(st, size, need_fresh)?;
-        // The budget shared with other arenas and buffers: taken before any
-        // chunk is created, given back if the mapping fails.
-        let Some(hold) = st.region.hold(need_fresh) else {
+        self.map_new(st, at + moved, need - moved, size, whole)?;
+        Ok((at, need, moved))
+    }
+
+    /// The hole of zone `z` to map `size` bytes for `key` in: `(where,
+    /// bytes to map, bytes of the free block before it that `key` may
+    /// extend)`, each rounded to the granularity; with `whole`, all of
+    /// `size` is mapped. Moving, the hole whose free block before it leaves
+    /// the least to map (each chunk moved costs a mapping now and an
+    /// unmapping later: host replays of four traces at a lag of 100 events
+    /// moved 4-16% fewer chunks than with the first hole that fits, at the
+    /// same peak within 0.001x); otherwise the first. Discarded ranges stay
+    /// unmapped until the wake.
+    fn hole_for(
+        &self,
+        st: &State<B>,
+        z: usize,
+        size: usize,
+        key: StreamKey,
+        whole: bool,
+    ) -> Option<(usize, usize, usize)> {
+        let zone = st.heap.zone_range(z, st.region.table.reserved());
+        let regions = st
+            .sleep
+            .exclude(st.region.without_ghosts(st.region.table.gaps(zone)));
+        let mut fits = regions.into_iter().filter_map(|h| {
+            let before = st
+                .heap
+                .free_ending_at(z, h.start)
+                .filter(|(_, f)| !whole && (f.settled() || f.stream == Some(key)))
+                .map_or(0, |(_, f)| f.size);
+            let need = round_up(size.saturating_sub(before), self.granularity)?;
+            (need <= h.end - h.start).then_some((h.start, need, before))
+        });
+        if self.move_free_chunks {
+            fits.min_by_key(|&(at, need, _)| (need, at))
+        } else {
+            fits.next()
+        }
+    }
+
+    /// Maps `need` fresh bytes at `at` for a request of `size`: the room
+    /// and the shared budget checked first (the budget taken before any
+    /// chunk is created, given back if the mapping fails), in chunks of at
+    /// most `chunk_bytes`, pooled ones first, placed where the arena is now
+    /// (the host, while asleep keeping the data). With a hook (`whole`),
+    /// one chunk for the whole request: the hook registers chunk by chunk,
+    /// and a block never straddles two (`Region::walls`), so one larger
+    /// than a chunk needs one of its own.
+    fn map_new(
+        &self,
+        st: &mut State<B>,
+        at: usize,
+        need: usize,
+        size: usize,
+        whole: bool,
+    ) -> Result<()> {
+        self.check_room(st, size, need)?;
+        let Some(hold) = st.region.hold(need) else {
             return Err(self.out_of_memory(st, size, None));
         };
-        // Chunks of at most `chunk_bytes`, pooled ones first, placed where
-        // the arena is now (the host, while asleep keeping the data).
-        // With a hook (`whole`), one chunk for the whole request: the hook
-        // registers chunk by chunk, and a block never straddles two
-        // (`Region::walls`), so one larger than a chunk needs one of its own.
         let sizes: Vec<usize> = if whole {
-            vec![need_fresh]
+            vec![need]
         } else {
-            (0..need_fresh.div_ceil(self.chunk_bytes))
-                .map(|i| (need_fresh - i * self.chunk_bytes).min(self.chunk_bytes))
+            (0..need.div_ceil(self.chunk_bytes))
+                .map(|i| (need - i * self.chunk_bytes).min(self.chunk_bytes))
                 .collect()
         };
-        self.map_fresh(st, at_fresh, &sizes)?;
+        self.map_fresh(st, at, &sizes)?;
         hold.keep();
-        Ok((at, need, moved))
+        Ok(())
     }
 
     /// The bytes by which mapping `want` more for a request of `size` would
