@@ -18,7 +18,6 @@ impl<B: Backend> Shared<B> {
         asleep: &mut Asleep<Mark<B::Fence>>,
         r: &mut SleepReport,
     ) -> Result<usize> {
-        let backend = &*self.backend;
         let runs = st.region.table.runs();
         let dir = match asleep.mode {
             SleepMode::Disk => Some(self.spill_dir.lock().clone().ok_or_else(|| {
@@ -26,54 +25,9 @@ impl<B: Backend> Shared<B> {
             })?),
             _ => None,
         };
-        // One copy per run; in files, one per chunk, or per piece of at
-        // most `spill_file_bytes` of it.
-        let most = match self
-            .spill_file_bytes
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
-            0 => usize::MAX,
-            n => n,
-        };
-        let parts: Vec<(usize, usize)> = match dir {
-            None => runs.clone(),
-            Some(_) => runs
-                .iter()
-                .flat_map(|&(o, b)| {
-                    st.region
-                        .table
-                        .overlapping(o..o + b)
-                        .map(|(k, e)| (k, e.bytes))
-                })
-                .flat_map(|(k, n)| pieces(k, n, most, 0))
-                .collect(),
-        };
+        let parts = self.copy_parts(st, &runs, dir.is_some());
         let t = Instant::now();
-        // The buffers a wake kept (WakeDesc::keep_backup) serve again where
-        // a part is the same, at the same host address.
-        let mut spare = std::mem::take(&mut st.sleep.kept_pages);
-        let mut copies = Vec::with_capacity(parts.len());
-        for &(o, b) in &parts {
-            let mut buf = match spare.iter().position(|x| x.0 == o && x.1.len() == b) {
-                Some(i) => spare.swap_remove(i).1,
-                None => match &dir {
-                    None => crate::backend::pages::PageableBuf::new(b)?,
-                    // A failure names the bytes the whole sleep needs.
-                    Some(d) => {
-                        crate::backend::pages::PageableBuf::in_file(d, b).map_err(|e| match e {
-                            Error::Spill { dir, source, .. } => Error::Spill {
-                                dir,
-                                bytes: parts.iter().map(|p| p.1).sum(),
-                                source,
-                            },
-                            e => e,
-                        })?
-                    }
-                },
-            };
-            backend.read(st.region.res_ref(), o, buf.as_mut_slice())?;
-            copies.push((o, buf));
-        }
+        let copies = self.copy_out(st, &parts, dir.as_deref())?;
         r.migration.copy_time += t.elapsed();
         let unmapped = self.unmap_copied(st, asleep, r, &runs, parts.len());
         // Each copy whose run now sleeps goes with it (all of them, unless
@@ -85,6 +39,58 @@ impl<B: Backend> Shared<B> {
             }
         }
         unmapped
+    }
+
+    /// The parts a pageable sleep copies: a run each; in files (`files`),
+    /// one per chunk, or per piece of at most `spill_file_bytes` of it.
+    fn copy_parts(
+        &self,
+        st: &State<B>,
+        runs: &[(usize, usize)],
+        files: bool,
+    ) -> Vec<(usize, usize)> {
+        if !files {
+            return runs.to_vec();
+        }
+        let most = match self
+            .spill_file_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => usize::MAX,
+            n => n,
+        };
+        runs.iter()
+            .flat_map(|&(o, b)| {
+                st.region
+                    .table
+                    .overlapping(o..o + b)
+                    .map(|(k, e)| (k, e.bytes))
+            })
+            .flat_map(|(k, n)| pieces(k, n, most, 0))
+            .collect()
+    }
+
+    /// Copies every part to pageable memory of its own (or a file of
+    /// `dir`): a buffer a wake kept (`WakeDesc::keep_backup`) serves again
+    /// where a part is the same, at the same host address.
+    fn copy_out(
+        &self,
+        st: &mut State<B>,
+        parts: &[(usize, usize)],
+        dir: Option<&std::path::Path>,
+    ) -> Result<Vec<(usize, crate::backend::pages::PageableBuf)>> {
+        let mut spare = std::mem::take(&mut st.sleep.kept_pages);
+        let mut copies = Vec::with_capacity(parts.len());
+        for &(o, b) in parts {
+            let mut buf = match spare.iter().position(|x| x.0 == o && x.1.len() == b) {
+                Some(i) => spare.swap_remove(i).1,
+                None => new_copy(dir, b, parts)?,
+            };
+            self.backend
+                .read(st.region.res_ref(), o, buf.as_mut_slice())?;
+            copies.push((o, buf));
+        }
+        Ok(copies)
     }
 
     /// After a wake: whether the backup stays readable (`keep_backup`, for
@@ -133,4 +139,24 @@ pub(super) fn write_pages<B: Backend>(
         return Err(Error::invalid("a pageable run without its copy (a bug)"));
     }
     Ok(())
+}
+
+/// A fresh copy of `bytes`: pageable memory, or a file of `dir`; a failure
+/// names the bytes the whole sleep (`parts`) needs.
+fn new_copy(
+    dir: Option<&std::path::Path>,
+    bytes: usize,
+    parts: &[(usize, usize)],
+) -> Result<crate::backend::pages::PageableBuf> {
+    let Some(d) = dir else {
+        return crate::backend::pages::PageableBuf::new(bytes);
+    };
+    crate::backend::pages::PageableBuf::in_file(d, bytes).map_err(|e| match e {
+        Error::Spill { dir, source, .. } => Error::Spill {
+            dir,
+            bytes: parts.iter().map(|p| p.1).sum(),
+            source,
+        },
+        e => e,
+    })
 }
