@@ -132,35 +132,12 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
         limit,
         ..
     } = *req;
-    if target > limit {
-        return Err(Error::ReservationExhausted {
-            requested_bytes: target,
-            reserved_bytes: limit,
-        });
-    }
-    if !g.is_power_of_two() || at % g != 0 || limit % g != 0 || at > limit {
-        return Err(Error::invalid(format!(
-            "growth from {at:#x} within {limit:#x} at granularity {g:#x}"
-        )));
-    }
+    check_request(req)?;
     let mut plan = Vec::new();
     if target <= at {
         return Ok(plan);
     }
     let overflow = || Error::invalid(format!("growing to {target} bytes overflows"));
-    // Exact and Fixed map a known number of chunks whatever the pool holds:
-    // refuse a plan the driver could never carry out before building it.
-    let count = match policy {
-        GrowthPolicy::Exact => round_up(target - at, g).ok_or_else(overflow)? / g,
-        GrowthPolicy::Fixed { chunk_bytes } => (target - at).div_ceil(chunk_bytes),
-        GrowthPolicy::Proportional { .. } => 1,
-    };
-    if count > MAX_PLANNED_CHUNKS {
-        return Err(Error::invalid(format!(
-            "growing to {target} bytes with {policy:?} needs {count} mappings, more than \
-             the {MAX_PLANNED_CHUNKS} a process can hold; choose larger chunks"
-        )));
-    }
     let mut offer = req.pool.cloned();
     // The biggest pooled chunk that keeps over-commit within the bound.
     let bound = policy.overcommit_bound(g, target);
@@ -176,13 +153,7 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
                 room,
                 place,
             };
-            let size = pooled_size(offer, req, bound, step)?;
-            let n = offer.get_mut(&(place, size))?;
-            *n -= 1;
-            if *n == 0 {
-                offer.remove(&(place, size));
-            }
-            Some(size)
+            take_pooled(offer, req, bound, step)
         });
         let (bytes, from_pool) = match pooled {
             Some(size) => (size, true),
@@ -199,6 +170,66 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
         end += bytes;
     }
     Ok(plan)
+}
+
+/// Refuses a request no plan can serve: a target past the reservation, a
+/// granularity that is not a power of two, a start or limit off it, and
+/// (for `Exact` and `Fixed`, which map a known number of chunks whatever the
+/// pool holds) more mappings than a process can hold, before building it.
+fn check_request(req: &GrowthRequest<'_>) -> Result<()> {
+    let GrowthRequest {
+        policy,
+        granularity: g,
+        at,
+        target,
+        limit,
+        ..
+    } = *req;
+    if target > limit {
+        return Err(Error::ReservationExhausted {
+            requested_bytes: target,
+            reserved_bytes: limit,
+        });
+    }
+    if !g.is_power_of_two() || at % g != 0 || limit % g != 0 || at > limit {
+        return Err(Error::invalid(format!(
+            "growth from {at:#x} within {limit:#x} at granularity {g:#x}"
+        )));
+    }
+    if target <= at {
+        return Ok(());
+    }
+    let overflow = || Error::invalid(format!("growing to {target} bytes overflows"));
+    let count = match policy {
+        GrowthPolicy::Exact => round_up(target - at, g).ok_or_else(overflow)? / g,
+        GrowthPolicy::Fixed { chunk_bytes } => (target - at).div_ceil(chunk_bytes),
+        GrowthPolicy::Proportional { .. } => 1,
+    };
+    if count > MAX_PLANNED_CHUNKS {
+        return Err(Error::invalid(format!(
+            "growing to {target} bytes with {policy:?} needs {count} mappings, more than \
+             the {MAX_PLANNED_CHUNKS} a process can hold; choose larger chunks"
+        )));
+    }
+    Ok(())
+}
+
+/// Takes out of `offer` the pooled chunk a growth step uses (see
+/// [`pooled_size`]), if any; its size.
+fn take_pooled(
+    offer: &mut PoolOffer,
+    req: &GrowthRequest<'_>,
+    bound: usize,
+    step: Step,
+) -> Option<usize> {
+    let size = pooled_size(offer, req, bound, step)?;
+    let key = (step.place, size);
+    let n = offer.get_mut(&key)?;
+    *n -= 1;
+    if *n == 0 {
+        offer.remove(&key);
+    }
+    Some(size)
 }
 
 /// Where a growth step is: at `end` (a chunk there placed at `place`),
