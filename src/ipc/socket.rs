@@ -222,25 +222,8 @@ pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
         return Err(Error::protocol("descriptors came with a description"));
     }
     let records: Vec<Record> = bytemuck::pod_collect_to_vec(&payload);
-    // The fabric handles follow the records, 64 bytes each in record order.
-    let with = |code: u64| -> Vec<usize> {
-        let at = records.iter().enumerate();
-        at.filter(|(_, r)| r.fresh == code)
-            .map(|(i, _)| i)
-            .collect()
-    };
-    let inline = with(FRESH_FABRIC);
-    let mut fabric = BTreeMap::new();
-    if !inline.is_empty() {
-        let mut bytes = vec![0u8; inline.len() * 64];
-        recv_exact(socket, &mut bytes)?;
-        for (&i, h) in inline.iter().zip(bytes.chunks_exact(64)) {
-            let mut one = [0u8; 64];
-            one.copy_from_slice(h);
-            fabric.insert(i, FabricHandle(one));
-        }
-    }
-    let fresh = with(FRESH_FD);
+    let fabric = recv_fabric(socket, &records)?;
+    let fresh = fresh_of(&records, FRESH_FD);
     if fresh.len() as u64 != head.fds {
         return Err(Error::protocol(format!(
             "{} fresh chunks but {} descriptors announced",
@@ -248,8 +231,53 @@ pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
             head.fds
         )));
     }
+    let fds = recv_fds(socket, &head, &records, fresh.len())?;
+    Ok(Generation {
+        head,
+        records,
+        fds,
+        fabric,
+    })
+}
+
+/// The indices of the records whose chunk is fresh of kind `code`.
+fn fresh_of(records: &[Record], code: u64) -> Vec<usize> {
+    let at = records.iter().enumerate();
+    at.filter(|(_, r)| r.fresh == code)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// The fabric handles that follow the records, 64 bytes each in record
+/// order, by record index.
+fn recv_fabric(socket: &UnixStream, records: &[Record]) -> Result<BTreeMap<usize, FabricHandle>> {
+    let inline = fresh_of(records, FRESH_FABRIC);
+    let mut fabric = BTreeMap::new();
+    if inline.is_empty() {
+        return Ok(fabric);
+    }
+    let mut bytes = vec![0u8; inline.len() * 64];
+    recv_exact(socket, &mut bytes)?;
+    for (&i, h) in inline.iter().zip(bytes.chunks_exact(64)) {
+        let mut one = [0u8; 64];
+        one.copy_from_slice(h);
+        fabric.insert(i, FabricHandle(one));
+    }
+    Ok(fabric)
+}
+
+/// The `n` descriptors of the fresh chunks of generation `head`, in
+/// batches of (record index, descriptor), by record index; a batch of
+/// another generation, a count that does not match, or a descriptor for a
+/// record that is not a fresh one (or twice) is refused.
+fn recv_fds(
+    socket: &UnixStream,
+    head: &Head,
+    records: &[Record],
+    n: usize,
+) -> Result<BTreeMap<usize, OwnedFd>> {
     let mut fds = BTreeMap::new();
-    while fds.len() < fresh.len() {
+    while fds.len() < n {
         let (h, payload, got) = recv_frame(socket, |h| {
             if h.kind != KIND_FDS || h.count as usize > FDS_PER_MESSAGE {
                 return Err(Error::protocol(format!(
@@ -274,12 +302,7 @@ pub(crate) fn recv_generation(socket: &UnixStream) -> Result<Generation> {
             }
         }
     }
-    Ok(Generation {
-        head,
-        records,
-        fds,
-        fabric,
-    })
+    Ok(fds)
 }
 
 /// Reads exactly `buf.len()` bytes (no descriptors may come with them).
