@@ -374,84 +374,80 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
     /// chunks staged there (a source) stay in the table, and the temporary
     /// token unmaps them as it drops. Chunks an undo could not put back are
     /// named, with why, for the region to quarantine.
-    fn undo(self, failure: Failed<B::Chunk>) -> MoveFailure<B::Chunk> {
+    fn undo(mut self, failure: Failed<B::Chunk>) -> MoveFailure<B::Chunk> {
+        // Copies may still be in flight into the temporary mapping.
+        let _ = self.mover.backend.wait_copies();
+        let mut stuck = Stuck::default();
+        let error = match failure {
+            Failed::Before(e) => e,
+            Failed::Swap { error, stage, c } => {
+                self.undo_group(stage, c, &mut stuck);
+                error
+            }
+        };
+        self.dispose_staged();
         let Self {
             mover,
             res,
             table,
-            mut tmp,
-            staged,
-            spans,
-            source,
-            tmp_mapped,
+            tmp,
             done,
             ..
         } = self;
-        let backend = mover.backend;
-        // Copies may still be in flight into the temporary mapping.
-        let _ = backend.wait_copies();
-        let mut stuck: Vec<B::Chunk> = Vec::new();
-        let mut why: Option<String> = None;
-        let error = match failure {
-            Failed::Before(e) => e,
-            Failed::Swap { error, stage, c } => {
-                // This group: put its old chunks back (still in the table).
-                let olds: Vec<(usize, &B::Chunk)> = table
-                    .overlapping(c.offset..c.offset + c.bytes)
-                    .map(|(o, e)| (o, &e.chunk))
-                    .collect();
-                let list = table
-                    .get(c.offset)
-                    .expect("a group starts at a chunk")
-                    .driver_access();
-                match undo_swap(backend, res, c.offset, c.bytes, &olds, &list, stage) {
-                    Ok(()) => mover.dispose(c.chunk, c.bytes, c.to),
-                    Err(u) => {
-                        why = Some(format!(
-                            "undoing a failed migration at {:#x}: {u}",
-                            c.offset
-                        ));
-                        stuck.push(c.chunk);
-                    }
-                }
-                error
-            }
-        };
-        let stuck_at_tmp: Vec<bool> = tmp_mapped
-            .iter()
-            .enumerate()
-            .map(|(k, &mapped)| mapped > 0 && backend.unmap(&mut tmp, spans[k].0, mapped).is_err())
-            .collect();
-        for (k, c) in staged.into_iter().enumerate() {
-            let Some(c) = c else { continue };
-            if stuck_at_tmp[k] && !source[k] {
-                let _ = backend.release(c.chunk);
-            } else {
-                mover.dispose(c.chunk, c.bytes, c.to);
-            }
-        }
         // If an unmap failed, the token unmaps what it holds as it drops.
-        let _ = backend.free(tmp);
-        for (o, bytes, old) in done.into_iter().rev() {
-            let list = old[0].1.driver_access();
-            let olds: Vec<(usize, &B::Chunk)> = old.iter().map(|(k, e)| (*k, &e.chunk)).collect();
-            match undo_swap(backend, res, o, bytes, &olds, &list, SwapStage::Granting) {
-                Ok(()) => {
-                    let new = table.replace(o, bytes, old);
-                    for (_, e) in new {
-                        mover.dispose(e.chunk, e.bytes, e.placement);
-                    }
-                }
-                Err(u) => {
-                    why.get_or_insert(format!("undoing a failed migration at {o:#x}: {u}"));
-                    stuck.extend(old.into_iter().map(|(_, e)| e.chunk));
-                }
-            }
-        }
+        let _ = mover.backend.free(tmp);
+        undo_done(mover, res, table, done, &mut stuck);
         tracing::debug!(error = %error, "vmmbuf: migration failed and was undone");
         MoveFailure {
             error,
-            poison: why.map(|w| (w, stuck)),
+            poison: stuck.why.map(|w| (w, stuck.chunks)),
+        }
+    }
+
+    /// The group whose swap failed at `stage`: its old chunks (still in
+    /// the table) put back, its new one disposed of, or both stuck.
+    fn undo_group(&mut self, stage: SwapStage, c: Staged<B::Chunk>, stuck: &mut Stuck<B::Chunk>) {
+        let olds: Vec<(usize, &B::Chunk)> = self
+            .table
+            .overlapping(c.offset..c.offset + c.bytes)
+            .map(|(o, e)| (o, &e.chunk))
+            .collect();
+        let list = self
+            .table
+            .get(c.offset)
+            .expect("a group starts at a chunk")
+            .driver_access();
+        let backend = self.mover.backend;
+        match undo_swap(backend, self.res, c.offset, c.bytes, &olds, &list, stage) {
+            Ok(()) => self.mover.dispose(c.chunk, c.bytes, c.to),
+            Err(u) => stuck.note(
+                format!("undoing a failed migration at {:#x}: {u}", c.offset),
+                [c.chunk],
+            ),
+        }
+    }
+
+    /// The temporary range unmapped, and the staged new chunks disposed of
+    /// (a chunk whose temporary mapping could not be unmapped, and that is
+    /// not a group's old one, is released to the driver instead).
+    fn dispose_staged(&mut self) {
+        let backend = self.mover.backend;
+        let mut stuck_at_tmp = Vec::with_capacity(self.tmp_mapped.len());
+        for (k, &mapped) in self.tmp_mapped.iter().enumerate() {
+            stuck_at_tmp.push(
+                mapped > 0
+                    && backend
+                        .unmap(&mut self.tmp, self.spans[k].0, mapped)
+                        .is_err(),
+            );
+        }
+        for (k, c) in std::mem::take(&mut self.staged).into_iter().enumerate() {
+            let Some(c) = c else { continue };
+            if stuck_at_tmp[k] && !self.source[k] {
+                let _ = backend.release(c.chunk);
+            } else {
+                self.mover.dispose(c.chunk, c.bytes, c.to);
+            }
         }
     }
 }
@@ -475,6 +471,63 @@ fn swap_in<B: Backend>(
     backend
         .set_access(res, offset, bytes, access)
         .map_err(|e| (e, SwapStage::Granting))
+}
+
+/// Chunks an undo could not put back, and why (the first failure).
+struct Stuck<C> {
+    chunks: Vec<C>,
+    why: Option<String>,
+}
+
+impl<C> Default for Stuck<C> {
+    fn default() -> Self {
+        Self {
+            chunks: Vec::new(),
+            why: None,
+        }
+    }
+}
+
+impl<C> Stuck<C> {
+    fn note(&mut self, why: String, chunks: impl IntoIterator<Item = C>) {
+        self.why.get_or_insert(why);
+        self.chunks.extend(chunks);
+    }
+}
+
+/// The groups swapped in, last first: their old chunks put back (the new
+/// ones disposed of), or stuck.
+fn undo_done<B: Backend>(
+    mover: &Mover<'_, B>,
+    res: &mut B::Reservation,
+    table: &mut ChunkTable<B::Chunk>,
+    done: Vec<Swapped<B::Chunk>>,
+    stuck: &mut Stuck<B::Chunk>,
+) {
+    for (o, bytes, old) in done.into_iter().rev() {
+        let list = old[0].1.driver_access();
+        let olds: Vec<(usize, &B::Chunk)> = old.iter().map(|(k, e)| (*k, &e.chunk)).collect();
+        match undo_swap(
+            mover.backend,
+            res,
+            o,
+            bytes,
+            &olds,
+            &list,
+            SwapStage::Granting,
+        ) {
+            Ok(()) => {
+                let new = table.replace(o, bytes, old);
+                for (_, e) in new {
+                    mover.dispose(e.chunk, e.bytes, e.placement);
+                }
+            }
+            Err(u) => stuck.note(
+                format!("undoing a failed migration at {o:#x}: {u}"),
+                old.into_iter().map(|(_, e)| e.chunk),
+            ),
+        }
+    }
 }
 
 /// Puts the old chunks `olds` (offset, chunk) back over `[offset, offset +
