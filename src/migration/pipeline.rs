@@ -137,34 +137,9 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
                 return Err(e);
             }
         };
-        let mut at = 0usize;
-        let staged: Vec<Option<Staged<B::Chunk>>> = groups
-            .iter()
-            .zip(chunks)
-            .map(|(g, chunk)| {
-                let s = Staged {
-                    offset: g.offset,
-                    bytes: g.bytes,
-                    chunk,
-                    to: g.to,
-                    at,
-                };
-                at += g.bytes;
-                Some(s)
-            })
-            .collect();
+        let staged = stage_in_order(groups, chunks);
         report.acquire_time = t.elapsed();
-        let home = backend.home();
-        let source: Vec<bool> = groups
-            .iter()
-            .map(|g| {
-                let from = table.get(g.offset).map_or(g.to, |e| e.placement);
-                g.to == Location::Host
-                    && from != Location::Host
-                    && home != Location::Host
-                    && backend.maps_a_chunk_twice()
-            })
-            .collect();
+        let source = staged_sources(backend, table, groups);
         let spans = staged
             .iter()
             .map(|c| c.as_ref().map_or((0, 0), |c| (c.at, c.bytes)))
@@ -528,6 +503,48 @@ fn undo_done<B: Backend>(
             ),
         }
     }
+}
+
+/// The new chunks of `groups`, one each in order, placed one after the other
+/// in the temporary range.
+fn stage_in_order<C>(groups: &[Group], chunks: Vec<C>) -> Vec<Option<Staged<C>>> {
+    let mut at = 0usize;
+    groups
+        .iter()
+        .zip(chunks)
+        .map(|(g, chunk)| {
+            let s = Staged {
+                offset: g.offset,
+                bytes: g.bytes,
+                chunk,
+                to: g.to,
+                at,
+            };
+            at += g.bytes;
+            Some(s)
+        })
+        .collect()
+}
+
+/// For each group, whether its *old* chunks are staged rather than its new
+/// one: a move from a GPU's memory to the host, on a backend that maps a
+/// chunk twice.
+fn staged_sources<B: Backend>(
+    backend: &B,
+    table: &ChunkTable<B::Chunk>,
+    groups: &[Group],
+) -> Vec<bool> {
+    let home = backend.home();
+    groups
+        .iter()
+        .map(|g| {
+            let from = table.get(g.offset).map_or(g.to, |e| e.placement);
+            g.to == Location::Host
+                && from != Location::Host
+                && home != Location::Host
+                && backend.maps_a_chunk_twice()
+        })
+        .collect()
 }
 
 /// Puts the old chunks `olds` (offset, chunk) back over `[offset, offset +
