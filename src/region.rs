@@ -668,29 +668,7 @@ impl<B: Backend> Region<B> {
             b.give(self.table.mapped_bytes());
         }
         let _ = self.table.set_len(0);
-        let mut ok = unmap && self.poisoned.is_none();
-        if ok {
-            for (o, (b, _)) in std::mem::take(&mut self.ghosts) {
-                if let Err(e) = backend.unmap(&mut res, o, b) {
-                    tracing::error!(error = %e, "vmmbuf: unmapping a moved chunk's old address while closing failed");
-                    ok = false;
-                    break;
-                }
-            }
-        }
-        if ok {
-            // One call per run of adjacent chunks (the cost is per call and
-            // mapping, and one call unmaps several whole mappings): a
-            // buffer's chunks, which tile its capacity, go in one.
-            let runs = self.table.runs();
-            for (o, b) in runs {
-                if let Err(e) = backend.unmap(&mut res, o, b) {
-                    tracing::error!(error = %e, "vmmbuf: unmapping a chunk while closing failed");
-                    ok = false;
-                    break;
-                }
-            }
-        }
+        let ok = unmap && self.poisoned.is_none() && self.unmap_everything(&backend, &mut res);
         let gone = self.table.split_off(0);
         if ok {
             for (_, e) in gone {
@@ -708,6 +686,27 @@ impl<B: Backend> Region<B> {
         for c in self.quarantine.drain(..) {
             let _ = backend.release(c);
         }
+    }
+
+    /// Unmaps every moved chunk's old address and every run of chunks (one
+    /// call per run of adjacent chunks: the cost is per call and mapping,
+    /// and one call unmaps several whole mappings, so a buffer's chunks,
+    /// which tile its capacity, go in one). False at the first failure
+    /// (logged).
+    fn unmap_everything(&mut self, backend: &Arc<B>, res: &mut B::Reservation) -> bool {
+        for (o, (b, _)) in std::mem::take(&mut self.ghosts) {
+            if let Err(e) = backend.unmap(res, o, b) {
+                tracing::error!(error = %e, "vmmbuf: unmapping a moved chunk's old address while closing failed");
+                return false;
+            }
+        }
+        for (o, b) in self.table.runs() {
+            if let Err(e) = backend.unmap(res, o, b) {
+                tracing::error!(error = %e, "vmmbuf: unmapping a chunk while closing failed");
+                return false;
+            }
+        }
+        true
     }
 }
 
