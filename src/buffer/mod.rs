@@ -75,6 +75,26 @@ pub struct BufferDesc {
 }
 
 impl BufferDesc {
+    /// The reservation in bytes rounded to the granularity `g`, and the
+    /// growth policy resolved for it; a description that can make no buffer
+    /// is refused (no bytes, sizes that overflow, an alignment that is not a
+    /// power of two up to `g`).
+    fn sizes(&self, g: usize) -> Result<(usize, GrowthPolicy)> {
+        if self.max_bytes == 0 {
+            return Err(Error::invalid("max_bytes is 0"));
+        }
+        let reserved = round_up(self.max_bytes, g)
+            .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", self.max_bytes)))?;
+        let growth = self.growth.resolve(g)?;
+        if !self.alignment.is_power_of_two() || self.alignment > g {
+            return Err(Error::invalid(format!(
+                "alignment {} is not a power of two up to the granularity {g}",
+                self.alignment
+            )));
+        }
+        Ok((reserved, growth))
+    }
+
     /// A description reserving `max_bytes`, with the default growth policy,
     /// home placement and read-write access.
     pub fn new(max_bytes: usize) -> Self {
@@ -277,21 +297,10 @@ impl<B: Backend> GrowableBuffer<B> {
     }
 
     fn build(backend: Arc<B>, desc: BufferDesc, pool: Option<Arc<ChunkPool<B>>>) -> Result<Self> {
-        if desc.max_bytes == 0 {
-            return Err(Error::invalid("max_bytes is 0"));
-        }
         let home = backend.home();
         let placement = desc.placement.unwrap_or(home);
         let granularity = backend.granularity(placement)?;
-        let reserved = round_up(desc.max_bytes, granularity)
-            .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", desc.max_bytes)))?;
-        let growth_policy = desc.growth.resolve(granularity)?;
-        if !desc.alignment.is_power_of_two() || desc.alignment > granularity {
-            return Err(Error::invalid(format!(
-                "alignment {} is not a power of two up to the granularity {granularity}",
-                desc.alignment
-            )));
-        }
+        let (reserved, growth_policy) = desc.sizes(granularity)?;
         let mut grants = vec![AccessDesc::new(home, desc.access)];
         if home != Location::Host {
             grants.push(AccessDesc::new(Location::Host, desc.access));
@@ -313,11 +322,7 @@ impl<B: Backend> GrowableBuffer<B> {
             granularity,
             "vmmbuf: reserved"
         );
-        let migration_policy = match placement {
-            p if p == home => MigrationPolicy::Default,
-            Location::Host => MigrationPolicy::PreferHost,
-            Location::Device(d) => MigrationPolicy::PreferDevice(d),
-        };
+        let migration_policy = MigrationPolicy::placing_at(placement, home);
         Ok(Self {
             backend,
             base,

@@ -26,6 +26,18 @@ pub enum MigrationPolicy {
     ReadMostly,
 }
 
+impl MigrationPolicy {
+    /// The policy that places chunks at `placement` on a backend whose home
+    /// is `home`.
+    pub(crate) fn placing_at(placement: Location, home: Location) -> Self {
+        match placement {
+            p if p == home => MigrationPolicy::Default,
+            Location::Host => MigrationPolicy::PreferHost,
+            Location::Device(d) => MigrationPolicy::PreferDevice(d),
+        }
+    }
+}
+
 /// Several moves, executed together: all copies are issued on one stream and
 /// waited for once. The VMM counterpart of a prefetch plan.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
