@@ -28,16 +28,7 @@ impl<B: Backend> GrowableBuffer<B> {
     /// the importer's end is closed (after which `to` stays unusable);
     /// the buffer is unchanged either way.
     pub fn publish(&self, to: &mut Exporter) -> Result<u64> {
-        if to.broken {
-            return Err(Error::PeerGone {
-                reason: "an earlier publish to this peer failed part-way".into(),
-            });
-        }
-        if !self.shareable {
-            return Err(Error::Unsupported {
-                what: "publishing a buffer not created shareable (BufferDesc::shareable)".into(),
-            });
-        }
+        self.check_publish(to)?;
         let g = self.inner.lock();
         g.check_poison()?;
         let d = describe(
@@ -76,11 +67,7 @@ impl<B: Backend> GrowableBuffer<B> {
             to.broken = true;
             return Err(e);
         }
-        to.sent = records
-            .iter()
-            .map(|r| (r.offset, (r.bytes, r.id)))
-            .collect();
-        to.generation = generation;
+        to.sent_now(&records, generation);
         tracing::debug!(
             generation,
             chunks = records.len(),
@@ -88,6 +75,22 @@ impl<B: Backend> GrowableBuffer<B> {
             "vmmbuf: published"
         );
         Ok(generation)
+    }
+
+    /// Refuses a publish to a peer an earlier one failed part-way to, or of
+    /// a buffer not created shareable.
+    fn check_publish(&self, to: &Exporter) -> Result<()> {
+        if to.broken {
+            return Err(Error::PeerGone {
+                reason: "an earlier publish to this peer failed part-way".into(),
+            });
+        }
+        if !self.shareable {
+            return Err(Error::Unsupported {
+                what: "publishing a buffer not created shareable (BufferDesc::shareable)".into(),
+            });
+        }
+        Ok(())
     }
 }
 

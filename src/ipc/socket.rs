@@ -160,6 +160,16 @@ pub struct Exporter {
 }
 
 impl Exporter {
+    /// `records` of generation `generation` reached the peer: what it maps
+    /// now.
+    pub(crate) fn sent_now(&mut self, records: &[Record], generation: u64) {
+        self.sent = records
+            .iter()
+            .map(|r| (r.offset, (r.bytes, r.id)))
+            .collect();
+        self.generation = generation;
+    }
+
     /// An exporter over a connected Unix stream socket, sending each new
     /// chunk as a POSIX file descriptor.
     pub fn new(socket: UnixStream) -> Self {
