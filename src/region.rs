@@ -18,6 +18,31 @@ use crate::location::{AccessDesc, Grants, Location};
 use crate::pool::{Budget, BudgetHold};
 use crate::table::{ChunkTable, Entry};
 
+/// A failed swap put back as it was: what was `mapped` unmapped, what was
+/// `removed` mapped again with its access and back in the `table`, last
+/// first. The first failure of that undo (the caller poisons the region).
+#[cfg(unix)]
+fn put_back<B: Backend>(
+    backend: &B,
+    res: &mut B::Reservation,
+    table: &mut ChunkTable<B::Chunk>,
+    mapped: Vec<(usize, usize)>,
+    removed: Vec<Removed<B::Chunk>>,
+) -> Result<()> {
+    let mut undo = Ok(());
+    for (o, bytes) in mapped.into_iter().rev() {
+        undo = undo.and(backend.unmap(res, o, bytes));
+    }
+    for (o, entry) in removed.into_iter().rev() {
+        let list = entry.driver_access();
+        undo = undo
+            .and_then(|()| backend.map(res, o, &entry.chunk))
+            .and_then(|()| backend.set_access(res, o, entry.bytes, &list));
+        table.insert(o, entry).expect("it was there");
+    }
+    undo
+}
+
 /// A failed mapping's error, and the chunks that came back unmapped (none
 /// if the undo failed too and they were quarantined).
 pub(crate) type Failed<C> = (Error, Vec<NewChunk<C>>);
@@ -451,20 +476,8 @@ impl<B: Backend> Region<B> {
             Ok::<(), Error>(())
         })();
         if let Err(e) = step {
-            // Put it back as it was; a failure here poisons.
-            let mut undo = Ok(());
-            for (o, bytes) in mapped.into_iter().rev() {
-                undo = undo.and(backend.unmap(res, o, bytes));
-            }
-            for (o, entry) in removed.into_iter().rev() {
-                let list = entry.driver_access();
-                undo = undo
-                    .and_then(|()| backend.map(res, o, &entry.chunk))
-                    .and_then(|()| backend.set_access(res, o, entry.bytes, &list));
-                table.insert(o, entry).expect("it was there");
-            }
             let fresh: Vec<NewChunk<B::Chunk>> = fresh.into_iter().map(|(_, c)| c).collect();
-            return match undo {
+            return match put_back(&*backend, res, table, mapped, removed) {
                 Ok(()) => Err((e, fresh)),
                 Err(u) => {
                     self.poison(
