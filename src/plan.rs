@@ -177,14 +177,7 @@ pub(crate) fn plan_growth(req: &GrowthRequest<'_>) -> Result<Vec<Planned>> {
 /// (for `Exact` and `Fixed`, which map a known number of chunks whatever the
 /// pool holds) more mappings than a process can hold, before building it.
 fn check_request(req: &GrowthRequest<'_>) -> Result<()> {
-    let GrowthRequest {
-        policy,
-        granularity: g,
-        at,
-        target,
-        limit,
-        ..
-    } = *req;
+    let (g, at, target, limit) = (req.granularity, req.at, req.target, req.limit);
     if target > limit {
         return Err(Error::ReservationExhausted {
             requested_bytes: target,
@@ -200,6 +193,7 @@ fn check_request(req: &GrowthRequest<'_>) -> Result<()> {
         return Ok(());
     }
     let overflow = || Error::invalid(format!("growing to {target} bytes overflows"));
+    let policy = req.policy;
     let count = match policy {
         GrowthPolicy::Exact => round_up(target - at, g).ok_or_else(overflow)? / g,
         GrowthPolicy::Fixed { chunk_bytes } => (target - at).div_ceil(chunk_bytes),
