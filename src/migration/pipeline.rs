@@ -209,44 +209,16 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
     /// is queued, so the swaps run back to back while the copies trail
     /// behind, and its staged chunks are unmapped once all copies are done.
     fn copy_and_swap(&mut self) -> std::result::Result<(), Failed<B::Chunk>> {
-        let backend = self.mover.backend;
         let rw = self.rw();
         let n = self.staged.len();
         let mut in_flight: Option<InFlight<B::Fence>> = None;
         for i in 0..=n {
             let prev = if i < n && self.source[i] {
-                // Staged already: swap the new chunk in, copy into it.
-                let (at, bytes) = self.spans[i];
-                let offset = self.staged[i].as_ref().expect("not swapped yet").offset;
-                let t = Instant::now();
-                let c = self.staged[i].take().expect("not swapped yet");
-                self.swap_in_place(c)?;
-                self.report.swap_time += t.elapsed();
-                backend
-                    .copy(self.res, offset, &self.tmp, at, bytes)
-                    .map_err(Failed::Before)?;
+                self.swap_then_copy(i)?;
                 None
             } else if i < n {
-                let (at, bytes) = self.spans[i];
-                let offset = self.staged[i].as_ref().expect("not swapped yet").offset;
-                let queued = {
-                    // Stage the new chunk and copy into it.
-                    let t = Instant::now();
-                    let c = self.staged[i].as_ref().expect("not swapped yet");
-                    let r = backend.map(&mut self.tmp, at, &c.chunk);
-                    if r.is_ok() {
-                        self.tmp_mapped[i] = bytes;
-                    }
-                    let r = r
-                        .and_then(|_| backend.set_access(&mut self.tmp, at, bytes, &rw))
-                        .and_then(|_| backend.copy(&mut self.tmp, at, self.res, offset, bytes));
-                    self.report.stage_time += t.elapsed();
-                    r
-                };
-                let fence = queued
-                    .and_then(|_| backend.copies_fence())
-                    .map_err(Failed::Before)?;
-                in_flight.replace((i, fence, false, at, bytes))
+                let queued = self.stage_and_copy(i, &rw)?;
+                in_flight.replace(queued)
             } else {
                 in_flight.take()
             };
@@ -256,20 +228,70 @@ impl<'p, 'a, B: Backend> Pipeline<'p, 'a, B> {
             }
         }
         if self.source.iter().any(|&s| s) {
-            let t = Instant::now();
-            backend.wait_copies().map_err(Failed::Before)?;
-            self.report.copy_time += t.elapsed();
-            let t = Instant::now();
-            for k in 0..n {
-                if self.source[k] && self.tmp_mapped[k] > 0 {
-                    backend
-                        .unmap(&mut self.tmp, self.spans[k].0, self.tmp_mapped[k])
-                        .map_err(Failed::Before)?;
-                    self.tmp_mapped[k] = 0;
-                }
-            }
-            self.report.swap_time += t.elapsed();
+            self.release_staged_sources()?;
         }
+        Ok(())
+    }
+
+    /// Group `i`, whose old chunks are staged already: the new chunk
+    /// swapped in, then the copy into it queued.
+    fn swap_then_copy(&mut self, i: usize) -> std::result::Result<(), Failed<B::Chunk>> {
+        let (at, bytes) = self.spans[i];
+        let c = self.staged[i].take().expect("not swapped yet");
+        let offset = c.offset;
+        let t = Instant::now();
+        self.swap_in_place(c)?;
+        self.report.swap_time += t.elapsed();
+        self.mover
+            .backend
+            .copy(self.res, offset, &self.tmp, at, bytes)
+            .map_err(Failed::Before)
+    }
+
+    /// Group `i`: its new chunk staged in the temporary range (with `rw`
+    /// access) and the copy into it queued; the group in flight, with the
+    /// fence after its copy.
+    fn stage_and_copy(
+        &mut self,
+        i: usize,
+        rw: &[AccessDesc],
+    ) -> std::result::Result<InFlight<B::Fence>, Failed<B::Chunk>> {
+        let backend = self.mover.backend;
+        let (at, bytes) = self.spans[i];
+        let c = self.staged[i].as_ref().expect("not swapped yet");
+        let offset = c.offset;
+        let t = Instant::now();
+        let r = backend.map(&mut self.tmp, at, &c.chunk);
+        if r.is_ok() {
+            self.tmp_mapped[i] = bytes;
+        }
+        let queued = r
+            .and_then(|_| backend.set_access(&mut self.tmp, at, bytes, rw))
+            .and_then(|_| backend.copy(&mut self.tmp, at, self.res, offset, bytes));
+        self.report.stage_time += t.elapsed();
+        let fence = queued
+            .and_then(|_| backend.copies_fence())
+            .map_err(Failed::Before)?;
+        Ok((i, fence, false, at, bytes))
+    }
+
+    /// Once every copy out of staged old chunks has run: their temporary
+    /// mappings go.
+    fn release_staged_sources(&mut self) -> std::result::Result<(), Failed<B::Chunk>> {
+        let backend = self.mover.backend;
+        let t = Instant::now();
+        backend.wait_copies().map_err(Failed::Before)?;
+        self.report.copy_time += t.elapsed();
+        let t = Instant::now();
+        for k in 0..self.staged.len() {
+            if self.source[k] && self.tmp_mapped[k] > 0 {
+                backend
+                    .unmap(&mut self.tmp, self.spans[k].0, self.tmp_mapped[k])
+                    .map_err(Failed::Before)?;
+                self.tmp_mapped[k] = 0;
+            }
+        }
+        self.report.swap_time += t.elapsed();
         Ok(())
     }
 
