@@ -308,6 +308,23 @@ fn push(
     Ok(())
 }
 
+/// The bytes a reservation of `max_bytes` takes at granularity `g`, for
+/// allocations aligned to `alignment`; refused (`InvalidArgument`, in
+/// words) with no bytes, an alignment that is not a power of two up to
+/// `g`, or a size that overflows. The one check of an arena's and a
+/// buffer's description.
+pub(crate) fn reservation(max_bytes: usize, alignment: usize, g: usize) -> Result<usize> {
+    if max_bytes == 0 {
+        return Err(Error::invalid("max_bytes is 0"));
+    }
+    if !alignment.is_power_of_two() || alignment > g {
+        return Err(Error::invalid(format!(
+            "alignment {alignment} is not a power of two up to the granularity {g}"
+        )));
+    }
+    round_up(max_bytes, g).ok_or_else(|| Error::invalid(format!("max_bytes {max_bytes} overflows")))
+}
+
 /// `x` rounded up to a multiple of `align` (a power of two), or `None` on overflow.
 pub(crate) fn round_up(x: usize, align: usize) -> Option<usize> {
     debug_assert!(align.is_power_of_two());

@@ -115,17 +115,7 @@ impl ArenaDesc {
     /// (no bytes, an alignment that is not a power of two up to `g`,
     /// sizes that overflow).
     pub(super) fn sizes(&self, g: usize) -> Result<(usize, usize)> {
-        if self.max_bytes == 0 {
-            return Err(Error::invalid("max_bytes is 0"));
-        }
-        if !self.alignment.is_power_of_two() || self.alignment > g {
-            return Err(Error::invalid(format!(
-                "alignment {} is not a power of two up to the granularity {g}",
-                self.alignment
-            )));
-        }
-        let reserved = round_up(self.max_bytes, g)
-            .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", self.max_bytes)))?;
+        let reserved = crate::plan::reservation(self.max_bytes, self.alignment, g)?;
         let chunk_bytes = round_up(self.max_chunk_bytes.max(1), g)
             .ok_or_else(|| Error::invalid("max_chunk_bytes overflows"))?;
         Ok((reserved, chunk_bytes))

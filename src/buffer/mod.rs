@@ -25,7 +25,7 @@ use crate::backend::{Backend, Uses};
 use crate::error::{Error, Result};
 use crate::location::{Access, AccessDesc, Location};
 use crate::migration::MigrationPolicy;
-use crate::plan::{round_up, GrowthPolicy};
+use crate::plan::GrowthPolicy;
 use crate::pool::{ChunkPool, ChunkSource, Driver};
 use crate::ranges::PlacementRanges;
 use crate::region::Region;
@@ -75,23 +75,12 @@ pub struct BufferDesc {
 }
 
 impl BufferDesc {
-    /// The reservation in bytes rounded to the granularity `g`, and the
-    /// growth policy resolved for it; a description that can make no buffer
-    /// is refused (no bytes, sizes that overflow, an alignment that is not a
-    /// power of two up to `g`).
+    /// The reservation in bytes rounded to the granularity `g`
+    /// ([`reservation`](crate::plan::reservation)'s checks), and the growth
+    /// policy resolved for it.
     fn sizes(&self, g: usize) -> Result<(usize, GrowthPolicy)> {
-        if self.max_bytes == 0 {
-            return Err(Error::invalid("max_bytes is 0"));
-        }
-        let reserved = round_up(self.max_bytes, g)
-            .ok_or_else(|| Error::invalid(format!("max_bytes {} overflows", self.max_bytes)))?;
+        let reserved = crate::plan::reservation(self.max_bytes, self.alignment, g)?;
         let growth = self.growth.resolve(g)?;
-        if !self.alignment.is_power_of_two() || self.alignment > g {
-            return Err(Error::invalid(format!(
-                "alignment {} is not a power of two up to the granularity {g}",
-                self.alignment
-            )));
-        }
         Ok((reserved, growth))
     }
 
