@@ -136,7 +136,8 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             self.cover_owed(&mut st, stream);
         }
         let (offset, from_held) = self.place(&mut st, size, bytes, key, graph)?;
-        let uses = self.note_live(&mut st, offset, size, bytes, key, graph, from_held);
+        let uses = st.heap.note_live(offset, size, bytes, key, graph);
+        self.count_alloc(&mut st, offset, size, bytes, from_held);
         drop(st);
         Ok(self.handle(offset, size, bytes, stream, uses))
     }
@@ -246,24 +247,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             }
             Err(e) => Err(e),
         }
-    }
-
-    /// Records the allocation at `offset` as live (and its graph's count),
-    /// and counts it; its record of uses.
-    #[allow(clippy::too_many_arguments)]
-    fn note_live(
-        &self,
-        st: &mut State<B>,
-        offset: usize,
-        size: usize,
-        bytes: usize,
-        key: StreamKey,
-        graph: Option<GraphPoolId>,
-        from_held: bool,
-    ) -> Arc<Uses<B::Fence>> {
-        let uses = st.heap.note_live(offset, size, bytes, key, graph);
-        self.count_alloc(st, offset, size, bytes, from_held);
-        uses
     }
 
     /// Counts an allocation of `size` bytes (`bytes` asked for) at

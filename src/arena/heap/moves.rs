@@ -135,12 +135,7 @@ impl<F> Heap<F> {
                     .carve_for(zk, keep.start, keep.len(), key, || marks(key, seq))
                     .is_some()
             {
-                let free = Free {
-                    size: keep.len(),
-                    stream: Some(key),
-                    fences: marks(key, seq),
-                };
-                self.insert_free(keep.start, free, walls);
+                self.insert_free(keep.start, pending(key, seq, keep.len()), walls);
             }
         }
         to - at
@@ -162,13 +157,18 @@ impl<F> Heap<F> {
             self.insert_fresh_for(z, offset, bytes, key, walls);
             return false;
         }
-        let free = Free {
-            size: bytes,
-            stream: Some(key),
-            fences: marks(key, seq),
-        };
-        self.insert_free(offset, free, walls);
+        self.insert_free(offset, pending(key, seq, bytes), walls);
         true
+    }
+}
+
+/// `size` free bytes that are `key`'s alone until the move's mark (`seq`
+/// on `key`) has passed.
+fn pending<F>(key: StreamKey, seq: u64, size: usize) -> Free<Mark<F>> {
+    Free {
+        size,
+        stream: Some(key),
+        fences: marks(key, seq),
     }
 }
 

@@ -95,15 +95,18 @@ pub(crate) fn capture_pool(dev: c_int, stream: *mut c_void, pool: PoolId) -> Res
     let Some(c) = vmmbuf::cuda::capture_state(&s)?.into_active() else {
         return Ok(false);
     };
-    let g = match super::Settings::get().share_graph_pools {
-        true => match d.pools.shared.get(&pool) {
-            Some(&g) => g,
-            None => new_shared_id(),
-        },
-        false => d.graph_pool(&c)?,
+    let share = super::Settings::get().share_graph_pools;
+    let g = match share {
+        true => d
+            .pools
+            .shared
+            .get(&pool)
+            .copied()
+            .unwrap_or_else(new_shared_id),
+        false => c.pool(),
     };
     d.join_pool(&c, g)?;
-    if super::Settings::get().share_graph_pools {
+    if share {
         d.pools.shared.insert(pool, g);
     }
     d.pools.of_graph.insert(g, pool);
