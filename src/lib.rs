@@ -131,13 +131,12 @@ mod pool;
 mod ranges;
 mod region;
 mod report;
+mod sleep;
 mod table;
 
 // About twenty names at the root (listed in the crate's docs): what most
 // users name. The rest lives in the modules below.
-pub use arena::{
-    Allocation, Arena, ArenaDesc, ArenaStream, GraphPoolId, SleepDesc, SleepMode, WakeDesc,
-};
+pub use arena::{Allocation, Arena, ArenaDesc, ArenaStream, GraphPoolId};
 pub use backend::cuda::CudaBackend;
 #[cfg(target_os = "linux")]
 pub use backend::host::HostBackend;
@@ -148,6 +147,7 @@ pub use location::{Access, AccessDesc, Location};
 pub use order::StreamKey;
 pub use plan::GrowthPolicy;
 pub use pool::{Budget, ChunkPool, PoolDesc};
+pub use sleep::{SleepDesc, SleepMode, WakeDesc};
 
 /// What a [`Backend`]'s methods name besides the trait: the mark of
 /// backends whose memory the CPU can be given access to, and the slot a
@@ -187,8 +187,9 @@ pub mod trace {
 /// Counters and reports: a buffer's, an arena's, a pool's, and the
 /// backend's live handles.
 pub mod stats {
-    pub use crate::arena::{ArenaSnapshot, ArenaStats, BlockInfo, SleepReport, StatValue};
+    pub use crate::arena::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
     pub use crate::backend::LiveCounts;
     pub use crate::pool::PoolStats;
     pub use crate::report::{BufferStats, Bytes, ChunkInfo, Report};
+    pub use crate::sleep::SleepReport;
 }

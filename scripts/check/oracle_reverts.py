@@ -96,8 +96,8 @@ elif name == "d1":
          "let Some(i) = d.covers.iter().position(|_| true) else {")
 elif name == "w1":
     # A wake counts only the graph-held ranges that start in a run.
-    edit("src/arena/sleep/unmapped.rs", "held.extend(st.heap.graph_held().filter_map(cut));",
-         "held.extend(st.heap.graph_held().filter(|l| l.0 >= o && l.0 < o + b));")
+    edit("src/sleep/unmapped.rs", "held.extend(graphs.iter().copied().filter_map(cut));",
+         "held.extend(graphs.iter().copied().filter(|l| l.0 >= o && l.0 < o + b));")
 elif name == "b1":
     # Waiting before growth takes another stream's pending block as settled
     # without waiting for its fences.

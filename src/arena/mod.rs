@@ -6,6 +6,7 @@ mod alloc;
 mod allocation;
 mod desc;
 mod heap;
+mod host;
 use heap::{blocks, graph, owed};
 mod mapping;
 mod moves;
@@ -16,7 +17,6 @@ mod trace;
 pub use allocation::Allocation;
 pub use desc::ArenaDesc;
 pub use graph::GraphPoolId;
-pub use sleep::{SleepDesc, SleepMode, SleepReport, WakeDesc};
 use stats::SplitCount;
 pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
 
@@ -35,10 +35,10 @@ use crate::location::{Access, AccessDesc, Location};
 use crate::plan::round_up;
 use crate::pool::{Budget, ChunkPool, PoolDesc};
 use crate::region::Region;
+use crate::sleep::SleepState;
 use blocks::{Free, StreamKey};
 use heap::Heap;
 use owed::Mark;
-use sleep::SleepState;
 
 /// A queue of work an allocation belongs to: for CUDA an `Arc<CudaStream>`;
 /// for the host backend a [`HostStream`].
@@ -198,8 +198,8 @@ struct State<B: Backend> {
     /// the peers.
     access: Vec<AccessDesc>,
     /// What the sleep keeps: what is asleep, the stash, the backups kept
-    /// past a wake (see [`sleep`]).
-    sleep: SleepState<B>,
+    /// past a wake (see [`crate::sleep`]).
+    sleep: SleepState<B, Mark<B::Fence>>,
 }
 
 struct Shared<B: Backend> {
@@ -224,12 +224,6 @@ struct Shared<B: Backend> {
     last_stream: [std::sync::atomic::AtomicU64; 2],
     placement: Location,
     syncs_at_start: u64,
-    /// Where a [`SleepMode::Disk`] sleep writes its files
-    /// ([`Arena::set_spill_dir`]).
-    spill_dir: Mutex<Option<std::path::PathBuf>>,
-    /// The most bytes one file of a disk sleep holds; 0: a file per chunk
-    /// ([`Arena::set_spill_file_bytes`]).
-    spill_file_bytes: std::sync::atomic::AtomicUsize,
     state: Mutex<State<B>>,
     trace: Mutex<Option<trace::TraceSink>>,
     /// Whether `trace` holds a sink: read at every alloc without taking
@@ -359,8 +353,6 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
                 last_stream: Default::default(),
                 placement,
                 syncs_at_start,
-                spill_dir: Mutex::new(None),
-                spill_file_bytes: std::sync::atomic::AtomicUsize::new(0),
                 state: Mutex::new(State::new(region, g, &desc, placement, access)),
                 trace: Mutex::new(None),
                 tracing: std::sync::atomic::AtomicBool::new(false),

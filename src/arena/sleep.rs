@@ -1,397 +1,21 @@
-//! Sleep and wake: an arena's memory goes back to the driver while its
-//! allocations keep their addresses, either with the data (kept in pinned
-//! host memory, reachable by kernels and the CPU while asleep) or without
-//! (discarded: the contents are undefined after the wake). What RL
-//! post-training runs between rollout and training, and what an inference
-//! server's sleep mode needs.
-//!
-//! Every driver call costs per mapping (`cuMemSetAccess` ~20 us, `cuMemUnmap`
-//! ~13 us for a 2 MiB chunk), so a sleep joins each run of the arena's small
-//! chunks into pieces of up to [`SleepDesc::max_piece_bytes`], and the wake
-//! maps device pieces of the same sizes: from the second sleep on, a GiB is
-//! a few mappings, and the copy runs at the link's speed. Host pieces are
-//! kept in the arena's [`ChunkPool`](crate::ChunkPool) after a wake, so a
-//! steady-state sleep pins nothing: one copy pass each way.
+//! The arena's sleep and wake, as its users call them: the arena waits for
+//! its streams and frees and gives whole free chunks back, under its lock,
+//! and hands the rest to [`crate::sleep`] through [`Held`], the arena as a
+//! sleep's [`Host`](crate::sleep::Host). What a sleep keeps and how each mode works is there.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::{Arena, ArenaStream, Mark, Shared, State};
+use super::host::Held;
+use super::{Arena, ArenaStream, Shared, State};
 use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
+#[cfg(doc)]
+use crate::Error;
 use crate::location::Location;
-use crate::migration::{Group, MigrationReport, Mover};
-use crate::order::FenceSet;
-use crate::pool::ChunkSource;
-use crate::region::NewChunk;
-use crate::table::{ChunkTable, Entry};
+use crate::migration::MigrationReport;
+use crate::sleep::{Env, SleepDesc, SleepMode, SleepReport, WakeDesc};
 
 use super::stats::SplitCount;
-
-mod backup;
-mod desc;
-mod keep;
-mod mode;
-mod modes;
-mod pages;
-mod stash;
-mod unmapped;
-
-pub use desc::{SleepDesc, WakeDesc};
-pub use mode::SleepMode;
-
-/// What a sleep or a wake did, and where its time went.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct SleepReport {
-    /// The mode of the sleep (for a wake: of the sleep it ended).
-    pub mode: SleepMode,
-    /// Bytes put to sleep or woken (copied for [`SleepMode::Keep`] and
-    /// [`SleepMode::Stash`], unmapped or mapped again for
-    /// [`SleepMode::Discard`]).
-    pub bytes: usize,
-    /// Chunks those bytes were in before, and after (runs joined).
-    pub chunks_before: usize,
-    /// See `chunks_before`.
-    pub chunks_after: usize,
-    /// Bytes of device memory the arena unmapped (sleep: its free chunks
-    /// too) or mapped (wake).
-    pub device_bytes: usize,
-    /// A wake with [`WakeDesc::restore_free`]: the bytes of free memory
-    /// mapped again (counted in `device_bytes` too). A sleep: the bytes of
-    /// whole free chunks it gave back.
-    pub free_bytes: usize,
-    /// The copy pipeline's phases (a kept sleep and its wake).
-    pub migration: MigrationReport,
-    /// Waiting for the streams, the recorded uses and the pending frees.
-    pub wait_time: Duration,
-    /// The whole call.
-    pub total_time: Duration,
-}
-
-/// An arena asleep.
-#[derive(Debug)]
-pub(super) struct Asleep<F> {
-    pub(super) mode: SleepMode,
-    /// The piece size of the sleep, for the wake.
-    piece: usize,
-    /// Discard and stash: the runs given back, `(offset, bytes)` in address
-    /// order. Nothing is mapped there until the wake, and nothing else may
-    /// be.
-    runs: Vec<(usize, usize)>,
-    /// Discard and stash: fences of the allocations in those runs freed
-    /// while asleep.
-    frees: Vec<FenceSet<F>>,
-    /// Discard and stash: blocks freed while asleep whose fence could not be
-    /// recorded, `(offset, bytes)`: never handed out again.
-    lost: Vec<(usize, usize)>,
-    /// Pageable: each run's data, `(offset, buffer)` in address order (one
-    /// per run, as long as the run), until the wake.
-    paged: Vec<(usize, crate::backend::pages::PageableBuf)>,
-    /// The whole free chunks the sleeps gave back, `(offset, bytes)`, for
-    /// a wake that maps them again ([`WakeDesc::restore_free`]).
-    freed: Vec<(usize, usize)>,
-}
-
-impl<F> Asleep<F> {
-    fn new(mode: SleepMode, piece: usize) -> Self {
-        Self {
-            mode,
-            piece,
-            runs: Vec::new(),
-            frees: Vec::new(),
-            lost: Vec::new(),
-            paged: Vec::new(),
-            freed: Vec::new(),
-        }
-    }
-
-    /// Bytes of the discarded runs.
-    pub(super) fn discarded_bytes(&self) -> usize {
-        self.runs.iter().map(|r| r.1).sum()
-    }
-
-    /// Bytes of the pageable copies.
-    pub(super) fn pageable_bytes(&self) -> usize {
-        pages_bytes(&self.paged)
-    }
-
-    /// Whether `offset` lies in a discarded run.
-    pub(super) fn discarded(&self, offset: usize) -> bool {
-        let i = self.runs.partition_point(|&(o, _)| o <= offset);
-        i > 0 && {
-            let (o, b) = self.runs[i - 1];
-            offset < o + b
-        }
-    }
-
-    /// The parts of `[offset, offset + size)` in no discarded run (a block
-    /// over both, after a sleep cut short between its chunks), in order.
-    pub(super) fn awake_parts(&self, offset: usize, size: usize) -> Vec<std::ops::Range<usize>> {
-        self.exclude(std::iter::once(offset..offset + size).collect())
-    }
-
-    /// Keeps a free's fences of a block in a discarded run: the wake waits
-    /// for them before the bytes are handed out again.
-    pub(super) fn note_free(&mut self, offset: usize, size: usize, fences: Option<FenceSet<F>>) {
-        match fences {
-            Some(f) => self.frees.push(f),
-            None => self.lost.push((offset, size)),
-        }
-    }
-
-    /// `gaps` without the discarded runs.
-    pub(super) fn exclude(&self, gaps: Vec<std::ops::Range<usize>>) -> Vec<std::ops::Range<usize>> {
-        crate::ranges::subtract(gaps, self.runs.iter().copied())
-    }
-}
-
-/// What the arena's sleep keeps, owned here: the rest of the arena asks
-/// through its verbs (is it asleep, which free bytes are awake, what it
-/// holds where).
-pub(super) struct SleepState<B: Backend> {
-    /// Set while the arena sleeps.
-    asleep: Option<Asleep<Mark<B::Fence>>>,
-    /// Where [`SleepMode::Stash`] keeps the data: host pieces mapped at the
-    /// arena's own offsets in a reservation of their own, kept from one
-    /// sleep to the next.
-    stash: Option<crate::region::Region<B>>,
-    /// A pageable sleep's copies kept past its wake
-    /// ([`WakeDesc::keep_backup`]), `(offset, buffer)` in address order:
-    /// readable until the next sleep, which writes into them again.
-    kept_pages: Vec<(usize, crate::backend::pages::PageableBuf)>,
-    /// Whether the last wake kept the host copy (the stash or
-    /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
-    backup_kept: bool,
-}
-
-impl<B: Backend> Default for SleepState<B> {
-    fn default() -> Self {
-        Self {
-            asleep: None,
-            stash: None,
-            kept_pages: Vec::new(),
-            backup_kept: false,
-        }
-    }
-}
-
-impl<B: Backend> SleepState<B> {
-    /// Whether the arena sleeps.
-    pub(super) fn is_asleep(&self) -> bool {
-        self.asleep.is_some()
-    }
-
-    /// Refuses a sleep in `mode` while the arena sleeps in another (a sleep
-    /// in the same mode takes what was woken or made since).
-    pub(super) fn check_mode(&self, mode: SleepMode) -> Result<()> {
-        match &self.asleep {
-            Some(a) if a.mode != mode => Err(Error::invalid(format!(
-                "the arena sleeps in {} mode: wake it before a {} sleep",
-                a.mode, mode
-            ))),
-            _ => Ok(()),
-        }
-    }
-
-    /// The unmapped `regions` where growth may map: a discarded range stays
-    /// unmapped until the wake.
-    pub(super) fn exclude(
-        &self,
-        regions: Vec<std::ops::Range<usize>>,
-    ) -> Vec<std::ops::Range<usize>> {
-        match &self.asleep {
-            Some(a) => a.exclude(regions),
-            None => regions,
-        }
-    }
-
-    /// While asleep, the parts of a freed block `[offset, offset + size)`
-    /// that are mapped (the rest was given back by the sleep); `None`
-    /// awake.
-    pub(super) fn awake_parts(
-        &self,
-        offset: usize,
-        size: usize,
-    ) -> Option<Vec<std::ops::Range<usize>>> {
-        self.asleep.as_ref().map(|a| a.awake_parts(offset, size))
-    }
-
-    /// A free made while asleep, of a block whose memory the sleep gave
-    /// back (in part): its fences, waited for before the wake.
-    pub(super) fn note_free(
-        &mut self,
-        offset: usize,
-        size: usize,
-        fences: Option<FenceSet<Mark<B::Fence>>>,
-    ) {
-        if let Some(a) = self.asleep.as_mut() {
-            a.note_free(offset, size, fences);
-        }
-    }
-
-    /// `(discarded, stash, pageable)` bytes: given back while asleep, in
-    /// the stash's pinned pieces, and in pageable copies.
-    pub(super) fn held_bytes(&self) -> (usize, usize, usize) {
-        let discarded = self.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
-        let stash = self.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
-        let pageable =
-            self.asleep.as_ref().map_or(0, |a| a.pageable_bytes()) + pages_bytes(&self.kept_pages);
-        (discarded, stash, pageable)
-    }
-
-    /// The stash's pieces go to `give` (the arena's drop: their copies were
-    /// waited for when they were made).
-    pub(super) fn close(&mut self, give: impl FnMut(B::Chunk, usize, Location)) {
-        if let Some(stash) = self.stash.as_mut() {
-            stash.close(true, give);
-        }
-    }
-
-    /// The stash's chunk count (tests).
-    #[cfg(all(test, target_os = "linux"))]
-    pub(super) fn stash_pieces(&self) -> usize {
-        self.stash.as_ref().map_or(0, |x| x.table.chunk_count())
-    }
-}
-
-/// Groups the table's chunks that `select` picks into pieces of at most
-/// `max_piece` bytes (a bigger chunk is a group of its own): adjacent
-/// chunks of one placement, access and CPU grant, never across `split_at`
-/// (the arena's zone boundary), each bound for `to`.
-fn plan_groups<C>(
-    table: &ChunkTable<C>,
-    select: impl Fn(usize, &Entry<C>) -> bool,
-    to: Location,
-    max_piece: usize,
-    split_at: usize,
-) -> Vec<Group> {
-    let mut groups: Vec<Group> = Vec::new();
-    let mut first: Option<&Entry<C>> = None;
-    for (o, e) in table.iter() {
-        if !select(o, e) {
-            first = None;
-            continue;
-        }
-        let joins = match (groups.last(), first) {
-            (Some(g), Some(f)) => {
-                g.offset + g.bytes == o
-                    && !(g.offset < split_at && o >= split_at)
-                    && g.bytes + e.bytes <= max_piece
-                    && f.placement == e.placement
-                    && f.cpu == e.cpu
-                    && f.access[..] == e.access[..]
-            }
-            _ => false,
-        };
-        if joins {
-            groups.last_mut().expect("checked").bytes += e.bytes;
-        } else {
-            groups.push(Group {
-                offset: o,
-                bytes: e.bytes,
-                to,
-            });
-            first = Some(e);
-        }
-    }
-    groups
-}
-
-/// The most bytes of a stash's pieces `prepare_sleep` maps under one
-/// hold of the arena's lock (mapping and granting cost ~30 ms per GiB on an
-/// H200).
-/// (Unit tests take 1 MiB, so that their arenas stage in several holds.)
-pub(super) const STAGE_BATCH_BYTES: usize = if cfg!(test) { 1 << 20 } else { 1 << 30 };
-
-/// The arena's free bytes as merged ranges `(start, end)`, in address
-/// order: a sleep gives the whole chunks they cover back before it moves
-/// (once their frees have passed, adjacent free blocks have merged).
-fn free_ranges<B: Backend>(st: &State<B>) -> Vec<(usize, usize)> {
-    let mut blocks: Vec<(usize, usize)> = st
-        .heap
-        .free_blocks()
-        .map(|(o, f)| (o, o + f.size))
-        .collect();
-    blocks.sort_unstable();
-    let mut free: Vec<(usize, usize)> = Vec::new();
-    for (a, b) in blocks {
-        match free.last_mut() {
-            Some(last) if last.1 == a => last.1 = b,
-            _ => free.push((a, b)),
-        }
-    }
-    free
-}
-
-/// Whether the merged `free` ranges cover `[o, o + n)`.
-fn covers(free: &[(usize, usize)], o: usize, n: usize) -> bool {
-    let i = free.partition_point(|&(a, _)| a <= o);
-    i > 0 && free[i - 1].1 >= o + n
-}
-
-/// The pieces `(offset, bytes)` a stashing sleep would copy now: the runs
-/// left mapped once whole free chunks are gone, cut at multiples of
-/// `piece` across chunks, never across the zones' border (as
-/// `sleep_stash` cuts them).
-fn stash_parts<B: Backend>(st: &State<B>, piece: usize) -> Vec<(usize, usize)> {
-    let free = free_ranges(st);
-    let runs = st
-        .region
-        .table
-        .runs_without(|o, e| covers(&free, o, e.bytes));
-    runs.iter()
-        .flat_map(|&(o, b)| pieces(o, b, piece, st.heap.zone_border()))
-        .collect()
-}
-
-/// Whether the stash holds a piece of exactly `n` bytes at `o`.
-fn stash_holds<B: Backend>(st: &State<B>, o: usize, n: usize) -> bool {
-    st.sleep
-        .stash
-        .as_ref()
-        .is_some_and(|x| x.table.get(o).is_some_and(|e| e.bytes == n))
-}
-
-/// The pieces of [`stash_parts`] the stash does not hold yet: what a
-/// stashing sleep would still have to take and map.
-fn stash_missing<B: Backend>(st: &State<B>, piece: usize) -> Vec<(usize, usize)> {
-    stash_parts(st, piece)
-        .into_iter()
-        .filter(|&(o, n)| !stash_holds(st, o, n))
-        .collect()
-}
-
-/// Splits the run `[offset, offset + bytes)` into pieces of at most
-/// `max_piece` (multiples of `g`), never across `split_at`.
-fn pieces(offset: usize, bytes: usize, max_piece: usize, split_at: usize) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let end = offset + bytes;
-    let mut at = offset;
-    while at < end {
-        let limit = if at < split_at {
-            end.min(split_at)
-        } else {
-            end
-        };
-        let n = (limit - at).min(max_piece);
-        out.push((at, n));
-        at += n;
-    }
-    out
-}
-
-/// Bytes of a pageable or disk sleep's copies, `(offset, buffer)`.
-fn pages_bytes(pages: &[(usize, crate::backend::pages::PageableBuf)]) -> usize {
-    pages.iter().map(|p| p.1.len()).sum()
-}
-
-/// How many chunks of `table` the groups cover.
-fn count_in<C>(table: &ChunkTable<C>, groups: &[Group]) -> usize {
-    groups
-        .iter()
-        .map(|g| table.overlapping(g.offset..g.offset + g.bytes).count())
-        .sum()
-}
 
 impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// Puts the arena to sleep: its memory goes back to the driver while
@@ -433,8 +57,9 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn sleep(&self, streams: &[S], desc: &SleepDesc) -> Result<SleepReport> {
         let start = Instant::now();
         let sh = &*self.shared;
-        refuse_under_capture(sh, "a sleep")?;
-        let piece = sh.piece_of(desc)?;
+        let env = sh.env();
+        env.refuse_under_capture("a sleep")?;
+        let piece = env.piece_of(desc)?;
         if desc.mode == SleepMode::Keep {
             crate::migration::check_placement(&*sh.backend, sh.granularity, Location::Host)?;
         }
@@ -460,7 +85,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
         }
         r.migration.dispose_time += t.elapsed();
         r.total_time = start.elapsed();
-        trace_report(&r, false);
+        crate::sleep::trace_report(&r, false);
         tracing::debug!(
             pooled_host_bytes_before = pool_before.pooled_host_bytes,
             pool_hits = sh.pool.stats().hits.saturating_sub(pool_before.hits),
@@ -484,50 +109,31 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn wake(&self, streams: &[S], desc: &WakeDesc) -> Result<SleepReport> {
         let start = Instant::now();
         let sh = &*self.shared;
-        refuse_under_capture(sh, "a wake")?;
+        let env = sh.env();
+        env.refuse_under_capture("a wake")?;
         let mut guard = sh.state.lock();
         let st = &mut *guard;
         st.region.check_poison()?;
-        let Some(asleep) = st.sleep.asleep.take() else {
+        let Some(mode) = st.sleep.mode() else {
             return Ok(SleepReport::default());
         };
         let mut r = SleepReport {
-            mode: asleep.mode,
+            mode,
             ..SleepReport::default()
         };
         let t = Instant::now();
         let waited = sh.quiesce(st, streams);
         r.wait_time = t.elapsed();
-        if let Err(e) = waited {
-            st.sleep.asleep = Some(asleep);
-            return Err(e);
-        }
-        let _span = tracing::debug_span!("vmmbuf.arena.wake", mode = %asleep.mode).entered();
-        let res = match asleep.mode {
-            SleepMode::Keep => sh.wake_keep(st, &asleep, &mut r),
-            _ => sh.wake_discard(st, &asleep, desc.zero, &mut r).map(|()| {
-                if asleep.mode != SleepMode::Discard {
-                    r.migration.bytes_moved = r.bytes;
-                }
-            }),
-        };
-        if let Err(e) = res {
-            st.sleep.asleep = Some(asleep);
+        waited?;
+        if let Err(e) = env.wake(&mut Held { sh, st }, desc, &mut r) {
             sh.count(st);
             return Err(e);
         }
-        if desc.restore_free {
-            r.free_bytes = sh.refill(st, &asleep.freed);
-            if sh.placement != Location::Host {
-                r.device_bytes += r.free_bytes;
-            }
-        }
-        sh.keep_or_shed_backup(st, desc, asleep);
         sh.rebuild_split(st);
         sh.count(st);
         drop(guard);
         r.total_time = start.elapsed();
-        trace_report(&r, true);
+        crate::sleep::trace_report(&r, true);
         Ok(r)
     }
 
@@ -555,8 +161,13 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             return Ok(0);
         }
         let sh = &*self.shared;
-        let piece = sh.piece_of(desc)?;
-        let sizes = sh.pieces_to_prepare(desc.mode, piece)?;
+        let piece = sh.env().piece_of(desc)?;
+        let sizes = {
+            let mut st = sh.state.lock();
+            st.region.check_poison()?;
+            sh.env()
+                .pieces_to_prepare(&Held { sh, st: &mut st }, desc.mode, piece)
+        };
         let made = sh.pool.stock(Location::Host, &sizes)?;
         let staged = match desc.mode {
             SleepMode::Stash => sh.stage_all(piece)?,
@@ -582,20 +193,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// the bytes.
     pub fn release_stash(&self) -> Result<usize> {
         let mut st = self.shared.state.lock();
-        if st
-            .sleep
-            .asleep
-            .as_ref()
-            .is_some_and(|a| a.mode == SleepMode::Stash)
-        {
-            return Err(Error::invalid(
-                "the arena sleeps stashed: its stash holds the data until the wake",
-            ));
-        }
-        // A pageable copy kept past a wake goes back to the system too.
-        let kept = pages_bytes(&std::mem::take(&mut st.sleep.kept_pages));
-        st.sleep.backup_kept = false;
-        let n = kept + self.shared.drop_stash(&mut st)?;
+        let n = st.sleep.release(&self.shared.pool)?;
         self.shared.count(&mut st);
         Ok(n)
     }
@@ -604,7 +202,7 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// (None: none, and such a sleep is refused). It must exist; files of a
     /// sleep already made stay where they are until its wake.
     pub fn set_spill_dir(&self, dir: Option<std::path::PathBuf>) {
-        *self.shared.spill_dir.lock() = dir;
+        self.shared.state.lock().sleep.set_spill_dir(dir);
     }
 
     /// The most bytes one file of a [`SleepMode::Disk`] sleep holds: a
@@ -612,20 +210,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     /// `bytes` long (torch_memory_saver's `TMS_DISK_BACKUP_CHUNK_MB`). 0,
     /// the default: a file per chunk. Sleeps made after the call follow it.
     pub fn set_spill_file_bytes(&self, bytes: usize) {
-        self.shared
-            .spill_file_bytes
-            .store(bytes, std::sync::atomic::Ordering::Relaxed);
+        self.shared.state.lock().sleep.set_spill_file_bytes(bytes);
     }
 
     /// How the arena sleeps now; `None` while awake.
     pub fn sleep_mode(&self) -> Option<SleepMode> {
-        self.shared
-            .state
-            .lock()
-            .sleep
-            .asleep
-            .as_ref()
-            .map(|a| a.mode)
+        self.shared.state.lock().sleep.mode()
     }
 
     /// [`sleep`](Self::sleep) keeping the data, with the default pieces:
@@ -645,39 +235,170 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
     pub fn is_offloaded(&self) -> bool {
         self.sleep_mode() == Some(SleepMode::Keep)
     }
-}
-
-/// A sleep and a wake wait for the streams' work and copy synchronously:
-/// refused, before anything changes, while a CUDA graph capture may be
-/// under way (CUDA would refuse those calls and invalidate the capture).
-fn refuse_under_capture<B: Backend>(sh: &Shared<B>, what: &'static str) -> Result<()> {
-    if sh.backend.capture_underway() {
-        return Err(Error::CaptureUnderway { what });
+    /// Copies the bytes a stashing or pageable sleep kept for `[address,
+    /// address + dst.len())` into `dst`, while the arena is asleep in
+    /// [`SleepMode::Stash`] or [`SleepMode::Pageable`], or awake after a
+    /// wake that kept the backup ([`WakeDesc::keep_backup`]):
+    /// torch_memory_saver's `get_cpu_backup`. True; false, with `dst`
+    /// untouched, when there is no such backup, or it does not hold every
+    /// byte of the range (a range outside the arena, or outside what was
+    /// mapped at the sleep). Synchronous; the backup stays as it is.
+    pub fn read_backup(&self, address: u64, dst: &mut [u8]) -> Result<bool> {
+        let Some((offset, _)) = self.offsets(address, dst.len()) else {
+            return Ok(false);
+        };
+        let sh = &*self.shared;
+        sh.state.lock().sleep.read_backup(&sh.backend, offset, dst)
     }
-    Ok(())
+
+    /// The host address at which the copy a [`SleepMode::Pageable`] or
+    /// [`SleepMode::Disk`] sleep kept of `[address, address + len)` lies,
+    /// whole and readable by the CPU (while asleep, or after a wake that
+    /// kept it), or `None`: torch_memory_saver's
+    /// `get_cpu_backup(zero_copy=True)`. The address stays valid, and
+    /// stays the same, until the copy goes: a wake that does not keep it,
+    /// [`release_stash`](Self::release_stash), or the arena's drop; a later
+    /// sleep reuses it where the runs are the same (its bytes then change).
+    /// Reading through it after that is the caller's fault, as after any
+    /// free. An empty range has none. A [`SleepMode::Stash`] copy (pinned
+    /// host memory mapped in the stash's own reservation) is offered too:
+    /// its pieces are mapped for the device, and the host's access is
+    /// given to the ones the range covers first (the CPU faults reading
+    /// them otherwise). The stash's pieces stay at their addresses between
+    /// sleeps of the same runs, so the address then stays the same.
+    pub fn backup_address(&self, address: u64, len: usize) -> Result<Option<u64>> {
+        let Some((offset, end)) = self.offsets(address, len) else {
+            return Ok(None);
+        };
+        if len == 0 {
+            return Ok(None);
+        }
+        let sh = &*self.shared;
+        sh.state
+            .lock()
+            .sleep
+            .backup_address(&sh.backend, offset, end)
+    }
+
+    /// Whether a backup readable now (a sleep's, or one a wake kept) holds
+    /// every byte of `[address, address + len)`: what
+    /// [`read_backup`](Self::read_backup) would find, asked without a
+    /// buffer (a caller sizes one only for a backup that exists).
+    pub fn holds_backup(&self, address: u64, len: usize) -> bool {
+        let Some((offset, end)) = self.offsets(address, len) else {
+            return false;
+        };
+        self.shared.state.lock().sleep.holds_backup(offset, end)
+    }
+
+    /// `[address, address + len)` as offsets in the arena, if it starts in
+    /// it.
+    fn offsets(&self, address: u64, len: usize) -> Option<(usize, usize)> {
+        let offset = usize::try_from(address.checked_sub(self.shared.base)?).ok()?;
+        Some((offset, offset.checked_add(len)?))
+    }
 }
 
-/// A sleep's or a wake's report at debug level (`VMMBUF_LOG=debug`), with
-/// where its time went: a pause that pins host memory anew shows it in
-/// `acquire_us`, one that waits for the GPU in `wait_us`.
-fn trace_report(r: &SleepReport, awake: bool) {
-    let us = |d: std::time::Duration| d.as_micros() as u64;
-    let m = &r.migration;
-    let (total, wait, acquire) = (us(r.total_time), us(r.wait_time), us(m.acquire_time));
-    let (stage, copy, swap, dispose) = (
-        us(m.stage_time),
-        us(m.copy_time),
-        us(m.swap_time),
-        us(m.dispose_time),
-    );
-    let (mode, bytes, free) = (r.mode, r.bytes, r.free_bytes);
-    let (chunks, pieces) = (r.chunks_before, r.chunks_after);
-    if awake {
-        tracing::debug!(%mode, bytes, free_bytes = free, total_us = total, acquire_us = acquire,
-            stage_us = stage, copy_us = copy, swap_us = swap, "vmmbuf: arena awake");
-    } else {
-        tracing::debug!(%mode, bytes, chunks, pieces, total_us = total, wait_us = wait,
-            acquire_us = acquire, stage_us = stage, copy_us = copy, swap_us = swap,
-            dispose_us = dispose, "vmmbuf: arena asleep");
+impl<B: Backend> Shared<B> {
+    /// The arena's fixed parts, as a sleep uses them.
+    fn env(&self) -> Env<'_, B> {
+        Env {
+            backend: &self.backend,
+            pool: &self.pool,
+            granularity: self.granularity,
+            chunk_bytes: self.chunk_bytes,
+            home: self.placement,
+            budget: self.budget,
+        }
+    }
+
+    /// A sleep in `mode`, under the arena's lock: the streams' work and the
+    /// pending frees waited for, whole free chunks given back, then what
+    /// `mode` does with the rest (see [`SleepMode`]); its figures in `r`.
+    /// On an error the arena's counts are made true again.
+    fn sleep_locked<S: ArenaStream<B>>(
+        &self,
+        st: &mut State<B>,
+        streams: &[S],
+        mode: SleepMode,
+        piece: usize,
+        r: &mut SleepReport,
+    ) -> Result<()> {
+        let device_before = st.region.table.mapped_bytes() - st.region.table.host_bytes();
+        let t = Instant::now();
+        let freed = self.quiesce(st, streams)?;
+        r.free_bytes = freed.iter().map(|x| x.1).sum();
+        r.wait_time = t.elapsed();
+        let done = self.env().sleep(
+            &mut Held {
+                sh: self,
+                st: &mut *st,
+            },
+            mode,
+            piece,
+            freed,
+            r,
+        );
+        if done.is_ok() {
+            r.device_bytes = device_before;
+        }
+        self.rebuild_split(st);
+        self.count(st);
+        done
+    }
+
+    /// Waits for `streams`' work, the uses recorded on live allocations and
+    /// the pending frees; then gives whole free chunks to the pool and
+    /// returns their ranges, `(offset, bytes)`.
+    fn quiesce<S: ArenaStream<B>>(
+        &self,
+        st: &mut State<B>,
+        streams: &[S],
+    ) -> Result<Vec<(usize, usize)>> {
+        let backend = &*self.backend;
+        // Each stream's fence, numbered: it also covers the frees owed on
+        // the stream so far (no device synchronisation for those).
+        let fences = streams
+            .iter()
+            .map(|s| crate::order::record(s.key(), || s.fence(backend)))
+            .collect::<Result<Vec<_>>>()?;
+        for f in &fences {
+            backend.wait(&f.fence)?;
+        }
+        for f in fences {
+            st.heap.cover_passed(f);
+        }
+        self.wait_live_uses(st)?;
+        self.wait_pending_frees(st)?;
+        self.release_free_ranges(st)
+    }
+
+    /// The inactive split counted afresh (after a sleep or a wake).
+    pub(super) fn rebuild_split(&self, st: &mut State<B>) {
+        // What graphs hold free counts as allocated, as it does elsewhere.
+        let held: Vec<(usize, usize)> = st.heap.graph_held().collect();
+        st.split = SplitCount::rebuild(&st.region.table, st.heap.live_ranges().chain(held));
+    }
+
+    /// Maps the stash's missing pieces into it now, a batch under each
+    /// hold of the arena's lock (see [`Env::stage_batch`]). Returns the
+    /// pieces staged.
+    fn stage_all(&self, piece: usize) -> Result<usize> {
+        let mut staged = 0;
+        loop {
+            let mut st = self.state.lock();
+            st.region.check_poison()?;
+            let (n, more) = self.env().stage_batch(
+                &mut Held {
+                    sh: self,
+                    st: &mut st,
+                },
+                piece,
+            )?;
+            staged += n;
+            if !more {
+                return Ok(staged);
+            }
+        }
     }
 }

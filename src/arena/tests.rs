@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::HostBackend;
+use crate::{HostBackend, SleepDesc, SleepMode, WakeDesc};
 
 type HostArena = Arena<HostBackend, HostStream>;
 const G: usize = 64 << 10;
@@ -514,7 +514,7 @@ fn a_prepared_stash_is_staged_in_batches_and_the_sleep_maps_nothing() {
     let desc = SleepDesc::stash().max_piece_bytes(5 * G);
     let made = a.prepare_sleep(&desc).unwrap();
     assert!(
-        made > 2 * sleep::STAGE_BATCH_BYTES,
+        made > 2 * crate::sleep::STAGE_BATCH_BYTES,
         "several batches: {made}"
     );
     assert_eq!(a.stats().stash_bytes, made);

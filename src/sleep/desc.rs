@@ -3,7 +3,9 @@
 
 use super::SleepMode;
 #[cfg(doc)]
-use super::{Arena, SleepReport};
+use super::SleepReport;
+#[cfg(doc)]
+use crate::Arena;
 
 /// How [`Arena::sleep`] sleeps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

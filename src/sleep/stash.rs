@@ -4,27 +4,34 @@
 
 use std::time::Instant;
 
-use super::*;
+use super::plan::{covers, stash_holds, stash_missing, STAGE_BATCH_BYTES};
+use super::{pieces, plan_groups, Asleep, Env, Host, SleepMode, SleepReport};
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::location::Location;
+use crate::pool::ChunkSource;
+use crate::region::{NewChunk, Region};
 
-impl<B: Backend> Shared<B> {
+impl<B: Backend> Env<'_, B> {
     /// Makes the stash's pieces tile `parts` (see `fit_stash`), its
     /// reservation made on first use: what a stashing sleep does before it
     /// copies, and what `prepare_sleep` does ahead of it.
-    pub(in crate::arena) fn stage_stash(
+    fn stage_stash<H: Host<B>>(
         &self,
-        st: &mut State<B>,
+        host: &mut H,
         parts: &[(usize, usize)],
         r: &mut SleepReport,
     ) -> Result<()> {
-        if st.sleep.stash.is_none() {
-            st.sleep.stash = Some(crate::region::Region::reserve(
-                &self.backend,
-                st.region.table.reserved(),
+        let (region, state) = host.parts();
+        if state.stash.is_none() {
+            state.stash = Some(Region::reserve(
+                self.backend,
+                region.table.reserved(),
                 self.granularity,
                 self.granularity,
             )?);
         }
-        let stash = st.sleep.stash.as_mut().expect("made above");
+        let stash = state.stash.as_mut().expect("made above");
         self.fit_stash(stash, parts, r)
     }
 
@@ -34,27 +41,28 @@ impl<B: Backend> Shared<B> {
     /// unmaps. On an error before the unmapping nothing changed but the
     /// stash; part way through it, the runs unmapped so far sleep (their
     /// data is in the stash).
-    pub(super) fn sleep_stash(
+    pub(super) fn sleep_stash<H: Host<B>>(
         &self,
-        st: &mut State<B>,
-        asleep: &mut Asleep<Mark<B::Fence>>,
+        host: &mut H,
+        asleep: &mut Asleep<H::Fence>,
         r: &mut SleepReport,
     ) -> Result<usize> {
-        let backend = &*self.backend;
-        let runs = st.region.table.runs();
+        let backend = &**self.backend;
+        let runs = host.region().table.runs();
         let parts: Vec<(usize, usize)> = runs
             .iter()
-            .flat_map(|&(o, b)| pieces(o, b, asleep.piece, st.heap.zone_border()))
+            .flat_map(|&(o, b)| pieces(o, b, asleep.piece, host.zone_border()))
             .collect();
-        self.stage_stash(st, &parts, r)?;
-        let stash = st.sleep.stash.as_mut().expect("staged above");
+        self.stage_stash(host, &parts, r)?;
+        let (region, state) = host.parts();
+        let stash = state.stash.as_mut().expect("staged above");
         // One copy per piece (all device memory on one side, all host
         // memory on the other), each followed by a fence.
         let t = Instant::now();
         let mut fences = Vec::with_capacity(parts.len());
         let issued = (|| {
             for &(o, b) in &parts {
-                backend.copy(stash.res(), o, st.region.res_ref(), o, b)?;
+                backend.copy(stash.res(), o, region.res_ref(), o, b)?;
                 fences.push(backend.copies_fence()?);
             }
             Ok(())
@@ -64,7 +72,7 @@ impl<B: Backend> Shared<B> {
             let _ = backend.wait_copies();
             return Err(e);
         }
-        let moved = self.unmap_as_copied(st, asleep, r, &parts, &fences);
+        let moved = self.unmap_as_copied(host, asleep, r, &parts, &fences);
         if moved.is_err() {
             // No copy still writes into the stash the next sleep refits.
             let _ = backend.wait_copies();
@@ -79,16 +87,20 @@ impl<B: Backend> Shared<B> {
     /// still running (after all of them, on an H200 they took 4.5 ms of a
     /// 23 ms pause of 0.95 GiB). On an error the chunks unmapped so far
     /// sleep (the stash holds their data) and the others stay awake.
-    pub(super) fn unmap_as_copied(
+    pub(super) fn unmap_as_copied<H: Host<B>>(
         &self,
-        st: &mut State<B>,
-        asleep: &mut Asleep<Mark<B::Fence>>,
+        host: &mut H,
+        asleep: &mut Asleep<H::Fence>,
         r: &mut SleepReport,
         parts: &[(usize, usize)],
         fences: &[B::Fence],
     ) -> Result<usize> {
-        let chunks: Vec<(usize, usize)> =
-            st.region.table.iter().map(|(o, e)| (o, e.bytes)).collect();
+        let chunks: Vec<(usize, usize)> = host
+            .region()
+            .table
+            .iter()
+            .map(|(o, e)| (o, e.bytes))
+            .collect();
         r.migration.bytes_moved = parts.iter().map(|x| x.1).sum();
         r.migration.chunks_moved = parts.len();
         r.chunks_after = parts.len();
@@ -105,7 +117,7 @@ impl<B: Backend> Shared<B> {
             // runs: a chunk ending by this part's end is copied whole.
             while let Some(&(co, cb)) = chunks.get(next).filter(|c| c.0 + c.1 <= o + b) {
                 // The uses have passed (waited for): nothing reads it.
-                unmapped += self.unmap_for_sleep(st, co, cb)?;
+                unmapped += self.unmap_for_sleep(host, co, cb)?;
                 match last.filter(|&i| asleep.runs[i].0 + asleep.runs[i].1 == co) {
                     Some(i) => asleep.runs[i].1 += cb,
                     None => {
@@ -119,8 +131,8 @@ impl<B: Backend> Shared<B> {
             r.migration.swap_time += t.elapsed();
             // Their device memory goes back now, while later pieces copy.
             let t = Instant::now();
-            if self.placement != Location::Host {
-                let _ = self.pool.trim_at(self.placement);
+            if self.home != Location::Host {
+                let _ = self.pool.trim_at(self.home);
             }
             r.migration.dispose_time += t.elapsed();
         }
@@ -130,10 +142,10 @@ impl<B: Backend> Shared<B> {
 
     /// After a copying sleep copied `runs` (in `pieces` pieces): counts
     /// them in the report and unmaps them as a discarding sleep does.
-    pub(super) fn unmap_copied(
+    pub(super) fn unmap_copied<H: Host<B>>(
         &self,
-        st: &mut State<B>,
-        asleep: &mut Asleep<Mark<B::Fence>>,
+        host: &mut H,
+        asleep: &mut Asleep<H::Fence>,
         r: &mut SleepReport,
         runs: &[(usize, usize)],
         pieces: usize,
@@ -142,7 +154,7 @@ impl<B: Backend> Shared<B> {
         r.migration.chunks_moved = pieces;
         r.chunks_after = pieces;
         let t = Instant::now();
-        let unmapped = self.sleep_discard(st, asleep);
+        let unmapped = self.sleep_discard(host, asleep);
         r.migration.swap_time += t.elapsed();
         unmapped
     }
@@ -153,11 +165,11 @@ impl<B: Backend> Shared<B> {
     /// pieces taken for it go back to the pool.
     pub(super) fn fit_stash(
         &self,
-        stash: &mut crate::region::Region<B>,
+        stash: &mut Region<B>,
         parts: &[(usize, usize)],
         r: &mut SleepReport,
     ) -> Result<()> {
-        let backend = &*self.backend;
+        let backend = &**self.backend;
         let t = Instant::now();
         let mut missing: Vec<(usize, usize)> = Vec::new();
         for &(o, n) in parts {
@@ -212,97 +224,83 @@ impl<B: Backend> Shared<B> {
         Ok(())
     }
 
-    /// Gives the stash's pieces to the pool (the caller has made sure the
-    /// arena does not sleep stashed).
-    pub(super) fn drop_stash(&self, st: &mut State<B>) -> Result<usize> {
-        let Some(stash) = st.sleep.stash.as_mut() else {
-            return Ok(0);
-        };
-        let mut gone = 0;
-        for (o, b) in stash.table.runs() {
-            for (_, e) in stash.unmap(o, b)? {
-                gone += e.bytes;
-                let _ = self.pool.give(e.placement, e.bytes, e.chunk);
-            }
-        }
-        Ok(gone)
-    }
-
     /// The sizes of the host pieces a sleep in `mode` (keep or stash, in
     /// pieces of at most `piece`) would take now: for a stash, those it
     /// lacks; for a kept sleep, its groups of whole device chunks.
-    pub(super) fn pieces_to_prepare(&self, mode: SleepMode, piece: usize) -> Result<Vec<usize>> {
-        let st = self.state.lock();
-        st.region.check_poison()?;
+    pub(crate) fn pieces_to_prepare<H: Host<B>>(
+        &self,
+        host: &H,
+        mode: SleepMode,
+        piece: usize,
+    ) -> Vec<usize> {
         if mode == SleepMode::Stash {
             // The stash keeps the pieces it holds: those need none.
-            return Ok(stash_missing(&st, piece).iter().map(|p| p.1).collect());
+            return stash_missing(host, piece).iter().map(|p| p.1).collect();
         }
         // A kept sleep joins whole device chunks (`sleep_keep`).
-        let free = free_ranges(&st);
+        let free = host.free_ranges();
         let groups = plan_groups(
-            &st.region.table,
+            &host.region().table,
             |o, e| e.placement != Location::Host && !covers(&free, o, e.bytes),
             Location::Host,
             piece,
-            st.heap.zone_border(),
+            host.zone_border(),
         );
-        Ok(groups.iter().map(|g| g.bytes).collect())
+        groups.iter().map(|g| g.bytes).collect()
     }
 
-    /// Maps the stash's missing pieces into it now (the first stashing
-    /// sleep then maps nothing: on an H200, mapping and granting 0.95 GiB
-    /// of pieces took 30 ms of a 60 ms first pause): a GiB at a time,
-    /// planned again under the lock each time, so that the lock is not
-    /// held for long (the arena's own allocations wait on it). What
-    /// changes after, the sleep fits. Returns the pieces staged.
-    pub(super) fn stage_all(&self, piece: usize) -> Result<usize> {
-        let mut staged = 0;
-        loop {
-            let mut st = self.state.lock();
-            st.region.check_poison()?;
-            // Asleep, or a kept backup to leave as it is.
-            if st.sleep.asleep.is_some() || st.sleep.backup_kept {
-                return Ok(staged);
-            }
-            let mut bytes = 0;
-            let batch: Vec<(usize, usize)> = stash_missing(&st, piece)
-                .into_iter()
-                .take_while(|p| {
-                    let first = bytes == 0;
-                    bytes += p.1;
-                    first || bytes <= STAGE_BATCH_BYTES
-                })
-                .collect();
-            if batch.is_empty() {
-                return Ok(staged);
-            }
-            staged += batch.len();
-            self.stage_stash(&mut st, &batch, &mut SleepReport::default())?;
-            if batch.iter().any(|&(o, n)| !stash_holds(&st, o, n)) {
-                // No progress to be made (never seen): the sleep fits.
-                return Ok(staged);
-            }
+    /// Maps the next batch of the stash's missing pieces into it (the
+    /// first stashing sleep then maps nothing: on an H200, mapping and
+    /// granting 0.95 GiB of pieces took 30 ms of a 60 ms first pause): at
+    /// most [`STAGE_BATCH_BYTES`], so that the arena's lock, held by the
+    /// caller, is not held for long (the arena's own allocations wait on
+    /// it); the caller plans again under a new hold. Returns the pieces
+    /// staged, and whether to go on. Asleep, or with a kept backup to
+    /// leave as it is, it stages nothing; what changes after, the sleep
+    /// fits.
+    pub(crate) fn stage_batch<H: Host<B>>(
+        &self,
+        host: &mut H,
+        piece: usize,
+    ) -> Result<(usize, bool)> {
+        if host.state().asleep.is_some() || host.state().backup_kept {
+            return Ok((0, false));
         }
+        let mut bytes = 0;
+        let batch: Vec<(usize, usize)> = stash_missing(host, piece)
+            .into_iter()
+            .take_while(|p| {
+                let first = bytes == 0;
+                bytes += p.1;
+                first || bytes <= STAGE_BATCH_BYTES
+            })
+            .collect();
+        if batch.is_empty() {
+            return Ok((0, false));
+        }
+        self.stage_stash(host, &batch, &mut SleepReport::default())?;
+        // No progress to be made (never seen): the sleep fits.
+        let progress = batch.iter().all(|&(o, n)| stash_holds(host, o, n));
+        Ok((batch.len(), progress))
     }
 
     /// Copies `[offset, offset + bytes)` back from the stash (queued: the
     /// caller waits for the copies).
-    pub(super) fn copy_from_stash(
+    pub(super) fn copy_from_stash<H: Host<B>>(
         &self,
-        st: &mut State<B>,
+        host: &mut H,
         offset: usize,
         bytes: usize,
         r: &mut SleepReport,
     ) -> Result<()> {
-        let stash = st
-            .sleep
+        let (region, state) = host.parts();
+        let stash = state
             .stash
             .as_ref()
             .ok_or_else(|| Error::invalid("a stashed arena without its stash (a bug)"))?;
         let t = Instant::now();
         self.backend
-            .copy(st.region.res(), offset, stash.res_ref(), offset, bytes)?;
+            .copy(region.res(), offset, stash.res_ref(), offset, bytes)?;
         r.migration.copy_time += t.elapsed();
         Ok(())
     }

@@ -3,33 +3,37 @@
 
 use std::time::Instant;
 
-use super::*;
+use super::{pieces, Asleep, Env, Host, SleepMode, SleepReport, WakeDesc};
+use crate::backend::pages::PageableBuf;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::region::Region;
 
-impl<B: Backend> Shared<B> {
+impl<B: Backend> Env<'_, B> {
     /// A pageable sleep: every mapped run copied to pageable host memory of
     /// its own (see [`SleepMode::Pageable`]; a disk sleep: every chunk to a
     /// file of the spill directory), then unmapped as a discarding sleep
     /// unmaps. On an error before the unmapping nothing changed (the copies
     /// made so far go back to the system); part way through it, the runs
     /// unmapped so far sleep with their copies.
-    pub(super) fn sleep_pageable(
+    pub(super) fn sleep_pageable<H: Host<B>>(
         &self,
-        st: &mut State<B>,
-        asleep: &mut Asleep<Mark<B::Fence>>,
+        host: &mut H,
+        asleep: &mut Asleep<H::Fence>,
         r: &mut SleepReport,
     ) -> Result<usize> {
-        let runs = st.region.table.runs();
+        let runs = host.region().table.runs();
         let dir = match asleep.mode {
-            SleepMode::Disk => Some(self.spill_dir.lock().clone().ok_or_else(|| {
+            SleepMode::Disk => Some(host.state().spill_dir.clone().ok_or_else(|| {
                 Error::invalid("a disk sleep needs a spill directory (Arena::set_spill_dir)")
             })?),
             _ => None,
         };
-        let parts = self.copy_parts(st, &runs, dir.is_some());
+        let parts = self.copy_parts(host, &runs, dir.is_some());
         let t = Instant::now();
-        let copies = self.copy_out(st, &parts, dir.as_deref())?;
+        let copies = self.copy_out(host, &parts, dir.as_deref())?;
         r.migration.copy_time += t.elapsed();
-        let unmapped = self.unmap_copied(st, asleep, r, &runs, parts.len());
+        let unmapped = self.unmap_copied(host, asleep, r, &runs, parts.len());
         // Each copy whose run now sleeps goes with it (all of them, unless
         // the unmapping failed part way).
         for (o, buf) in copies {
@@ -43,25 +47,22 @@ impl<B: Backend> Shared<B> {
 
     /// The parts a pageable sleep copies: a run each; in files (`files`),
     /// one per chunk, or per piece of at most `spill_file_bytes` of it.
-    fn copy_parts(
+    fn copy_parts<H: Host<B>>(
         &self,
-        st: &State<B>,
+        host: &H,
         runs: &[(usize, usize)],
         files: bool,
     ) -> Vec<(usize, usize)> {
         if !files {
             return runs.to_vec();
         }
-        let most = match self
-            .spill_file_bytes
-            .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        let most = match host.state().spill_file_bytes {
             0 => usize::MAX,
             n => n,
         };
         runs.iter()
             .flat_map(|&(o, b)| {
-                st.region
+                host.region()
                     .table
                     .overlapping(o..o + b)
                     .map(|(k, e)| (k, e.bytes))
@@ -73,13 +74,13 @@ impl<B: Backend> Shared<B> {
     /// Copies every part to pageable memory of its own (or a file of
     /// `dir`): a buffer a wake kept (`WakeDesc::keep_backup`) serves again
     /// where a part is the same, at the same host address.
-    fn copy_out(
+    fn copy_out<H: Host<B>>(
         &self,
-        st: &mut State<B>,
+        host: &mut H,
         parts: &[(usize, usize)],
         dir: Option<&std::path::Path>,
-    ) -> Result<Vec<(usize, crate::backend::pages::PageableBuf)>> {
-        let mut spare = std::mem::take(&mut st.sleep.kept_pages);
+    ) -> Result<Vec<(usize, PageableBuf)>> {
+        let mut spare = std::mem::take(&mut host.state_mut().kept_pages);
         let mut copies = Vec::with_capacity(parts.len());
         for &(o, b) in parts {
             let mut buf = match spare.iter().position(|x| x.0 == o && x.1.len() == b) {
@@ -87,7 +88,7 @@ impl<B: Backend> Shared<B> {
                 None => new_copy(dir, b, parts)?,
             };
             self.backend
-                .read(st.region.res_ref(), o, buf.as_mut_slice())?;
+                .read(host.region().res_ref(), o, buf.as_mut_slice())?;
             copies.push((o, buf));
         }
         Ok(copies)
@@ -96,34 +97,31 @@ impl<B: Backend> Shared<B> {
     /// After a wake: whether the backup stays readable (`keep_backup`, for
     /// a stash or a paged sleep), and a stash above the pool's host bound
     /// handed to the pool, which sheds what is over (unless kept).
-    pub(super) fn keep_or_shed_backup(
+    pub(super) fn keep_or_shed_backup<H: Host<B>>(
         &self,
-        st: &mut State<B>,
+        host: &mut H,
         desc: &WakeDesc,
-        asleep: Asleep<Mark<B::Fence>>,
+        asleep: Asleep<H::Fence>,
     ) {
         let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
-        st.sleep.backup_kept = keep;
+        let state = host.state_mut();
+        state.backup_kept = keep;
         if keep && asleep.mode.pages() {
-            st.sleep.kept_pages = asleep.paged;
+            state.kept_pages = asleep.paged;
         }
-        let stash_bytes = st
-            .sleep
-            .stash
-            .as_ref()
-            .map_or(0, |s| s.table.mapped_bytes());
+        let stash_bytes = state.stash.as_ref().map_or(0, |s| s.table.mapped_bytes());
         if stash_bytes > self.pool.desc().max_host_bytes && !keep {
-            let _ = self.drop_stash(st);
+            let _ = state.drop_stash(self.pool);
         }
     }
 }
 
 /// Writes the run `[o, o + b)` back from `asleep`'s pageable copies, which
 /// tile it; a run without its copies is refused (a bug).
-pub(super) fn write_pages<B: Backend>(
-    st: &mut State<B>,
+pub(super) fn write_pages<B: Backend, F>(
+    region: &mut Region<B>,
     backend: &B,
-    asleep: &Asleep<Mark<B::Fence>>,
+    asleep: &Asleep<F>,
     o: usize,
     b: usize,
 ) -> Result<()> {
@@ -132,7 +130,7 @@ pub(super) fn write_pages<B: Backend>(
         if *x >= o + b || *x != at || x + buf.len() > o + b {
             break;
         }
-        backend.write(st.region.res(), *x, buf.as_slice())?;
+        backend.write(region.res(), *x, buf.as_slice())?;
         at += buf.len();
     }
     if at != o + b {
@@ -147,11 +145,11 @@ fn new_copy(
     dir: Option<&std::path::Path>,
     bytes: usize,
     parts: &[(usize, usize)],
-) -> Result<crate::backend::pages::PageableBuf> {
+) -> Result<PageableBuf> {
     let Some(d) = dir else {
-        return crate::backend::pages::PageableBuf::new(bytes);
+        return PageableBuf::new(bytes);
     };
-    crate::backend::pages::PageableBuf::in_file(d, bytes).map_err(|e| match e {
+    PageableBuf::in_file(d, bytes).map_err(|e| match e {
         Error::Spill { dir, source, .. } => Error::Spill {
             dir,
             bytes: parts.iter().map(|p| p.1).sum(),
