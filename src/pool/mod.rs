@@ -1,161 +1,25 @@
 //! [`ChunkPool`]: released physical chunks kept for reuse, shareable between
 //! buffers, so regrowth skips `cuMemCreate` and shrinking skips `cuMemRelease`.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
 use crate::plan::PoolOffer;
-use crate::report::Bytes;
 
 mod budget;
+mod desc;
+mod shelf;
 mod source;
 
 pub use budget::Budget;
 pub(crate) use budget::BudgetHold;
+pub use desc::{PoolDesc, PoolStats};
+use shelf::PoolInner;
+pub(crate) use shelf::Shelf;
 pub(crate) use source::*;
-
-/// How a [`ChunkPool`] bounds what it keeps.
-///
-/// When the pooled bytes rise above `high_water_bytes`, the pool gives chunks
-/// back to the driver (largest first) until it holds at most `low_water_bytes`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PoolDesc {
-    /// What the pool shrinks to once it passes the high watermark.
-    pub low_water_bytes: usize,
-    /// The most the pool keeps before it gives memory back.
-    pub high_water_bytes: usize,
-    /// The most it keeps in host memory (an arena's sleep pieces, kept from
-    /// one sleep to the next so that a sleep pins nothing); past it, host
-    /// chunks go back to the driver, largest first. Unbounded by default.
-    pub max_host_bytes: usize,
-}
-
-impl Default for PoolDesc {
-    /// Keep everything until [`ChunkPool::trim`] (or out of memory) says otherwise.
-    fn default() -> Self {
-        Self {
-            low_water_bytes: usize::MAX,
-            high_water_bytes: usize::MAX,
-            max_host_bytes: usize::MAX,
-        }
-    }
-}
-
-impl PoolDesc {
-    /// A pool that keeps at most `bytes`, as `cudaMallocAsync`'s release
-    /// threshold bounds its pool: both watermarks at `bytes`. 0 keeps nothing;
-    /// `usize::MAX` (the default) keeps everything, as PyTorch and JAX keep
-    /// theirs, until [`ChunkPool::trim`].
-    pub fn release_threshold(bytes: usize) -> Self {
-        Self::watermarks(bytes, bytes)
-    }
-
-    fn check(&self) -> Result<()> {
-        if self.low_water_bytes > self.high_water_bytes {
-            return Err(Error::invalid(format!(
-                "pool low watermark {} is above the high watermark {}",
-                self.low_water_bytes, self.high_water_bytes
-            )));
-        }
-        Ok(())
-    }
-
-    /// A pool that keeps up to `high` bytes and sheds down to `low` past it.
-    pub fn watermarks(low_water_bytes: usize, high_water_bytes: usize) -> Self {
-        Self {
-            low_water_bytes,
-            high_water_bytes,
-            max_host_bytes: usize::MAX,
-        }
-    }
-
-    /// Sets the most the pool keeps in host memory.
-    pub fn max_host_bytes(mut self, bytes: usize) -> Self {
-        self.max_host_bytes = bytes;
-        self
-    }
-}
-
-/// A pool's counters, as plain data.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PoolStats {
-    /// Bytes held now.
-    pub pooled_bytes: usize,
-    /// Of those, bytes in host memory.
-    pub pooled_host_bytes: usize,
-    /// Chunks held now.
-    pub pooled_chunks: usize,
-    /// Chunks handed out instead of creating new ones.
-    pub hits: u64,
-    /// Chunks given to the pool.
-    pub returns: u64,
-    /// Chunks the pool gave back to the driver.
-    pub released: u64,
-    /// Times the pool was emptied to retry a growth that ran out of memory.
-    pub oom_drains: u64,
-}
-
-impl fmt::Display for PoolStats {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "pool holds {} in {} chunks; {} hits, {} returns, {} released, {} out-of-memory drains",
-            Bytes(self.pooled_bytes),
-            self.pooled_chunks,
-            self.hits,
-            self.returns,
-            self.released,
-            self.oom_drains
-        )
-    }
-}
-
-struct PoolInner<C> {
-    desc: PoolDesc,
-    /// (placement, shareable, bytes) -> chunks of exactly that kind and
-    /// size. A shareable buffer takes only shareable chunks, and the others
-    /// only the others.
-    free: BTreeMap<(Location, bool, usize), Vec<C>>,
-    stats: PoolStats,
-}
-
-/// Where a pool keeps its chunks: owned by one [`ChunkPool`], or by a
-/// backend's [`PoolSlot`](crate::backend::PoolSlot) for its default pool. Chunks
-/// still here when it drops free themselves (their tokens do, in `Drop`).
-pub(crate) struct Shelf<C> {
-    inner: Mutex<PoolInner<C>>,
-}
-
-impl<C> Shelf<C> {
-    pub(crate) fn new(desc: PoolDesc) -> Result<Self> {
-        desc.check()?;
-        Ok(Self {
-            inner: Mutex::new(PoolInner {
-                desc,
-                free: BTreeMap::new(),
-                stats: PoolStats::default(),
-            }),
-        })
-    }
-}
-
-impl<C> fmt::Debug for Shelf<C> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let g = self.inner.lock();
-        f.debug_struct("Shelf")
-            .field("desc", &g.desc)
-            .field("stats", &g.stats)
-            .finish()
-    }
-}
 
 /// Physical chunks kept for reuse, keyed by placement and size.
 ///
@@ -490,69 +354,6 @@ impl<B: Backend> ChunkPool<B> {
             let _ = self.trim(); // logged inside
         }
         had
-    }
-}
-
-impl<C> PoolInner<C> {
-    /// Past the high watermark, takes out the largest chunks until at most
-    /// the low watermark is held: the chunks to give back.
-    fn shed(&mut self) -> Vec<C> {
-        let mut shed = Vec::new();
-        while self.stats.pooled_host_bytes > self.desc.max_host_bytes {
-            let Some(key) = self
-                .free
-                .keys()
-                .filter(|k| k.0 == Location::Host)
-                .max_by_key(|k| k.2)
-                .copied()
-            else {
-                break;
-            };
-            shed.push(self.pop(key));
-        }
-        if self.stats.pooled_bytes > self.desc.high_water_bytes {
-            while self.stats.pooled_bytes > self.desc.low_water_bytes {
-                let Some(key) = self.free.keys().max_by_key(|k| k.2).copied() else {
-                    break;
-                };
-                shed.push(self.pop(key));
-            }
-        }
-        shed
-    }
-
-    /// Keeps one chunk of `key` (placement, shareable, bytes), counting it.
-    fn add(&mut self, key: (Location, bool, usize), chunk: C) {
-        self.free.entry(key).or_default().push(chunk);
-        self.tally(key, 1, true);
-    }
-
-    /// Takes one chunk of `key` out (the key is there), counting it.
-    fn pop(&mut self, key: (Location, bool, usize)) -> C {
-        let list = self.free.get_mut(&key).expect("the key was just found");
-        let c = list.pop().expect("pool lists are never empty");
-        if list.is_empty() {
-            self.free.remove(&key);
-        }
-        self.tally(key, 1, false);
-        c
-    }
-
-    /// Counts `n` chunks of `key` in (`into`) or out: the one place the
-    /// pooled byte, host byte and chunk counters change, but `trim`.
-    fn tally(&mut self, key: (Location, bool, usize), n: usize, into: bool) {
-        let bytes = key.2 * n;
-        let host = if key.0 == Location::Host { bytes } else { 0 };
-        let s = &mut self.stats;
-        if into {
-            s.pooled_bytes += bytes;
-            s.pooled_host_bytes += host;
-            s.pooled_chunks += n;
-        } else {
-            s.pooled_bytes -= bytes;
-            s.pooled_host_bytes -= host;
-            s.pooled_chunks -= n;
-        }
     }
 }
 
