@@ -9,11 +9,11 @@ use super::host::Held;
 use super::{Arena, ArenaStream, Shared, State};
 use crate::backend::Backend;
 use crate::error::Result;
-#[cfg(doc)]
-use crate::Error;
 use crate::location::Location;
 use crate::migration::MigrationReport;
 use crate::sleep::{Env, SleepDesc, SleepMode, SleepReport, WakeDesc};
+#[cfg(doc)]
+use crate::Error;
 
 use super::stats::SplitCount;
 

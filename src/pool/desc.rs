@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+#[cfg(doc)]
+use super::ChunkPool;
 use crate::error::{Error, Result};
 use crate::report::Bytes;
 
