@@ -15,10 +15,6 @@ use crate::plan::round_up;
 use crate::pool::ChunkSource;
 use crate::region::NewChunk;
 
-/// See `map_at`: how far past its peak allocated an arena with a map hook
-/// maps before it gives whole free chunks back to map a new one.
-const HOOKED_SLACK: f64 = 1.10;
-
 impl<B: Backend> Shared<B> {
     /// A free block of `size` for `key`: from the index, after settling
     /// passed frees, or from newly mapped memory.
@@ -247,58 +243,6 @@ impl<B: Backend> Shared<B> {
         Ok(())
     }
 
-    /// The bytes by which mapping `want` more for a request of `size` would
-    /// take the arena past `share` times its peak allocated (the request
-    /// counted): 0 if it stays within.
-    pub(super) fn past_share(&self, st: &State<B>, size: usize, want: usize, share: f64) -> usize {
-        let live = st
-            .heap
-            .allocated()
-            .0
-            .saturating_add(size)
-            .max(st.stats.allocated_bytes.peak);
-        st.region
-            .table
-            .mapped_bytes()
-            .saturating_add(want)
-            .saturating_sub((share * live as f64) as usize)
-    }
-
-    /// Whole free chunks go to the pool before a mapping, which takes from
-    /// it, so that memory taken follows memory allocated: always with
-    /// `release_before_map`; with a hook (`whole`), where mapping `size`
-    /// would take memory past `HOOKED_SLACK` times the peak allocated (a
-    /// chunk's free bytes then serve only requests that fit in that chunk).
-    fn release_before_mapping(&self, st: &mut State<B>, size: usize, whole: bool) -> Result<()> {
-        let hooked = st.region.has_hook();
-        // Past what share of the peak allocated whole free chunks go back.
-        let over = match (self.release_over_percent, hooked && whole) {
-            (Some(p), _) => Some(f64::from(p) / 100.0),
-            (None, true) => Some(HOOKED_SLACK),
-            (None, false) => None,
-        };
-        let release = self.release_before_map
-            || over.is_some_and(|over| {
-                let want = round_up(size, self.granularity).unwrap_or(usize::MAX);
-                self.past_share(st, size, want, over) > 0
-            });
-        if !release {
-            return Ok(());
-        }
-        self.release_free_chunks(st)?;
-        if hooked || (over.is_some() && !self.release_before_map) {
-            // Chunks of any size (with a hook a growing request maps one of
-            // its own; without, the last chunk of a mapping is as long as
-            // the request needs), so the pool seldom has one that fits:
-            // kept there they piled up (registered FSDP on 2x H200 took
-            // 2.6-3.9x its peak allocated while mapping 1.07x). They go on
-            // to the driver; the pool logs a failure and keeps what it
-            // could not give back.
-            let _ = self.pool.trim_at(self.placement);
-        }
-        Ok(())
-    }
-
     /// Whether `need` more bytes may be mapped for a request of `size`:
     /// within the arena's budget, and leaving the device margin free.
     pub(super) fn check_room(&self, st: &State<B>, size: usize, need: usize) -> Result<()> {
@@ -411,48 +355,6 @@ impl<B: Backend> Shared<B> {
         st.heap.wait_live_uses(&*self.backend)
     }
 
-    /// Unmaps every chunk that lies wholly inside a settled free block and
-    /// hands it to the pool. Returns the bytes released.
-    pub(super) fn release_free_chunks(&self, st: &mut State<B>) -> Result<usize> {
-        Ok(self.release_free_ranges(st)?.iter().map(|r| r.1).sum())
-    }
-
-    /// [`release_free_chunks`](Self::release_free_chunks), returning the
-    /// ranges given back, `(offset, bytes)`.
-    pub(super) fn release_free_ranges(&self, st: &mut State<B>) -> Result<Vec<(usize, usize)>> {
-        self.reap_ghosts(st, false)?;
-        for z in 0..2 {
-            self.settle_zone(st, z);
-        }
-        // Whole free chunks; with a map hook, whole reported ranges (a
-        // hook may hold a registration over all of one, which must not go
-        // while a neighbour's use may be in flight).
-        let hooked = st.region.has_hook();
-        let mut whole: Vec<(usize, usize)> = st
-            .region
-            .table
-            .iter()
-            .filter_map(|(o, e)| match hooked {
-                true => st.region.span_of(o),
-                false => Some((o, e.bytes)),
-            })
-            .collect();
-        whole.dedup();
-        whole.retain(|&(o, b)| st.heap.covers(o, b, true));
-        let mut released = Vec::with_capacity(whole.len());
-        for (o, b) in whole {
-            // Settled: the uses of these bytes have passed, no wait needed.
-            for (_, e) in st.region.unmap(o, b)? {
-                let _ = self.pool.give(e.placement, e.bytes, e.chunk);
-            }
-            // A range a hook was told of at once may cross the zones' border.
-            st.heap.carve(o, b);
-            released.push((o, b));
-            st.stats.num_device_free += 1;
-        }
-        Ok(released)
-    }
-
     /// The error for a request that could not be served, with the device's
     /// `(free, total)` bytes where they are known.
     pub(super) fn out_of_memory(
@@ -487,91 +389,6 @@ impl<B: Backend> Shared<B> {
             never_fits,
             during_capture: false,
         }
-    }
-
-    /// Updates the counters that keep a peak, at every operation (constant
-    /// time), so allocated <= active <= reserved holds for current values
-    /// and peaks alike. What has no peak is counted when read
-    /// ([`refresh`](Self::refresh)): an allocator call under a training
-    /// step's cold caches then touches fewer lines.
-    pub(super) fn count(&self, st: &mut State<B>) {
-        let (allocated, requested) = st.heap.allocated();
-        let mapped = st.region.table.mapped_bytes();
-        let pending = st.heap.pending_bytes();
-        let split = st.split.inactive_split();
-        let s = &mut st.stats;
-        s.allocated_bytes.set(allocated);
-        s.requested_bytes.set(requested);
-        s.reserved_bytes.set(mapped);
-        // Blocks graphs hold free are not active: a private pool's free
-        // blocks are not in PyTorch's count either.
-        s.active_bytes.set(allocated + pending);
-        s.inactive_split_bytes.set(split);
-    }
-
-    /// The counters without a peak: current values only, set when read.
-    fn count_current(&self, st: &mut State<B>) {
-        let mapped = st.region.table.mapped_bytes();
-        let split = st.split.inactive_split();
-        let s = &mut st.stats;
-        s.graph_bytes = st.heap.held_bytes();
-        (s.discarded_bytes, s.stash_bytes, s.pageable_bytes) = st.sleep.held_bytes();
-        s.fragmentation = if mapped == 0 {
-            0.0
-        } else {
-            split as f64 / mapped as f64
-        };
-    }
-
-    /// Settles the frees whose fences have passed, then counts; and reads
-    /// what only a read needs (pool, placement, device syncs).
-    pub(super) fn refresh(&self, st: &mut State<B>) {
-        for z in 0..2 {
-            if st.heap.any_pending(z) {
-                self.settle_zone(st, z);
-            }
-        }
-        self.count(st);
-        self.count_current(st);
-        let mapped = st.region.table.mapped_bytes();
-        let s = &mut st.stats;
-        s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
-        s.pooled_bytes = self.pool.stats().pooled_bytes;
-        let host = st.region.table.host_bytes();
-        st.stats.host_bytes = host;
-        st.stats.device_bytes = mapped - host;
-    }
-}
-
-impl<B: Backend> Drop for Shared<B> {
-    fn drop(&mut self) {
-        // Every allocation holds the arena: nothing is allocated now, and
-        // every free block's fences are waited for before unmapping.
-        let st = self.state.get_mut();
-        let backend = &*self.backend;
-        let mut waited = true;
-        for e in st.heap.wait_free_blocks(backend) {
-            tracing::error!(error = %e, "vmmbuf arena: waiting for a free's fence in drop failed; nothing is unmapped");
-            waited = false;
-        }
-        // The old addresses of moved chunks (the region unmaps them).
-        for (key, seq) in st.region.ghost_marks().filter_map(|(_, m)| m) {
-            if let Err(e) = st.heap.wait_mark(backend, key, seq) {
-                tracing::error!(error = %e, "vmmbuf arena: waiting for a moved chunk's old uses in drop failed; nothing is unmapped");
-                waited = false;
-            }
-        }
-        // Unmapped by hand and pooled only if every fence was waited for.
-        // The shared budget gets back what this arena mapped either way
-        // (the region gives it back as it closes).
-        let pool = &self.pool;
-        st.region.close(waited, |chunk, bytes, placement| {
-            let _ = pool.give(placement, bytes, chunk);
-        });
-        // The stash: its copies were waited for when they were made.
-        st.sleep.close(|chunk, bytes, placement| {
-            let _ = pool.give(placement, bytes, chunk);
-        });
     }
 }
 

@@ -10,14 +10,15 @@ mod host;
 use heap::{blocks, graph, owed};
 mod mapping;
 mod moves;
+mod release;
 mod sleep;
+mod state;
 mod stats;
 mod trace;
 
 pub use allocation::Allocation;
 pub use desc::ArenaDesc;
 pub use graph::GraphPoolId;
-use stats::SplitCount;
 pub use stats::{ArenaSnapshot, ArenaStats, BlockInfo, StatValue};
 
 pub use trace::{
@@ -35,10 +36,9 @@ use crate::location::{Access, AccessDesc, Location};
 use crate::plan::round_up;
 use crate::pool::{Budget, ChunkPool, PoolDesc};
 use crate::region::Region;
-use crate::sleep::SleepState;
-use blocks::{Free, StreamKey};
-use heap::Heap;
+use blocks::StreamKey;
 use owed::Mark;
+use state::State;
 
 /// A queue of work an allocation belongs to: for CUDA an `Arc<CudaStream>`;
 /// for the host backend a [`HostStream`].
@@ -86,120 +86,6 @@ fn initial_access<B: Backend>(backend: &B, peers: bool) -> Result<Vec<AccessDesc
         }
     }
     Ok(access)
-}
-
-impl<B: Backend> State<B> {
-    /// A new arena's state over `region` (granularity `g`): an empty heap
-    /// whose small zone is the reservation's first eighth.
-    fn new(
-        region: Region<B>,
-        g: usize,
-        desc: &ArenaDesc,
-        placement: Location,
-        access: Vec<AccessDesc>,
-    ) -> Self {
-        let reserved = region.table.reserved();
-        let small_end = round_up(reserved / 8, g).unwrap_or(reserved).min(reserved);
-        Self {
-            heap: Heap::new(small_end, !desc.release_before_map),
-            region,
-            split: SplitCount::default(),
-            stats: ArenaStats::default(),
-            placement,
-            access,
-            sleep: SleepState::default(),
-        }
-    }
-    /// Bookkeeping of a free of `[offset, offset + size)`.
-    fn note_free(&mut self, offset: usize, size: usize) {
-        self.split.change(&self.region.table, offset, size, false);
-    }
-
-    /// The freed block `[offset, offset + size)` goes back behind `fences`
-    /// (only `stream` may take it before they pass): into the free index,
-    /// or, where a sleep gave its memory back, to the free bytes of the
-    /// wake. A block over both (a sleep cut short between its chunks) is
-    /// cut there: its awake parts join the free index with the fences; the
-    /// discarded parts need none (the sleep waited for the work queued
-    /// before it, and nothing reaches unmapped bytes since).
-    fn give_back_block(
-        &mut self,
-        offset: usize,
-        size: usize,
-        stream: Option<StreamKey>,
-        fences: crate::order::FenceSet<Mark<B::Fence>>,
-    ) {
-        self.note_free(offset, size);
-        let awake = self.sleep.awake_parts(offset, size);
-        if awake
-            .as_ref()
-            .is_none_or(|a| a.len() == 1 && a[0] == (offset..offset + size))
-        {
-            let State { heap, region, .. } = self;
-            heap.insert_free(
-                offset,
-                Free {
-                    size,
-                    stream,
-                    fences,
-                },
-                &region.walls(),
-            );
-            return;
-        }
-        let awake = awake.expect("asleep");
-        let mut fences = Some(fences);
-        if awake.is_empty() {
-            self.sleep.note_free(offset, size, fences.take());
-        } else {
-            self.sleep.note_free(offset, size, Some(Default::default()));
-        }
-        for (i, r) in awake.iter().enumerate() {
-            let f = if i + 1 == awake.len() {
-                fences.take().unwrap_or_default()
-            } else {
-                // The fences go with the last part; an earlier one waits
-                // for a device synchronisation instead (owed on a key no
-                // stream has), which covers the same work.
-                let gone = allocation::GONE_KEY;
-                self.heap.owe_wanted(gone);
-                let mut f = crate::order::FenceSet::default();
-                f.add(owed::owed_at(gone, crate::order::stamp(gone)));
-                f
-            };
-            let State { heap, region, .. } = &mut *self;
-            heap.insert_free(
-                r.start,
-                Free {
-                    size: r.end - r.start,
-                    stream,
-                    fences: f,
-                },
-                &region.walls(),
-            );
-        }
-    }
-}
-
-struct State<B: Backend> {
-    /// What is free, live and held: bookkeeping only (see [`heap`]).
-    heap: Heap<B::Fence>,
-    /// The reservation, its chunks, poison and quarantine.
-    region: Region<B>,
-    /// Allocated bytes per chunk: the inactive split, kept per operation.
-    split: SplitCount,
-    stats: ArenaStats,
-    /// Where new chunks go now: the arena's placement, or the host while
-    /// asleep keeping the data.
-    placement: Location,
-    /// Who new chunks are mapped for: the home device, the host (granted
-    /// to the driver only where a copy needs it) and, with
-    /// [`ArenaDesc::peer_access`] or after [`Arena::grant_peer_access`],
-    /// the peers.
-    access: Vec<AccessDesc>,
-    /// What the sleep keeps: what is asleep, the stash, the backups kept
-    /// past a wake (see [`crate::sleep`]).
-    sleep: SleepState<B, Mark<B::Fence>>,
 }
 
 struct Shared<B: Backend> {

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use super::{Shared, State};
+use crate::backend::Backend;
 use crate::report::Bytes;
 use crate::table::ChunkTable;
 
@@ -314,6 +316,61 @@ impl fmt::Display for ArenaSnapshot {
             )?;
         }
         Ok(())
+    }
+}
+
+impl<B: Backend> Shared<B> {
+    /// Updates the counters that keep a peak, at every operation (constant
+    /// time), so allocated <= active <= reserved holds for current values
+    /// and peaks alike. What has no peak is counted when read
+    /// ([`refresh`](Self::refresh)): an allocator call under a training
+    /// step's cold caches then touches fewer lines.
+    pub(super) fn count(&self, st: &mut State<B>) {
+        let (allocated, requested) = st.heap.allocated();
+        let mapped = st.region.table.mapped_bytes();
+        let pending = st.heap.pending_bytes();
+        let split = st.split.inactive_split();
+        let s = &mut st.stats;
+        s.allocated_bytes.set(allocated);
+        s.requested_bytes.set(requested);
+        s.reserved_bytes.set(mapped);
+        // Blocks graphs hold free are not active: a private pool's free
+        // blocks are not in PyTorch's count either.
+        s.active_bytes.set(allocated + pending);
+        s.inactive_split_bytes.set(split);
+    }
+
+    /// The counters without a peak: current values only, set when read.
+    fn count_current(&self, st: &mut State<B>) {
+        let mapped = st.region.table.mapped_bytes();
+        let split = st.split.inactive_split();
+        let s = &mut st.stats;
+        s.graph_bytes = st.heap.held_bytes();
+        (s.discarded_bytes, s.stash_bytes, s.pageable_bytes) = st.sleep.held_bytes();
+        s.fragmentation = if mapped == 0 {
+            0.0
+        } else {
+            split as f64 / mapped as f64
+        };
+    }
+
+    /// Settles the frees whose fences have passed, then counts; and reads
+    /// what only a read needs (pool, placement, device syncs).
+    pub(super) fn refresh(&self, st: &mut State<B>) {
+        for z in 0..2 {
+            if st.heap.any_pending(z) {
+                self.settle_zone(st, z);
+            }
+        }
+        self.count(st);
+        self.count_current(st);
+        let mapped = st.region.table.mapped_bytes();
+        let s = &mut st.stats;
+        s.num_device_syncs = self.backend.live().device_syncs - self.syncs_at_start;
+        s.pooled_bytes = self.pool.stats().pooled_bytes;
+        let host = st.region.table.host_bytes();
+        st.stats.host_bytes = host;
+        st.stats.device_bytes = mapped - host;
     }
 }
 
