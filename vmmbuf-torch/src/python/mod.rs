@@ -6,6 +6,8 @@
 
 mod buffer;
 mod dlpack;
+mod graphs;
+mod sleep;
 
 use std::ffi::{c_int, c_void};
 
@@ -82,57 +84,6 @@ fn free_stream_destroyed(py: Python<'_>, ptr: u64, device: c_int) -> PyResult<()
     detached(py, || state::free_stream_destroyed(ptr, device)).map_err(to_py)
 }
 
-/// The bytes a stashing or pageable sleep kept for `[ptr, ptr + nbytes)`
-/// while their tag is asleep, or after a wake that kept them
-/// (torch_memory_saver's `get_cpu_backup`); None otherwise.
-#[pyfunction]
-fn read_backup(
-    py: Python<'_>,
-    ptr: u64,
-    nbytes: usize,
-) -> PyResult<Option<Py<pyo3::types::PyBytes>>> {
-    let got = detached(py, || state::read_backup(ptr, nbytes)).map_err(to_py)?;
-    Ok(got.map(|b| pyo3::types::PyBytes::new(py, &b).unbind()))
-}
-
-/// The host address at which the backup of `[ptr, ptr + nbytes)` lies,
-/// readable by the CPU (torch_memory_saver's `get_cpu_backup(zero_copy=
-/// True)`): valid until the backup goes (a wake that does not keep it,
-/// `release_host_cache`); None when there is no such backup.
-#[pyfunction]
-fn backup_address(py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Option<u64>> {
-    detached(py, || state::backup_address(ptr, nbytes)).map_err(to_py)
-}
-
-/// Sets the directory where disk sleeps ("disk") write their files, for
-/// every arena (None: none; such a sleep is then refused). It must exist.
-/// `file_bytes`: the most bytes one file holds (0: a file per chunk).
-#[pyfunction]
-#[pyo3(signature = (path=None, file_bytes=0))]
-fn set_spill_dir(path: Option<std::path::PathBuf>, file_bytes: usize) {
-    state::set_spill_dir(path, file_bytes);
-}
-
-/// The sleep modes' names, in the order of their numbers in the C
-/// interface (`vmmbuf_sleep`'s `mode`): the one list Python checks a mode
-/// against.
-#[pyfunction]
-fn sleep_modes() -> Vec<&'static str> {
-    vmmbuf::SleepMode::ALL.iter().map(|m| m.name()).collect()
-}
-
-/// torch_memory_saver's region memory kinds ("pinned", "mmap", "disk",
-/// "discard"), each with the suffix it adds to the region's tag and the
-/// name of the sleep its pause takes: the one table the C `tms_pause`
-/// reads too.
-#[pyfunction]
-fn tms_kinds() -> Vec<(&'static str, &'static str, &'static str)> {
-    state::TMS_KINDS
-        .iter()
-        .map(|&(k, s, mode)| (k, s, mode.name()))
-        .collect()
-}
-
 /// The preload library of torch_memory_saver's preload mode (a shared
 /// library, src/preload.c), as bytes to write out for LD_PRELOAD; None
 /// where it is not built (outside Linux).
@@ -162,50 +113,6 @@ fn set_preload(on: bool) {
 #[pyfunction]
 fn record_stream_fn() -> u64 {
     crate::capi::vmmbuf_record_stream as *const () as usize as u64
-}
-
-/// This thread allocates into PyTorch's pool `pool` on `device` until
-/// [`torch_pool_end`] (PyTorch's `beginAllocateCurrentThreadToPool`, which
-/// it does not pass to a pluggable allocator).
-#[pyfunction]
-fn torch_pool_begin(device: c_int, pool: (u64, u64)) {
-    state::pools::begin(device, pool)
-}
-
-/// This thread stops allocating into `pool` on `device`.
-#[pyfunction]
-fn torch_pool_end(device: c_int, pool: (u64, u64)) {
-    state::pools::end(device, pool)
-}
-
-/// The capture under way on `stream` allocates into PyTorch's pool
-/// `pool`; False if the stream is not being captured.
-#[pyfunction]
-fn torch_capture_pool(
-    py: Python<'_>,
-    device: c_int,
-    stream: usize,
-    pool: (u64, u64),
-) -> PyResult<bool> {
-    detached(py, || {
-        state::pools::capture_pool(device, stream_ptr(stream), pool)
-    })
-    .map_err(to_py)
-}
-
-/// The live allocations of PyTorch's pool `pool` on `device`: (address,
-/// bytes asked), by address.
-#[pyfunction]
-fn torch_pool_live(py: Python<'_>, device: c_int, pool: (u64, u64)) -> Vec<(u64, usize)> {
-    detached(py, || state::pools::live(device, pool))
-}
-
-/// This thread's next allocation takes again the block CUDA graphs hold at
-/// `address`, into PyTorch's pool `pool` (`address` None withdraws it).
-#[pyfunction]
-#[pyo3(signature = (address, pool=(0, 0)))]
-fn torch_retake_next(address: Option<u64>, pool: (u64, u64)) {
-    state::pools::retake_next(address.map(|a| (a, pool)))
 }
 
 /// PyTorch's out-of-memory observers (`torch._C._cuda_attach_out_of_memory_observer`),
@@ -328,100 +235,6 @@ fn get_tag() -> String {
     state::tag()
 }
 
-/// From now on every CUDA graph capture is announced (`capture_begins`,
-/// `capture_ends`): streams are asked about captures only while one is
-/// under way. `on=False`: every call asks again.
-#[pyfunction]
-#[pyo3(signature = (on=true))]
-fn announce_captures(on: bool) {
-    state::CAPTURES.announce(on)
-}
-
-/// An announced capture is about to begin.
-#[pyfunction]
-fn capture_begins() {
-    state::CAPTURES.begins()
-}
-
-/// An announced capture has ended; raises if none was under way.
-#[pyfunction]
-fn capture_ends() -> PyResult<()> {
-    state::CAPTURES.ends().map_err(to_py)
-}
-
-/// `(announced, captures under way)`.
-#[pyfunction]
-fn captures() -> (bool, usize) {
-    state::CAPTURES.state()
-}
-
-/// The sleep mode named `mode` ("keep", "stash", "discard" or "pageable": the one
-/// spelling of `vmmbuf::SleepMode::name`), or refused in words.
-fn mode_named(mode: &str) -> PyResult<vmmbuf::SleepMode> {
-    mode.parse().map_err(to_py)
-}
-
-/// Puts `tag`'s allocations (None: every tag's) to sleep in `mode`: the
-/// data kept in pinned host memory at the same addresses ("keep"), away
-/// from them ("stash"), in pageable host memory away from them
-/// ("pageable"), or dropped ("discard"); the device memory goes
-/// back, the addresses stay. `(bytes put to sleep, device bytes given
-/// back)`.
-#[pyfunction]
-#[pyo3(signature = (tag=None, mode="keep"))]
-fn sleep(py: Python<'_>, tag: Option<String>, mode: &str) -> PyResult<(u64, u64)> {
-    let mode = mode_named(mode)?;
-    detached(py, || state::sleep_tags(tag.as_deref(), mode))
-        .map(|m| (m.bytes, m.device_bytes))
-        .map_err(to_py)
-}
-
-/// Wakes `tag`'s allocations (None: every tag's) at the same addresses:
-/// kept data comes back; discarded ranges get fresh memory (zeroed with
-/// `zero`); a stashing or pageable sleep's host copy stays readable with
-/// `keep_backup`; with `restore_free` the free memory the sleep gave back
-/// is mapped again, free for the next allocations (torch_memory_saver's
-/// resume). `(bytes woken, device bytes mapped)`.
-#[pyfunction]
-#[pyo3(signature = (tag=None, zero=false, keep_backup=false, restore_free=false))]
-fn wake(
-    py: Python<'_>,
-    tag: Option<String>,
-    zero: bool,
-    keep_backup: bool,
-    restore_free: bool,
-) -> PyResult<(u64, u64)> {
-    detached(py, || {
-        state::wake_tags(tag.as_deref(), zero, keep_backup, restore_free)
-    })
-    .map(|m| (m.bytes, m.device_bytes))
-    .map_err(to_py)
-}
-
-/// Creates the pinned host pieces a sleep of `tag` (None: every tag) in
-/// `mode` would take ("keep" or "stash"; "discard" and "pageable" take
-/// none): on a
-/// thread of its own (`wait` false; the next sleep waits for it) or now.
-/// The bytes created (0 when not waiting).
-#[pyfunction]
-#[pyo3(signature = (tag=None, wait=false, mode="keep"))]
-fn prepare_sleep(py: Python<'_>, tag: Option<String>, wait: bool, mode: &str) -> PyResult<u64> {
-    let mode = mode_named(mode)?;
-    detached(py, || state::prepare_sleep(tag.as_deref(), mode, wait)).map_err(to_py)
-}
-
-/// Gives the host pieces kept between sleeps back to the driver; the bytes.
-#[pyfunction]
-fn release_host_cache(py: Python<'_>) -> PyResult<u64> {
-    py.detach(state::release_host_cache).map_err(to_py)
-}
-
-/// Bounds the host pieces each device keeps between sleeps.
-#[pyfunction]
-fn set_host_cache_limit(py: Python<'_>, bytes: usize) -> PyResult<()> {
-    detached(py, || state::set_host_cache_limit(bytes)).map_err(to_py)
-}
-
 /// `vmmbuf.torch.register_nccl`'s native half: see `state::nccl_register`.
 /// The Python wrapper passes a communicator from a PyTorch process group or
 /// its caller, who promises it stays live until `nccl_deregister`.
@@ -460,13 +273,6 @@ fn set_default_tag(tag: &str) {
     state::set_default_tag(tag)
 }
 
-/// Whether the C `tms_resume` maps back the free memory its pause gave
-/// back, as `wake(restore_free=True)` does.
-#[pyfunction]
-fn set_tms_restore_free(on: bool) {
-    state::set_tms_restore_free(on)
-}
-
 /// Device bytes every arena leaves free when it maps, all devices (0:
 /// none).
 #[pyfunction]
@@ -501,16 +307,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(free_stream_destroyed, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream_fn, m)?)?;
     m.add_function(wrap_pyfunction!(attach_oom_observer, m)?)?;
-    m.add_function(wrap_pyfunction!(torch_pool_begin, m)?)?;
-    m.add_function(wrap_pyfunction!(torch_pool_end, m)?)?;
-    m.add_function(wrap_pyfunction!(torch_capture_pool, m)?)?;
-    m.add_function(wrap_pyfunction!(torch_pool_live, m)?)?;
-    m.add_function(wrap_pyfunction!(torch_retake_next, m)?)?;
-    m.add_function(wrap_pyfunction!(read_backup, m)?)?;
-    m.add_function(wrap_pyfunction!(backup_address, m)?)?;
-    m.add_function(wrap_pyfunction!(tms_kinds, m)?)?;
-    m.add_function(wrap_pyfunction!(sleep_modes, m)?)?;
-    m.add_function(wrap_pyfunction!(set_spill_dir, m)?)?;
     m.add_function(wrap_pyfunction!(preload_library, m)?)?;
     m.add_function(wrap_pyfunction!(set_preload, m)?)?;
     m.add_function(wrap_pyfunction!(stats_json, m)?)?;
@@ -520,22 +316,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(set_tag, m)?)?;
     m.add_function(wrap_pyfunction!(get_tag, m)?)?;
-    m.add_function(wrap_pyfunction!(sleep, m)?)?;
-    m.add_function(wrap_pyfunction!(wake, m)?)?;
-    m.add_function(wrap_pyfunction!(prepare_sleep, m)?)?;
-    m.add_function(wrap_pyfunction!(release_host_cache, m)?)?;
-    m.add_function(wrap_pyfunction!(set_host_cache_limit, m)?)?;
     m.add_function(wrap_pyfunction!(last_error, m)?)?;
-    m.add_function(wrap_pyfunction!(announce_captures, m)?)?;
-    m.add_function(wrap_pyfunction!(capture_begins, m)?)?;
-    m.add_function(wrap_pyfunction!(capture_ends, m)?)?;
-    m.add_function(wrap_pyfunction!(captures, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_register, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_deregister, m)?)?;
     m.add_function(wrap_pyfunction!(nccl_covers, m)?)?;
     m.add_function(wrap_pyfunction!(set_default_tag, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_margin, m)?)?;
-    m.add_function(wrap_pyfunction!(set_tms_restore_free, m)?)?;
+    sleep::add(m)?;
+    graphs::add(m)?;
     m.add_class::<buffer::Buffer>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -25,52 +25,12 @@ use vmmbuf::{
 mod alloc;
 mod budget;
 mod nccl;
+mod peers;
 pub(crate) mod pools;
 mod preload;
 mod settings;
 mod sleep;
-
-/// Set once the process allocates on a second GPU (`PeerMode::Auto`).
-static SECOND_GPU: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Whether arenas made now map their chunks for the peers.
-fn peers_on() -> bool {
-    match Settings::get().peers {
-        PeerMode::Always => true,
-        PeerMode::Never => false,
-        PeerMode::Auto => SECOND_GPU.load(std::sync::atomic::Ordering::SeqCst),
-    }
-}
-
-/// Device `new`, a second one, has just been made (`PeerMode::Auto`; its
-/// caller holds its lock): every arena of every other device grants its
-/// peers access, and arenas made from now on map for them (the flag is set
-/// before the arenas are visited, each under its device's lock, so an
-/// arena made meanwhile is either visited or reads the flag; `new` has no
-/// arena yet). A failure is logged, not returned: the allocation that made
-/// the device does not depend on it, and the arena maps its later chunks
-/// for the peers all the same.
-fn grant_peers_everywhere(new: c_int) {
-    if SECOND_GPU.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return;
-    }
-    // The other devices' contexts are bound here: the caller's comes back
-    // (the allocation's own guard may not have read it).
-    let _keep = vmmbuf::cuda::KeepCurrentContext::new().ok();
-    for (dev, d) in all_devices().into_iter().filter(|(k, _)| *k != new) {
-        let d = d.lock();
-        for (tag, a) in d.arenas.iter() {
-            match a.grant_peer_access() {
-                Ok(n) => {
-                    tracing::debug!(dev, tag = %tag, chunks = n, "vmmbuf-torch: a second GPU is in use; peers granted access")
-                }
-                Err(e) => {
-                    tracing::warn!(dev, tag = %tag, error = %e, "vmmbuf-torch: granting the peers access failed; copies from another GPU may fail")
-                }
-            }
-        }
-    }
-}
+mod tags;
 
 #[cfg(test)]
 mod tests;
@@ -78,9 +38,11 @@ mod tests;
 pub(crate) use alloc::*;
 pub(crate) use budget::*;
 pub(crate) use nccl::*;
+use peers::*;
 pub(crate) use preload::*;
 use settings::{PeerMode, Settings};
 pub(crate) use sleep::*;
+pub(crate) use tags::*;
 
 type TorchArena = Arena<CudaBackend, Arc<CudaStream>>;
 
@@ -137,21 +99,6 @@ struct Registry {
     /// to the device's own).
     budgets: HashMap<c_int, usize>,
 }
-
-thread_local! {
-    /// The tag this thread's allocations are made under ("" for none): per
-    /// thread, as `torch.cuda.use_mem_pool` scopes are; `None` until the
-    /// thread sets one, then [`DEFAULT_TAG`] applies.
-    static TAG: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
-}
-
-/// The tag of every thread that set none ("" for none):
-/// torch_memory_saver's `TMS_INIT_ENABLE`, where every allocation of the
-/// process is pausable, autograd's threads' included.
-static DEFAULT_TAG: parking_lot::RwLock<String> = parking_lot::const_rwlock(String::new());
-/// Whether [`DEFAULT_TAG`] is not "" (read without its lock on every
-/// malloc).
-static HAS_DEFAULT_TAG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The registry: a read lock to find a device, the write lock only to add
 /// one or set a budget.
@@ -466,39 +413,6 @@ pub(crate) fn device_count() -> usize {
     *N.get_or_init(|| vmmbuf::cuda::device_count().map_or(0, |n| n as usize))
 }
 
-/// Every tag that has memory (an arena) on some device, sorted, once each.
-#[cfg(feature = "python")]
-pub(crate) fn tags() -> Vec<String> {
-    let mut v: Vec<String> = all_devices()
-        .into_iter()
-        .flat_map(|(_, d)| d.lock().arenas.keys().cloned().collect::<Vec<_>>())
-        .collect();
-    v.sort_unstable();
-    v.dedup();
-    v
-}
-
-/// The tag of this thread's allocations ("" for none).
-pub(crate) fn tag() -> String {
-    use std::sync::atomic::Ordering::Relaxed;
-    // A thread being torn down (its thread-locals destroyed) frees and
-    // allocates under no tag.
-    match TAG.try_with(|t| t.borrow().clone()) {
-        Ok(Some(t)) => t,
-        Ok(None) if HAS_DEFAULT_TAG.load(Relaxed) => DEFAULT_TAG.read().clone(),
-        _ => String::new(),
-    }
-}
-
-/// Makes `tag` the tag of every thread that has not set its own ("" for
-/// none).
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
-pub(crate) fn set_default_tag(tag: &str) {
-    let mut d = DEFAULT_TAG.write();
-    tag.clone_into(&mut d);
-    HAS_DEFAULT_TAG.store(!tag.is_empty(), std::sync::atomic::Ordering::Relaxed);
-}
-
 /// Nanoseconds spent in `malloc` and `free` so far, all devices: what the
 /// allocator's own work costs the CPU (`host_ns_in_malloc` and
 /// `host_ns_in_free` in the statistics). The C entry points' context guard
@@ -524,10 +438,4 @@ impl Drop for Timed {
             std::sync::atomic::Ordering::Relaxed,
         );
     }
-}
-
-/// Makes `tag` the tag of this thread's allocations ("" for none).
-pub(crate) fn set_tag(tag: &str) {
-    // During the thread's teardown there is no tag to set.
-    let _ = TAG.try_with(|t| *t.borrow_mut() = Some(tag.to_owned()));
 }
