@@ -15,37 +15,11 @@ use crate::order::{FenceSet, Stamped};
 
 pub(crate) use crate::region::Walls;
 
-/// No walls: blocks join wherever they touch.
-#[cfg(test)]
-pub(crate) struct NoWalls;
-
-#[cfg(test)]
-impl Walls for NoWalls {
-    #[inline]
-    fn at(&self, _: usize) -> bool {
-        false
-    }
-    #[inline]
-    fn first_inside(&self, _: usize, _: usize) -> Option<usize> {
-        None
-    }
-}
-
-#[cfg(test)]
-impl Walls for std::collections::BTreeSet<usize> {
-    fn at(&self, offset: usize) -> bool {
-        self.contains(&offset)
-    }
-    fn first_inside(&self, start: usize, end: usize) -> Option<usize> {
-        (start < end)
-            .then(|| self.range(start + 1..end).next().copied())
-            .flatten()
-    }
-}
-
 mod few;
 mod many;
 mod store;
+#[cfg(test)]
+pub(crate) use checks::NoWalls;
 
 use store::Store;
 
@@ -193,25 +167,6 @@ impl<F> Blocks<F> {
     #[inline]
     pub(crate) fn joining() -> Self {
         Self::new(true)
-    }
-
-    /// Blocks that move between the forms at other counts (to test the
-    /// moves).
-    #[cfg(test)]
-    #[inline]
-    pub(crate) fn with_bounds(join_settled: bool, to_many: usize, to_few: usize) -> Self {
-        Self {
-            to_many,
-            to_few,
-            ..Self::new(join_settled)
-        }
-    }
-
-    /// Whether the blocks are in trees.
-    #[cfg(test)]
-    #[inline]
-    pub(crate) fn in_trees(&self) -> bool {
-        matches!(self.form, Form::Many(_))
     }
 
     /// Moves the blocks to the form their count calls for.
@@ -454,30 +409,6 @@ impl<F> Blocks<F> {
         self.reform();
         done
     }
-
-    /// Checks the indexes agree and no blocks overlap or could have merged.
-    #[cfg(test)]
-    #[inline]
-    pub(crate) fn check(&self) -> Result<(), String> {
-        self.check_in(&NoWalls)
-    }
-
-    /// [`check`](Self::check) with `walls`: blocks apart at a wall need not
-    /// have merged, and a block that straddles one is pending and no
-    /// stream's.
-    #[cfg(test)]
-    pub(crate) fn check_in(&self, walls: &impl Walls) -> Result<(), String> {
-        on_form!(self, b => b.check(walls))?;
-        for (o, f) in self.iter() {
-            if walls.first_inside(o, o + f.size).is_some() && (f.settled() || f.stream.is_some()) {
-                return Err(format!(
-                    "block at {o:#x} of {:#x} straddles a wall and may be taken",
-                    f.size
-                ));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// `left` and `right` as one block, with one fence per stream: the later
@@ -557,5 +488,8 @@ fn first_fit<T>(
     fallback
 }
 
+// After `on_form!`, which the checks use.
+#[cfg(test)]
+mod checks;
 #[cfg(test)]
 mod tests;
