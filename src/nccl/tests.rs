@@ -48,6 +48,78 @@ fn dev(addr: u64, bytes: usize) -> MappedRange {
     MappedRange::new(addr, bytes, Location::Device(0))
 }
 
+/// One case of the test below: the hook, what is mapped, the
+/// communicators added.
+struct Case {
+    rec: Arc<Recorder>,
+    hook: NcclHook,
+    mapped: BTreeMap<u64, MappedRange>,
+    comms: Vec<(u64, usize)>,
+    next_comm: usize,
+}
+
+impl Case {
+    fn new() -> Self {
+        let rec = Arc::new(Recorder::default());
+        let hook = NcclHook::with(rec.clone());
+        Self {
+            rec,
+            hook,
+            mapped: BTreeMap::new(),
+            comms: Vec::new(),
+            next_comm: 0x10,
+        }
+    }
+
+    /// Maps a range at a drawn address: a device range, or (one in five) a
+    /// host range, apart at and above `HOST_AT`, where no registration may
+    /// ever name an address.
+    fn map(&mut self, draw: &mut impl FnMut(u64) -> u64) {
+        let addr = (draw(64) + 1) << 21;
+        if self.mapped.contains_key(&addr) || self.mapped.contains_key(&(HOST_AT + addr)) {
+            return;
+        }
+        let r = if draw(5) == 0 {
+            MappedRange::new(HOST_AT + addr, 2 << 20, Location::Host)
+        } else {
+            dev(addr, (draw(3) as usize + 1) << 21)
+        };
+        self.hook.mapped(r);
+        self.mapped.insert(addr, r);
+    }
+
+    /// Unmaps a drawn range, if any.
+    fn unmap(&mut self, draw: &mut impl FnMut(u64) -> u64) {
+        let nth = draw(self.mapped.len() as u64 + 1) as usize;
+        if let Some(&a) = self.mapped.keys().nth(nth) {
+            let r = self.mapped.remove(&a).unwrap();
+            self.hook.unmapping(r);
+        }
+    }
+
+    fn add_comm(&mut self) {
+        self.next_comm += 1;
+        let id = add(&self.hook, self.next_comm).unwrap();
+        self.comms.push((id, self.next_comm));
+    }
+
+    /// Removes a drawn communicator, once only.
+    fn remove_comm(&mut self, draw: &mut impl FnMut(u64) -> u64, case: usize) {
+        if !self.comms.is_empty() {
+            let (id, _) = self.comms.remove(draw(self.comms.len() as u64) as usize);
+            self.hook.remove(id).unwrap();
+            assert!(self.hook.remove(id).is_err(), "case {case}: removed twice");
+        }
+    }
+
+    /// NCCL refuses one device range's registrations.
+    fn refuse_one(&mut self) {
+        if let Some(r) = self.mapped.values().find(|r| r.placement != Location::Host) {
+            self.rec.refuse.lock().push(r.addr);
+        }
+    }
+}
+
 /// Ranges mapped before and after each communicator is added are
 /// registered with it; an unmapping deregisters the range with every
 /// communicator; a removed communicator's registrations are all undone,
@@ -64,62 +136,26 @@ fn every_mapped_device_range_is_registered_with_every_communicator() {
     };
     let mut seen = (0u64, 0u64, 0u64);
     for case in 0..200 {
-        let rec = Arc::new(Recorder::default());
-        let hook = NcclHook::with(rec.clone());
-        let mut mapped: BTreeMap<u64, MappedRange> = BTreeMap::new();
-        let mut comms: Vec<(u64, usize)> = Vec::new();
-        let mut next_comm = 0x10usize;
+        let mut c = Case::new();
         for _ in 0..60 {
             match draw(6) {
-                0 | 1 => {
-                    let addr = (draw(64) + 1) << 21;
-                    if mapped.contains_key(&addr) || mapped.contains_key(&(HOST_AT + addr)) {
-                        continue;
-                    }
-                    // Host ranges lie apart, at and above HOST_AT:
-                    // no registration may ever name an address there.
-                    let r = if draw(5) == 0 {
-                        MappedRange::new(HOST_AT + addr, 2 << 20, Location::Host)
-                    } else {
-                        dev(addr, (draw(3) as usize + 1) << 21)
-                    };
-                    hook.mapped(r);
-                    mapped.insert(addr, r);
-                }
-                2 => {
-                    if let Some(&a) = mapped.keys().nth(draw(mapped.len() as u64 + 1) as usize) {
-                        let r = mapped.remove(&a).unwrap();
-                        hook.unmapping(r);
-                    }
-                }
-                3 => {
-                    next_comm += 1;
-                    comms.push((add(&hook, next_comm).unwrap(), next_comm));
-                }
-                4 => {
-                    if !comms.is_empty() {
-                        let (id, _) = comms.remove(draw(comms.len() as u64) as usize);
-                        hook.remove(id).unwrap();
-                        assert!(hook.remove(id).is_err(), "case {case}: removed twice");
-                    }
-                }
-                _ => {
-                    // NCCL refuses one device range's registrations.
-                    if let Some(r) = mapped.values().find(|r| r.placement != Location::Host) {
-                        rec.refuse.lock().push(r.addr);
-                    }
-                }
+                0 | 1 => c.map(&mut draw),
+                2 => c.unmap(&mut draw),
+                3 => c.add_comm(),
+                4 => c.remove_comm(&mut draw, case),
+                _ => c.refuse_one(),
             }
-            hook_agrees(&hook, &rec, &mapped, &comms, case);
+            hook_agrees(&c.hook, &c.rec, &c.mapped, &c.comms, case);
         }
+        let calls = c.rec.calls.lock();
         assert!(
-            rec.calls.lock().iter().all(|c| c.2 < HOST_AT),
+            calls.iter().all(|x| x.2 < HOST_AT),
             "case {case}: a host range was registered"
         );
-        let n = hook.counts();
+        let n = c.hook.counts();
         seen.0 += n.deregistrations;
         seen.1 += n.failures;
-        seen.2 += rec.calls.lock().iter().filter(|c| c.0 == 'r').count() as u64;
+        seen.2 += calls.iter().filter(|x| x.0 == 'r').count() as u64;
     }
     // The draws took every path: registrations, refusals, undoing.
     assert!(seen.0 > 0 && seen.1 > 0 && seen.2 > 0, "{seen:?}");
@@ -215,82 +251,96 @@ mod ranks {
     /// arena's base, the bytes ('d': 0).
     type Call = (char, u64, usize);
 
-    /// One rank's run: an arena registered with a communicator grows, frees,
-    /// gives memory back, sleeps (in every mode) and wakes, the calls drawn
-    /// from `seed`. After every step: what is registered is exactly what is
-    /// mapped, each range once; no range is registered while it is, nor
-    /// deregistered while it is not; a growth only registers (the new ranges)
-    /// and a sleep leaves nothing registered. Returns the registrar's calls,
-    /// addresses relative to the arena's base, and (growths, sleeps) seen.
-    fn rank_run(seed: u64) -> (Vec<Call>, (u32, u32)) {
-        use crate::host::HostStream;
-        use crate::{ArenaDesc, HostBackend, SleepDesc, WakeDesc};
+    /// One rank: an arena on the host backend whose map hook tells an NCCL
+    /// hook (registered with one communicator) of its ranges as device
+    /// ranges, the registrar's calls recorded.
+    struct Rank {
+        rec: Arc<Recorder>,
+        hook: Arc<NcclHook>,
+        arena: crate::host::HostArena,
+        stream: crate::host::HostStream,
+        live: Vec<crate::host::HostAllocation>,
+        /// Growths and sleeps seen.
+        seen: (u32, u32),
+    }
 
-        let rec = Arc::new(Recorder::default());
-        let hook = Arc::new(NcclHook::with(rec.clone()));
-        add(&hook, 0x10).unwrap();
-        let desc = ArenaDesc::new(256 << 20).max_chunk_bytes(4 << 20);
-        let arena: crate::host::HostArena = crate::Arena::new(HostBackend::new(), desc).unwrap();
-        arena
-            .set_map_hook(Some(Arc::new(AsDevice(hook.clone()))))
-            .unwrap();
-        let s = HostStream(1);
-        let base = arena.base();
-        let mut x = seed;
-        let mut draw = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
-        let mut live = Vec::new();
-        let mut seen = (0u32, 0u32);
-        for step in 0..120 {
-            let before = rec.calls.lock().len();
-            let mapped_before = hook.counts().mapped_ranges;
-            let what = draw(8);
+    impl Rank {
+        fn new() -> Self {
+            use crate::{ArenaDesc, HostBackend};
+            let rec = Arc::new(Recorder::default());
+            let hook = Arc::new(NcclHook::with(rec.clone()));
+            add(&hook, 0x10).unwrap();
+            let desc = ArenaDesc::new(256 << 20).max_chunk_bytes(4 << 20);
+            let arena: crate::host::HostArena =
+                crate::Arena::new(HostBackend::new(), desc).unwrap();
+            arena
+                .set_map_hook(Some(Arc::new(AsDevice(hook.clone()))))
+                .unwrap();
+            let stream = crate::host::HostStream(1);
+            Self {
+                rec,
+                hook,
+                arena,
+                stream,
+                live: Vec::new(),
+                seen: (0, 0),
+            }
+        }
+
+        /// Step `step` of kind `what` (0-3 allocate, 4 free, 5 release, 6
+        /// sleep and wake, 7 empty the cache), its sizes and choices from
+        /// `draw`.
+        fn step(&mut self, step: usize, what: u64, draw: &mut impl FnMut(u64) -> u64) {
             match what {
-                0..=3 => match arena.alloc(((draw(512) as usize) + 1) << 12, &s) {
-                    Ok(a) => live.push(a),
+                0..=3 => match self
+                    .arena
+                    .alloc(((draw(512) as usize) + 1) << 12, &self.stream)
+                {
+                    Ok(a) => self.live.push(a),
                     Err(e) => panic!("step {step}: {e}"),
                 },
-                4 if !live.is_empty() => drop(live.swap_remove(draw(live.len() as u64) as usize)),
+                4 if !self.live.is_empty() => {
+                    drop(self.live.swap_remove(draw(self.live.len() as u64) as usize))
+                }
                 5 => {
-                    arena.release_cached().unwrap();
+                    self.arena.release_cached().unwrap();
                 }
-                6 => {
-                    // The sleeps that give device memory back (a kept sleep
-                    // moves it to the host, which this stand-in cannot tell
-                    // from a GPU's).
-                    let (desc, mode) = match draw(2) {
-                        0 => (SleepDesc::stash(), "stash"),
-                        _ => (SleepDesc::discard(), "discard"),
-                    };
-                    arena.sleep(std::slice::from_ref(&s), &desc).unwrap();
-                    let n = hook.counts();
-                    assert_eq!(
-                        (n.registered_bytes, rec.open.lock().len()),
-                        (0, 0),
-                        "step {step}: registered while asleep ({mode})"
-                    );
-                    seen.1 += 1;
-                    arena
-                        .wake(std::slice::from_ref(&s), &WakeDesc::default())
-                        .unwrap();
-                    let n = hook.counts();
-                    assert!(
-                        live.is_empty() || n.registered_bytes > 0,
-                        "step {step}: the live allocations' memory is mapped and registered again"
-                    );
-                }
-                _ => arena.empty_cache().unwrap(),
+                6 => self.sleep_and_wake(step, draw(2) == 0),
+                _ => self.arena.empty_cache().unwrap(),
             }
-            let calls = rec.calls.lock().clone();
-            let new = &calls[before..];
-            // What is registered is exactly the device ranges mapped now, one
-            // registration each.
-            let n = hook.counts();
-            let open: Vec<u64> = rec.open.lock().values().map(|&(_, a)| a).collect();
+        }
+
+        /// A sleep that gives device memory back (`stash`, else discard: a
+        /// kept sleep moves it to the host, which this stand-in cannot tell
+        /// from a GPU's) leaves nothing registered; the wake registers the
+        /// live allocations' memory again.
+        fn sleep_and_wake(&mut self, step: usize, stash: bool) {
+            use crate::{SleepDesc, WakeDesc};
+            let (desc, mode) = match stash {
+                true => (SleepDesc::stash(), "stash"),
+                false => (SleepDesc::discard(), "discard"),
+            };
+            let s = std::slice::from_ref(&self.stream);
+            self.arena.sleep(s, &desc).unwrap();
+            let n = self.hook.counts();
+            assert_eq!(
+                (n.registered_bytes, self.rec.open.lock().len()),
+                (0, 0),
+                "step {step}: registered while asleep ({mode})"
+            );
+            self.seen.1 += 1;
+            self.arena.wake(s, &WakeDesc::default()).unwrap();
+            assert!(
+                self.live.is_empty() || self.hook.counts().registered_bytes > 0,
+                "step {step}: the live allocations' memory is mapped and registered again"
+            );
+        }
+
+        /// What is registered is exactly the device ranges mapped now, one
+        /// registration each.
+        fn check_registered_is_mapped(&self, step: usize) {
+            let n = self.hook.counts();
+            let open: Vec<u64> = self.rec.open.lock().values().map(|&(_, a)| a).collect();
             let mut unique = open.clone();
             unique.sort_unstable();
             unique.dedup();
@@ -301,19 +351,78 @@ mod ranks {
             );
             assert_eq!(open.len(), n.mapped_ranges, "step {step}: {n:?}");
             assert_eq!(n.registered_bytes, n.mapped_bytes, "step {step}: {n:?}");
-            if what <= 3 && n.mapped_ranges > mapped_before {
-                seen.0 += 1;
-                assert!(
-                    new.iter().all(|c| c.0 == 'r'),
-                    "step {step}: a growth deregistered: {new:?}"
-                );
-                assert_eq!(
-                    new.len(),
-                    n.mapped_ranges - mapped_before,
-                    "step {step}: only the new ranges"
-                );
+        }
+
+        /// A growth from `mapped_before` ranges only registered (the new
+        /// ranges), in the calls from `before` on.
+        fn check_growth(&mut self, step: usize, before: usize, mapped_before: usize) {
+            let n = self.hook.counts();
+            if n.mapped_ranges <= mapped_before {
+                return;
+            }
+            self.seen.0 += 1;
+            let calls = self.rec.calls.lock();
+            let new = &calls[before..];
+            assert!(
+                new.iter().all(|c| c.0 == 'r'),
+                "step {step}: a growth deregistered: {new:?}"
+            );
+            assert_eq!(
+                new.len(),
+                n.mapped_ranges - mapped_before,
+                "step {step}: only the new ranges"
+            );
+        }
+    }
+
+    /// Replayed call by call, a registration names a range not registered,
+    /// a deregistration one that is; none is left.
+    fn check_never_twice(calls: &[(char, usize, u64, usize)]) {
+        let mut open = std::collections::BTreeSet::new();
+        for c in calls {
+            match c.0 {
+                'r' => assert!(open.insert(c.2), "registered twice: {c:?}"),
+                _ => assert!(open.remove(&c.2), "deregistered unregistered: {c:?}"),
             }
         }
+        assert!(open.is_empty());
+    }
+
+    /// One rank's run: an arena registered with a communicator grows, frees,
+    /// gives memory back, sleeps (in every mode) and wakes, the calls drawn
+    /// from `seed`. After every step: what is registered is exactly what is
+    /// mapped, each range once; no range is registered while it is, nor
+    /// deregistered while it is not; a growth only registers (the new ranges)
+    /// and a sleep leaves nothing registered. Returns the registrar's calls,
+    /// addresses relative to the arena's base, and (growths, sleeps) seen.
+    fn rank_run(seed: u64) -> (Vec<Call>, (u32, u32)) {
+        let mut rank = Rank::new();
+        let base = rank.arena.base();
+        let mut x = seed;
+        let mut draw = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for step in 0..120 {
+            let before = rank.rec.calls.lock().len();
+            let mapped_before = rank.hook.counts().mapped_ranges;
+            let what = draw(8);
+            rank.step(step, what, &mut draw);
+            rank.check_registered_is_mapped(step);
+            if what <= 3 {
+                rank.check_growth(step, before, mapped_before);
+            }
+        }
+        let Rank {
+            rec,
+            hook,
+            arena,
+            live,
+            seen,
+            ..
+        } = rank;
         drop(live);
         drop(arena);
         assert_eq!(
@@ -321,17 +430,8 @@ mod ranks {
             0,
             "the arena's end deregisters all"
         );
-        // Never twice: replayed call by call, a registration names a range not
-        // registered, a deregistration one that is.
         let calls = rec.calls.lock().clone();
-        let mut open = std::collections::BTreeSet::new();
-        for c in &calls {
-            match c.0 {
-                'r' => assert!(open.insert(c.2), "registered twice: {c:?}"),
-                _ => assert!(open.remove(&c.2), "deregistered unregistered: {c:?}"),
-            }
-        }
-        assert!(open.is_empty());
+        check_never_twice(&calls);
         let rel = calls.iter().map(|c| (c.0, c.2 - base, c.3)).collect();
         (rel, seen)
     }

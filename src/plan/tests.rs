@@ -208,76 +208,66 @@ fn plans_are_cut_to_the_reservation() {
     assert_eq!(sizes(f, 0, 5 * G, 6 * G).unwrap(), vec![4 * G, 2 * G]);
 }
 
+/// A request to grow from 0 to `6 * G`, placed by `placement_at`, from `pool`.
+fn grow_to_6<'a>(
+    policy: GrowthPolicy,
+    placement_at: &'a dyn Fn(usize) -> Location,
+    pool: &'a PoolOffer,
+) -> GrowthRequest<'a> {
+    GrowthRequest {
+        policy,
+        granularity: G,
+        at: 0,
+        target: 6 * G,
+        limit: 1024 * G,
+        placement_at,
+        pool: Some(pool),
+    }
+}
+
 #[test]
 fn pooled_chunks_come_first_within_the_bound_and_placement() {
     let mut offer = PoolOffer::new();
     offer.insert((GPU, 4 * G), 1);
     offer.insert((GPU, 64 * G), 1); // too big for the bound at this size
     offer.insert((Location::Host, 2 * G), 3); // other placement
-    let req = GrowthRequest {
-        policy: GrowthPolicy::default(),
-        granularity: G,
-        at: 0,
-        target: 6 * G,
-        limit: 1024 * G,
-        placement_at: &|_| GPU,
-        pool: Some(&offer),
+    let plan = plan_growth(&grow_to_6(GrowthPolicy::default(), &|_| GPU, &offer)).unwrap();
+    let chunk = |offset, bytes, pooled| Planned {
+        offset,
+        bytes,
+        placement: GPU,
+        pooled,
     };
-    let plan = plan_growth(&req).unwrap();
     assert_eq!(
         plan,
-        vec![
-            Planned {
-                offset: 0,
-                bytes: 4 * G,
-                placement: GPU,
-                pooled: true
-            },
-            Planned {
-                offset: 4 * G,
-                bytes: 2 * G,
-                placement: GPU,
-                pooled: false
-            },
-        ]
+        vec![chunk(0, 4 * G, true), chunk(4 * G, 2 * G, false)]
     );
-    // Placement follows the offset: the host range takes host chunks.
+}
+
+#[test]
+fn placement_follows_the_offset_and_exact_takes_granules_only() {
+    let mut offer = PoolOffer::new();
+    offer.insert((GPU, 4 * G), 1);
+    offer.insert((Location::Host, 2 * G), 3);
+    // The host range takes host chunks.
     let split = |o: usize| if o >= 4 * G { Location::Host } else { GPU };
-    let req = GrowthRequest {
-        placement_at: &split,
-        policy: GrowthPolicy::Exact,
-        ..req
-    };
-    let plan = plan_growth(&req).unwrap();
+    let plan = plan_growth(&grow_to_6(GrowthPolicy::Exact, &split, &offer)).unwrap();
     let got: Vec<(usize, Location, bool)> = plan
         .iter()
         .map(|c| (c.bytes, c.placement, c.pooled))
         .collect();
+    let mut want = vec![(G, GPU, false); 4];
+    want.extend([(G, Location::Host, false); 2]);
     assert_eq!(
-        got,
-        vec![
-            (G, GPU, false),
-            (G, GPU, false),
-            (G, GPU, false),
-            (G, GPU, false),
-            (G, Location::Host, false),
-            (G, Location::Host, false),
-        ],
+        got, want,
         "Exact takes only granule-sized pooled chunks, and the pool has none on the GPU"
     );
-    let mut offer2 = PoolOffer::new();
-    offer2.insert((Location::Host, G), 5);
-    let req = GrowthRequest {
-        pool: Some(&offer2),
-        ..req
-    };
-    let pooled = plan_growth(&req)
-        .unwrap()
-        .iter()
-        .filter(|c| c.pooled)
-        .count();
+    let mut granules = PoolOffer::new();
+    granules.insert((Location::Host, G), 5);
+    let plan = plan_growth(&grow_to_6(GrowthPolicy::Exact, &split, &granules)).unwrap();
     assert_eq!(
-        pooled, 2,
+        plan.iter().filter(|c| c.pooled).count(),
+        2,
         "two host granules from the pool, no more than the range needs"
     );
 }

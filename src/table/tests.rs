@@ -139,7 +139,23 @@ fn agree(t: &ChunkTable<u32>, m: &Model) {
     assert_eq!((s.mapped_bytes, s.host_bytes), (mapped, host));
     assert_eq!(t.holes(), m.holes());
     assert_eq!(s.holes, m.holes().len());
-    // Gaps clipped to a range: the model's free granules there, in runs.
+    gaps_agree(t, m);
+    for (o, e) in t.iter() {
+        assert_eq!(m.granules[o / G], Some((o / G, e.placement)));
+        assert_eq!(e.bytes, m.chunk_len(o / G) * G);
+        assert_eq!(e.chunk as usize, o / G, "the token stays with its chunk");
+    }
+    // Range queries over a spread of ranges, unaligned ends included.
+    for a in (0..GRANULES * G).step_by(G * 3 + 1000) {
+        for len in [1, G - 1, G, 5 * G + 7, 20 * G] {
+            ranges_agree(t, m, a, (a + len).min(GRANULES * G));
+        }
+    }
+}
+
+/// Gaps clipped to a range are the model's free granules there, in runs;
+/// the lowest gap long enough is the model's lowest free run.
+fn gaps_agree(t: &ChunkTable<u32>, m: &Model) {
     for (a, b) in [(0, GRANULES), (3, 17), (GRANULES / 2, GRANULES), (5, 5)] {
         let mut want: Vec<Range<usize>> = Vec::new();
         for i in a..b {
@@ -152,43 +168,10 @@ fn agree(t: &ChunkTable<u32>, m: &Model) {
         }
         assert_eq!(t.gaps(a * G..b * G), want, "gaps in {a}..{b}");
     }
-    for (o, e) in t.iter() {
-        assert_eq!(m.granules[o / G], Some((o / G, e.placement)));
-        assert_eq!(e.bytes, m.chunk_len(o / G) * G);
-        assert_eq!(e.chunk as usize, o / G, "the token stays with its chunk");
-    }
-    // Range queries over a spread of ranges, unaligned ends included.
-    for a in (0..GRANULES * G).step_by(G * 3 + 1000) {
-        for len in [1, G - 1, G, 5 * G + 7, 20 * G] {
-            let b = (a + len).min(GRANULES * G);
-            let got: Vec<usize> = t.overlapping(a..b).map(|(o, _)| o).collect();
-            assert_eq!(got, m.touching(a, b), "overlapping {a:#x}..{b:#x}");
-            // The chunk holding one byte, from the model's granule.
-            let want = m.granules[a / G].map(|(s, _)| (s * G, m.chunk_len(s) * G));
-            assert_eq!(t.chunk_at(a), want, "chunk_at {a:#x}");
-            let covered = (a / G..b.div_ceil(G)).all(|i| m.granules[i].is_some());
-            assert_eq!(
-                t.covering(a, b - a, false).is_ok(),
-                covered,
-                "{a:#x}..{b:#x}"
-            );
-            let exact = covered
-                && matches!(m.granules[a / G], Some((s, _)) if s * G == a)
-                && (b == GRANULES * G
-                    || m.granules[b / G].is_none_or(|(s, _)| s * G == b) && b % G == 0);
-            assert_eq!(
-                t.covering(a, b - a, true).is_ok(),
-                exact,
-                "exact {a:#x}..{b:#x}"
-            );
-        }
-    }
     for n in [1, 2, 5, 9] {
         let want = (0..=GRANULES - n)
             .find(|&i| m.granules[i..i + n].iter().all(|g| g.is_none()))
             .map(|i| i * G);
-        // The lowest gap of the whole reservation that is long enough: the
-        // same as the lowest free run of `n` granules.
         let fit = t
             .gaps(0..GRANULES * G)
             .into_iter()
@@ -196,6 +179,31 @@ fn agree(t: &ChunkTable<u32>, m: &Model) {
             .map(|g| g.start);
         assert_eq!(fit, want, "lowest fit for {n} granules");
     }
+}
+
+/// `overlapping`, `chunk_at` and `covering` (loose and exact) of
+/// `a..b` agree with the model.
+fn ranges_agree(t: &ChunkTable<u32>, m: &Model, a: usize, b: usize) {
+    let got: Vec<usize> = t.overlapping(a..b).map(|(o, _)| o).collect();
+    assert_eq!(got, m.touching(a, b), "overlapping {a:#x}..{b:#x}");
+    // The chunk holding one byte, from the model's granule.
+    let want = m.granules[a / G].map(|(s, _)| (s * G, m.chunk_len(s) * G));
+    assert_eq!(t.chunk_at(a), want, "chunk_at {a:#x}");
+    let covered = (a / G..b.div_ceil(G)).all(|i| m.granules[i].is_some());
+    assert_eq!(
+        t.covering(a, b - a, false).is_ok(),
+        covered,
+        "{a:#x}..{b:#x}"
+    );
+    let exact = covered
+        && matches!(m.granules[a / G], Some((s, _)) if s * G == a)
+        && (b == GRANULES * G
+            || m.granules[b / G].is_none_or(|(s, _)| s * G == b) && b.is_multiple_of(G));
+    assert_eq!(
+        t.covering(a, b - a, true).is_ok(),
+        exact,
+        "exact {a:#x}..{b:#x}"
+    );
 }
 
 proptest! {

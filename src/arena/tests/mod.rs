@@ -145,6 +145,41 @@ fn freed_chunks_in_the_middle_go_back_to_the_pool_and_are_mapped_again() {
     assert!(a.snapshot().to_string().contains("free"));
 }
 
+/// Larger than the budget of 16 chunks, or than the reservation's large
+/// zone: no retry can succeed, and the error says so.
+fn refuses_what_never_fits(a: &HostArena, s: &HostStream) {
+    // Larger than the budget: no retry can succeed, and the error says so.
+    match a.alloc(17 * G, s) {
+        Err(
+            e @ Error::ArenaOutOfMemory {
+                never_fits: true,
+                budget_bytes: Some(b),
+                ..
+            },
+        ) => {
+            assert_eq!(b, 16 * G);
+            assert!(!e.is_transient());
+            assert!(e.to_string().contains("no retry can succeed"), "{e}");
+        }
+        other => panic!("over the budget, never fits: {other:?}"),
+    }
+    // Larger than the reservation's large zone too.
+    assert!(matches!(
+        a.alloc(2 << 30, s),
+        Err(Error::ArenaOutOfMemory {
+            never_fits: true,
+            ..
+        })
+    ));
+}
+
+/// Whether `al` holds `want` from its start.
+fn holds(al: &Allocation<HostBackend, HostStream>, want: &[u8]) -> bool {
+    let mut back = vec![0u8; want.len()];
+    al.read(0, &mut back).unwrap();
+    back == want
+}
+
 #[test]
 fn out_of_memory_leaves_existing_allocations_intact() {
     let b = HostBackend::with_granularity(G).unwrap();
@@ -178,37 +213,13 @@ fn out_of_memory_leaves_existing_allocations_intact() {
         a.alloc(8 * G, &s).unwrap_err().is_transient(),
         "fits the budget once memory is freed: worth a retry"
     );
-    // Larger than the budget: no retry can succeed, and the error says so.
-    match a.alloc(17 * G, &s) {
-        Err(
-            e @ Error::ArenaOutOfMemory {
-                never_fits: true,
-                budget_bytes: Some(b),
-                ..
-            },
-        ) => {
-            assert_eq!(b, 16 * G);
-            assert!(!e.is_transient());
-            assert!(e.to_string().contains("no retry can succeed"), "{e}");
-        }
-        other => panic!("over the budget, never fits: {other:?}"),
-    }
-    // Larger than the reservation's large zone too.
-    assert!(matches!(
-        a.alloc(2 << 30, &s),
-        Err(Error::ArenaOutOfMemory {
-            never_fits: true,
-            ..
-        })
-    ));
+    refuses_what_never_fits(&a, &s);
     assert_eq!(a.stats().num_ooms, 4);
     let st = a.stats();
     assert_eq!((st.num_ooms, st.allocated_bytes.current), (4, 12 * G));
     for (i, al) in kept.iter().enumerate() {
-        let mut back = vec![0u8; 4 * G];
-        al.read(0, &mut back).unwrap();
         assert!(
-            back == pattern(i, 4 * G),
+            holds(al, &pattern(i, 4 * G)),
             "allocation {i} intact after the OOM"
         );
     }
@@ -321,6 +332,28 @@ fn a_shared_budget_bounds_arenas_and_buffers_together() {
     assert_eq!(b.live().chunks, 0);
 }
 
+/// Whether `b` lies apart from `[at, at + bytes)`.
+fn apart(b: &Allocation<HostBackend, HostStream>, at: u64, bytes: u64) -> bool {
+    b.address() + b.capacity() as u64 <= at || b.address() >= at + bytes
+}
+
+/// The snapshot and `graph_pools` show `bytes` held by graph `g`, and
+/// nothing held by another.
+fn shows_graph_blocks(a: &HostArena, g: GraphPoolId, bytes: usize) {
+    let snap = a.snapshot();
+    let held: usize = snap
+        .blocks
+        .iter()
+        .filter(|b| b.graph == Some(g))
+        .map(|b| b.bytes)
+        .sum();
+    assert_eq!(
+        held, bytes,
+        "the snapshot shows the graph's blocks:\n{snap}"
+    );
+    assert_eq!(a.graph_pools(), vec![(g, bytes, 0)]);
+}
+
 /// A CUDA graph's pool: what a capture allocates and frees stays the
 /// graph's (retaken only by the same capture on the same stream) until the
 /// release; then it is free memory again and goes back to the pool.
@@ -351,7 +384,7 @@ fn a_graphs_blocks_stay_its_own_until_released() {
     let z = a.alloc_in_graph(1000, &cap, GraphPoolId(8)).unwrap();
     for b in [&y, &z] {
         assert!(
-            b.address() + b.capacity() as u64 <= t1_at || b.address() >= t1_at + 3072,
+            apart(b, t1_at, 3072),
             "a graph's block went to another user"
         );
     }
@@ -366,24 +399,12 @@ fn a_graphs_blocks_stay_its_own_until_released() {
         s.active_bytes.current, s.allocated_bytes.current,
         "free blocks graphs hold are not active"
     );
-    let snap = a.snapshot();
-    let held: usize = snap
-        .blocks
-        .iter()
-        .filter(|b| b.graph == Some(g))
-        .map(|b| b.bytes)
-        .sum();
-    assert_eq!(
-        held,
-        3072 + 5120,
-        "the snapshot shows the graph's blocks:\n{snap}"
-    );
-    assert_eq!(a.graph_pools(), vec![(g, 3072 + 5120, 0)]);
+    shows_graph_blocks(&a, g, 3072 + 5120);
     // Nothing the graph holds goes back to the pool.
     a.empty_cache().unwrap();
     assert!(a.stats().reserved_bytes.current >= 3072 + 5120);
     let w = a.alloc(5000, &other).unwrap();
-    assert!(w.address() >= out_at + 5120 || w.address() + 5120 <= out_at);
+    assert!(apart(&w, out_at, 5120));
     drop(w);
     drop(y);
     // Released: free memory, reused and given back as any other.

@@ -132,54 +132,15 @@ pub fn probe() -> Result<Probe> {
 
 /// The device-by-device part of [`probe`].
 fn probe_all() -> Result<Probe> {
-    use sys::CUdevice_attribute as A;
     let driver_version = driver::driver_version()?;
     let handles: Vec<sys::CUdevice> = (0..driver::device_count()?)
         .map(driver::device_get)
         .collect::<Result<_>>()?;
-    let mut devices = Vec::new();
-    for (i, &dev) in handles.iter().enumerate() {
-        // SAFETY: `dev` is a valid device handle from cuDeviceGet.
-        let attr = |a| unsafe { driver::device_attribute(dev, a) };
-        let vmm = attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0;
-        let granularity = if vmm {
-            let b = CudaBackend::new(i as u32)?;
-            let place = Location::Device(i as u32);
-            use sys::CUmemAllocationGranularity_flags as F;
-            (
-                b.query_granularity(place, F::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
-                b.query_granularity(place, F::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?,
-            )
-        } else {
-            (0, 0)
-        };
-        devices.push(DeviceProbe {
-            ordinal: i as u32,
-            name: driver::device_name(dev)?,
-            compute_capability: (
-                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-            ),
-            // SAFETY: a valid device handle.
-            total_bytes: unsafe { driver::device_total_mem(dev) }?,
-            vmm,
-            host_numa_node: if attr(
-                A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-            )? != 0
-            {
-                Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?)
-            } else {
-                None
-            },
-            granularity,
-            posix_fd_handles: attr(
-                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-            )? != 0,
-            fabric_handles: attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)? != 0,
-            rdma_with_vmm: attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)?
-                != 0,
-        });
-    }
+    let devices = handles
+        .iter()
+        .enumerate()
+        .map(|(i, &dev)| probe_device(i as u32, dev))
+        .collect::<Result<_>>()?;
     let mut peer_access = vec![vec![false; handles.len()]; handles.len()];
     for (a, &da) in handles.iter().enumerate() {
         for (b, &db) in handles.iter().enumerate() {
@@ -193,6 +154,48 @@ fn probe_all() -> Result<Probe> {
         driver_version,
         devices,
         peer_access,
+    })
+}
+
+/// What device `ordinal` (handle `dev`, from cuDeviceGet) supports.
+fn probe_device(ordinal: u32, dev: sys::CUdevice) -> Result<DeviceProbe> {
+    use sys::CUdevice_attribute as A;
+    // SAFETY: `dev` is a valid device handle from cuDeviceGet.
+    let attr = |a| unsafe { driver::device_attribute(dev, a) };
+    let flag = |a| attr(a).map(|v| v != 0);
+    let vmm = flag(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)?;
+    let granularity = if vmm {
+        let b = CudaBackend::new(ordinal)?;
+        let place = Location::Device(ordinal);
+        use sys::CUmemAllocationGranularity_flags as F;
+        (
+            b.query_granularity(place, F::CU_MEM_ALLOC_GRANULARITY_MINIMUM)?,
+            b.query_granularity(place, F::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)?,
+        )
+    } else {
+        (0, 0)
+    };
+    let host_numa_node =
+        if flag(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? {
+            Some(attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?)
+        } else {
+            None
+        };
+    Ok(DeviceProbe {
+        ordinal,
+        name: driver::device_name(dev)?,
+        compute_capability: (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        // SAFETY: a valid device handle.
+        total_bytes: unsafe { driver::device_total_mem(dev) }?,
+        vmm,
+        host_numa_node,
+        granularity,
+        posix_fd_handles: flag(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)?,
+        fabric_handles: flag(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)?,
+        rdma_with_vmm: flag(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)?,
     })
 }
 

@@ -156,6 +156,38 @@ fn captures_into_one_pool_share_its_blocks_until_its_last_graph_goes() {
     in_child("shared_pools_child", "shared pools: checked");
 }
 
+/// The graph pools the device keeps once `g` is dropped and CUDA has run
+/// the destroyed graphs' callbacks (on a thread of its own, soon after the
+/// destruction): waits up to 5 s for `want`.
+fn graph_pools_after(
+    ctx: &cudarc::driver::CudaContext,
+    dev: &parking_lot::Mutex<super::Device>,
+    g: Option<cudarc::driver::CudaGraph>,
+    want: usize,
+) -> usize {
+    drop(g);
+    ctx.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let mut d = dev.lock();
+        d.release_graphs();
+        let n = d.graphs.len();
+        drop(d);
+        if n == want || start.elapsed() > std::time::Duration::from_secs(5) {
+            return n;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// The bytes each graph pool of the device's default arena holds, sorted.
+fn graph_pool_bytes(dev: &parking_lot::Mutex<super::Device>) -> Vec<usize> {
+    let d = dev.lock();
+    let mut v: Vec<usize> = d.arenas[""].graph_pools().iter().map(|p| p.1).collect();
+    v.sort_unstable();
+    v
+}
+
 /// The body of [`captures_into_one_pool_share_its_blocks_until_its_last_graph_goes`].
 #[test]
 #[ignore = "run by captures_into_one_pool_share_its_blocks_until_its_last_graph_goes in a child process"]
@@ -191,32 +223,10 @@ fn shared_pools_child() {
     );
     assert_ne!(c, a, "a capture into another pool took the pool's block");
     let dev = super::existing(0).unwrap();
-    // The pools left once CUDA has run the destroyed graphs' callbacks
-    // (on a thread of its own, soon after the destruction).
-    let pools_after = |g: Option<cudarc::driver::CudaGraph>, want: usize| {
-        drop(g);
-        ctx.synchronize().unwrap();
-        let start = std::time::Instant::now();
-        loop {
-            let mut d = dev.lock();
-            d.release_graphs();
-            let n = d.graphs.len();
-            drop(d);
-            if n == want || start.elapsed() > std::time::Duration::from_secs(5) {
-                return n;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(2));
-        }
-    };
+    let pools_after = |g, want| graph_pools_after(&ctx, dev, g, want);
+    let held = || graph_pool_bytes(dev);
     assert_eq!(pools_after(None, 2), 2, "two pools");
     assert_eq!(pools_after(g1, 2), 2, "the pool lives while one graph does");
-    // The bytes each graph pool of the default arena holds.
-    let held = || {
-        let d = dev.lock();
-        let mut v: Vec<usize> = d.arenas[""].graph_pools().iter().map(|p| p.1).collect();
-        v.sort_unstable();
-        v
-    };
     assert_eq!(
         held(),
         [3 << 20, 3 << 20],

@@ -259,66 +259,135 @@ proptest! {
         1 => (1..256usize).prop_map(|w| Op::Wall(w * 16)),
     ], 1..80), joining in any::<bool>(), walled in any::<bool>(),
        first in prop::collection::btree_set(1..256usize, 0..6)) {
-        const SPACE: usize = 4096;
-        let mut walls: std::collections::BTreeSet<usize> =
+        let walls: std::collections::BTreeSet<usize> =
             first.into_iter().filter(|_| walled).map(|w| w * 16).collect();
-        let mut b = if joining { Blocks::<u32>::joining() } else { Blocks::<u32>::default() };
-        b.insert_in(0, settled(SPACE), &walls);
-        let mut owner: Vec<Option<u8>> = vec![None; SPACE];
-        let mut live: Vec<(usize, usize)> = Vec::new();
-        let key = |s: bool| if s { S1 } else { S2 };
+        let mut m = ByteModel::new(joining, walled, walls);
         for op in ops {
-            match op {
-                Op::Alloc(n, s) => {
-                    if let Some(at) = b.take(n, key(s)) {
-                        prop_assert!(walls.first_inside(at, at + n).is_none(),
-                            "took {at:#x}+{n:#x} across a wall: {walls:?}");
-                        for x in &mut owner[at..at + n] {
-                            prop_assert!(x.is_none_or(|o| o == s as u8), "took another stream's pending bytes");
-                            *x = Some(9);
-                        }
-                        live.push((at, n));
-                    }
-                }
-                Op::Free(i, s, p) => {
-                    if !live.is_empty() {
-                        let (at, n) = live.swap_remove(i % live.len());
-                        let fences = if p { fs(&[(key(s), 1)]) } else { FenceSet::default() };
-                        let stream = if p { Some(key(s)) } else { None };
-                        let across = walls.first_inside(at, at + n).is_some();
-                        for x in &mut owner[at..at + n] {
-                            // Pending across a wall: no stream's (8).
-                            *x = match (p, across) {
-                                (true, true) => Some(8),
-                                (true, false) => Some(s as u8),
-                                (false, _) => None,
-                            };
-                        }
-                        b.insert_in(at, Free { size: n, stream, fences }, &walls);
-                    }
-                }
-                Op::Settle => {
-                    b.settle_in(|_| true, &walls);
-                    for x in owner.iter_mut().filter(|x| **x != Some(9)) {
-                        *x = None;
-                    }
-                }
-                Op::Wall(_) if !walled => {}
-                Op::Wall(w) => {
-                    walls.insert(w);
-                    b.rewall(&walls);
-                    for (o, f) in b.iter() {
-                        if !f.settled() && walls.first_inside(o, o + f.size).is_some() {
-                            for x in &mut owner[o..o + f.size] {
-                                *x = Some(8);
-                            }
-                        }
-                    }
+            m.apply(op)?;
+            model_holds(&m.b, &m.walls, &m.live, &m.owner, SPACE)?;
+        }
+        all_freed_is_one_block_per_wall(m.b, &m.walls, m.live, SPACE)?;
+    }
+}
+
+/// The space of [`blocks_match_a_byte_model`].
+const SPACE: usize = 4096;
+
+fn key(s: bool) -> StreamKey {
+    if s {
+        S1
+    } else {
+        S2
+    }
+}
+
+/// The index under test and its byte model: who holds each byte (`None`
+/// free and settled, the stream's number pending, 8 pending across a wall,
+/// 9 allocated), the live ranges and the walls.
+struct ByteModel {
+    b: Blocks<u32>,
+    walls: std::collections::BTreeSet<usize>,
+    /// Whether walls may go up.
+    walled: bool,
+    owner: Vec<Option<u8>>,
+    live: Vec<(usize, usize)>,
+}
+
+impl ByteModel {
+    fn new(joining: bool, walled: bool, walls: std::collections::BTreeSet<usize>) -> Self {
+        let mut b = if joining {
+            Blocks::<u32>::joining()
+        } else {
+            Blocks::<u32>::default()
+        };
+        b.insert_in(0, settled(SPACE), &walls);
+        Self {
+            b,
+            walls,
+            walled,
+            owner: vec![None; SPACE],
+            live: Vec::new(),
+        }
+    }
+
+    fn apply(&mut self, op: Op) -> Result<(), TestCaseError> {
+        match op {
+            Op::Alloc(n, s) => self.alloc(n, s)?,
+            Op::Free(i, s, p) if !self.live.is_empty() => self.free(i, s, p),
+            Op::Free(..) => {}
+            Op::Settle => {
+                self.b.settle_in(|_| true, &self.walls);
+                for x in self.owner.iter_mut().filter(|x| **x != Some(9)) {
+                    *x = None;
                 }
             }
-            model_holds(&b, &walls, &live, &owner, SPACE)?;
+            Op::Wall(_) if !self.walled => {}
+            Op::Wall(w) => self.wall(w),
         }
-        all_freed_is_one_block_per_wall(b, &walls, live, SPACE)?;
+        Ok(())
+    }
+
+    /// A take of `n` bytes by stream `s`: never across a wall, never
+    /// another stream's pending bytes.
+    fn alloc(&mut self, n: usize, s: bool) -> Result<(), TestCaseError> {
+        if let Some(at) = self.b.take(n, key(s)) {
+            let walls = &self.walls;
+            prop_assert!(
+                walls.first_inside(at, at + n).is_none(),
+                "took {at:#x}+{n:#x} across a wall: {walls:?}"
+            );
+            for x in &mut self.owner[at..at + n] {
+                prop_assert!(
+                    x.is_none_or(|o| o == s as u8),
+                    "took another stream's pending bytes"
+                );
+                *x = Some(9);
+            }
+            self.live.push((at, n));
+        }
+        Ok(())
+    }
+
+    /// Frees the `i`th live range on stream `s`, pending (`p`) or settled.
+    fn free(&mut self, i: usize, s: bool, p: bool) {
+        let (at, n) = self.live.swap_remove(i % self.live.len());
+        let fences = if p {
+            fs(&[(key(s), 1)])
+        } else {
+            FenceSet::default()
+        };
+        let stream = if p { Some(key(s)) } else { None };
+        let across = self.walls.first_inside(at, at + n).is_some();
+        for x in &mut self.owner[at..at + n] {
+            // Pending across a wall: no stream's (8).
+            *x = match (p, across) {
+                (true, true) => Some(8),
+                (true, false) => Some(s as u8),
+                (false, _) => None,
+            };
+        }
+        self.b.insert_in(
+            at,
+            Free {
+                size: n,
+                stream,
+                fences,
+            },
+            &self.walls,
+        );
+    }
+
+    /// A wall at `w`: pending blocks it now crosses are no stream's.
+    fn wall(&mut self, w: usize) {
+        self.walls.insert(w);
+        self.b.rewall(&self.walls);
+        for (o, f) in self.b.iter() {
+            if !f.settled() && self.walls.first_inside(o, o + f.size).is_some() {
+                for x in &mut self.owner[o..o + f.size] {
+                    *x = Some(8);
+                }
+            }
+        }
     }
 }
 
