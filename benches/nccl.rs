@@ -12,7 +12,7 @@
 //!
 //! Run: `benches/nccl` (the packed binary), or `cargo bench --bench nccl`.
 
-#[path = "../tests/all/nccl_support.rs"]
+#[path = "../tests/all/support/nccl_support.rs"]
 mod nccl_support;
 
 use std::sync::Arc;

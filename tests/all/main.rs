@@ -8,10 +8,8 @@ mod arena;
 mod bad_input;
 mod buffer;
 mod capture_frees;
-mod common;
 mod cuda_only;
 mod failed_calls;
-mod failing_backend;
 mod fuzz;
 mod graph_and_backup_promises;
 mod hooks;
@@ -19,7 +17,6 @@ mod host_only;
 mod interop;
 mod lag;
 mod nccl;
-mod nccl_support;
 mod oracle;
 mod peer;
 mod placement;
@@ -32,6 +29,9 @@ mod sleep;
 mod soak;
 mod soundness;
 mod stream_order;
+mod support;
+
+use support::{common, failing_backend, nccl_support};
 
 fn main() {
     let args = libtest_mimic::Arguments::from_args();

@@ -143,3 +143,45 @@ fn a_prepared_stash_is_staged_in_batches_and_the_sleep_maps_nothing() {
         assert!(got == *data, "allocation {k} came back whole");
     }
 }
+
+/// A graph's held bytes joined across the border of two discarding sleeps'
+/// runs (one block freed into the graph in the first sleep's run, one in
+/// the second's, joined by the graph) stay the graph's through the wake:
+/// the wake cuts every held range to each run, not only those that start
+/// in it, so no later request gets the second run's part.
+#[test]
+fn a_graphs_block_across_two_sleeps_runs_stays_its_own() {
+    let a = arena(1 << 30);
+    let (cap, other) = (HostStream(1), HostStream(2));
+    let g = GraphPoolId(3);
+    let streams = [cap, other];
+    let first = a.alloc_in_graph(4 * G, &cap, g).unwrap();
+    // The first sleep gives the first block's memory back; what is mapped
+    // while asleep lies past it.
+    a.sleep(&streams, &SleepDesc::discard()).unwrap();
+    let second = a.alloc_in_graph(4 * G, &cap, g).unwrap();
+    let (lo, hi) = (first.address(), second.address());
+    assert_eq!(hi, lo + 4 * G as u64, "the second block follows the first");
+    first.free_into_graph(g);
+    second.free_into_graph(g);
+    // The second sleep gives the second block's memory back: two runs side
+    // by side, one held range over both.
+    a.sleep(&streams, &SleepDesc::discard()).unwrap();
+    a.wake(&streams, &WakeDesc::default()).unwrap();
+    assert_eq!(a.stats().graph_bytes, 8 * G, "the graph holds both blocks");
+    let mut taken = Vec::new();
+    for _ in 0..4 {
+        let y = a.alloc(2 * G, &other).unwrap();
+        assert!(
+            y.address() + y.capacity() as u64 <= lo || y.address() >= lo + 8 * G as u64,
+            "{:#x} handed out from the graph's bytes {lo:#x}..{:#x}",
+            y.address(),
+            lo + 8 * G as u64
+        );
+        taken.push(y);
+    }
+    assert_eq!(a.release_graph(g).unwrap(), 8 * G);
+    drop(taken);
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}
