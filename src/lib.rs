@@ -84,7 +84,7 @@
 //! `unsafe` is denied crate-wide and allowed only where memory meets the
 //! driver or becomes a Rust slice: the two backends (`backend/cuda/`,
 //! `backend/host.rs`), the pageable sleep's host buffer
-//! (`backend/pages.rs`), the buffer's CPU views (`buffer/host_view.rs`) and
+//! (`backend/pages.rs`), the buffer's CPU views (`cpu_view.rs`) and
 //! the CUDA-only pieces (`cuda/`: typed tensors, cudarc views of arena
 //! allocations and of buffers). The chunk table, the growth plan, the pool and the
 //! statistics are safe code, tested without a GPU.
@@ -116,6 +116,7 @@ pub(crate) fn miri_cases() -> u32 {
 mod arena;
 mod backend;
 mod buffer;
+mod cpu_view;
 mod error;
 mod graph_id;
 pub mod hash;

@@ -27,7 +27,7 @@ impl<B: Backend> GrowableBuffer<B> {
 
     /// Blocks until every recorded use has finished (each stream's own
     /// work, never the whole device).
-    pub(super) fn wait_uses(&self) -> Result<()> {
+    pub(crate) fn wait_uses(&self) -> Result<()> {
         self.uses.each(|f| self.backend.wait(f))
     }
 
