@@ -69,7 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::hint::black_box(&evict);
         true
     };
-    raise_fd_limit();
+    vmmbuf::host::raise_fd_limit();
     let host = HostBackend::with_granularity(2 << 20)?;
     // VMMBUF_TRACE_RESERVE_GIB=16: a smaller reservation, under which the
     // bench runs in valgrind (its mmap refuses 256 GiB), e.g. cachegrind
@@ -144,17 +144,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     Ok(())
-}
-
-/// Host chunks are memfds: lift the soft descriptor limit to the hard one.
-fn raise_fd_limit() {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    let l = getrlimit(Resource::Nofile);
-    let _ = setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: l.maximum,
-            maximum: l.maximum,
-        },
-    );
 }

@@ -69,7 +69,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ("CUDA VMM on GPU 0".to_string(), report, arena.stats())
         }
         Err(e) => {
-            raise_fd_limit();
+            vmmbuf::host::raise_fd_limit();
             let lag: u64 = std::env::var("VMMBUF_REPLAY_LAG")
                 .ok()
                 .and_then(|v| v.parse().ok())
@@ -105,17 +105,4 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     print!("{stats}");
     Ok(())
-}
-
-/// Host chunks are memfds: lift the soft descriptor limit to the hard one.
-fn raise_fd_limit() {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    let l = getrlimit(Resource::Nofile);
-    let _ = setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: l.maximum,
-            maximum: l.maximum,
-        },
-    );
 }

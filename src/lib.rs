@@ -173,7 +173,9 @@ pub mod host {
     /// An allocation of a [`HostArena`].
     pub type HostAllocation = crate::Allocation<HostBackend, HostStream>;
 
-    pub use crate::backend::host::{HostBackend, HostChunk, HostFence, HostReservation};
+    pub use crate::backend::host::{
+        raise_fd_limit, HostBackend, HostChunk, HostFence, HostReservation,
+    };
     pub use crate::backend::host_capture::HostCaptureState;
 }
 

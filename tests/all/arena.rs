@@ -19,24 +19,15 @@ crate::register! {
 }
 
 fn a_pytorch_training_trace_takes_at_most_1_01x_its_peak() {
-    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let events = torch_trace();
     // Host chunks are memfds: about two thousand of them at the peak.
-    let old = getrlimit(Resource::Nofile);
-    let _ = setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: old.maximum,
-            maximum: old.maximum,
-        },
-    );
+    vmmbuf::host::raise_fd_limit();
     let host = HostBackend::with_granularity(2 << 20).unwrap();
     let arena: Arena<HostBackend, HostStream> =
         Arena::new(host.clone(), ArenaDesc::new(256 << 30)).unwrap();
     let report = replay_trace(&arena, &events, HostStream).unwrap();
     let stats = arena.stats();
     drop(arena);
-    setrlimit(Resource::Nofile, old).unwrap();
     eprintln!(
         "replay: {} events, peak allocated {} B, peak taken {} B: {:.4}x",
         report.events,

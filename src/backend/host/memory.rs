@@ -182,6 +182,23 @@ impl super::HostBackend {
     }
 }
 
+/// Lifts this process's soft limit of open descriptors to its hard limit:
+/// every chunk of the host backend is a memfd, and an arena of many small
+/// chunks (a replayed training trace: about two thousand at its peak) runs
+/// past the usual soft limit of 1024. Best effort: a refusal leaves the
+/// limit as it was.
+pub fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let l = getrlimit(Resource::Nofile);
+    let _ = setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: l.maximum,
+            maximum: l.maximum,
+        },
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,7 +25,7 @@ use crate::table::{ChunkTable, Entry};
 
 mod memory;
 use memory::{host_range, os, prot, reserve_error, MappedFlag};
-pub use memory::{HostChunk, HostReservation};
+pub use memory::{raise_fd_limit, HostChunk, HostReservation};
 
 /// The host's virtual memory as a [`Backend`]. Places memory on [`Location::Host`]
 /// only; access lists name [`Location::Host`] only.
