@@ -1,11 +1,100 @@
 //! Reading what a stashing or pageable sleep kept: while the arena is
 //! asleep, and after a wake that kept it (`WakeDesc::keep_backup`).
 
-use super::{SleepMode, SleepState};
+use super::plan::pages_bytes;
+use super::SleepState;
 use crate::backend::pages::PageableBuf;
 use crate::backend::Backend;
 use crate::error::Result;
+use crate::pool::{ChunkPool, ChunkSource};
 use crate::region::Region;
+
+/// The copy of an arena's data that a stashing, pageable or disk sleep
+/// keeps away from the device: one type behind the three modes. The stash
+/// (pinned host pieces mapped at the arena's own offsets in a reservation
+/// of their own) stays from one sleep to the next; pageable or file copies
+/// hold a sleep's data until its wake, stay readable after a wake that
+/// keeps them, and serve the next pageable sleep again. `holds` says which
+/// store has the copy a reader may see now: the last sleep's, never an
+/// older one.
+pub(crate) struct Backup<B: Backend> {
+    /// The stash, made on the first stashing sleep.
+    pub(super) stash: Option<Region<B>>,
+    /// Pageable or file copies, `(offset, buffer)` in address order.
+    pub(super) pages: Vec<(usize, PageableBuf)>,
+    /// Which store holds the readable copy.
+    pub(super) holds: Holds,
+}
+
+/// Which store of a [`Backup`] holds the readable copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Holds {
+    /// None: awake without a kept copy, asleep keeping or discarding.
+    Nothing,
+    /// The stash (asleep stashed, or its wake kept it).
+    Stash,
+    /// The pages (asleep pageable or on disk, or its wake kept them).
+    Pages,
+}
+
+impl<B: Backend> Default for Backup<B> {
+    fn default() -> Self {
+        Self {
+            stash: None,
+            pages: Vec::new(),
+            holds: Holds::Nothing,
+        }
+    }
+}
+
+impl<B: Backend> Backup<B> {
+    /// Bytes of the stash's pinned pieces.
+    pub(super) fn stash_bytes(&self) -> usize {
+        self.stash.as_ref().map_or(0, |x| x.table.mapped_bytes())
+    }
+
+    /// Bytes of the pageable or file copies.
+    pub(super) fn pages_bytes(&self) -> usize {
+        pages_bytes(&self.pages)
+    }
+
+    /// The pageable or file copies go back to the system; what they held
+    /// is no longer readable. Returns their bytes.
+    pub(super) fn drop_pages(&mut self) -> usize {
+        if self.holds == Holds::Pages {
+            self.holds = Holds::Nothing;
+        }
+        pages_bytes(&std::mem::take(&mut self.pages))
+    }
+
+    /// Gives the stash's pieces to `pool` (the caller has made sure the
+    /// arena does not sleep stashed); what it held is no longer readable.
+    pub(super) fn drop_stash(&mut self, pool: &ChunkPool<B>) -> Result<usize> {
+        if self.holds == Holds::Stash {
+            self.holds = Holds::Nothing;
+        }
+        let Some(stash) = self.stash.as_mut() else {
+            return Ok(0);
+        };
+        let mut gone = 0;
+        for (o, b) in stash.table.runs() {
+            for (_, e) in stash.unmap(o, b)? {
+                gone += e.bytes;
+                let _ = pool.give(e.placement, e.bytes, e.chunk);
+            }
+        }
+        Ok(gone)
+    }
+
+    /// The readable copy now.
+    fn source(&mut self) -> Option<Source<'_, B>> {
+        match self.holds {
+            Holds::Nothing => None,
+            Holds::Stash => self.stash.as_mut().map(Source::Stash),
+            Holds::Pages => Some(Source::Pages(&self.pages)),
+        }
+    }
+}
 
 /// Where the backup of an arena lies now.
 enum Source<'a, B: Backend> {
@@ -26,7 +115,7 @@ impl<B: Backend, F> SleepState<B, F> {
         dst: &mut [u8],
     ) -> Result<bool> {
         let end = offset + dst.len();
-        match self.source() {
+        match self.backup.source() {
             None => Ok(false),
             Some(Source::Pages(paged)) => Ok(read_pages(paged, offset, dst)),
             Some(Source::Stash(stash)) => {
@@ -50,7 +139,7 @@ impl<B: Backend, F> SleepState<B, F> {
         offset: usize,
         end: usize,
     ) -> Result<Option<u64>> {
-        match self.source() {
+        match self.backup.source() {
             None => Ok(None),
             Some(Source::Pages(paged)) => {
                 let i = paged.partition_point(|(o, b)| o + b.len() <= offset);
@@ -67,29 +156,10 @@ impl<B: Backend, F> SleepState<B, F> {
 
     /// Whether a backup readable now holds every byte of `offset..end`.
     pub(crate) fn holds_backup(&mut self, offset: usize, end: usize) -> bool {
-        match self.source() {
+        match self.backup.source() {
             None => false,
             Some(Source::Pages(paged)) => pages_hold(paged, offset, end),
             Some(Source::Stash(stash)) => stash_holds(stash, offset, end),
-        }
-    }
-
-    /// The backup readable now: a sleep's, or one a wake kept.
-    fn source(&mut self) -> Option<Source<'_, B>> {
-        let Self {
-            asleep,
-            stash,
-            kept_pages,
-            backup_kept,
-            ..
-        } = self;
-        match asleep.as_ref().map(|a| a.mode) {
-            Some(m) if m.pages() => asleep.as_ref().map(|a| Source::Pages(&a.paged)),
-            Some(SleepMode::Stash) => stash.as_mut().map(Source::Stash),
-            Some(_) => None,
-            None if !*backup_kept => None,
-            None if !kept_pages.is_empty() => Some(Source::Pages(kept_pages)),
-            None => stash.as_mut().map(Source::Stash),
         }
     }
 }

@@ -84,8 +84,11 @@ impl<B: Backend> Env<'_, B> {
     ) -> Result<()> {
         // A backup kept past the last wake is not readable once a sleep has
         // begun: the sleep copies into it afresh (a pageable one reuses its
-        // buffers).
-        host.state_mut().backup_kept = false;
+        // buffers). A sleep that adds to one under way keeps its copy.
+        let state = host.state_mut();
+        if state.asleep.is_none() {
+            state.backup.holds = backup::Holds::Nothing;
+        }
         let _span = tracing::debug_span!("vmmbuf.arena.sleep", mode = %mode).entered();
         let done = match mode {
             SleepMode::Keep => self.sleep_keep(host, piece, r).map(|()| {

@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use super::backup::Holds;
 use super::{pieces, Asleep, Env, Host, SleepMode, SleepReport, WakeDesc};
 use crate::backend::pages::PageableBuf;
 use crate::backend::Backend;
@@ -36,10 +37,11 @@ impl<B: Backend> Env<'_, B> {
         let unmapped = self.unmap_copied(host, asleep, r, &runs, parts.len());
         // Each copy whose run now sleeps goes with it (all of them, unless
         // the unmapping failed part way).
+        let pages = &mut host.state_mut().backup.pages;
         for (o, buf) in copies {
             if asleep.discarded(o) {
-                let at = asleep.paged.partition_point(|x| x.0 < o);
-                asleep.paged.insert(at, (o, buf));
+                let at = pages.partition_point(|x| x.0 < o);
+                pages.insert(at, (o, buf));
             }
         }
         unmapped
@@ -73,14 +75,19 @@ impl<B: Backend> Env<'_, B> {
 
     /// Copies every part to pageable memory of its own (or a file of
     /// `dir`): a buffer a wake kept (`WakeDesc::keep_backup`) serves again
-    /// where a part is the same, at the same host address.
+    /// where a part is the same, at the same host address. While the arena
+    /// already sleeps pageable, its copies hold data and serve no other.
     fn copy_out<H: Host<B>>(
         &self,
         host: &mut H,
         parts: &[(usize, usize)],
         dir: Option<&std::path::Path>,
     ) -> Result<Vec<(usize, PageableBuf)>> {
-        let mut spare = std::mem::take(&mut host.state_mut().kept_pages);
+        let backup = &mut host.state_mut().backup;
+        let mut spare = match backup.holds {
+            Holds::Pages => Vec::new(),
+            _ => std::mem::take(&mut backup.pages),
+        };
         let mut copies = Vec::with_capacity(parts.len());
         for &(o, b) in parts {
             let mut buf = match spare.iter().position(|x| x.0 == o && x.1.len() == b) {
@@ -104,29 +111,31 @@ impl<B: Backend> Env<'_, B> {
         asleep: Asleep<H::Fence>,
     ) {
         let keep = desc.keep_backup && (asleep.mode == SleepMode::Stash || asleep.mode.pages());
-        let state = host.state_mut();
-        state.backup_kept = keep;
-        if keep && asleep.mode.pages() {
-            state.kept_pages = asleep.paged;
+        let backup = &mut host.state_mut().backup;
+        if !keep {
+            if asleep.mode.pages() {
+                backup.drop_pages();
+            }
+            backup.holds = Holds::Nothing;
         }
-        let stash_bytes = state.stash.as_ref().map_or(0, |s| s.table.mapped_bytes());
-        if stash_bytes > self.pool.desc().max_host_bytes && !keep {
-            let _ = state.drop_stash(self.pool);
+        if backup.stash_bytes() > self.pool.desc().max_host_bytes && !keep {
+            let _ = backup.drop_stash(self.pool);
         }
     }
 }
 
-/// Writes the run `[o, o + b)` back from `asleep`'s pageable copies, which
-/// tile it; a run without its copies is refused (a bug).
-pub(super) fn write_pages<B: Backend, F>(
+/// Writes the run `[o, o + b)` back from a pageable sleep's copies
+/// (`pages`, in address order), which tile it; a run without its copies is
+/// refused (a bug).
+pub(super) fn write_pages<B: Backend>(
     region: &mut Region<B>,
     backend: &B,
-    asleep: &Asleep<F>,
+    pages: &[(usize, PageableBuf)],
     o: usize,
     b: usize,
 ) -> Result<()> {
     let mut at = o;
-    for (x, buf) in &asleep.paged[asleep.paged.partition_point(|p| p.0 < o)..] {
+    for (x, buf) in &pages[pages.partition_point(|p| p.0 < o)..] {
         if *x >= o + b || *x != at || x + buf.len() > o + b {
             break;
         }

@@ -82,6 +82,7 @@ fn stash_parts<B: Backend>(host: &impl Host<B>, piece: usize) -> Vec<(usize, usi
 /// Whether the stash holds a piece of exactly `n` bytes at `o`.
 pub(super) fn stash_holds<B: Backend>(host: &impl Host<B>, o: usize, n: usize) -> bool {
     host.state()
+        .backup
         .stash
         .as_ref()
         .is_some_and(|x| x.table.get(o).is_some_and(|e| e.bytes == n))

@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use super::backup::Holds;
 use super::plan::{covers, stash_holds, stash_missing, STAGE_BATCH_BYTES};
 use super::{pieces, plan_groups, Asleep, Env, Host, SleepMode, SleepReport};
 use crate::backend::Backend;
@@ -23,15 +24,15 @@ impl<B: Backend> Env<'_, B> {
         r: &mut SleepReport,
     ) -> Result<()> {
         let (region, state) = host.parts();
-        if state.stash.is_none() {
-            state.stash = Some(Region::reserve(
+        if state.backup.stash.is_none() {
+            state.backup.stash = Some(Region::reserve(
                 self.backend,
                 region.table.reserved(),
                 self.granularity,
                 self.granularity,
             )?);
         }
-        let stash = state.stash.as_mut().expect("made above");
+        let stash = state.backup.stash.as_mut().expect("made above");
         self.fit_stash(stash, parts, r)
     }
 
@@ -55,7 +56,7 @@ impl<B: Backend> Env<'_, B> {
             .collect();
         self.stage_stash(host, &parts, r)?;
         let (region, state) = host.parts();
-        let stash = state.stash.as_mut().expect("staged above");
+        let stash = state.backup.stash.as_mut().expect("staged above");
         // One copy per piece (all device memory on one side, all host
         // memory on the other), each followed by a fence.
         let t = Instant::now();
@@ -263,7 +264,7 @@ impl<B: Backend> Env<'_, B> {
         host: &mut H,
         piece: usize,
     ) -> Result<(usize, bool)> {
-        if host.state().asleep.is_some() || host.state().backup_kept {
+        if host.state().asleep.is_some() || host.state().backup.holds != Holds::Nothing {
             return Ok((0, false));
         }
         let mut bytes = 0;
@@ -295,6 +296,7 @@ impl<B: Backend> Env<'_, B> {
     ) -> Result<()> {
         let (region, state) = host.parts();
         let stash = state
+            .backup
             .stash
             .as_ref()
             .ok_or_else(|| Error::invalid("a stashed arena without its stash (a bug)"))?;

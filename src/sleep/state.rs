@@ -2,17 +2,15 @@
 //! frees made meanwhile, a pageable sleep's copies), the stash, the backups
 //! a wake kept, and the spill settings; with the verbs the arena asks by.
 
-use super::plan::pages_bytes;
+use super::backup::Backup;
 use super::SleepMode;
 #[cfg(doc)]
 use super::WakeDesc;
-use crate::backend::pages::PageableBuf;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::location::Location;
 use crate::order::FenceSet;
-use crate::pool::{ChunkPool, ChunkSource};
-use crate::region::Region;
+use crate::pool::ChunkPool;
 
 /// An arena asleep.
 #[derive(Debug)]
@@ -30,9 +28,6 @@ pub(crate) struct Asleep<F> {
     /// Discard and stash: blocks freed while asleep whose fence could not be
     /// recorded, `(offset, bytes)`: never handed out again.
     pub(super) lost: Vec<(usize, usize)>,
-    /// Pageable: each run's data, `(offset, buffer)` in address order (one
-    /// per run, as long as the run), until the wake.
-    pub(super) paged: Vec<(usize, PageableBuf)>,
     /// The whole free chunks the sleeps gave back, `(offset, bytes)`, for
     /// a wake that maps them again ([`WakeDesc::restore_free`]).
     pub(super) freed: Vec<(usize, usize)>,
@@ -46,7 +41,6 @@ impl<F> Asleep<F> {
             runs: Vec::new(),
             frees: Vec::new(),
             lost: Vec::new(),
-            paged: Vec::new(),
             freed: Vec::new(),
         }
     }
@@ -54,11 +48,6 @@ impl<F> Asleep<F> {
     /// Bytes of the discarded runs.
     pub(super) fn discarded_bytes(&self) -> usize {
         self.runs.iter().map(|r| r.1).sum()
-    }
-
-    /// Bytes of the pageable copies.
-    pub(super) fn pageable_bytes(&self) -> usize {
-        pages_bytes(&self.paged)
     }
 
     /// Whether `offset` lies in a discarded run.
@@ -97,17 +86,9 @@ impl<F> Asleep<F> {
 pub(crate) struct SleepState<B: Backend, F> {
     /// Set while the arena sleeps.
     pub(super) asleep: Option<Asleep<F>>,
-    /// Where [`SleepMode::Stash`] keeps the data: host pieces mapped at the
-    /// arena's own offsets in a reservation of their own, kept from one
-    /// sleep to the next.
-    pub(super) stash: Option<Region<B>>,
-    /// A pageable sleep's copies kept past its wake
-    /// ([`WakeDesc::keep_backup`]), `(offset, buffer)` in address order:
-    /// readable until the next sleep, which writes into them again.
-    pub(super) kept_pages: Vec<(usize, PageableBuf)>,
-    /// Whether the last wake kept the host copy (the stash or
-    /// `kept_pages`) readable ([`WakeDesc::keep_backup`]).
-    pub(super) backup_kept: bool,
+    /// The copy of the data a stashing, pageable or disk sleep keeps, and
+    /// which of its stores holds the readable one now.
+    pub(super) backup: Backup<B>,
     /// Where a [`SleepMode::Disk`] sleep writes its files
     /// ([`Arena::set_spill_dir`](crate::Arena::set_spill_dir)).
     pub(super) spill_dir: Option<std::path::PathBuf>,
@@ -120,9 +101,7 @@ impl<B: Backend, F> Default for SleepState<B, F> {
     fn default() -> Self {
         Self {
             asleep: None,
-            stash: None,
-            kept_pages: Vec::new(),
-            backup_kept: false,
+            backup: Backup::default(),
             spill_dir: None,
             spill_file_bytes: 0,
         }
@@ -182,16 +161,17 @@ impl<B: Backend, F> SleepState<B, F> {
     /// the stash's pinned pieces, and in pageable copies.
     pub(crate) fn held_bytes(&self) -> (usize, usize, usize) {
         let discarded = self.asleep.as_ref().map_or(0, |a| a.discarded_bytes());
-        let stash = self.stash.as_ref().map_or(0, |x| x.table.mapped_bytes());
-        let pageable =
-            self.asleep.as_ref().map_or(0, |a| a.pageable_bytes()) + pages_bytes(&self.kept_pages);
-        (discarded, stash, pageable)
+        (
+            discarded,
+            self.backup.stash_bytes(),
+            self.backup.pages_bytes(),
+        )
     }
 
     /// The stash's pieces go to `give` (the arena's drop: their copies were
     /// waited for when they were made).
     pub(crate) fn close(&mut self, give: impl FnMut(B::Chunk, usize, Location)) {
-        if let Some(stash) = self.stash.as_mut() {
+        if let Some(stash) = self.backup.stash.as_mut() {
             stash.close(true, give);
         }
     }
@@ -220,31 +200,22 @@ impl<B: Backend, F> SleepState<B, F> {
                 "the arena sleeps stashed: its stash holds the data until the wake",
             ));
         }
-        // A pageable copy kept past a wake goes back to the system too.
-        let kept = pages_bytes(&std::mem::take(&mut self.kept_pages));
-        self.backup_kept = false;
-        Ok(kept + self.drop_stash(pool)?)
-    }
-
-    /// Gives the stash's pieces to `pool` (the caller has made sure the
-    /// arena does not sleep stashed).
-    pub(super) fn drop_stash(&mut self, pool: &ChunkPool<B>) -> Result<usize> {
-        let Some(stash) = self.stash.as_mut() else {
-            return Ok(0);
+        // Pageable copies kept past a wake go back to the system too; a
+        // pageable sleep's own copies hold its data until the wake.
+        let asleep_paged = self.mode().is_some_and(|m| m.pages());
+        let kept = match asleep_paged {
+            true => 0,
+            false => self.backup.drop_pages(),
         };
-        let mut gone = 0;
-        for (o, b) in stash.table.runs() {
-            for (_, e) in stash.unmap(o, b)? {
-                gone += e.bytes;
-                let _ = pool.give(e.placement, e.bytes, e.chunk);
-            }
-        }
-        Ok(gone)
+        Ok(kept + self.backup.drop_stash(pool)?)
     }
 
     /// The stash's chunk count (tests).
     #[cfg(all(test, target_os = "linux"))]
     pub(crate) fn stash_pieces(&self) -> usize {
-        self.stash.as_ref().map_or(0, |x| x.table.chunk_count())
+        self.backup
+            .stash
+            .as_ref()
+            .map_or(0, |x| x.table.chunk_count())
     }
 }

@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use super::backup::Holds;
 use super::pages::write_pages;
 use super::{pieces, Asleep, Env, Host, SleepMode, SleepReport};
 use crate::backend::Backend;
@@ -40,6 +41,12 @@ impl<B: Backend> Env<'_, B> {
         }
         r.bytes = asleep.runs.iter().map(|x| x.1).sum();
         if res.is_ok() || !asleep.runs.is_empty() || had > 0 {
+            // The copy a reader may see is this sleep's.
+            host.state_mut().backup.holds = match mode {
+                SleepMode::Stash => Holds::Stash,
+                m if m.pages() => Holds::Pages,
+                _ => Holds::Nothing,
+            };
             host.state_mut().asleep = Some(asleep);
         }
         res.map(|_| ())
@@ -164,7 +171,8 @@ impl<B: Backend> Env<'_, B> {
             }
             if from_pages {
                 let t = Instant::now();
-                write_pages(host.region_mut(), backend, asleep, o, b)?;
+                let (region, state) = host.parts();
+                write_pages(region, backend, &state.backup.pages, o, b)?;
                 r.migration.copy_time += t.elapsed();
             }
         }

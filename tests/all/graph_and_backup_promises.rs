@@ -18,6 +18,7 @@ crate::register! {
     host: [
         a_block_made_in_one_capture_and_freed_in_another_stays_while_either_graph_lives,
         prepare_sleep_keeps_a_kept_stash_backup,
+        a_kept_backup_is_the_last_sleeps_copy,
         disk_backup_files_go_with_a_killed_process,
         files_made_first_in_the_spill_directory_do_not_stop_a_disk_sleep,
         out_of_memory_in_a_capture_never_synchronises,
@@ -159,6 +160,47 @@ fn prepare_sleep_keeps_a_kept_stash_backup() {
     assert!(after.0, "the kept backup is still there");
     assert_eq!(host_after, host_before, "at the same host address");
     drop((a, b));
+}
+
+/// A backup a wake keeps is the last sleep's copy: after a pageable sleep
+/// whose wake kept its copy, then new data, a stashing sleep and a wake
+/// that keeps the stash, `read_backup` and `backup_address` answer with the
+/// stash (the new data), never the older pageable copy.
+fn a_kept_backup_is_the_last_sleeps_copy() {
+    let (_fb, arena) = emulated();
+    let n = 300 << 10;
+    let mut a = arena.alloc(n, &Q(0)).unwrap();
+    let (old, new) = (random_bytes(11, n), random_bytes(12, n));
+    a.write(0, &old).unwrap();
+    arena
+        .sleep(&[Q(0)], &SleepDesc::from(SleepMode::Pageable))
+        .unwrap();
+    arena.wake(&[Q(0)], &WakeDesc::keeping_backup()).unwrap();
+    a.write(0, &new).unwrap();
+    arena.sleep(&[Q(0)], &SleepDesc::stash()).unwrap();
+    arena.wake(&[Q(0)], &WakeDesc::keeping_backup()).unwrap();
+    let mut got = vec![0u8; n];
+    assert!(
+        arena.read_backup(a.address(), &mut got).unwrap(),
+        "a backup is kept"
+    );
+    assert!(
+        got == new,
+        "the kept backup is the stash's copy (the new data), not the older pageable one"
+    );
+    let at = arena
+        .backup_address(a.address(), n)
+        .unwrap()
+        .expect("an address");
+    let mut back = vec![0u8; n];
+    a.read(0, &mut back).unwrap();
+    assert!(back == new, "the allocation holds the new data");
+    eprintln!("  kept backup at {at:#x}: the stash's copy");
+    arena.release_stash().unwrap();
+    assert!(
+        !arena.read_backup(a.address(), &mut got).unwrap(),
+        "released: no backup"
+    );
 }
 
 /// The directory a child process of these tests spills into.
