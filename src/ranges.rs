@@ -7,6 +7,22 @@ use std::ops::{Bound, Range, RangeBounds};
 
 use crate::location::Location;
 
+/// `ranges` (`(offset, bytes)`, in offset order) with each run of adjacent
+/// ones joined: one `(offset, bytes)` a run (for one driver call a run, or
+/// the arena's free bytes as merged ranges).
+pub(crate) fn adjacent_runs(
+    ranges: impl IntoIterator<Item = (usize, usize)>,
+) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for (o, bytes) in ranges {
+        match runs.last_mut() {
+            Some(r) if r.0 + r.1 == o => r.1 += bytes,
+            _ => runs.push((o, bytes)),
+        }
+    }
+    runs
+}
+
 /// The indices `range` names within `0..len`, or `None` if it is not a
 /// range there (reversed, past `len`, or overflowing).
 pub(crate) fn within(range: &impl RangeBounds<usize>, len: usize) -> Option<Range<usize>> {

@@ -49,19 +49,15 @@ impl<B: Backend> Host<B> for Held<'_, B> {
             .st
             .heap
             .free_blocks()
-            .map(|(o, f)| (o, o + f.size))
+            .map(|(o, f)| (o, f.size))
             .collect();
         blocks.sort_unstable();
         // Adjacent free blocks merged (once their frees have passed, they
         // have merged in the heap too).
-        let mut free: Vec<(usize, usize)> = Vec::new();
-        for (a, b) in blocks {
-            match free.last_mut() {
-                Some(last) if last.1 == a => last.1 = b,
-                _ => free.push((a, b)),
-            }
-        }
-        free
+        crate::ranges::adjacent_runs(blocks)
+            .into_iter()
+            .map(|(o, b)| (o, o + b))
+            .collect()
     }
 
     fn live_ranges(&self) -> Vec<(usize, usize)> {

@@ -161,12 +161,12 @@ impl<B: Backend, S: ArenaStream<B>> Arena<B, S> {
             return Ok(0);
         }
         let sh = &*self.shared;
-        let piece = sh.env().piece_of(desc)?;
+        let env = sh.env();
+        let piece = env.piece_of(desc)?;
         let sizes = {
             let mut st = sh.state.lock();
             st.region.check_poison()?;
-            sh.env()
-                .pieces_to_prepare(&Held { sh, st: &mut st }, desc.mode, piece)
+            env.pieces_to_prepare(&Held { sh, st: &mut st }, desc.mode, piece)
         };
         let made = sh.pool.stock(Location::Host, &sizes)?;
         let staged = match desc.mode {

@@ -57,7 +57,7 @@ impl<B: Backend> Region<B> {
             done += run.len();
         }
         // Empty unless an access call failed.
-        for (to, bytes) in adjacent_runs(mapped[done..].iter().map(|m| (m.0, m.1))) {
+        for (to, bytes) in crate::ranges::adjacent_runs(mapped[done..].iter().map(|m| (m.0, m.1))) {
             if let Err(u) = backend.unmap(res, to, bytes) {
                 self.poison(
                     format!("undoing a failed move: unmap failed: {u}"),
@@ -93,7 +93,7 @@ impl<B: Backend> Region<B> {
             })
             .collect::<Result<Vec<_>>>()?;
         let backend = self.backend.clone();
-        for (o, bytes) in adjacent_runs(ghosts) {
+        for (o, bytes) in crate::ranges::adjacent_runs(ghosts) {
             backend.unmap(self.res(), o, bytes)?;
             let gone: Vec<usize> = self.ghosts.range(o..o + bytes).map(|(&g, _)| g).collect();
             for g in gone {
@@ -125,17 +125,4 @@ impl<B: Backend> Region<B> {
         }
         crate::ranges::subtract(gaps, self.ghosts())
     }
-}
-
-/// `ranges` (`(offset, bytes)`, in offset order) with each run of adjacent
-/// ones joined: one `(offset, bytes)` a run, for one driver call a run.
-fn adjacent_runs(ranges: impl IntoIterator<Item = (usize, usize)>) -> Vec<(usize, usize)> {
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for (o, bytes) in ranges {
-        match runs.last_mut() {
-            Some(r) if r.0 + r.1 == o => r.1 += bytes,
-            _ => runs.push((o, bytes)),
-        }
-    }
-    runs
 }

@@ -143,7 +143,6 @@ proptest! {
         1 => (0..256usize, 1..32usize).prop_map(|(o, n)| Call::Carve(o * 16, n * 16)),
         1 => (0..256usize, 1..64usize).prop_map(|(o, n)| Call::RemoveWithin(o * 16, n * 16)),
     ], 1..120), joining in any::<bool>()) {
-        const SPACE: usize = 4096;
         let few = few::Few::<u32>::empty(joining);
         let many = many::Many::<u32>::empty(joining);
         let mut forms: Vec<Box<dyn Form>> = vec![
@@ -155,7 +154,6 @@ proptest! {
             b.call_insert(0, settled(SPACE));
         }
         let mut live: Vec<(usize, usize)> = Vec::new();
-        let key = |s: bool| if s { S1 } else { S2 };
         for call in calls {
             // Each form's answer; the first form's (the trees') is the one.
             let mut answers = Vec::new();
@@ -270,9 +268,10 @@ proptest! {
     }
 }
 
-/// The space of [`blocks_match_a_byte_model`].
+/// The space both properties draw in.
 const SPACE: usize = 4096;
 
+/// Stream 1 or 2.
 fn key(s: bool) -> StreamKey {
     if s {
         S1
